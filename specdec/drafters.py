@@ -1,0 +1,182 @@
+"""Drafters propose a token tree per sequence; the target verifies it.
+
+A drafter sees only token ids and sampling settings, and is told which tree nodes were accepted,
+so it can live in another process than the target. Protocol:
+  start(batch)                    a new batch of sequences
+  propose(seqs, depths, ...)      one tree per row, rooted at the row's last token
+  commit(paths)                   per row, the accepted node indices (root first)
+  select(rows)                    keep only these rows (the others finished)"""
+
+from typing import Protocol
+
+import torch
+
+from .kvcache import CachedLM
+from .ngram import NgramIndex
+from .sampling import SamplingParams, warp
+from .tree import TokenTree
+
+
+class Drafter(Protocol):
+    def start(self, batch_size: int) -> None: ...
+    def propose(
+        self, seqs: list[list[int]], depths: list[int], params: list[SamplingParams], gens: list[torch.Generator]
+    ) -> list[TokenTree]: ...
+    def commit(self, paths: list[list[int]]) -> None: ...
+    def select(self, rows: list[int]) -> None: ...
+
+
+class NgramDrafter:
+    """Prompt lookup as a chain of up to `depth` guesses."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.indexes: list[NgramIndex] = []
+
+    def start(self, batch_size: int) -> None:
+        self.indexes = [NgramIndex(self.max_ngram, self.min_ngram) for _ in range(batch_size)]
+
+    def propose(self, seqs, depths, params, gens) -> list[TokenTree]:
+        trees = []
+        for seq, depth, index in zip(seqs, depths, self.indexes):
+            tree = TokenTree.root(seq[-1])
+            tree.add_chain(index.lookup(seq, depth) if depth else [], share_prefix=False)
+            trees.append(tree)
+        return trees
+
+    def commit(self, paths) -> None:
+        pass
+
+    def select(self, rows: list[int]) -> None:
+        self.indexes = [self.indexes[r] for r in rows]
+
+
+class ModelDrafter:
+    """A draft LM grows a tree `width` wide, one draft forward per depth.
+
+    Greedy: a dynamic tree (as in EAGLE-2): every frontier node offers its top-`width` children, and
+    the `width` candidates of highest cumulative log-probability become the next frontier.
+    Sampling: the root gets `width` children drawn i.i.d. from q, and each then grows a chain with one
+    child drawn from q per depth; every drawn child stays in the tree, which keeps the tree valid for
+    multi-step speculative sampling."""
+
+    def __init__(self, draft: CachedLM, width: int = 1):
+        if width < 1:
+            raise ValueError(f"tree width must be >= 1, got {width}")
+        self.lm, self.width = draft, width
+
+    def start(self, batch_size: int) -> None:
+        self.lm.reset(batch_size)
+        self.slot_of: list[dict[int, int]] = [{} for _ in range(batch_size)]
+
+    def select(self, rows: list[int]) -> None:
+        self.lm.select(rows)
+        self.slot_of = [self.slot_of[r] for r in rows]
+
+    def commit(self, paths: list[list[int]]) -> None:
+        """Keep the draft's cache entries of the accepted nodes it has run (a prefix of each path)."""
+        keep = []
+        for path, slot_of in zip(paths, self.slot_of):
+            slots = []
+            for node in path[1:]:
+                if node not in slot_of:
+                    break
+                slots.append(slot_of[node])
+            keep.append(slots)
+        self.lm.commit(keep)
+        self.slot_of = [{} for _ in paths]
+
+    @torch.inference_mode()
+    def propose(self, seqs, depths, params, gens) -> list[TokenTree]:
+        B, W, D = len(seqs), self.width, max(depths)
+        trees = [TokenTree.root(seq[-1]) for seq in seqs]
+        if D == 0:
+            return trees  # the draft catches up with these tokens next time
+        # run what the draft has not seen yet; its last token is the root
+        logits = self.lm.prefill([seq[n:] for seq, n in zip(seqs, self.lm.lengths)])  # [B, V]
+        base = self.lm.size  # first slot of this tree's nodes
+        frontier = [[0] for _ in range(B)]  # per row: node ids, one per column of `logits`
+        logits = logits.unsqueeze(1)  # [B, F, V]
+        seen = torch.zeros(B, 1, 0, dtype=torch.bool)  # [B, F, S'] tree slots each frontier node sees
+        cum = torch.zeros(B, 1)  # [B, F] greedy: cumulative log q of each frontier node
+        for depth in range(1, D + 1):
+            parent_col, tokens, cum = self._grow(logits, cum, trees, frontier, depths, depth, params, gens)
+            if depth == D or all(d <= depth for d in depths):
+                break
+            # the new frontier's nodes see their parents' slots and those the parents saw
+            seen = seen.gather(1, parent_col.unsqueeze(-1).expand(-1, -1, seen.shape[-1]))
+            parent_slot = torch.zeros(B, W, W if depth > 1 else 0, dtype=torch.bool)
+            if depth > 1:
+                parent_slot.scatter_(2, parent_col.unsqueeze(-1), True)
+            seen = torch.cat([seen, parent_slot], dim=-1)  # [B, W, (depth-1)*W]
+            committed = torch.zeros(B, W, base, dtype=torch.bool)
+            positions = torch.tensor([[len(s) - 1 + depth] * W for s in seqs])
+            block = torch.eye(W, dtype=torch.bool).expand(B, W, W)
+            start = self.lm.size
+            for b in range(B):
+                if depths[b] > depth:  # rows that stop here run padding, never committed
+                    for col, node in enumerate(frontier[b]):
+                        self.slot_of[b][node] = start + col
+            logits = self.lm.forward(tokens, block, positions, torch.cat([committed, seen], dim=-1))  # [B, W, V]
+        return trees
+
+    def _grow(self, logits, cum, trees, frontier, depths, depth, params, gens):
+        """Add one depth of children under the frontier. Updates `trees` and `frontier` in place and
+        returns the parent column [B, W] of each new frontier node, their tokens [B, W] and cum [B, W]."""
+        B, F, _ = logits.shape
+        W = self.width
+        parent_col = torch.zeros(B, W, dtype=torch.long)
+        tokens = torch.zeros(B, W, dtype=torch.long)
+        new_cum = torch.full((B, W), float("-inf"))
+        greedy_rows = [b for b in range(B) if params[b].greedy]
+        if greedy_rows:
+            logq = logits[greedy_rows].float().log_softmax(-1)  # [G, F, V]
+            top_logq, top_tok = logq.topk(W, dim=-1)  # [G, F, W]
+            scores = (cum[greedy_rows].unsqueeze(-1) + top_logq).view(len(greedy_rows), F * W)
+            best, flat = scores.topk(W, dim=-1)  # [G, W]
+            parent_col[greedy_rows] = flat // W
+            tokens[greedy_rows] = top_tok.view(len(greedy_rows), F * W).gather(1, flat)
+            new_cum[greedy_rows] = best
+        for b in range(B):
+            if not params[b].greedy:
+                q = warp(logits[b], params[b])  # [F, V]
+                if depth == 1:
+                    drawn = torch.multinomial(q[0], W, replacement=True, generator=gens[b])
+                    parent_col[b] = 0
+                else:
+                    drawn = torch.multinomial(q, 1, generator=gens[b]).view(W)
+                    parent_col[b] = torch.arange(W)
+                tokens[b] = drawn
+                qs = [trees[b].add_proposal(q[f]) for f in range(F)]
+            if depths[b] < depth:
+                continue
+            pcols, toks = parent_col[b].tolist(), tokens[b].tolist()
+            frontier[b] = [
+                trees[b].add(frontier[b][pc], tok, -1 if params[b].greedy else qs[pc]) for pc, tok in zip(pcols, toks)
+            ]
+        return parent_col, tokens, new_cum
+
+
+class MergedDrafter:
+    """The draft model's tree with the n-gram guess grafted onto it: one tree, one verify."""
+
+    def __init__(self, model: ModelDrafter, ngram: NgramDrafter):
+        self.model, self.ngram = model, ngram
+
+    def start(self, batch_size: int) -> None:
+        self.model.start(batch_size)
+        self.ngram.start(batch_size)
+
+    def select(self, rows: list[int]) -> None:
+        self.model.select(rows)
+        self.ngram.select(rows)
+
+    def commit(self, paths) -> None:
+        self.model.commit(paths)
+
+    def propose(self, seqs, depths, params, gens) -> list[TokenTree]:
+        trees = self.model.propose(seqs, depths, params, gens)
+        for tree, seq, depth, index, p in zip(trees, seqs, depths, self.ngram.indexes, params):
+            if depth:
+                tree.add_chain(index.lookup(seq, depth), share_prefix=p.greedy)
+        return trees

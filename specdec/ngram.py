@@ -1,0 +1,30 @@
+"""Prompt lookup: guess the next tokens by finding the latest earlier occurrence of the text's last
+n-gram (longest n first) and proposing what followed it. No model, almost no cost."""
+
+
+class NgramIndex:
+    """Incremental index of one sequence: n-gram -> end of its most recent occurrence (a position
+    with at least one token after it)."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.last_end: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # n-grams ending at positions < indexed are in the index
+
+    def lookup(self, tokens: list[int], num_tokens: int) -> list[int]:
+        """Up to num_tokens guesses for what follows `tokens` (which only ever grows)."""
+        self._extend(tokens)
+        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            end = self.last_end.get(tuple(tokens[-n:]))
+            if end is not None:
+                return tokens[end : end + num_tokens]
+        return []
+
+    def _extend(self, tokens: list[int]) -> None:
+        # index n-grams ending at every position up to len-1, so the text's own tail is never its match
+        for end in range(max(self.indexed, 1), len(tokens)):
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                self.last_end[tuple(tokens[end - n : end])] = end
+        self.indexed = max(self.indexed, len(tokens))

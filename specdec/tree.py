@@ -1,0 +1,99 @@
+"""Candidate token trees as plain data, and the one function that lays a batch of them out for a
+single forward pass (tree attention mask, position ids), as in SpecInfer / Medusa / EAGLE.
+
+Node 0 is the root: the last committed token, whose successors the target has not yet scored.
+Nodes are kept in topological order (a parent's index is below its children's)."""
+
+from dataclasses import dataclass, field
+
+import torch
+
+DELTA = -1  # proposal id of a deterministic guess (n-gram): its proposal distribution is a point mass
+
+
+@dataclass
+class TokenTree:
+    tokens: list[int]
+    parents: list[int]  # parents[0] == -1
+    depths: list[int]
+    proposal_ids: list[int]  # per node: index into `proposals`, or DELTA
+    proposals: list[torch.Tensor] = field(default_factory=list)  # each [V]: q that children were drawn from
+
+    @classmethod
+    def root(cls, token: int) -> "TokenTree":
+        return cls(tokens=[token], parents=[-1], depths=[0], proposal_ids=[DELTA])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths)
+
+    def add(self, parent: int, token: int, proposal_id: int = DELTA) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.proposal_ids.append(proposal_id)
+        return len(self.tokens) - 1
+
+    def add_proposal(self, q: torch.Tensor) -> int:
+        self.proposals.append(q)
+        return len(self.proposals) - 1
+
+    def children(self) -> list[list[int]]:
+        kids: list[list[int]] = [[] for _ in self.tokens]
+        for node, parent in enumerate(self.parents[1:], start=1):
+            kids[parent].append(node)
+        return kids
+
+    def path(self, node: int) -> list[int]:
+        """Node indices from the root down to `node`."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def add_chain(self, tokens: list[int], share_prefix: bool) -> None:
+        """Graft a chain of deterministic guesses under the root. With `share_prefix` (greedy) it follows
+        nodes that already hold the same tokens; sampling keeps it a separate branch, since each child
+        must keep the proposal it was drawn from."""
+        node = 0
+        kids = self.children() if share_prefix else None
+        for token in tokens:
+            same = [c for c in kids[node] if self.tokens[c] == token] if kids is not None and node < len(kids) else []
+            if same:
+                node = same[0]
+            else:
+                node = self.add(node, token)
+                kids = None  # below a new node there is nothing to share
+
+
+def ancestor_mask(parents: list[int]) -> torch.Tensor:
+    """[N, N] bool: m[i, j] is True when node j is node i or one of its ancestors."""
+    n = len(parents)
+    m = torch.zeros(n, n, dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            m[i] = m[parent]
+        m[i, i] = True
+    return m
+
+
+def layout(trees: list[TokenTree], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lay out a batch of trees for one forward.
+
+    lengths[b]: tokens of row b already in the cache; the root sits at position lengths[b].
+    Returns tokens [B, T], block_mask [B, T, T] (a node sees itself and its ancestors; padding sees
+    only itself) and positions [B, T] (lengths[b] + depth)."""
+    B, T = len(trees), max(len(t) for t in trees)
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    positions = torch.tensor(lengths, dtype=torch.long).unsqueeze(1).repeat(1, T)
+    block = torch.eye(T, dtype=torch.bool).unsqueeze(0).repeat(B, 1, 1)
+    for b, tree in enumerate(trees):
+        n = len(tree)
+        tokens[b, :n] = torch.tensor(tree.tokens)
+        positions[b, :n] += torch.tensor(tree.depths)
+        block[b, :n, :n] = ancestor_mask(tree.parents)
+    return tokens, block, positions
