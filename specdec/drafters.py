@@ -27,20 +27,28 @@ class Drafter(Protocol):
 
 
 class NgramDrafter:
-    """Prompt lookup as a chain of up to `depth` guesses."""
+    """Prompt lookup as a chain of guesses: `num_tokens` of them when a row drafts at all, or as
+    many as the row's depth when num_tokens is None."""
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+    def __init__(self, num_tokens: int | None = None, max_ngram: int = 3, min_ngram: int = 1):
+        if num_tokens is not None and num_tokens < 1:
+            raise ValueError(f"n-gram num_tokens must be >= 1, got {num_tokens}")
+        self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
         self.indexes: list[NgramIndex] = []
+
+    def guess(self, row: int, seq: list[int], depth: int) -> list[int]:
+        if not depth:
+            return []
+        return self.indexes[row].lookup(seq, self.num_tokens or depth)
 
     def start(self, batch_size: int) -> None:
         self.indexes = [NgramIndex(self.max_ngram, self.min_ngram) for _ in range(batch_size)]
 
     def propose(self, seqs, depths, params, gens) -> list[TokenTree]:
         trees = []
-        for seq, depth, index in zip(seqs, depths, self.indexes):
+        for row, (seq, depth) in enumerate(zip(seqs, depths)):
             tree = TokenTree.root(seq[-1])
-            tree.add_chain(index.lookup(seq, depth) if depth else [], share_prefix=False)
+            tree.add_chain(self.guess(row, seq, depth), share_prefix=False)
             trees.append(tree)
         return trees
 
@@ -176,7 +184,23 @@ class MergedDrafter:
 
     def propose(self, seqs, depths, params, gens) -> list[TokenTree]:
         trees = self.model.propose(seqs, depths, params, gens)
-        for tree, seq, depth, index, p in zip(trees, seqs, depths, self.ngram.indexes, params):
-            if depth:
-                tree.add_chain(index.lookup(seq, depth), share_prefix=p.greedy)
+        for row, (tree, seq, depth, p) in enumerate(zip(trees, seqs, depths, params)):
+            tree.add_chain(self.ngram.guess(row, seq, depth), share_prefix=p.greedy)
         return trees
+
+
+DRAFTERS = ("model", "ngram", "model+ngram", "none")
+
+
+def make_drafter(name: str, draft: CachedLM | None, width: int = 1) -> Drafter | None:
+    """The drafter called `name` (one of DRAFTERS); the model-based ones need a draft LM."""
+    if name not in DRAFTERS:
+        raise ValueError(f"unknown drafter {name!r}: choose one of {', '.join(DRAFTERS)}")
+    if name in ("model", "model+ngram") and draft is None:
+        raise ValueError(f"drafter {name!r} needs a draft model (--draft DIR)")
+    if name == "none":
+        return None
+    if name == "ngram":
+        return NgramDrafter()
+    model = ModelDrafter(draft, width)
+    return model if name == "model" else MergedDrafter(model, NgramDrafter())

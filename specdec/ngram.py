@@ -19,8 +19,17 @@ class NgramIndex:
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
             end = self.last_end.get(tuple(tokens[-n:]))
             if end is not None:
-                return tokens[end : end + num_tokens]
+                return self._copy(tokens, end, num_tokens)
         return []
+
+    @staticmethod
+    def _copy(tokens: list[int], end: int, num_tokens: int) -> list[int]:
+        """What followed the match, read on into the guess itself where the text runs out, so that
+        a loop of period p (match p tokens back) still yields num_tokens guesses."""
+        out: list[int] = []
+        for j in range(end, end + num_tokens):
+            out.append(tokens[j] if j < len(tokens) else out[j - len(tokens)])
+        return out
 
     def _extend(self, tokens: list[int]) -> None:
         # index n-grams ending at every position up to len-1, so the text's own tail is never its match

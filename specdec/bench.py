@@ -1,0 +1,200 @@
+"""`specdec bench`: every mode over the same prompts in one process and one run, side by side.
+
+Modes run interleaved prompt by prompt (so drift in machine speed hits all alike), after one
+warm-up generation each. `plain` is transformers' own generate() without speculation; `hf-*` are
+transformers' assisted modes, the peer. Speedup is tokens/s over plain's, per task type."""
+
+import json
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from .cli import eos_ids
+from .drafters import MergedDrafter, ModelDrafter, NgramDrafter
+from .engine import SpecConfig, SpeculativeEngine
+from .kvcache import CachedLM
+from .loading import check_same_vocabulary, load_model, load_tokenizer, parse_dtype
+from .sampling import SamplingParams
+
+
+@dataclass
+class Tally:
+    tokens: int = 0
+    seconds: float = 0.0
+    accepted: int = 0
+    tried: int = 0
+    steps: int = 0
+    identical: bool = True
+
+
+@dataclass
+class Mode:
+    name: str
+    run: callable  # prompt ids -> (new token ids, stats or None)
+    tallies: dict = field(default_factory=lambda: defaultdict(Tally))
+
+
+def engine_mode(name, target, drafter, config, eos, max_new, params):
+    engine = SpeculativeEngine(CachedLM(target), drafter, config, eos)
+
+    def run(prompt):
+        g = engine.generate([prompt], max_new, params)[0]
+        return g.token_ids, g.stats
+
+    return Mode(name, run)
+
+
+def hf_mode(name, target, max_new, params, **kwargs):
+    sampling = {} if params.greedy else {"temperature": params.temperature, "top_k": params.top_k or None,
+                                         "top_p": params.top_p}
+
+    def run(prompt):
+        if not params.greedy:
+            torch.manual_seed(params.seed or 0)
+        ids = torch.tensor([prompt], device=target.device)
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                              do_sample=not params.greedy, **sampling, **kwargs)
+        return out[0, len(prompt):].tolist(), None
+
+    return Mode(name, run)
+
+
+def build_modes(target, draft, eos, max_new, params, only: set[str] | None):
+    def dlm():
+        return CachedLM(draft)
+
+    specs = {
+        "chain-k4": lambda: (ModelDrafter(dlm(), 1), SpecConfig(depth=4)),
+        "tree-2x4": lambda: (ModelDrafter(dlm(), 2), SpecConfig(depth=4, width=2)),
+        "ngram-k8": lambda: (NgramDrafter(), SpecConfig(depth=8)),
+        "model+ngram-k4": lambda: (MergedDrafter(ModelDrafter(dlm(), 1), NgramDrafter()), SpecConfig(depth=4)),
+        "auto": lambda: (ModelDrafter(dlm(), 1), SpecConfig(depth=None)),
+        "model+ngram-auto": lambda: (MergedDrafter(ModelDrafter(dlm(), 1), NgramDrafter()), SpecConfig(depth=None)),
+    }
+    modes = [hf_mode("plain", target, max_new, params)]
+    for name, make in specs.items():
+        if only is None or name in only:
+            modes.append(engine_mode(name, target, *make(), eos, max_new, params))
+    hf = {
+        "hf-assisted": dict(assistant_model=draft),
+        "hf-prompt-lookup": dict(prompt_lookup_num_tokens=10),
+    }
+    for name, kw in hf.items():
+        if only is None or name in only:
+            modes.append(hf_mode(name, target, max_new, params, **kw))
+    return modes
+
+
+def load_prompts(path: str, limit: int | None) -> list[dict]:
+    rows, seen = [], defaultdict(int)
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if not isinstance(row.get("prompt"), str) or not row["prompt"] or "task_type" not in row:
+                raise ValueError(f"{path}:{n}: each row needs a non-empty 'prompt' string and a 'task_type'")
+            if limit is None or seen[row["task_type"]] < limit:
+                seen[row["task_type"]] += 1
+                rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no prompts")
+    return rows
+
+
+def run_bench(args) -> None:
+    torch.set_grad_enabled(False)
+    params = SamplingParams(temperature=args.temperature, seed=args.seed)
+    dtype = parse_dtype(args.dtype)
+    tokenizer = load_tokenizer(args.target)
+    check_same_vocabulary(tokenizer, load_tokenizer(args.draft))
+    target = load_model(args.target, dtype, args.device)
+    draft = load_model(args.draft, dtype, args.device)
+    eos = eos_ids(target, tokenizer)
+    only = set(args.modes.split(",")) if args.modes else None
+    modes = build_modes(target, draft, eos, args.max_new_tokens, params, only)
+    rows = load_prompts(args.prompts, args.limit)
+    prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]
+
+    for mode in modes:  # warm-up (and adaptive K's one-time calibration), not timed
+        mode.run(prompts[0][:64])
+    with tqdm(total=len(rows) * len(modes), desc="bench", file=sys.stderr) as bar:
+        for row, prompt in zip(rows, prompts):
+            reference = None
+            for mode in modes:
+                t0 = time.perf_counter()
+                tokens, stats = mode.run(prompt)
+                seconds = time.perf_counter() - t0
+                tally = mode.tallies[row["task_type"]]
+                tally.tokens += len(tokens)
+                tally.seconds += seconds
+                reference = tokens if mode.name == "plain" else reference
+                tally.identical &= tokens == reference
+                if stats is not None:
+                    tally.accepted += stats.accepted
+                    tally.tried += stats.tried_depths
+                    tally.steps += stats.steps
+                bar.update()
+
+    result = report_rows(modes, params)
+    print_table(result, args)
+    if args.plot:
+        plot(result, args.plot, args)
+    if args.json:
+        print(json.dumps({"rows": result}))
+
+
+def report_rows(modes: list[Mode], params: SamplingParams) -> list[dict]:
+    plain = modes[0].tallies
+    out = []
+    for mode in modes:
+        for task, t in sorted(mode.tallies.items()):
+            tps = t.tokens / t.seconds
+            is_engine = mode.name != "plain" and not mode.name.startswith("hf-")
+            out.append({
+                "mode": mode.name,
+                "task_type": task,
+                "tokens_per_s": round(tps, 2),
+                "alpha": round(t.accepted / t.tried, 4) if is_engine and t.tried else None,
+                "mean_accepted_length": round(t.tokens / t.steps, 3) if is_engine and t.steps else None,
+                "speedup": round(tps / (plain[task].tokens / plain[task].seconds), 3),
+                "identical_to_plain": t.identical if params.greedy and mode.name != "plain" else None,
+            })
+    return out
+
+
+def print_table(rows: list[dict], args) -> None:
+    print(f"# specdec bench: {args.target} / {args.draft}, max_new_tokens={args.max_new_tokens}, "
+          f"temperature={args.temperature}, dtype={args.dtype}, device={args.device}, torch threads={torch.get_num_threads()}")
+    head = f"{'mode':<18} {'task':<6} {'tok/s':>8} {'alpha':>6} {'acc.len':>7} {'speedup':>7} identical"
+    print(head)
+    for r in rows:
+        fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        print(f"{r['mode']:<18} {r['task_type']:<6} {r['tokens_per_s']:>8.1f} {fmt(r['alpha'], '.3f'):>6} "
+              f"{fmt(r['mean_accepted_length'], '.2f'):>7} {r['speedup']:>6.2f}x {fmt(r['identical_to_plain'], '')}")
+
+
+def plot(rows: list[dict], path: str, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    tasks = list(dict.fromkeys(r["task_type"] for r in rows))
+    fig, ax = plt.subplots(figsize=(1.2 * len(modes) + 2, 4))
+    width = 0.8 / len(tasks)
+    for i, task in enumerate(tasks):
+        vals = [next((r["speedup"] for r in rows if r["mode"] == m and r["task_type"] == task), 0) for m in modes]
+        ax.bar([x + i * width for x in range(len(modes))], vals, width, label=task)
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xticks([x + width * (len(tasks) - 1) / 2 for x in range(len(modes))], modes, rotation=30, ha="right")
+    ax.set_ylabel("speedup over plain decoding")
+    ax.set_title(f"specdec bench, T={args.temperature}, {args.max_new_tokens} new tokens")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
