@@ -6,7 +6,75 @@ a prompt without its padding) to the end of that row's committed region and crop
 needs. Slots past a row's length are never seen by it, so rolling back is just not committing."""
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class GrowingLayer(CacheLayerMixin):
+    """One layer's keys and values [B, H, S, D] in a buffer with spare room, written in place: a
+    forward costs O(new tokens), not a copy of the whole cache (as torch.cat in DynamicLayer does)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+        self.buf_k = self.buf_v = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        B, H, T, D = key_states.shape
+        if self.buf_k is None or self.n + T > self.buf_k.shape[2]:
+            cap = max(2 * (self.n + T), 256)
+            self.buf_k, self.buf_v = (self._grown(buf, (B, H, cap, D), key_states) for buf in (self.buf_k, self.buf_v))
+        self.buf_k[:, :, self.n : self.n + T] = key_states
+        self.buf_v[:, :, self.n : self.n + T] = value_states
+        self._set_length(self.n + T)
+        return self.keys, self.values
+
+    def _grown(self, buf, shape, like):
+        new = torch.empty(shape, dtype=like.dtype, device=like.device)
+        if buf is not None:
+            new[:, :, : self.n] = buf[:, :, : self.n]
+        return new
+
+    def _set_length(self, n: int) -> None:
+        self.n = n
+        self.keys, self.values = self.buf_k[:, :, :n], self.buf_v[:, :, :n]
+
+    def move(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """keys[rows[i], :, dst[i]] = keys[rows[i], :, src[i]] (and values), reading before writing."""
+        self.buf_k[rows, :, dst] = self.buf_k[rows, :, src]
+        self.buf_v[rows, :, dst] = self.buf_v[rows, :, src]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if self.is_initialized and tokens_to_remove:
+            self._set_length(self.n - abs(tokens_to_remove))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.buf_k, self.buf_v = self.buf_k.index_select(0, indices), self.buf_v.index_select(0, indices)
+            self._set_length(self.n)
+
+    def get_seq_length(self) -> int:
+        return self.n
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.n + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.n, self.buf_k, self.buf_v, self.keys, self.values = 0, None, None, None, None
+        self.is_initialized = False
 
 
 class CachedLM:
@@ -17,7 +85,7 @@ class CachedLM:
         self.reset(0)
 
     def reset(self, batch_size: int) -> None:
-        self.kv = DynamicCache(config=self.model.config)
+        self.kv = Cache(layer_class_to_replicate=GrowingLayer)
         self.lengths = [0] * batch_size
 
     @property
@@ -77,8 +145,7 @@ class CachedLM:
         if rows:
             rows_t, src_t, dst_t = (torch.tensor(x, device=self.device) for x in (rows, src, dst))
             for layer in self.kv.layers:
-                layer.keys[rows_t, :, dst_t] = layer.keys[rows_t, :, src_t]
-                layer.values[rows_t, :, dst_t] = layer.values[rows_t, :, src_t]
+                layer.move(rows_t, src_t, dst_t)
         excess = self.size - max(self.lengths, default=0)
         if excess > 0:
             self.kv.crop(-excess)
@@ -90,9 +157,7 @@ class CachedLM:
             return
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         for layer in self.kv.layers:
-            if layer.is_initialized and layer.keys.numel():
-                layer.keys = layer.keys.index_select(0, index)
-                layer.values = layer.values.index_select(0, index)
+            layer.batch_select_indices(index)
         self.lengths = [self.lengths[r] for r in rows]
         excess = self.size - max(self.lengths, default=0)
         if excess > 0:

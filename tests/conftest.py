@@ -1,0 +1,163 @@
+"""Shared fixtures: tiny Llama models built and saved once per session, prompts, and reference decodes.
+
+No model can be downloaded, so the tests make their own:
+  * `target`  a random Llama (vocab 64) with a scaled-up lm_head, so its logits are peaky and greedy
+              argmax never sits on a near-tie that float rounding could flip;
+  * `draft`   a copy of the target with Gaussian noise on every weight: it agrees with the target
+              often but not always (per-depth acceptance around one half);
+  * `small_target` / `small_draft`  vocab 8, for tests that enumerate exact output distributions.
+All are saved with save_pretrained and read back through specdec.loading.load_model."""
+
+import copy
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdec.loading import load_model
+
+VOCAB = 64
+NEW_TOKENS = 24  # tokens generated in the greedy equality tests
+MIN_GAP = 2e-3  # reference prompts whose greedy path has a top-1/top-2 logit gap below this are dropped
+SMALL_VOCAB = 8
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+def _llama_config(vocab: int, hidden: int, init: float, max_pos: int) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention, as most real models
+        max_position_embeddings=256,
+        initializer_range=init,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+
+
+def _noisy_copy(model: LlamaForCausalLM, noise: float, seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * noise * p.std())
+    return draft
+
+
+@dataclass(frozen=True)
+class ModelDirs:
+    target: str
+    draft: str
+    small_target: str
+    small_draft: str
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> ModelDirs:
+    root = tmp_path_factory.mktemp("models")
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(_llama_config(VOCAB, 64, 0.3, 256)).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4.0)  # peaky logits: confident greedy choices
+    draft = _noisy_copy(target, 0.05, seed=1)
+
+    torch.manual_seed(2)
+    small_target = LlamaForCausalLM(_llama_config(SMALL_VOCAB, 32, 0.2, 64)).eval()
+    small_draft = _noisy_copy(small_target, 0.3, seed=3)
+
+    dirs = {}
+    for name, model in [("target", target), ("draft", draft), ("small_target", small_target), ("small_draft", small_draft)]:
+        path = root / name
+        model.save_pretrained(path)
+        dirs[name] = str(path)
+    return ModelDirs(**dirs)
+
+
+@pytest.fixture(scope="session")
+def target(model_dirs):
+    return load_model(model_dirs.target)
+
+
+@pytest.fixture(scope="session")
+def draft(model_dirs):
+    return load_model(model_dirs.draft)
+
+
+@pytest.fixture(scope="session")
+def small_target(model_dirs):
+    return load_model(model_dirs.small_target)
+
+
+@pytest.fixture(scope="session")
+def small_draft(model_dirs):
+    return load_model(model_dirs.small_draft)
+
+
+def make_prompts(seed: int, count: int) -> list[list[int]]:
+    """Random prompts of varied lengths (1..40), a third of them built from a repeated pattern so that
+    prompt lookup (n-gram) finds matches."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(count):
+        if i % 3 == 2:
+            pattern = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 6))]
+            n = rng.randint(8, 40)
+            prompts.append((pattern * 40)[:n])
+        else:
+            prompts.append([rng.randrange(VOCAB) for _ in range(rng.randint(3, 40))])
+    return prompts
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], float]:
+    """Plain greedy decoding by transformers' own generate -> (new tokens, smallest top-1/top-2 logit gap)."""
+    out = model.generate(
+        torch.tensor([prompt], device=model.device),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    scores = torch.stack(out.scores)[:, 0].float()  # [N, V]
+    top2 = scores.topk(2, dim=-1).values
+    return tokens, float((top2[:, 0] - top2[:, 1]).min())
+
+
+@dataclass
+class Reference:
+    prompts: list[list[int]]
+    continuations: list[list[int]]  # NEW_TOKENS greedy tokens of the target after each prompt
+
+
+@pytest.fixture(scope="session")
+def reference(target) -> Reference:
+    """Prompts (a length-1 and a length-2 one among them) and the target's plain greedy continuations.
+    Prompts whose greedy path passes a near-tie are dropped so that equality is a fair demand."""
+    candidates = [[5], [17, 42]] + make_prompts(seed=0, count=10) + make_prompts(seed=1, count=8)
+    prompts, conts = [], []
+    for p in candidates:
+        tokens, gap = hf_greedy(target, p, NEW_TOKENS)
+        if gap >= MIN_GAP:
+            prompts.append(p)
+            conts.append(tokens)
+    assert len(prompts) >= 14, f"only {len(prompts)} prompts without near-ties"
+    return Reference(prompts, conts)

@@ -1,0 +1,223 @@
+"""Greedy speculative decoding must be token-identical to plain greedy decoding of the target,
+whatever the drafter, depth, width, batch composition or adaptive-K decision."""
+
+import pytest
+import torch
+
+from specdec import CachedLM, MergedDrafter, ModelDrafter, NgramDrafter, SamplingParams, SpecConfig, SpeculativeEngine
+
+from conftest import NEW_TOKENS, hf_greedy
+
+
+def make_drafter(kind: str, draft_model, width: int):
+    if kind == "none":
+        return None
+    if kind == "model":
+        return ModelDrafter(CachedLM(draft_model), width)
+    if kind == "ngram":
+        return NgramDrafter()
+    if kind == "merged":
+        return MergedDrafter(ModelDrafter(CachedLM(draft_model), width), NgramDrafter())
+    raise ValueError(kind)
+
+
+CONFIGS = [
+    # (drafter, depth, width)
+    ("model", 1, 1),
+    ("model", 2, 1),
+    ("model", 4, 1),
+    ("model", 7, 1),
+    ("model", 2, 2),
+    ("model", 3, 2),
+    ("model", 5, 2),
+    ("model", 2, 3),
+    ("model", 4, 3),
+    ("ngram", 1, 1),
+    ("ngram", 3, 1),
+    ("ngram", 6, 1),
+    ("merged", 3, 1),
+    ("merged", 4, 2),
+    ("model", None, 1),  # adaptive K
+    ("model", None, 2),
+    ("ngram", None, 1),
+    ("merged", None, 2),
+    ("model", 0, 1),  # K = 0: plain decoding through the speculative loop
+]
+
+
+def _ids(cfg):
+    kind, depth, width = cfg
+    return f"{kind}-K{'auto' if depth is None else depth}-W{width}"
+
+
+def test_engine_without_drafter_matches_hf_generate(target, reference):
+    engine = SpeculativeEngine(CachedLM(target), None, eos_token_ids=set())
+    outs = engine.generate(reference.prompts, NEW_TOKENS)
+    for prompt, out, ref in zip(reference.prompts, outs, reference.continuations):
+        assert out.token_ids == ref, prompt
+        assert out.finish_reason == "length"
+        assert out.stats.drafted == 0 and out.stats.accepted == 0
+        assert out.stats.steps == NEW_TOKENS
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_ids)
+def test_batched_greedy_matches_plain(target, draft, reference, cfg):
+    """All prompts (lengths 1..40) in one ragged batch; each row equals its own plain decode."""
+    kind, depth, width = cfg
+    engine = SpeculativeEngine(
+        CachedLM(target), make_drafter(kind, draft, width), SpecConfig(depth=depth, width=width, max_depth=6),
+        eos_token_ids=set(),
+    )
+    outs = engine.generate(reference.prompts, NEW_TOKENS)
+    assert len(outs) == len(reference.prompts)
+    for i, (out, ref) in enumerate(zip(outs, reference.continuations)):
+        assert out.token_ids == ref, f"row {i} (prompt {reference.prompts[i]})"
+        assert out.finish_reason == "length"
+        st = out.stats
+        assert st.new_tokens == NEW_TOKENS
+        assert 1 <= st.steps <= NEW_TOKENS
+        assert 0 <= st.accepted <= st.drafted
+        assert st.steps + st.accepted == NEW_TOKENS  # every step commits its accepted drafts + one token
+        assert st.mean_accepted_length == pytest.approx(NEW_TOKENS / st.steps)
+    accepted = sum(o.stats.accepted for o in outs)
+    drafted = sum(o.stats.drafted for o in outs)
+    if depth == 0:
+        assert drafted == 0
+    else:
+        assert accepted > 0, "no drafted token was ever accepted: the equality above proves little"
+    if kind == "model" and depth:
+        # a noisy draft: it must be neither always right nor always wrong, or the test is weak
+        assert 0 < accepted < drafted
+        alphas = [o.stats.alpha for o in outs if o.stats.alpha is not None]
+        assert 0 < sum(alphas) / len(alphas) < 1
+
+
+@pytest.mark.parametrize("cfg", [("model", 4, 1), ("model", 3, 2), ("merged", 3, 2), ("ngram", 4, 1)], ids=_ids)
+def test_single_prompt_greedy_matches_plain(target, draft, reference, cfg):
+    kind, depth, width = cfg
+    engine = SpeculativeEngine(
+        CachedLM(target), make_drafter(kind, draft, width), SpecConfig(depth=depth, width=width), eos_token_ids=set()
+    )
+    accepted = 0
+    for prompt, ref in list(zip(reference.prompts, reference.continuations))[:8]:
+        (out,) = engine.generate([prompt], NEW_TOKENS)
+        assert out.token_ids == ref, prompt
+        accepted += out.stats.accepted
+    assert accepted > 0
+
+
+def test_engine_is_reusable_across_calls(target, draft, reference):
+    """A second generate on the same engine (fresh batch, different size) is not disturbed by the first."""
+    engine = SpeculativeEngine(CachedLM(target), ModelDrafter(CachedLM(draft), 2), SpecConfig(depth=3, width=2))
+    first = engine.generate(reference.prompts[:5], NEW_TOKENS)
+    second = engine.generate(reference.prompts[3:], NEW_TOKENS)
+    third = engine.generate(reference.prompts[:5], NEW_TOKENS)
+    assert [o.token_ids for o in first] == reference.continuations[:5]
+    assert [o.token_ids for o in second] == reference.continuations[3:]
+    assert [o.token_ids for o in third] == reference.continuations[:5]
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 3, 5])
+def test_short_generations_respect_max_new_tokens(target, draft, reference, max_new):
+    engine = SpeculativeEngine(CachedLM(target), ModelDrafter(CachedLM(draft), 2), SpecConfig(depth=7, width=2))
+    outs = engine.generate(reference.prompts, max_new)
+    for out, ref in zip(outs, reference.continuations):
+        assert out.token_ids == ref[:max_new]
+        assert out.finish_reason == "length"
+
+
+def test_greedy_rows_unaffected_by_sampling_rows_in_the_batch(target, draft, reference):
+    """Per-request params: greedy rows stay exact while other rows of the batch sample."""
+    prompts = reference.prompts[:8]
+    params = [SamplingParams() if i % 2 == 0 else SamplingParams(temperature=1.0, seed=i) for i in range(len(prompts))]
+    engine = SpeculativeEngine(CachedLM(target), ModelDrafter(CachedLM(draft), 2), SpecConfig(depth=3, width=2))
+    outs = engine.generate(prompts, NEW_TOKENS, params=params)
+    for i, (out, ref) in enumerate(zip(outs, reference.continuations)):
+        assert len(out.token_ids) == NEW_TOKENS
+        if i % 2 == 0:
+            assert out.token_ids == ref, i
+
+
+@pytest.mark.parametrize("kind", ["model", "merged", "none"])
+def test_eos_stops_at_first_eos(target, draft, reference, kind):
+    """With an eos id, each row is the plain decode cut just after its first eos (finish_reason 'stop');
+    tokens drafted past the eos are never emitted."""
+    # pick as eos a token that occurs in the middle of several continuations
+    counts = {}
+    for ref in reference.continuations:
+        for tok in set(ref[3:-3]):
+            counts[tok] = counts.get(tok, 0) + 1
+    eos = max(counts, key=counts.get)
+    engine = SpeculativeEngine(
+        CachedLM(target), make_drafter(kind, draft, 1), SpecConfig(depth=4), eos_token_ids={eos}
+    )
+    outs = engine.generate(reference.prompts, NEW_TOKENS)
+    stopped = 0
+    for out, ref in zip(outs, reference.continuations):
+        if eos in ref:
+            cut = ref.index(eos) + 1
+            assert out.token_ids == ref[:cut]
+            assert out.finish_reason == "stop"
+            assert out.stats.new_tokens == cut
+            stopped += 1
+        else:
+            assert out.token_ids == ref
+            assert out.finish_reason == "length"
+    assert stopped >= 2
+
+
+def test_self_draft_greedy_accepts_everything(target, reference):
+    """The target drafting for itself: every drafted token of a chain is accepted (alpha == 1)."""
+    for depth in (1, 3, 5):
+        engine = SpeculativeEngine(CachedLM(target), ModelDrafter(CachedLM(target), 1), SpecConfig(depth=depth))
+        outs = engine.generate(reference.prompts, NEW_TOKENS)
+        for out, ref in zip(outs, reference.continuations):
+            assert out.token_ids == ref
+            assert out.stats.accepted == out.stats.drafted > 0
+            assert out.stats.alpha == 1.0
+            # every step but possibly the last (clamped to the remaining room) commits depth + 1 tokens
+            assert out.stats.steps == -(-NEW_TOKENS // (depth + 1))
+
+
+def test_self_draft_greedy_tree_accepts_full_depth(target, reference):
+    engine = SpeculativeEngine(CachedLM(target), ModelDrafter(CachedLM(target), 3), SpecConfig(depth=3, width=3))
+    outs = engine.generate(reference.prompts, NEW_TOKENS)
+    for out, ref in zip(outs, reference.continuations):
+        assert out.token_ids == ref
+        assert out.stats.alpha == 1.0
+        assert out.stats.accepted < out.stats.drafted  # the other branches are drafted and dropped
+
+
+def test_greedy_matches_a_second_plain_reference(target, draft):
+    """Fresh prompts (another seed) against transformers' generate directly, chain and tree, K=7."""
+    from conftest import MIN_GAP, make_prompts
+
+    prompts, refs = [], []
+    for p in make_prompts(seed=7, count=9):
+        tokens, gap = hf_greedy(target, p, 32)
+        if gap >= MIN_GAP:
+            prompts.append(p)
+            refs.append(tokens)
+    assert len(prompts) >= 5
+    for width in (1, 2):
+        engine = SpeculativeEngine(
+            CachedLM(target),
+            MergedDrafter(ModelDrafter(CachedLM(draft), width), NgramDrafter()),
+            SpecConfig(depth=7, width=width),
+        )
+        outs = engine.generate(prompts, 32)
+        assert [o.token_ids for o in outs] == refs
+        assert sum(o.stats.accepted for o in outs) > 0
+
+
+@pytest.mark.gpu
+def test_greedy_on_cuda(model_dirs, reference):
+    from specdec.loading import load_model
+
+    tgt = load_model(model_dirs.target, device="cuda")
+    drf = load_model(model_dirs.draft, device="cuda")
+    engine = SpeculativeEngine(CachedLM(tgt), ModelDrafter(CachedLM(drf), 2), SpecConfig(depth=4, width=2))
+    outs = engine.generate(reference.prompts, NEW_TOKENS)
+    plain = [hf_greedy(tgt, p, NEW_TOKENS)[0] for p in reference.prompts]
+    assert [o.token_ids for o in outs] == plain
+    assert torch.cuda.is_available()

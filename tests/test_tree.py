@@ -1,0 +1,177 @@
+"""Token trees as data: structure helpers, ancestor masks, batch layout, greedy acceptance, n-gram lookup."""
+
+import pytest
+import torch
+
+from specdec.acceptance import accept_greedy
+from specdec.ngram import NgramIndex
+from specdec.tree import DELTA, TokenTree, ancestor_mask, layout
+
+
+def example_tree() -> TokenTree:
+    """      0(10)
+            /     \\
+         1(11)    2(12)
+         /   \\       \\
+      3(13)  4(14)   5(15)
+        |
+      6(16)"""
+    t = TokenTree.root(10)
+    assert t.add(0, 11) == 1
+    assert t.add(0, 12) == 2
+    assert t.add(1, 13) == 3
+    assert t.add(1, 14) == 4
+    assert t.add(2, 15) == 5
+    assert t.add(3, 16) == 6
+    return t
+
+
+def test_tree_structure():
+    t = example_tree()
+    assert len(t) == 7
+    assert t.depth == 3
+    assert t.depths == [0, 1, 1, 2, 2, 2, 3]
+    assert t.parents == [-1, 0, 0, 1, 1, 2, 3]
+    assert t.children() == [[1, 2], [3, 4], [5], [6], [], [], []]
+    assert t.path(0) == [0]
+    assert t.path(6) == [0, 1, 3, 6]
+    assert t.path(5) == [0, 2, 5]
+    assert all(pid == DELTA for pid in t.proposal_ids)
+    root = TokenTree.root(3)
+    assert len(root) == 1 and root.depth == 0 and root.children() == [[]]
+
+
+def test_proposals_are_indexed():
+    t = TokenTree.root(0)
+    q = torch.tensor([0.5, 0.5])
+    pid = t.add_proposal(q)
+    assert pid == 0 and t.add_proposal(q) == 1
+    node = t.add(0, 1, pid)
+    assert t.proposal_ids[node] == 0
+
+
+def test_ancestor_mask():
+    t = example_tree()
+    m = ancestor_mask(t.parents)
+    assert m.dtype == torch.bool and m.shape == (7, 7)
+    expected = torch.zeros(7, 7, dtype=torch.bool)
+    for i in range(7):
+        for j in t.path(i):
+            expected[i, j] = True
+    assert torch.equal(m, expected)
+    assert torch.equal(ancestor_mask([-1]), torch.ones(1, 1, dtype=torch.bool))
+    # a chain is a lower-triangular (causal) mask
+    assert torch.equal(ancestor_mask([-1, 0, 1, 2]), torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+def test_layout_batch_with_padding():
+    big, small = example_tree(), TokenTree.root(20)
+    small.add(0, 21)
+    small.add(1, 22)
+    tokens, block, positions = layout([big, small], [5, 9])
+    assert tokens.shape == (2, 7) and block.shape == (2, 7, 7) and positions.shape == (2, 7)
+    assert tokens[0].tolist() == [10, 11, 12, 13, 14, 15, 16]
+    assert tokens[1, :3].tolist() == [20, 21, 22]
+    assert positions[0].tolist() == [5 + d for d in big.depths]
+    assert positions[1, :3].tolist() == [9, 10, 11]
+    assert torch.equal(block[0], ancestor_mask(big.parents))
+    assert torch.equal(block[1, :3, :3], torch.ones(3, 3, dtype=torch.bool).tril())
+    # padding sees only itself, and no real node sees padding
+    assert torch.equal(block[1, 3:, 3:], torch.eye(4, dtype=torch.bool))
+    assert not block[1, 3:, :3].any() and not block[1, :3, 3:].any()
+
+
+def test_add_chain_shares_prefix_when_greedy():
+    t = example_tree()
+    t.add_chain([11, 13, 99, 98], share_prefix=True)  # follows 1 -> 3, then grows 99 -> 98 under node 3
+    assert len(t) == 9
+    assert t.parents[7] == 3 and t.tokens[7] == 99
+    assert t.parents[8] == 7 and t.tokens[8] == 98
+    t.add_chain([12, 15], share_prefix=True)  # already in the tree: nothing added
+    assert len(t) == 9
+    t.add_chain([], share_prefix=True)
+    assert len(t) == 9
+
+
+def test_add_chain_separate_branch_when_sampling():
+    t = example_tree()
+    t.add_chain([11, 13], share_prefix=False)
+    assert len(t) == 9
+    assert t.parents[7] == 0 and t.tokens[7] == 11
+    assert t.parents[8] == 7 and t.tokens[8] == 13
+    assert t.proposal_ids[7] == t.proposal_ids[8] == DELTA
+
+
+def test_add_chain_stops_sharing_below_a_new_node():
+    t = TokenTree.root(0)
+    t.add(0, 1)
+    t.add(1, 2)
+    t.add_chain([5, 1, 2], share_prefix=True)  # diverges at once: a whole new branch
+    assert t.tokens[3:] == [5, 1, 2]
+    assert t.parents[3:] == [0, 3, 4]
+
+
+def test_accept_greedy():
+    t = example_tree()
+    argmax = [12, 0, 15, 0, 0, 7, 0]  # follows 0 -> 2 -> 5, then bonus 7
+    v = accept_greedy(t, argmax)
+    assert v.path == [0, 2, 5] and v.tokens == [12, 15, 7] and v.accepted == 2
+    argmax = [11, 13, 0, 16, 0, 0, 3]  # the deepest branch, bonus 3
+    v = accept_greedy(t, argmax)
+    assert v.path == [0, 1, 3, 6] and v.tokens == [11, 13, 16, 3] and v.accepted == 3
+    v = accept_greedy(t, [42, 0, 0, 0, 0, 0, 0])  # nothing matches: only the target's own token
+    assert v.path == [0] and v.tokens == [42] and v.accepted == 0
+    v = accept_greedy(TokenTree.root(1), [8])
+    assert v.path == [0] and v.tokens == [8]
+
+
+def test_accept_greedy_picks_matching_sibling_not_first():
+    t = TokenTree.root(0)
+    t.add(0, 4)
+    t.add(0, 5)
+    t.add(2, 6)
+    v = accept_greedy(t, [5, 9, 6, 1])
+    assert v.path == [0, 2, 3] and v.tokens == [5, 6, 1]
+
+
+# ---------------------------------------------------------------- n-gram lookup
+
+
+def test_ngram_lookup_basic():
+    idx = NgramIndex(max_ngram=3, min_ngram=1)
+    seq = [1, 2, 3, 4, 1, 2]
+    assert idx.lookup(seq, 2) == [3, 4]  # "1 2" occurred before, followed by 3 4
+    long = idx.lookup(seq, 10)  # what follows runs to the end of the text (and may read on periodically)
+    assert 4 <= len(long) <= 10 and long[:4] == [3, 4, 1, 2]
+    assert idx.lookup([7, 8, 9], 3) == []  # nothing repeats
+
+
+def test_ngram_prefers_longest_then_most_recent():
+    idx = NgramIndex(max_ngram=3)
+    # the 1-gram "2" last occurred before 9, the 2-gram "1 2" only before 5
+    seq = [1, 2, 5, 0, 2, 9, 1, 2]
+    assert idx.lookup(seq, 1) == [5]
+    idx = NgramIndex(max_ngram=3)
+    seq = [4, 2, 5, 4, 2, 6, 4, 2]  # "4 2" twice: the most recent one wins
+    assert idx.lookup(seq, 2) == [6, 4]
+
+
+def test_ngram_never_matches_own_tail_and_grows_incrementally():
+    idx = NgramIndex(max_ngram=2)
+    seq = [3, 1]
+    assert idx.lookup(seq, 2) == []
+    seq.append(3)
+    assert idx.lookup(seq, 2) == [1, 3]  # "3" at position 0 followed by 1
+    seq.append(1)
+    assert idx.lookup(seq, 2) == [3, 1]  # "3 1" at 0..1 followed by 3 1 (indexed incrementally)
+    seq.extend([7, 7])
+    assert idx.lookup(seq, 2)[:1] == [7]  # "7" followed by the final 7
+
+
+def test_ngram_min_ngram():
+    idx = NgramIndex(max_ngram=3, min_ngram=2)
+    assert idx.lookup([1, 5, 6, 1], 2) == []  # only a 1-gram matches
+    with pytest.raises(ValueError):
+        NgramIndex(max_ngram=1, min_ngram=2)
+    with pytest.raises(ValueError):
+        NgramIndex(max_ngram=2, min_ngram=0)

@@ -1,0 +1,149 @@
+"""One forward over a laid-out token tree gives every node the logits a plain causal forward over
+its own branch would give (tree attention is exact), for single rows, ragged batches, after
+non-contiguous commits, after select, and with eager as well as sdpa attention."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specdec import CachedLM, TokenTree
+from specdec.tree import layout
+
+ATOL = 1e-4
+
+
+def branchy_tree(root: int, seed: int) -> TokenTree:
+    """Depth 4, several branches, repeated tokens among siblings and cousins."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda: int(torch.randint(0, 64, (1,), generator=g))  # noqa: E731
+    t = TokenTree.root(root)
+    a, b, c = t.add(0, rand()), t.add(0, rand()), t.add(0, 7)
+    a1, a2 = t.add(a, rand()), t.add(a, 7)
+    b1 = t.add(b, rand())
+    t.add(c, 7)
+    a11 = t.add(a1, rand())
+    t.add(a1, rand())
+    t.add(a2, 7)
+    b11 = t.add(b1, rand())
+    t.add(a11, rand())
+    t.add(b11, root)
+    return t
+
+
+@torch.inference_mode()
+def plain_last_logits(model, tokens: list[int]) -> torch.Tensor:
+    return model(torch.tensor([tokens])).logits[0, -1].float()
+
+
+def check_tree_logits(model, logits_row: torch.Tensor, prefix: list[int], tree: TokenTree) -> None:
+    """prefix: the committed tokens before the root."""
+    for node in range(len(tree)):
+        branch = [tree.tokens[n] for n in tree.path(node)]
+        expected = plain_last_logits(model, prefix + branch)
+        torch.testing.assert_close(logits_row[node].float(), expected, atol=ATOL, rtol=1e-4, msg=f"node {node}")
+
+
+@pytest.fixture(scope="module", params=["sdpa", "eager"])
+def model(request, model_dirs, target):
+    if request.param == "sdpa":
+        return target
+    return AutoModelForCausalLM.from_pretrained(model_dirs.target, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("prompt_len", [1, 2, 9, 30])
+def test_single_row_tree_logits(model, prompt_len):
+    prompt = torch.randint(0, 64, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len)).tolist()
+    lm = CachedLM(model)
+    lm.reset(1)
+    lm.prefill([prompt[:-1]])
+    assert lm.lengths == [prompt_len - 1]
+    tree = branchy_tree(prompt[-1], seed=prompt_len)
+    tokens, block, positions = layout([tree], lm.lengths)
+    logits = lm.forward(tokens, block, positions)
+    assert logits.shape == (1, len(tree), 64)
+    check_tree_logits(model, logits[0], prompt[:-1], tree)
+
+
+def test_prefill_returns_last_token_logits(model):
+    prompts = [[3, 4, 5, 6, 7, 8], [9], [10, 11, 12]]
+    lm = CachedLM(model)
+    lm.reset(3)
+    logits = lm.prefill(prompts)
+    assert lm.lengths == [6, 1, 3]
+    for row, p in zip(logits, prompts):
+        torch.testing.assert_close(row.float(), plain_last_logits(model, p), atol=ATOL, rtol=1e-4)
+    lm.reset(2)
+    assert lm.prefill([[], []]) is None and lm.lengths == [0, 0]
+
+
+def test_ragged_batch_tree_logits_then_commit_then_second_tree(model):
+    """Two rows of different prompt lengths and different trees; commit a non-contiguous path in each
+    row (slots move), then verify a second tree on top of the committed paths."""
+    prompts = [list(range(3, 20)), [40, 41, 42, 43]]
+    lm = CachedLM(model)
+    lm.reset(2)
+    lm.prefill([p[:-1] for p in prompts])
+    trees = [branchy_tree(prompts[0][-1], seed=11), branchy_tree(prompts[1][-1], seed=12)]
+    trees[1].add(len(trees[1]) - 1, 5)  # different sizes: row 1 is longer, row 0 gets padding
+    start = lm.size
+    tokens, block, positions = layout(trees, lm.lengths)
+    logits = lm.forward(tokens, block, positions)
+    for b in range(2):
+        check_tree_logits(model, logits[b], prompts[b][:-1], trees[b])
+
+    # accept a deep path in row 0 and a different-shaped one in row 1
+    paths = [trees[0].path(11), trees[1].path(9)]
+    assert all(p != list(range(len(p))) for p in paths)  # the slots really have to move
+    lm.commit([[start + n for n in p] for p in paths])
+    committed = [prompts[b][:-1] + [trees[b].tokens[n] for n in paths[b]] for b in range(2)]
+    assert lm.lengths == [len(c) for c in committed]
+    assert lm.size == max(lm.lengths)
+
+    second = [branchy_tree(30, seed=21), branchy_tree(31, seed=22)]
+    tokens, block, positions = layout(second, lm.lengths)
+    logits = lm.forward(tokens, block, positions)
+    for b in range(2):
+        check_tree_logits(model, logits[b], committed[b], second[b])
+
+    # rolling back is not committing: commit nothing, the next tree sees only the committed paths
+    lm.commit([[], []])
+    assert lm.size == max(lm.lengths)
+    third = [branchy_tree(50, seed=31), branchy_tree(51, seed=32)]
+    tokens, block, positions = layout(third, lm.lengths)
+    logits = lm.forward(tokens, block, positions)
+    for b in range(2):
+        check_tree_logits(model, logits[b], committed[b], third[b])
+
+
+def test_select_keeps_rows(model):
+    prompts = [[1, 2, 3], list(range(10, 30)), [7, 7, 7, 7, 7, 7]]
+    lm = CachedLM(model)
+    lm.reset(3)
+    lm.prefill([p[:-1] for p in prompts])
+    lm.select([2, 0])
+    assert lm.lengths == [5, 2]
+    assert lm.size == 5  # the long row is gone and its slots cropped
+    trees = [branchy_tree(prompts[2][-1], seed=3), branchy_tree(prompts[0][-1], seed=4)]
+    tokens, block, positions = layout(trees, lm.lengths)
+    logits = lm.forward(tokens, block, positions)
+    check_tree_logits(model, logits[0], prompts[2][:-1], trees[0])
+    check_tree_logits(model, logits[1], prompts[0][:-1], trees[1])
+
+
+def test_prefill_appends_to_existing_rows(model):
+    """A second prefill (ragged, one row empty) continues each row where it stands."""
+    lm = CachedLM(model)
+    lm.reset(3)
+    lm.prefill([[1, 2, 3, 4], [5], [6, 7]])
+    logits = lm.prefill([[8, 9], [], [10, 11, 12, 13]])
+    assert lm.lengths == [6, 1, 6]
+    torch.testing.assert_close(logits[0].float(), plain_last_logits(model, [1, 2, 3, 4, 8, 9]), atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(
+        logits[2].float(), plain_last_logits(model, [6, 7, 10, 11, 12, 13]), atol=ATOL, rtol=1e-4
+    )
+    tree = TokenTree.root(20)
+    tree.add(0, 21)
+    tokens, block, positions = layout([tree] * 3, lm.lengths)
+    out = lm.forward(tokens, block, positions)
+    for b, prefix in enumerate([[1, 2, 3, 4, 8, 9], [5], [6, 7, 10, 11, 12, 13]]):
+        check_tree_logits(model, out[b], prefix, tree)
