@@ -71,6 +71,7 @@ def build_modes(target, draft, eos, max_new, params, only: set[str] | None):
         "chain-k4": lambda: (ModelDrafter(dlm(), 1), SpecConfig(depth=4)),
         "tree-2x4": lambda: (ModelDrafter(dlm(), 2), SpecConfig(depth=4, width=2)),
         "ngram-k8": lambda: (NgramDrafter(), SpecConfig(depth=8)),
+        "ngram-auto": lambda: (NgramDrafter(), SpecConfig(depth=None)),
         "model+ngram-k4": lambda: (MergedDrafter(ModelDrafter(dlm(), 1), NgramDrafter()), SpecConfig(depth=4)),
         "auto": lambda: (ModelDrafter(dlm(), 1), SpecConfig(depth=None)),
         "model+ngram-auto": lambda: (MergedDrafter(ModelDrafter(dlm(), 1), NgramDrafter()), SpecConfig(depth=None)),

@@ -3,10 +3,11 @@
 A drafter sees only token ids and sampling settings, and is told which tree nodes were accepted,
 so it can live in another process than the target. Protocol:
   start(batch)                    a new batch of sequences
-  propose(seqs, depths, ...)      one tree per row, rooted at the row's last token
+  propose(seqs, plans, ...)       one tree per row, rooted at the row's last token
   commit(paths)                   per row, the accepted node indices (root first)
   select(rows)                    keep only these rows (the others finished)"""
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -17,38 +18,46 @@ from .sampling import SamplingParams, warp
 from .tree import TokenTree
 
 
+@dataclass(frozen=True)
+class Plan:
+    """How far one row drafts this step: the draft model's tree depth, and n-gram guesses."""
+
+    depth: int = 0
+    ngram: int = 0
+
+
 class Drafter(Protocol):
+    uses_model: bool
+    uses_ngram: bool
+
     def start(self, batch_size: int) -> None: ...
     def propose(
-        self, seqs: list[list[int]], depths: list[int], params: list[SamplingParams], gens: list[torch.Generator]
+        self, seqs: list[list[int]], plans: list[Plan], params: list[SamplingParams], gens: list[torch.Generator]
     ) -> list[TokenTree]: ...
     def commit(self, paths: list[list[int]]) -> None: ...
     def select(self, rows: list[int]) -> None: ...
 
 
 class NgramDrafter:
-    """Prompt lookup as a chain of guesses: `num_tokens` of them when a row drafts at all, or as
-    many as the row's depth when num_tokens is None."""
+    """Prompt lookup as a chain of up to plan.ngram guesses."""
 
-    def __init__(self, num_tokens: int | None = None, max_ngram: int = 3, min_ngram: int = 1):
-        if num_tokens is not None and num_tokens < 1:
-            raise ValueError(f"n-gram num_tokens must be >= 1, got {num_tokens}")
-        self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
+    uses_model, uses_ngram = False, True
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.indexes: list[NgramIndex] = []
 
-    def guess(self, row: int, seq: list[int], depth: int) -> list[int]:
-        if not depth:
-            return []
-        return self.indexes[row].lookup(seq, self.num_tokens or depth)
+    def guess(self, row: int, seq: list[int], n: int) -> list[int]:
+        return self.indexes[row].lookup(seq, n) if n else []
 
     def start(self, batch_size: int) -> None:
         self.indexes = [NgramIndex(self.max_ngram, self.min_ngram) for _ in range(batch_size)]
 
-    def propose(self, seqs, depths, params, gens) -> list[TokenTree]:
+    def propose(self, seqs, plans, params, gens) -> list[TokenTree]:
         trees = []
-        for row, (seq, depth) in enumerate(zip(seqs, depths)):
+        for row, (seq, plan) in enumerate(zip(seqs, plans)):
             tree = TokenTree.root(seq[-1])
-            tree.add_chain(self.guess(row, seq, depth), share_prefix=False)
+            tree.add_chain(self.guess(row, seq, plan.ngram), share_prefix=False)
             trees.append(tree)
         return trees
 
@@ -67,6 +76,8 @@ class ModelDrafter:
     Sampling: the root gets `width` children drawn i.i.d. from q, and each then grows a chain with one
     child drawn from q per depth; every drawn child stays in the tree, which keeps the tree valid for
     multi-step speculative sampling."""
+
+    uses_model, uses_ngram = True, False
 
     def __init__(self, draft: CachedLM, width: int = 1):
         if width < 1:
@@ -95,7 +106,8 @@ class ModelDrafter:
         self.slot_of = [{} for _ in paths]
 
     @torch.inference_mode()
-    def propose(self, seqs, depths, params, gens) -> list[TokenTree]:
+    def propose(self, seqs, plans, params, gens) -> list[TokenTree]:
+        depths = [p.depth for p in plans]
         B, W, D = len(seqs), self.width, max(depths)
         trees = [TokenTree.root(seq[-1]) for seq in seqs]
         if D == 0:
@@ -160,13 +172,16 @@ class ModelDrafter:
                 continue
             pcols, toks = parent_col[b].tolist(), tokens[b].tolist()
             frontier[b] = [
-                trees[b].add(frontier[b][pc], tok, -1 if params[b].greedy else qs[pc]) for pc, tok in zip(pcols, toks)
+                trees[b].add(frontier[b][pc], tok, -1 if params[b].greedy else qs[pc], from_model=True)
+                for pc, tok in zip(pcols, toks)
             ]
         return parent_col, tokens, new_cum
 
 
 class MergedDrafter:
     """The draft model's tree with the n-gram guess grafted onto it: one tree, one verify."""
+
+    uses_model, uses_ngram = True, True
 
     def __init__(self, model: ModelDrafter, ngram: NgramDrafter):
         self.model, self.ngram = model, ngram
@@ -182,10 +197,10 @@ class MergedDrafter:
     def commit(self, paths) -> None:
         self.model.commit(paths)
 
-    def propose(self, seqs, depths, params, gens) -> list[TokenTree]:
-        trees = self.model.propose(seqs, depths, params, gens)
-        for row, (tree, seq, depth, p) in enumerate(zip(trees, seqs, depths, params)):
-            tree.add_chain(self.ngram.guess(row, seq, depth), share_prefix=p.greedy)
+    def propose(self, seqs, plans, params, gens) -> list[TokenTree]:
+        trees = self.model.propose(seqs, plans, params, gens)
+        for row, (tree, seq, plan, p) in enumerate(zip(trees, seqs, plans, params)):
+            tree.add_chain(self.ngram.guess(row, seq, plan.ngram), share_prefix=p.greedy)
         return trees
 
 

@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .acceptance import Verdict, accept_greedy, accept_sampling
-from .adaptive import AlphaEstimate, Costs, best_depth
-from .drafters import Drafter
+from .adaptive import AlphaEstimate, Costs, best_plan
+from .drafters import Drafter, Plan
 from .kvcache import CachedLM
 from .sampling import SamplingParams, make_generator
 from .tree import TokenTree, layout
@@ -20,18 +20,19 @@ from .tree import TokenTree, layout
 
 @dataclass(frozen=True)
 class SpecConfig:
-    depth: int | None = 4  # K, tokens drafted along each path per step; None: adaptive
+    depth: int | None = 4  # K: the draft model's depth and the n-gram guesses per step; None: adaptive
     width: int = 1  # tree width (1: a chain)
-    max_depth: int = 8  # the ceiling for adaptive K
-    probe_every: int = 8  # with adaptive K at 0, draft one token every this many steps to keep alpha live
+    max_depth: int = 8  # adaptive K's ceiling for the draft model's depth
+    max_ngram: int = 10  # adaptive K's ceiling for n-gram guesses
+    probe_every: int = 8  # a source adaptive K left idle drafts one token every this many steps
 
     def __post_init__(self):
         if self.depth is not None and self.depth < 0:
             raise ValueError(f"num_speculative_tokens (depth) must be >= 0 or auto, got {self.depth}")
         if self.width < 1:
             raise ValueError(f"tree width must be >= 1, got {self.width}")
-        if self.max_depth < 1:
-            raise ValueError(f"max_depth must be >= 1, got {self.max_depth}")
+        if self.max_depth < 1 or self.max_ngram < 1:
+            raise ValueError(f"max_depth and max_ngram must be >= 1, got {self.max_depth}, {self.max_ngram}")
 
 
 @dataclass
@@ -101,35 +102,34 @@ class SpeculativeEngine:
 
         out = [Generation([], "length") for _ in range(B)]
         seqs = [list(p) for p in prompts]
-        alphas = [AlphaEstimate() for _ in range(B)]
-        idle = [0] * B  # steps since adaptive K last drafted
+        alphas = [(AlphaEstimate(), AlphaEstimate()) for _ in range(B)]  # (draft model, n-gram)
+        idle = [[0, 0] for _ in range(B)]  # steps since each source last drafted
         rows = list(range(B))  # batch row -> request index
 
-        t0 = time.perf_counter()
+        t0 = self._clock()
         self.target.reset(B)
         if self.drafter is not None:
             self.drafter.start(B)
         self.target.prefill([s[:-1] for s in seqs])
         for g in out:
-            g.stats.prefill_time_s = time.perf_counter() - t0
+            g.stats.prefill_time_s = self._clock() - t0
 
         while rows:
-            depths = [self._depth(alphas[r], idle[r], max_new_tokens - len(out[r].token_ids)) for r in rows]
-            t0 = time.perf_counter()
+            plans = [self._plan(alphas[r], idle[r], max_new_tokens - len(out[r].token_ids)) for r in rows]
+            t0 = self._clock()
             live = [seqs[r] for r in rows]
-            if self.drafter is not None and max(depths) > 0:
-                trees = self.drafter.propose(live, depths, [params[r] for r in rows], [gens[r] for r in rows])
+            if any(p.depth or p.ngram for p in plans):
+                trees = self.drafter.propose(live, plans, [params[r] for r in rows], [gens[r] for r in rows])
             else:
                 trees = [TokenTree.root(s[-1]) for s in live]
-            t1 = time.perf_counter()
+            t1 = self._clock()
             verdicts, verify_tokens = self._verify(trees, [params[r] for r in rows], [gens[r] for r in rows])
-            t2 = time.perf_counter()
+            t2 = self._clock()
             if self.drafter is not None:
                 self.drafter.commit([v.path for v in verdicts])
             if self.costs is not None:
                 self.costs.observe_verify(t2 - t1, verify_tokens)
-                if max(depths):
-                    self.costs.observe_draft(t1 - t0, max(depths))
+                self.costs.observe_draft(t1 - t0, max(p.depth for p in plans))
 
             keep = []
             for i, (r, tree, v) in enumerate(zip(rows, trees, verdicts)):
@@ -141,8 +141,7 @@ class SpeculativeEngine:
                 st.accepted += v.accepted
                 if len(tree) > 1:
                     st.tried_depths += v.accepted + (v.accepted < tree.depth)
-                    alphas[r].observe(v.accepted, tree.depth)
-                idle[r] = 0 if depths[i] else idle[r] + 1
+                self._observe(alphas[r], idle[r], plans[i], tree, v)
                 if self._emit(out[r], seqs[r], v.tokens, max_new_tokens):
                     keep.append(i)
             if len(keep) < len(rows):
@@ -151,6 +150,12 @@ class SpeculativeEngine:
                     self.drafter.select(keep)
                 rows = [rows[i] for i in keep]
         return out
+
+    def _clock(self) -> float:
+        """Wall time, after the device has finished what it was given."""
+        if self.target.device.type == "cuda":
+            torch.cuda.synchronize(self.target.device)
+        return time.perf_counter()
 
     def _verify(self, trees, params, gens) -> tuple[list[Verdict], int]:
         """Score all trees in one target forward and decide acceptance. -> verdicts, tokens in the block"""
@@ -178,17 +183,34 @@ class SpeculativeEngine:
                 return False
         return True
 
-    def _depth(self, alpha: AlphaEstimate, idle: int, remaining: int) -> int:
-        cfg = self.config
-        if self.drafter is None:
-            return 0
+    def _plan(self, alphas: tuple[AlphaEstimate, AlphaEstimate], idle: list[int], remaining: int) -> Plan:
+        """How far this row drafts now: fixed K, or adaptive K from its alphas and the measured costs."""
+        cfg, d = self.config, self.drafter
+        if d is None:
+            return Plan()
         if cfg.depth is not None:
-            k = cfg.depth
+            k = n = cfg.depth
         else:
-            k = best_depth(alpha.alpha, self.costs, cfg.width, cfg.max_depth)
-            if k == 0 and idle + 1 >= cfg.probe_every:
-                k = 1
-        return max(0, min(k, remaining - 1))
+            k, n = best_plan(alphas[0].alpha if d.uses_model else 0.0, alphas[1].alpha if d.uses_ngram else 0.0,
+                             self.costs, cfg.width, cfg.max_depth if d.uses_model else 0,
+                             cfg.max_ngram if d.uses_ngram else 0)
+            k = k or int(idle[0] + 1 >= cfg.probe_every)  # keep an idle source's alpha live
+            n = n or int(idle[1] + 1 >= cfg.probe_every)
+        cap = max(0, remaining - 1)  # drafting past max_new_tokens is wasted
+        return Plan(depth=min(k, cap) if d.uses_model else 0, ngram=min(n, cap) if d.uses_ngram else 0)
+
+    @staticmethod
+    def _observe(alphas, idle: list[int], plan: Plan, tree: TokenTree, v: Verdict) -> None:
+        """Credit each source with the depth its own guess reached on the accepted path."""
+        model_depth = max((tree.depths[n] for n, m in enumerate(tree.from_model) if m), default=0)
+        if model_depth:
+            alphas[0].observe(tree.model_depth(v.path), model_depth)
+        if plan.ngram:
+            guess, got = tree.guess, v.tokens[:-1]
+            matched = next((j for j, (a, b) in enumerate(zip(guess, got)) if a != b), min(len(guess), len(got)))
+            alphas[1].observe(matched, max(len(guess), 1))  # no match counts as a miss at depth 1
+        idle[0] = 0 if plan.depth else idle[0] + 1
+        idle[1] = 0 if plan.ngram else idle[1] + 1
 
     def _check(self, prompts, max_new_tokens, params) -> None:
         if not prompts:
@@ -197,7 +219,8 @@ class SpeculativeEngine:
             raise ValueError("a prompt is empty: it needs at least one token")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        room = self.config.width * (self.config.depth or self.config.max_depth) * 2 + 1
+        cfg = self.config
+        room = 1 + cfg.width * (cfg.depth or cfg.max_depth) + (cfg.depth or cfg.max_ngram)
         longest = max(len(p) for p in prompts) + max_new_tokens + room
         if self.max_positions and longest > self.max_positions:
             raise ValueError(
@@ -220,9 +243,9 @@ class SpeculativeEngine:
                 for _ in range(n - 1):
                     tree.add(len(tree) - 1, context[-1])
                 tokens, block, positions = layout([tree], lm.lengths)
-                t = time.perf_counter()
+                t = self._clock()
                 lm.forward(tokens, block, positions)
-                times.append(time.perf_counter() - t)
+                times.append(self._clock() - t)
                 lm.commit([[]])
             return statistics.median(times)
 

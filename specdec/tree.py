@@ -18,10 +18,12 @@ class TokenTree:
     depths: list[int]
     proposal_ids: list[int]  # per node: index into `proposals`, or DELTA
     proposals: list[torch.Tensor] = field(default_factory=list)  # each [V]: q that children were drawn from
+    from_model: list[bool] = field(default_factory=list)  # per node: proposed by the draft model
+    guess: list[int] = field(default_factory=list)  # the n-gram guess grafted on (add_chain)
 
     @classmethod
     def root(cls, token: int) -> "TokenTree":
-        return cls(tokens=[token], parents=[-1], depths=[0], proposal_ids=[DELTA])
+        return cls(tokens=[token], parents=[-1], depths=[0], proposal_ids=[DELTA], from_model=[True])
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -30,7 +32,8 @@ class TokenTree:
     def depth(self) -> int:
         return max(self.depths)
 
-    def add(self, parent: int, token: int, proposal_id: int = DELTA) -> int:
+    def add(self, parent: int, token: int, proposal_id: int = DELTA, from_model: bool = False) -> int:
+        self.from_model.append(from_model)
         self.tokens.append(token)
         self.parents.append(parent)
         self.depths.append(self.depths[parent] + 1)
@@ -47,6 +50,13 @@ class TokenTree:
             kids[parent].append(node)
         return kids
 
+    def model_depth(self, path: list[int]) -> int:
+        """How many nodes of an accepted path (after the root) the draft model had proposed."""
+        n = 0
+        while n + 1 < len(path) and self.from_model[path[n + 1]]:
+            n += 1
+        return n
+
     def path(self, node: int) -> list[int]:
         """Node indices from the root down to `node`."""
         out = []
@@ -59,6 +69,7 @@ class TokenTree:
         """Graft a chain of deterministic guesses under the root. With `share_prefix` (greedy) it follows
         nodes that already hold the same tokens; sampling keeps it a separate branch, since each child
         must keep the proposal it was drawn from."""
+        self.guess = list(tokens)
         node = 0
         kids = self.children() if share_prefix else None
         for token in tokens:

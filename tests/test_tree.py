@@ -175,3 +175,11 @@ def test_ngram_min_ngram():
         NgramIndex(max_ngram=1, min_ngram=2)
     with pytest.raises(ValueError):
         NgramIndex(max_ngram=2, min_ngram=0)
+
+
+def test_ngram_reads_on_through_a_loop():
+    """A loop of period p (matched p tokens back) still yields the requested number of guesses."""
+    idx = NgramIndex(max_ngram=3)
+    assert idx.lookup([5, 6, 5, 6, 5], 5) == [6, 5, 6, 5, 6]
+    idx = NgramIndex(max_ngram=3)
+    assert idx.lookup([9, 1, 2, 3, 1, 2, 3], 7) == [1, 2, 3, 1, 2, 3, 1]
