@@ -93,8 +93,10 @@ class SpeculativeEngine:
         rows sharing one seed (independent samples of one prompt)."""
         B = len(prompts)
         params = params if isinstance(params, list) else [params] * B
-        streams = streams or list(range(B))
+        streams = list(range(B)) if streams is None else streams
         self._check(prompts, max_new_tokens, params)
+        if len(streams) != B:
+            raise ValueError(f"{len(streams)} random streams for {B} prompts: give one per prompt")
         device = self.target.device
         gens = [make_generator(p.seed, s, device) for p, s in zip(params, streams)]
         if self.config.depth is None and self.drafter is not None and self.costs is None:

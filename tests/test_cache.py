@@ -1,0 +1,157 @@
+"""After every rollback, the caches equal fresh caches of what was accepted.
+
+The engine is run as is; hooks on the drafter's `propose` (called at the start of every drafting step)
+and on the target's `select` (called when rows finish, right after the last commit) compare, for every
+live row, the committed cache slots with a fresh prefill:
+  * target: slots [0, lengths[b]) hold every committed token but the last (lengths[b] == len(seq) - 1);
+  * draft:  slots [0, lengths[b]) hold a prefix of the committed tokens (lengths[b] <= len(seq)).
+Slots beyond the longest row must have been cropped."""
+
+import pytest
+import torch
+
+from specdec.adaptive import Costs
+from specdec import CachedLM, MergedDrafter, ModelDrafter, NgramDrafter, SamplingParams, SpecConfig, SpeculativeEngine
+
+ATOL = 1e-5
+NEW = 20
+
+
+def fresh_kv(model, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    lm = CachedLM(model)
+    lm.reset(1)
+    lm.prefill([tokens])
+    return [(layer.keys[0].clone(), layer.values[0].clone()) for layer in lm.kv.layers]
+
+
+def check_cache(lm: CachedLM, model, seqs: list[list[int]], lengths_of, what: str) -> int:
+    """Compare each row's committed slots with a fresh prefill of seqs[b][:lengths_of(seq)]. -> rows checked"""
+    assert len(lm.lengths) == len(seqs), what
+    assert lm.size == max(lm.lengths, default=0), f"{what}: uncommitted slots were not cropped"
+    checked = 0
+    for b, seq in enumerate(seqs):
+        n = lm.lengths[b]
+        want = lengths_of(seq)
+        if isinstance(want, int):
+            assert n == want, f"{what} row {b}: {n} committed slots, expected {want}"
+        else:
+            assert want(n), f"{what} row {b}: {n} committed slots for a sequence of {len(seq)}"
+        if n == 0:
+            continue
+        for i, (layer, (k, v)) in enumerate(zip(lm.kv.layers, fresh_kv(model, seq[:n]))):
+            torch.testing.assert_close(layer.keys[b, :, :n], k, atol=ATOL, rtol=1e-5, msg=f"{what} row {b} layer {i} keys")
+            torch.testing.assert_close(layer.values[b, :, :n], v, atol=ATOL, rtol=1e-5, msg=f"{what} row {b} layer {i} values")
+        checked += 1
+    return checked
+
+
+class CacheChecker:
+    def __init__(self, engine: SpeculativeEngine, target_model, draft_model):
+        self.engine, self.target_model, self.draft_model = engine, target_model, draft_model
+        drafter = engine.drafter
+        self.draft_lm = drafter.lm if isinstance(drafter, ModelDrafter) else getattr(getattr(drafter, "model", None), "lm", None)
+        self.seqs: list[list[int]] = []  # the engine's own (growing) sequence lists, in batch-row order
+        self.checks = 0
+        self.partial_draft = 0  # checks where the draft cache lagged behind the committed text
+        original_propose, original_select = drafter.propose, engine.target.select
+
+        def propose(seqs, *args, **kwargs):
+            self.seqs = list(seqs)
+            self.check("propose")
+            return original_propose(seqs, *args, **kwargs)
+
+        def select(rows):
+            self.check("select")  # right after the last commit, before rows are dropped
+            self.seqs = [self.seqs[r] for r in rows]
+            return original_select(rows)
+
+        drafter.propose = propose
+        engine.target.select = select
+
+    def check(self, when: str) -> None:
+        self.checks += check_cache(self.engine.target, self.target_model, self.seqs, lambda s: len(s) - 1, f"target@{when}")
+        if self.draft_lm is not None:
+            check_cache(self.draft_lm, self.draft_model, self.seqs, lambda s: (lambda n: 0 <= n <= len(s)), f"draft@{when}")
+            self.partial_draft += sum(n < len(s) for n, s in zip(self.draft_lm.lengths, self.seqs))
+
+
+def make_drafter(kind, draft, width):
+    if kind == "model":
+        return ModelDrafter(CachedLM(draft), width)
+    if kind == "merged":
+        return MergedDrafter(ModelDrafter(CachedLM(draft), width), NgramDrafter())
+    return NgramDrafter()
+
+
+CASES = [
+    # kind, depth, width, sampling
+    ("model", 4, 1, False),
+    ("model", 3, 3, False),
+    ("merged", 3, 2, False),
+    ("ngram", 4, 1, False),
+    ("model", 3, 2, True),
+    ("merged", 2, 2, True),
+    ("model", None, 2, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-K{c[1]}-W{c[2]}-{'sample' if c[3] else 'greedy'}")
+def test_caches_equal_fresh_prefill_after_every_step(target, draft, reference, case):
+    kind, depth, width, sampling = case
+    prompts = reference.prompts[:12]
+    engine = SpeculativeEngine(CachedLM(target), make_drafter(kind, draft, width), SpecConfig(depth=depth, width=width, max_depth=5))
+    if depth is None:  # adaptive K: preset costs under which drafting pays (see test_greedy_equality)
+        engine.costs = Costs(draft=1e-4, verify_base=1e-2, verify_per_token=1e-5)
+    checker = CacheChecker(engine, target, draft)
+    params = SamplingParams(temperature=1.0, seed=3) if sampling else SamplingParams()
+    outs = engine.generate(prompts, NEW, params=params)
+    assert all(len(o.token_ids) == NEW for o in outs)
+    assert checker.checks >= 3 * len(prompts)
+    accepted = sum(o.stats.accepted for o in outs)
+    drafted = sum(o.stats.drafted for o in outs)
+    assert 0 < accepted < drafted  # real rollbacks happened, and real accepts
+    # the hooks saw the final state of every row (each row leaves the batch through select)
+    assert checker.seqs == []
+    if not sampling:
+        assert [o.token_ids for o in outs] == [r[:NEW] for r in reference.continuations[:12]]
+
+
+def test_draft_cache_catches_up_after_full_acceptance(target, reference):
+    """Self-draft: every token accepted, so the draft never ran the deepest node of each chain; its cache
+    must lag the text by exactly the tokens it has not run yet and still equal a fresh prefill."""
+    engine = SpeculativeEngine(CachedLM(target), ModelDrafter(CachedLM(target), 1), SpecConfig(depth=3))
+    checker = CacheChecker(engine, target, target)
+    outs = engine.generate(reference.prompts[:6], NEW)
+    assert all(o.stats.accepted == o.stats.drafted for o in outs)
+    assert checker.partial_draft > 0
+
+
+def test_manual_rollback_of_a_rejected_tree(target):
+    """Drive CachedLM directly: forward a tree, commit only the root (full rejection), and the cache is
+    exactly that of prompt + root; then commit a deep branch of a second tree."""
+    from specdec.tree import TokenTree, layout
+
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    lm = CachedLM(target)
+    lm.reset(1)
+    lm.prefill([prompt[:-1]])
+    tree = TokenTree.root(prompt[-1])
+    a = tree.add(0, 10)
+    tree.add(a, 11)
+    tree.add(0, 12)
+    start = lm.size
+    tokens, block, positions = layout([tree], lm.lengths)
+    lm.forward(tokens, block, positions)
+    lm.commit([[start]])  # only the root
+    check_cache(lm, target, [prompt + [33]], lambda s: len(s) - 1, "after reject")
+
+    tree = TokenTree.root(33)
+    x = tree.add(0, 20)
+    y = tree.add(0, 21)
+    z = tree.add(y, 22)
+    tree.add(x, 23)
+    start = lm.size
+    tokens, block, positions = layout([tree], lm.lengths)
+    lm.forward(tokens, block, positions)
+    lm.commit([[start + n for n in tree.path(z)]])
+    check_cache(lm, target, [prompt + [33, 21, 22, 7]], lambda s: len(s) - 1, "after deep branch")
