@@ -8,18 +8,27 @@ independent: P_j = 1 - (1 - alpha_m^j [j <= k]) (1 - alpha_n^j [j <= n]). A step
 forwards plus one verify of the tree's 1 + width*k + n tokens; (0, 0) is a plain decoding step.
 Costs are measured; alphas are estimated per sequence and source."""
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 
 @dataclass
 class Costs:
-    """Measured step costs in seconds, smoothed: a draft forward, and verify(n) = base + slope * (n - 1)."""
+    """Measured step costs in seconds: a draft forward (smoothed), and verify(n tokens) as a table.
+
+    Verify cost is far from linear in n on small batches (on a CPU, 1 token runs as a matrix-vector
+    product and 2-3 tokens can cost more than 8), so it is measured at several sizes, interpolated
+    between them, and each size's entry tracks what steps of that size actually take."""
 
     draft: float = 0.0
-    verify_base: float = 0.0
-    verify_per_token: float = 0.0
+    verify_table: dict[int, float] = field(default_factory=dict)  # tokens -> seconds
     smoothing: float = 0.2
+
+    @classmethod
+    def linear(cls, draft: float, base: float, per_token: float, up_to: int = 64) -> "Costs":
+        """Costs with verify(n) = base + per_token * (n - 1)."""
+        return cls(draft=draft, verify_table={1: base, up_to: base + per_token * (up_to - 1)})
 
     def observe_draft(self, seconds: float, forwards: int) -> None:
         if forwards:
@@ -27,12 +36,18 @@ class Costs:
             self.draft = per if not self.draft else self.draft + self.smoothing * (per - self.draft)
 
     def observe_verify(self, seconds: float, tokens: int) -> None:
-        """Track the intercept live (it grows with the context); the slope comes from calibration."""
-        base = seconds - self.verify_per_token * (tokens - 1)
-        self.verify_base = base if not self.verify_base else self.verify_base + self.smoothing * (base - self.verify_base)
+        old = self.verify_table.get(tokens)
+        self.verify_table[tokens] = seconds if old is None else old + self.smoothing * (seconds - old)
 
     def verify(self, tokens: int) -> float:
-        return self.verify_base + self.verify_per_token * (tokens - 1)
+        sizes = sorted(self.verify_table)
+        i = bisect.bisect_left(sizes, tokens)
+        if i < len(sizes) and sizes[i] == tokens:
+            return self.verify_table[tokens]
+        if i == 0 or i == len(sizes):  # outside the measured sizes: extend the nearest segment
+            i = 1 if i == 0 else len(sizes) - 1
+        (a, b), (ta, tb) = sizes[i - 1 : i + 1], (self.verify_table[sizes[i - 1]], self.verify_table[sizes[i]])
+        return max(0.0, ta + (tb - ta) * (tokens - a) / (b - a))
 
 
 @dataclass
@@ -67,16 +82,14 @@ def best_plan(
     alpha_m: float, alpha_n: float, costs: Costs, width: int, max_depth: int, max_ngram: int
 ) -> tuple[int, int]:
     """(k, n) with 0 <= k <= max_depth, 0 <= n <= max_ngram maximising expected tokens per second."""
-    return _best_plan(
-        round(alpha_m, 2), round(alpha_n, 2), round(costs.draft, 5), round(costs.verify_base, 5),
-        round(costs.verify_per_token, 6), width, max_depth, max_ngram,
-    )
+    most = 1 + width * max_depth + max_ngram
+    verify = tuple(round(costs.verify(t), 4) for t in range(1, most + 1))  # seconds by tokens, 0.1 ms grid
+    return _best_plan(round(alpha_m, 2), round(alpha_n, 2), round(costs.draft, 4), verify, width, max_depth, max_ngram)
 
 
 @lru_cache(maxsize=4096)
-def _best_plan(alpha_m, alpha_n, draft, verify_base, per_token, width, max_depth, max_ngram):
+def _best_plan(alpha_m, alpha_n, draft, verify, width, max_depth, max_ngram):
     def rate(k: int, n: int) -> float:
-        cost = k * draft + verify_base + per_token * (width * k + n)
-        return expected_tokens(alpha_m, k, alpha_n, n) / cost
+        return expected_tokens(alpha_m, k, alpha_n, n) / (k * draft + verify[width * k + n])
 
     return max(((k, n) for k in range(max_depth + 1) for n in range(max_ngram + 1)), key=lambda kn: rate(*kn))

@@ -234,17 +234,18 @@ class SpeculativeEngine:
 
     @torch.inference_mode()
     def calibrate(self, context: list[int], repeats: int = 3) -> Costs:
-        """Time a target step of 1 token and of a full tree, and a draft forward, on this context."""
+        """Time target steps of several sizes up to the largest plan, and a draft forward, on this context."""
         cfg = self.config
-        tree_tokens = 1 + cfg.width * cfg.max_depth
+        most = 1 + cfg.width * cfg.max_depth + cfg.max_ngram
+        sizes = sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if n < most} | {most})
 
         def timed(lm: CachedLM, n: int) -> float:
+            tree = TokenTree.root(context[-1])
+            for _ in range(n - 1):
+                tree.add(len(tree) - 1, context[-1])
+            tokens, block, positions = layout([tree], lm.lengths)
             times = []
             for _ in range(repeats):
-                tree = TokenTree.root(context[-1])
-                for _ in range(n - 1):
-                    tree.add(len(tree) - 1, context[-1])
-                tokens, block, positions = layout([tree], lm.lengths)
                 t = self._clock()
                 lm.forward(tokens, block, positions)
                 times.append(self._clock() - t)
@@ -254,8 +255,7 @@ class SpeculativeEngine:
         self.target.reset(1)
         self.target.prefill([context[:-1]])
         timed(self.target, 1)  # warm-up
-        one, tree = timed(self.target, 1), timed(self.target, tree_tokens)
-        costs = Costs(verify_base=one, verify_per_token=max(0.0, (tree - one) / (tree_tokens - 1)))
+        costs = Costs(verify_table={n: timed(self.target, n) for n in sizes})
         draft_lm = getattr(getattr(self.drafter, "model", self.drafter), "lm", None)
         if draft_lm is not None:
             draft_lm.reset(1)

@@ -27,13 +27,13 @@ def test_expected_tokens_two_sources():
 
 
 def test_best_plan():
-    free = Costs(draft=0.0, verify_base=1.0, verify_per_token=0.0)
+    free = Costs.linear(draft=0.0, base=1.0, per_token=0.0)
     assert best_plan(0.8, 0.8, free, width=1, max_depth=6, max_ngram=5) == (6, 5)
     # a draft as costly as the target, poor alphas, and verify tokens that cost: plain decoding
-    dear = Costs(draft=1.0, verify_base=1.0, verify_per_token=0.1)
+    dear = Costs.linear(draft=1.0, base=1.0, per_token=0.1)
     assert best_plan(0.1, 0.0, dear, 1, 8, 8) == (0, 0)
     # a source that never hits is not used; the other one is
-    cheap = Costs(draft=0.05, verify_base=1.0, verify_per_token=0.01)
+    cheap = Costs.linear(draft=0.05, base=1.0, per_token=0.01)
     k, n = best_plan(0.9, 0.0, cheap, 1, 8, 8)
     assert k > 0 and n == 0
     k, n = best_plan(0.0, 0.9, cheap, 1, 8, 8)
@@ -71,10 +71,13 @@ def test_costs_smoothing():
     assert c.draft == pytest.approx(0.1 + 0.2 * (0.2 - 0.1))
     c.observe_draft(5.0, 0)  # no forwards: ignored
     assert c.draft == pytest.approx(0.12)
-    c.verify_per_token = 0.01
-    c.observe_verify(1.0, 11)
-    assert c.verify_base == pytest.approx(0.9)
-    assert c.verify(11) == pytest.approx(1.0)
+    c.observe_verify(1.0, 1)
+    c.observe_verify(2.0, 11)
+    assert c.verify(6) == pytest.approx(1.5)  # interpolated between measured sizes
+    assert c.verify(21) == pytest.approx(3.0)  # extended past them
+    c.observe_verify(3.0, 11)  # a size's entry follows what steps of that size take
+    assert c.verify(11) == pytest.approx(2.0 + 0.2 * (3.0 - 2.0))
+    assert c.verify(1) == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("drafter_kind", ["model", "ngram", "merged"])
@@ -87,7 +90,7 @@ def test_calibrate_measures_costs(target, draft, drafter_kind):
             drafter = MergedDrafter(drafter, NgramDrafter())
     engine = SpeculativeEngine(CachedLM(target), drafter, SpecConfig(depth=None, width=2, max_depth=4))
     costs = engine.calibrate(list(range(1, 20)))
-    assert costs.verify_base > 0 and costs.verify_per_token >= 0
+    assert costs.verify(1) > 0 and costs.verify(20) > 0
     if drafter_kind == "ngram":
         assert costs.draft == 0
     else:
@@ -95,5 +98,5 @@ def test_calibrate_measures_costs(target, draft, drafter_kind):
     # generate calibrates once, lazily, and keeps the measured costs
     engine.costs = None
     outs = engine.generate([[1, 2, 3, 1, 2, 3, 1, 2]], 10)
-    assert engine.costs is not None and engine.costs.verify_base > 0
+    assert engine.costs is not None and engine.costs.verify(1) > 0
     assert len(outs[0].token_ids) == 10

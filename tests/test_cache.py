@@ -101,7 +101,7 @@ def test_caches_equal_fresh_prefill_after_every_step(target, draft, reference, c
     prompts = reference.prompts[:12]
     engine = SpeculativeEngine(CachedLM(target), make_drafter(kind, draft, width), SpecConfig(depth=depth, width=width, max_depth=5))
     if depth is None:  # adaptive K: preset costs under which drafting pays (see test_greedy_equality)
-        engine.costs = Costs(draft=1e-4, verify_base=1e-2, verify_per_token=1e-5)
+        engine.costs = Costs.linear(draft=1e-4, base=1e-2, per_token=1e-5)
     checker = CacheChecker(engine, target, draft)
     params = SamplingParams(temperature=1.0, seed=3) if sampling else SamplingParams()
     outs = engine.generate(prompts, NEW, params=params)

@@ -72,7 +72,7 @@ def test_batched_greedy_matches_plain(target, draft, reference, cfg):
     if depth is None:
         # adaptive K from preset costs under which drafting pays (a timing-dependent calibration on a busy
         # machine could decide never to draft); live timings still steer later steps
-        engine.costs = Costs(draft=1e-4, verify_base=1e-2, verify_per_token=1e-5)
+        engine.costs = Costs.linear(draft=1e-4, base=1e-2, per_token=1e-5)
     outs = engine.generate(reference.prompts, NEW_TOKENS)
     assert len(outs) == len(reference.prompts)
     for i, (out, ref) in enumerate(zip(outs, reference.continuations)):
@@ -116,7 +116,7 @@ def test_adaptive_with_measured_costs_matches_plain(target, draft, reference, ki
     """Adaptive K with its own calibration (whatever it measures on this machine): still exact."""
     engine = SpeculativeEngine(CachedLM(target), make_drafter(kind, draft, 2), SpecConfig(depth=None, width=2, max_depth=5))
     outs = engine.generate(reference.prompts, NEW_TOKENS)
-    assert engine.costs is not None and engine.costs.verify_base > 0
+    assert engine.costs is not None and engine.costs.verify(1) > 0
     assert [o.token_ids for o in outs] == reference.continuations
 
 

@@ -88,7 +88,7 @@ def sample_engine(target, drafter, depth, width, params, m=M, seed_prompt=PROMPT
     if depth is None:
         # adaptive K: start from costs that make drafting pay (instead of a timing-dependent calibration),
         # so the first step drafts; later plans follow live timings, which must not matter for the output
-        engine.costs = Costs(draft=1e-4, verify_base=1e-2, verify_per_token=1e-5)
+        engine.costs = Costs.linear(draft=1e-4, base=1e-2, per_token=1e-5)
     outs = engine.generate([seed_prompt] * m, N_TOKENS, params=params, streams=list(range(m)))
     assert all(len(o.token_ids) == N_TOKENS for o in outs)
     return Counter(tuple(o.token_ids) for o in outs), outs
