@@ -8,10 +8,10 @@ import sys
 from .sampling import SamplingParams
 
 
-def parse_depth(text: str) -> int | None:
-    """--num-speculative-tokens: an integer K >= 0, or 'auto' (None: adaptive K)."""
+def parse_depth(text: str) -> int | str:
+    """--num-speculative-tokens: an integer K >= 0, or 'auto' (adaptive K)."""
     if text == "auto":
-        return None
+        return text
     try:
         k = int(text)
     except ValueError:
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int)
-    g.add_argument("--num-speculative-tokens", type=parse_depth, default=4, metavar="K|auto",
+    g.add_argument("--num-speculative-tokens", type=parse_depth, metavar="K|auto",
                    help="tokens drafted per step (tree depth), or auto for adaptive K (default 4)")
     g.add_argument("--tree", type=parse_tree, metavar="WxD", help="draft a tree W wide and D deep")
     g.add_argument("--max-depth", type=int, default=8, help="ceiling for --num-speculative-tokens auto (default 8)")
@@ -70,18 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def spec_config(args):
+    """--num-speculative-tokens (default 4) and --tree WxD as one SpecConfig."""
     from .engine import SpecConfig
 
-    width, depth = 1, args.num_speculative_tokens
+    k = args.num_speculative_tokens
     if args.tree:
-        width, tree_depth = args.tree
-        if depth is not None and "--num-speculative-tokens" in sys.argv:
-            raise SystemExit(
-                "specdec: --num-speculative-tokens K and --tree WxD both set the depth: pass one of them, "
+        width, depth = args.tree
+        if isinstance(k, int):
+            raise ValueError(
+                "--num-speculative-tokens K and --tree WxD both set the depth: pass one of them, "
                 "or --num-speculative-tokens auto with --tree (auto then goes up to the tree's depth)"
             )
-        return SpecConfig(depth=None if depth is None else tree_depth, width=width, max_depth=tree_depth)
-    return SpecConfig(depth=depth, width=width, max_depth=args.max_depth)
+        return SpecConfig(depth=None if k == "auto" else depth, width=width, max_depth=depth)
+    return SpecConfig(depth=None if k == "auto" else 4 if k is None else k, max_depth=args.max_depth)
 
 
 def cmd_generate(args) -> None:
@@ -93,7 +94,7 @@ def cmd_generate(args) -> None:
     from .loading import check_same_vocabulary, load_model, load_tokenizer, parse_dtype
 
     if args.num_samples < 1:
-        raise SystemExit(f"specdec: --num-samples must be >= 1, got {args.num_samples}")
+        raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     config = spec_config(args)
     drafter_name = args.drafter or ("model" if args.draft else "ngram")
@@ -108,7 +109,7 @@ def cmd_generate(args) -> None:
                                eos_ids(target, tokenizer))
     prompt = tokenizer(args.prompt)["input_ids"]
     if not prompt:
-        raise SystemExit("specdec: --prompt is empty")
+        raise ValueError("--prompt is empty: it needs at least one token")
     M = args.num_samples
     with torch.inference_mode():
         gens = engine.generate([prompt] * M, args.max_new_tokens, params, streams=list(range(M)))

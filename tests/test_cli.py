@@ -1,0 +1,148 @@
+"""The `specdec` command, run in-process on tiny models saved with a word-level tokenizer."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import PreTrainedTokenizerFast
+
+from conftest import VOCAB
+from specdec.cli import main
+
+WORDS = [f"w{i}" for i in range(VOCAB - 1)]  # + [UNK] = VOCAB tokens
+
+
+def _with_tokenizer(src: str, dst) -> str:
+    shutil.copytree(src, dst)
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(dst)
+    return str(dst)
+
+
+@pytest.fixture(scope="module")
+def dirs(model_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    return {"target": _with_tokenizer(model_dirs.target, root / "target"),
+            "draft": _with_tokenizer(model_dirs.draft, root / "draft")}
+
+
+PROMPT = "w1 w2 w3 w4 w1 w2 w3 w5 w9 w11"
+
+
+def run_json(capsys, argv) -> dict:
+    main(argv)
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def generate(dirs, *extra):
+    return ["generate", "--target", dirs["target"], "--draft", dirs["draft"], "--prompt", PROMPT,
+            "--max-new-tokens", "12", "--json", *extra]
+
+
+def plain_greedy(dirs, n=12) -> list[int]:
+    from specdec.loading import load_model, load_tokenizer
+
+    ids = load_tokenizer(dirs["target"])(PROMPT)["input_ids"]
+    model = load_model(dirs["target"])
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("extra", [
+    [],
+    ["--drafter", "ngram"],
+    ["--drafter", "model+ngram", "--tree", "2x3"],
+    ["--num-speculative-tokens", "auto"],
+    ["--drafter", "none"],
+])
+def test_generate_greedy_json_equals_plain_decoding(dirs, capsys, extra):
+    out = run_json(capsys, generate(dirs, *extra))
+    assert out["token_ids"] == plain_greedy(dirs)
+    assert out["text"] == " ".join(WORDS[t - 1] for t in out["token_ids"] if t)
+    stats = out["stats"]
+    for field in ("steps", "drafted", "accepted", "alpha", "mean_accepted_length", "draft_time_s", "verify_time_s"):
+        assert field in stats
+    assert stats["steps"] >= 1 and stats["mean_accepted_length"] == pytest.approx(12 / stats["steps"])
+    assert "samples" not in out
+
+
+def test_generate_samples_are_independent_and_reproducible(dirs, capsys):
+    argv = generate(dirs, "--temperature", "1.0", "--top-p", "0.95", "--seed", "7", "--num-samples", "4")
+    first, again = run_json(capsys, argv), run_json(capsys, argv)
+    samples = [s["token_ids"] for s in first["samples"]]
+    assert len(samples) == 4 and all(len(s) == 12 for s in samples)
+    assert first["token_ids"] == samples[0]
+    assert len({tuple(s) for s in samples}) > 1  # different random streams
+    assert [s["token_ids"] for s in again["samples"]] == samples  # same seed, same samples
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--tree", "2x3", "--num-speculative-tokens", "3"], "both set the depth"),
+    (["--drafter", "model", "--draft", ""], "needs a draft model"),
+    (["--num-samples", "0"], "--num-samples"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--temperature", "-1"], "temperature"),
+    (["--max-new-tokens", "0"], "max_new_tokens"),
+])
+def test_generate_errors_name_the_problem(dirs, capsys, extra, message):
+    argv = generate(dirs)
+    if "--draft" in extra:  # replace the draft folder instead of repeating the flag
+        argv[argv.index("--draft") + 1] = ""
+        extra = extra[:2]
+    if "--max-new-tokens" in extra:
+        argv[argv.index("--max-new-tokens") + 1] = extra[1]
+        extra = []
+    with pytest.raises(SystemExit) as e:
+        main(argv + extra)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("flag, value", [("--tree", "2by3"), ("--num-speculative-tokens", "-1"), ("--drafter", "magic")])
+def test_generate_rejects_malformed_flags(dirs, capsys, flag, value):
+    with pytest.raises(SystemExit) as e:
+        main(generate(dirs, flag, value))
+    assert e.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_missing_model_folder(dirs, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--target", str(tmp_path / "nowhere"), "--prompt", "w1", "--max-new-tokens", "2"])
+    assert "does not exist" in str(e.value)
+
+
+def test_bench_json_rows_and_plot(dirs, capsys, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": PROMPT, "task_type": "code"}, {"prompt": "w7 w8 w9 w7 w8", "task_type": "prose"}]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    plot = tmp_path / "speedup.png"
+    out = run_json(capsys, ["bench", "--target", dirs["target"], "--draft", dirs["draft"], "--prompts", str(prompts),
+                            "--max-new-tokens", "8", "--modes", "chain-k4,model+ngram-auto,hf-prompt-lookup",
+                            "--json", "--plot", str(plot)])
+    by = {(r["mode"], r["task_type"]): r for r in out["rows"]}
+    assert set(by) == {(m, t) for m in ("plain", "chain-k4", "model+ngram-auto", "hf-prompt-lookup")
+                       for t in ("code", "prose")}
+    for r in out["rows"]:
+        assert set(r) == {"mode", "task_type", "tokens_per_s", "alpha", "mean_accepted_length", "speedup",
+                          "identical_to_plain"}
+        assert r["tokens_per_s"] > 0
+    assert by[("plain", "code")]["speedup"] == 1.0 and by[("plain", "code")]["identical_to_plain"] is None
+    assert by[("plain", "code")]["alpha"] is None and by[("hf-prompt-lookup", "code")]["alpha"] is None
+    assert by[("chain-k4", "code")]["identical_to_plain"] is True
+    assert by[("model+ngram-auto", "prose")]["identical_to_plain"] is True
+    assert 0 <= by[("chain-k4", "code")]["alpha"] <= 1
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_rejects_bad_prompt_rows(dirs, tmp_path):
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text(json.dumps({"text": "no prompt field"}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--target", dirs["target"], "--draft", dirs["draft"], "--prompts", str(prompts)])
+    assert "bad.jsonl:1" in str(e.value) and "'prompt'" in str(e.value)
