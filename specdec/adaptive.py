@@ -59,6 +59,11 @@ class AlphaEstimate:
     tried: float = 5.0
     decay: float = 0.9
 
+    @classmethod
+    def starting_from(cls, prior: "AlphaEstimate", weight: float = 5.0) -> "AlphaEstimate":
+        """A fresh estimate that believes `prior` as much as `weight` tried depths."""
+        return cls(accepted=prior.alpha * weight, tried=weight)
+
     def observe(self, accepted: int, drafted: int) -> None:
         if drafted:
             self.accepted = self.decay * self.accepted + accepted

@@ -50,6 +50,10 @@ class NgramDrafter:
     def guess(self, row: int, seq: list[int], n: int) -> list[int]:
         return self.indexes[row].lookup(seq, n) if n else []
 
+    def match_length(self, row: int, seq: list[int]) -> int:
+        """Length of the n-gram the next guess would match (0: no guess)."""
+        return self.indexes[row].match(seq)[0]
+
     def start(self, batch_size: int) -> None:
         self.indexes = [NgramIndex(self.max_ngram, self.min_ngram) for _ in range(batch_size)]
 
@@ -196,6 +200,9 @@ class MergedDrafter:
 
     def commit(self, paths) -> None:
         self.model.commit(paths)
+
+    def match_length(self, row: int, seq: list[int]) -> int:
+        return self.ngram.match_length(row, seq)
 
     def propose(self, seqs, plans, params, gens) -> list[TokenTree]:
         trees = self.model.propose(seqs, plans, params, gens)

@@ -80,6 +80,9 @@ class SpeculativeEngine:
         self.eos = eos_token_ids or set()
         self.max_positions = max_positions or getattr(target.model.config, "max_position_embeddings", None)
         self.costs: Costs | None = None
+        # what this engine has learned across requests: alpha of the draft model ("model") and of n-gram
+        # guesses by the length of the n-gram they matched (1, 2, ...); each request starts from these
+        self.priors: dict = {"model": AlphaEstimate(decay=0.99)}
 
     @torch.inference_mode()
     def generate(
@@ -104,7 +107,7 @@ class SpeculativeEngine:
 
         out = [Generation([], "length") for _ in range(B)]
         seqs = [list(p) for p in prompts]
-        alphas = [(AlphaEstimate(), AlphaEstimate()) for _ in range(B)]  # (draft model, n-gram)
+        alphas = [{} for _ in range(B)]  # per row: source -> AlphaEstimate (see self.priors)
         idle = [[0, 0] for _ in range(B)]  # steps since each source last drafted
         rows = list(range(B))  # batch row -> request index
 
@@ -117,7 +120,9 @@ class SpeculativeEngine:
             g.stats.prefill_time_s = self._clock() - t0
 
         while rows:
-            plans = [self._plan(alphas[r], idle[r], max_new_tokens - len(out[r].token_ids)) for r in rows]
+            matches = [self._match(i, seqs[r]) for i, r in enumerate(rows)]
+            plans = [self._plan(alphas[r], m, idle[r], max_new_tokens - len(out[r].token_ids))
+                     for r, m in zip(rows, matches)]
             t0 = self._clock()
             live = [seqs[r] for r in rows]
             if any(p.depth or p.ngram for p in plans):
@@ -143,7 +148,7 @@ class SpeculativeEngine:
                 st.accepted += v.accepted
                 if len(tree) > 1:
                     st.tried_depths += v.accepted + (v.accepted < tree.depth)
-                self._observe(alphas[r], idle[r], plans[i], tree, v)
+                self._observe(alphas[r], matches[i], idle[r], plans[i], tree, v)
                 if self._emit(out[r], seqs[r], v.tokens, max_new_tokens):
                     keep.append(i)
             if len(keep) < len(rows):
@@ -185,7 +190,17 @@ class SpeculativeEngine:
                 return False
         return True
 
-    def _plan(self, alphas: tuple[AlphaEstimate, AlphaEstimate], idle: list[int], remaining: int) -> Plan:
+    def _match(self, row: int, seq: list[int]) -> int:
+        """Length of the n-gram the drafter's guess would match for this row (0: none, or no n-gram)."""
+        return self.drafter.match_length(row, seq) if self.drafter is not None and self.drafter.uses_ngram else 0
+
+    def _alpha(self, alphas: dict, source) -> AlphaEstimate:
+        if source not in alphas:
+            prior = self.priors.setdefault(source, AlphaEstimate(decay=0.99))
+            alphas[source] = AlphaEstimate.starting_from(prior)
+        return alphas[source]
+
+    def _plan(self, alphas: dict, match: int, idle: list[int], remaining: int) -> Plan:
         """How far this row drafts now: fixed K, or adaptive K from its alphas and the measured costs."""
         cfg, d = self.config, self.drafter
         if d is None:
@@ -193,24 +208,27 @@ class SpeculativeEngine:
         if cfg.depth is not None:
             k = n = cfg.depth
         else:
-            k, n = best_plan(alphas[0].alpha if d.uses_model else 0.0, alphas[1].alpha if d.uses_ngram else 0.0,
-                             self.costs, cfg.width, cfg.max_depth if d.uses_model else 0,
-                             cfg.max_ngram if d.uses_ngram else 0)
+            alpha_m = self._alpha(alphas, "model").alpha if d.uses_model else 0.0
+            alpha_n = self._alpha(alphas, match).alpha if match else 0.0
+            k, n = best_plan(alpha_m, alpha_n, self.costs, cfg.width, cfg.max_depth if d.uses_model else 0,
+                             cfg.max_ngram if match else 0)
             k = k or int(idle[0] + 1 >= cfg.probe_every)  # keep an idle source's alpha live
-            n = n or int(idle[1] + 1 >= cfg.probe_every)
+            n = n or int(match > 0 and idle[1] + 1 >= cfg.probe_every)
         cap = max(0, remaining - 1)  # drafting past max_new_tokens is wasted
         return Plan(depth=min(k, cap) if d.uses_model else 0, ngram=min(n, cap) if d.uses_ngram else 0)
 
-    @staticmethod
-    def _observe(alphas, idle: list[int], plan: Plan, tree: TokenTree, v: Verdict) -> None:
+    def _observe(self, alphas: dict, match: int, idle: list[int], plan: Plan, tree: TokenTree, v: Verdict) -> None:
         """Credit each source with the depth its own guess reached on the accepted path."""
         model_depth = max((tree.depths[n] for n, m in enumerate(tree.from_model) if m), default=0)
         if model_depth:
-            alphas[0].observe(tree.model_depth(v.path), model_depth)
-        if plan.ngram:
+            accepted = tree.model_depth(v.path)
+            self._alpha(alphas, "model").observe(accepted, model_depth)
+            self.priors["model"].observe(accepted, model_depth)
+        if plan.ngram and tree.guess:
             guess, got = tree.guess, v.tokens[:-1]
             matched = next((j for j, (a, b) in enumerate(zip(guess, got)) if a != b), min(len(guess), len(got)))
-            alphas[1].observe(matched, max(len(guess), 1))  # no match counts as a miss at depth 1
+            self._alpha(alphas, match).observe(matched, len(guess))
+            self.priors[match].observe(matched, len(guess))
         idle[0] = 0 if plan.depth else idle[0] + 1
         idle[1] = 0 if plan.ngram else idle[1] + 1
 

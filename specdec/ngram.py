@@ -13,14 +13,20 @@ class NgramIndex:
         self.last_end: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # n-grams ending at positions < indexed are in the index
 
-    def lookup(self, tokens: list[int], num_tokens: int) -> list[int]:
-        """Up to num_tokens guesses for what follows `tokens` (which only ever grows)."""
+    def match(self, tokens: list[int]) -> tuple[int, int]:
+        """(n, end): the longest n-gram ending `tokens` seen before, and where that occurrence ends;
+        (0, 0) when there is none. A longer match makes a better guess."""
         self._extend(tokens)
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
             end = self.last_end.get(tuple(tokens[-n:]))
             if end is not None:
-                return self._copy(tokens, end, num_tokens)
-        return []
+                return n, end
+        return 0, 0
+
+    def lookup(self, tokens: list[int], num_tokens: int) -> list[int]:
+        """Up to num_tokens guesses for what follows `tokens` (which only ever grows)."""
+        n, end = self.match(tokens)
+        return self._copy(tokens, end, num_tokens) if n else []
 
     @staticmethod
     def _copy(tokens: list[int], end: int, num_tokens: int) -> list[int]:
