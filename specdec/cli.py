@@ -29,9 +29,9 @@ def parse_tree(text: str) -> tuple[int, int]:
     return int(m[1]), int(m[2])
 
 
-def add_model_args(p: argparse.ArgumentParser, draft_required: bool = False) -> None:
-    p.add_argument("--target", required=True, help="target model folder (or hub id)")
-    p.add_argument("--draft", required=draft_required, help="draft model folder, same tokenizer as the target")
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="target model folder (or hub id); default: the embedded default pair")
+    p.add_argument("--draft", help="draft model folder, same tokenizer as the target")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)")
 
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
 
     b = sub.add_parser("bench", help="side-by-side benchmark against plain decoding and transformers")
-    add_model_args(b, draft_required=True)
+    add_model_args(b)
     b.add_argument("--prompts", required=True, help="JSONL rows with 'prompt' and 'task_type'")
     b.add_argument("--max-new-tokens", type=int, default=64)
     b.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
@@ -66,7 +66,48 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--modes", help="comma-separated subset of modes to run (plain always runs)")
     b.add_argument("--json", action="store_true", help="end with one JSON line {'rows': [...]}")
     b.add_argument("--plot", help="write a PNG of speedup per mode and task type")
+
+    d = sub.add_parser("distill", help="train a draft for a target by knowledge distillation")
+    d.add_argument("--target", required=True, help="target model folder")
+    d.add_argument("--out", required=True, help="where to save the draft (save_pretrained)")
+    d.add_argument("--corpus", nargs="*", default=[], help="text files or folders; none: text the target generates")
+    d.add_argument("--layers", type=int, default=1)
+    d.add_argument("--hidden", type=int, default=256)
+    budget = d.add_mutually_exclusive_group()
+    budget.add_argument("--steps", type=int, help="training steps (deterministic; default 300)")
+    budget.add_argument("--minutes", type=float, help="train for this long instead")
+    d.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    d.add_argument("--batch-size", type=int, default=16)
+    d.add_argument("--seq-len", type=int, default=128)
+    d.add_argument("--lr", type=float, default=3e-3)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--generated-tokens", type=int, default=200_000, help="target-written tokens when no --corpus")
+    d.add_argument("--dtype", default="float32")
+    d.add_argument("--device", default="cpu")
+    d.add_argument("--json", action="store_true", help="end with the summary as one JSON line")
+
+    m = sub.add_parser("models", help="the embedded default model pair")
+    msub = m.add_subparsers(dest="models_command", required=True)
+    md = msub.add_parser("default", help="build (once) and locate the default pair")
+    md.add_argument("--rebuild", action="store_true")
+    md.add_argument("--seed", type=int, default=0)
+    md.add_argument("--json", action="store_true", help='end with {"target": DIR, "draft": DIR}')
     return parser
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+def resolve_models(args) -> None:
+    """No --target: use the embedded default pair (built on first use)."""
+    if args.target is None:
+        if args.draft is not None:
+            raise ValueError("--draft without --target: give both, or neither for the default pair")
+        from .default_models import default_pair
+
+        pair = default_pair(log=log)
+        args.target, args.draft = pair["target"], pair["draft"]
 
 
 def spec_config(args):
@@ -97,6 +138,7 @@ def cmd_generate(args) -> None:
         raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     config = spec_config(args)
+    resolve_models(args)
     drafter_name = args.drafter or ("model" if args.draft else "ngram")
     dtype = parse_dtype(args.dtype)
     tokenizer = load_tokenizer(args.target)
@@ -130,6 +172,41 @@ def cmd_generate(args) -> None:
     print(json.dumps(result))
 
 
+def cmd_distill(args) -> None:
+    import torch
+
+    from .distill import corpus_files, distill, encode_texts, generated_corpus, split_heldout
+    from .loading import load_model, load_tokenizer, parse_dtype
+    from .training import TrainConfig
+
+    cfg = TrainConfig(steps=None if args.minutes else (args.steps or 300), minutes=args.minutes,
+                      batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, seed=args.seed)
+    tokenizer = load_tokenizer(args.target)
+    target = load_model(args.target, parse_dtype(args.dtype), args.device)
+    if args.corpus:
+        files = corpus_files(args.corpus)
+        tokens = encode_texts([f.read_text(encoding="utf-8", errors="replace") for f in files], tokenizer)
+        log(f"specdec: {len(files)} corpus files, {tokens.numel()} tokens")
+    else:
+        log(f"specdec: no --corpus: the target writes {args.generated_tokens} tokens to learn from")
+        tokens = generated_corpus(target, tokenizer, args.generated_tokens, args.seed)
+    train_tokens, heldout = split_heldout(tokens.to(target.device))
+    summary = distill(target, tokenizer, args.out, train_tokens, heldout, args.layers, args.hidden, cfg, args.resume)
+    b, a = summary["before"], summary["after"]
+    log(f"specdec: draft saved to {args.out}; held-out KL {b['kl']:.3f} -> {a['kl']:.3f}, "
+        f"greedy alpha {b['greedy_alpha']:.3f} -> {a['greedy_alpha']:.3f}, "
+        f"sampled alpha {b['sampled_alpha']:.3f} -> {a['sampled_alpha']:.3f}")
+    if args.json:
+        print(json.dumps(summary))
+
+
+def cmd_models(args) -> None:
+    from .default_models import DefaultSpec, default_pair
+
+    pair = default_pair(DefaultSpec(seed=args.seed), rebuild=args.rebuild, log=log)
+    print(json.dumps(pair) if args.json else f"target: {pair['target']}\ndraft:  {pair['draft']}")
+
+
 def eos_ids(model, tokenizer) -> set[int]:
     eos = getattr(model.generation_config, "eos_token_id", None)
     eos = tokenizer.eos_token_id if eos is None else eos
@@ -144,7 +221,12 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "bench":
             from .bench import run_bench
 
+            resolve_models(args)
             run_bench(args)
+        elif args.command == "distill":
+            cmd_distill(args)
+        elif args.command == "models":
+            cmd_models(args)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"specdec: {e}") from None
 

@@ -1,0 +1,143 @@
+"""Distil a small draft from a target: the draft learns the target's next-token distributions by
+minimising KL(p_target || q_draft) over corpus text and/or text the target writes itself. The best
+drafts agree with *their* target; this makes one for any causal LM with its tokenizer."""
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from .training import TrainConfig, sample_windows, train
+
+TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".jsonl")
+
+
+def draft_config(target: PreTrainedModel, layers: int, hidden: int) -> LlamaConfig:
+    """A small Llama over the target's vocabulary."""
+    if layers < 1 or hidden < 16 or hidden % 16:
+        raise ValueError(f"draft needs layers >= 1 and hidden a multiple of 16 (>= 16), got {layers}, {hidden}")
+    tc = target.config
+    heads = max(1, hidden // 64)
+    return LlamaConfig(
+        vocab_size=target.get_output_embeddings().weight.shape[0],
+        hidden_size=hidden,
+        intermediate_size=(hidden * 8 // 3 + 31) // 32 * 32,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=getattr(tc, "max_position_embeddings", 2048),
+        tie_word_embeddings=True,
+        bos_token_id=tc.bos_token_id,
+        eos_token_id=tc.eos_token_id,
+        pad_token_id=tc.pad_token_id,
+    )
+
+
+def corpus_files(paths: list[str]) -> list[Path]:
+    files = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"corpus path {str(p)!r} does not exist")
+    if not files:
+        raise ValueError(f"no text files ({', '.join(TEXT_SUFFIXES)}) under {paths}")
+    return files
+
+
+def encode_texts(texts: list[str], tokenizer) -> torch.Tensor:
+    """Texts -> one token stream [N], documents separated by the eos token when there is one."""
+    sep = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids: list[int] = []
+    for enc in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        ids += enc + sep
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def generated_corpus(target: PreTrainedModel, tokenizer, num_tokens: int, seed: int, seq_len: int = 256) -> torch.Tensor:
+    """Text the target writes itself (sampled at temperature 1), as a token stream [>= num_tokens]."""
+    from .engine import SpeculativeEngine
+    from .kvcache import CachedLM
+    from .sampling import SamplingParams
+
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else (tokenizer.eos_token_id or 0)
+    engine = SpeculativeEngine(CachedLM(target), None)
+    batch = 8
+    chunks = []
+    for round_ in range((num_tokens + batch * seq_len - 1) // (batch * seq_len)):
+        outs = engine.generate([[start]] * batch, seq_len, SamplingParams(temperature=1.0, seed=seed + round_),
+                               streams=list(range(batch)))
+        chunks += [torch.tensor([start] + o.token_ids) for o in outs]
+    return torch.cat(chunks)
+
+
+def kl_loss(target: PreTrainedModel, draft: PreTrainedModel):
+    """batch [B, S] -> mean over positions of KL(p_target || q_draft)."""
+
+    def loss(batch: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            logp = F.log_softmax(target(input_ids=batch).logits.float(), -1)  # [B, S, V]
+        logq = F.log_softmax(draft(input_ids=batch).logits.float(), -1)
+        V = min(logp.shape[-1], logq.shape[-1])
+        return F.kl_div(logq[..., :V].flatten(0, 1), logp[..., :V].flatten(0, 1), log_target=True, reduction="batchmean")
+
+    return loss
+
+
+@torch.no_grad()
+def evaluate(target, draft, tokens: torch.Tensor, seq_len: int = 128, windows: int = 16, seed: int = 1234) -> dict:
+    """On held-out text: KL(p || q); greedy alpha (draft argmax == target argmax, per position); and
+    sampled alpha sum(min(p, q)) at temperature 1 (the chance a draft sample is accepted)."""
+    batch = sample_windows(tokens, windows, min(seq_len, tokens.numel() - 1), torch.Generator().manual_seed(seed))
+    p_logits = target(input_ids=batch).logits.float()
+    q_logits = draft(input_ids=batch).logits.float()
+    V = min(p_logits.shape[-1], q_logits.shape[-1])
+    logp, logq = F.log_softmax(p_logits[..., :V], -1), F.log_softmax(q_logits[..., :V], -1)
+    return {
+        "kl": float((logp.exp() * (logp - logq)).sum(-1).mean()),
+        "greedy_alpha": float((logp.argmax(-1) == logq.argmax(-1)).float().mean()),
+        "sampled_alpha": float(torch.minimum(logp.exp(), logq.exp()).sum(-1).mean()),
+    }
+
+
+def distill(
+    target: PreTrainedModel,
+    tokenizer,
+    out_dir: str | Path,
+    tokens: torch.Tensor,  # [N] training text as one token stream
+    heldout: torch.Tensor,  # [M] held-out text
+    layers: int = 1,
+    hidden: int = 256,
+    cfg: TrainConfig = TrainConfig(),
+    resume: bool = False,
+    on_step=None,
+) -> dict:
+    """Train a draft for `target` and save it (with the tokenizer) to out_dir; returns a summary."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target.eval().requires_grad_(False)
+    torch.manual_seed(cfg.seed)
+    draft = LlamaForCausalLM(draft_config(target, layers, hidden)).to(target.device)
+    before = evaluate(target, draft, heldout)
+    result = train(draft, kl_loss(target, draft), tokens, cfg, out / "checkpoint", resume, "distill", on_step)
+    after = evaluate(target, draft, heldout)
+    draft.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    summary = {"out": str(out), **result, "before": before, "after": after,
+               "draft_params": sum(p.numel() for p in draft.parameters())}
+    (out / "distill_summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def split_heldout(tokens: torch.Tensor, fraction: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
+    cut = int(tokens.numel() * (1 - fraction))
+    return tokens[:cut], tokens[cut:]
+
+
+def remove_checkpoint(out_dir: str | Path) -> None:
+    shutil.rmtree(Path(out_dir) / "checkpoint", ignore_errors=True)

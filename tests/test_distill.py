@@ -1,0 +1,119 @@
+"""Distillation and the embedded default pair, at tiny scale (seconds)."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import specdec.default_models as dm
+from specdec.cli import main
+from specdec.distill import distill, generated_corpus, split_heldout
+from specdec.engine import SpeculativeEngine
+from specdec.kvcache import CachedLM
+from specdec.loading import load_model, load_tokenizer
+from specdec.training import TrainConfig
+from test_cli import _with_tokenizer
+
+
+@pytest.fixture(scope="module")
+def setup(model_dirs, tmp_path_factory):
+    target_dir = _with_tokenizer(model_dirs.target, tmp_path_factory.mktemp("distill") / "target")
+    target, tokenizer = load_model(target_dir), load_tokenizer(target_dir)
+    tokens = generated_corpus(target, tokenizer, 4000, seed=0, seq_len=64)
+    return target_dir, target, tokenizer, *split_heldout(tokens, 0.1)
+
+
+def small_cfg(steps, **kw):
+    return TrainConfig(steps=steps, batch_size=8, seq_len=32, lr=1e-2, **kw)
+
+
+def test_distillation_lowers_kl_and_raises_alpha(setup, tmp_path):
+    _, target, tokenizer, tokens, heldout = setup
+    summary = distill(target, tokenizer, tmp_path / "draft", tokens, heldout, layers=1, hidden=32, cfg=small_cfg(80))
+    before, after = summary["before"], summary["after"]
+    assert after["kl"] < 0.8 * before["kl"]
+    assert after["greedy_alpha"] > before["greedy_alpha"] + 0.1
+    assert after["sampled_alpha"] > before["sampled_alpha"]
+    # saved the real way: transformers loads it, with the target's tokenizer beside it
+    draft = AutoModelForCausalLM.from_pretrained(tmp_path / "draft")
+    assert draft.config.vocab_size == target.config.vocab_size
+    assert load_tokenizer(str(tmp_path / "draft")).get_vocab() == tokenizer.get_vocab()
+    assert json.loads((tmp_path / "draft" / "distill_summary.json").read_text())["steps"] == 80
+
+
+def test_interrupted_distillation_resumes_from_its_checkpoint(setup, tmp_path):
+    _, target, tokenizer, tokens, heldout = setup
+    cfg = small_cfg(8, checkpoint_every=2)
+    distill(target, tokenizer, tmp_path / "whole", tokens, heldout, 1, 32, cfg)
+
+    def crash(step):
+        if step == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        distill(target, tokenizer, tmp_path / "resumed", tokens, heldout, 1, 32, cfg, on_step=crash)
+    ckpt = torch.load(tmp_path / "resumed" / "checkpoint" / "checkpoint.pt", weights_only=False)
+    assert ckpt["step"] == 4  # the last checkpoint before the crash
+    summary = distill(target, tokenizer, tmp_path / "resumed", tokens, heldout, 1, 32, cfg, resume=True)
+    assert summary["steps"] == 8
+    whole = AutoModelForCausalLM.from_pretrained(tmp_path / "whole").state_dict()
+    resumed = AutoModelForCausalLM.from_pretrained(tmp_path / "resumed").state_dict()
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+def test_distill_cli(setup, tmp_path, capsys):
+    target_dir = setup[0]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(f"w{i % 17} w{(i * 7) % 13}" for i in range(2000)))
+    main(["distill", "--target", target_dir, "--out", str(tmp_path / "d"), "--corpus", str(corpus),
+          "--steps", "5", "--hidden", "32", "--batch-size", "4", "--seq-len", "16", "--json"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 5 and {"kl", "greedy_alpha", "sampled_alpha"} <= set(summary["after"])
+    with pytest.raises(SystemExit, match="does not exist"):
+        main(["distill", "--target", target_dir, "--out", str(tmp_path / "e"), "--corpus", str(tmp_path / "missing")])
+
+
+TINY = dm.DefaultSpec(seed=3, vocab_size=300, target_layers=1, target_hidden=32, target_steps=3, draft_layers=1,
+                      draft_hidden=16, draft_steps=3, batch_size=2, seq_len=16, tokenizer_chars=40_000, max_files=6)
+
+
+def test_default_build_is_reproducible_and_loads(tmp_path):
+    a = dm.default_pair(TINY, root=tmp_path / "a", log=lambda m: None)
+    b = dm.default_pair(TINY, root=tmp_path / "b", log=lambda m: None)
+    for role in ("target", "draft"):
+        sa = AutoModelForCausalLM.from_pretrained(a[role]).state_dict()
+        sb = AutoModelForCausalLM.from_pretrained(b[role]).state_dict()
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa), role
+    assert (tmp_path / "a").joinpath(f"default-{TINY.key()}", "target", "tokenizer.json").read_text() == \
+        (tmp_path / "b").joinpath(f"default-{TINY.key()}", "target", "tokenizer.json").read_text()
+    report = json.loads((tmp_path / "a" / f"default-{TINY.key()}" / "build.json").read_text())
+    assert {"before_distillation", "after_distillation"} <= set(report["heldout"])
+    # usable as a pair: same vocabulary, and the engine runs on it
+    tok = load_tokenizer(a["target"])
+    assert tok.get_vocab() == load_tokenizer(a["draft"]).get_vocab() and tok.eos_token_id == 0
+    engine = SpeculativeEngine(CachedLM(load_model(a["target"])), None)
+    assert len(engine.generate([tok("def f(x):")["input_ids"]], 5)[0].token_ids) >= 1
+    # a different seed is a different build
+    assert dm.DefaultSpec(seed=4).key() != dm.DefaultSpec(seed=3).key()
+
+
+def test_default_pair_is_cached_and_rebuilt_on_request(tmp_path):
+    messages = []
+    dm.default_pair(TINY, root=tmp_path, log=messages.append)
+    built = tmp_path / f"default-{TINY.key()}" / "build.json"
+    stamp = built.stat().st_mtime_ns
+    dm.default_pair(TINY, root=tmp_path, log=messages.append)
+    assert built.stat().st_mtime_ns == stamp and "building" in messages[0] and "building" not in messages[-1]
+    dm.default_pair(TINY, root=tmp_path, rebuild=True, log=messages.append)
+    assert built.stat().st_mtime_ns != stamp
+
+
+def test_models_default_cli_json(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(dm, "DefaultSpec", lambda seed: TINY)
+    main(["models", "default", "--json"])
+    captured = capsys.readouterr()
+    pair = json.loads(captured.out.strip().splitlines()[-1])
+    assert pair["target"].startswith(str(tmp_path / "specdec")) and pair["draft"].endswith("draft")
+    assert "building the default model pair" in captured.err and str(tmp_path) in captured.err
