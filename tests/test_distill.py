@@ -4,11 +4,11 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import specdec.default_models as dm
 from specdec.cli import main
-from specdec.distill import distill, generated_corpus, split_heldout
+from specdec.distill import distill, draft_config, generated_corpus, split_heldout
 from specdec.engine import SpeculativeEngine
 from specdec.kvcache import CachedLM
 from specdec.loading import load_model, load_tokenizer
@@ -17,8 +17,15 @@ from test_cli import _with_tokenizer
 
 
 @pytest.fixture(scope="module")
-def setup(model_dirs, tmp_path_factory):
-    target_dir = _with_tokenizer(model_dirs.target, tmp_path_factory.mktemp("distill") / "target")
+def setup(target, model_dirs, tmp_path_factory):
+    """A teacher the student can represent exactly (a 1-layer Llama of the student's shape, random peaky
+    weights), so a working distillation must bring the KL far down."""
+    root = tmp_path_factory.mktemp("distill")
+    cfg = draft_config(target, layers=1, hidden=32)
+    cfg.initializer_range = 0.3
+    torch.manual_seed(5)
+    LlamaForCausalLM(cfg).save_pretrained(root / "teacher")
+    target_dir = _with_tokenizer(str(root / "teacher"), root / "target")
     target, tokenizer = load_model(target_dir), load_tokenizer(target_dir)
     tokens = generated_corpus(target, tokenizer, 4000, seed=0, seq_len=64)
     return target_dir, target, tokenizer, *split_heldout(tokens, 0.1)
@@ -30,16 +37,17 @@ def small_cfg(steps, **kw):
 
 def test_distillation_lowers_kl_and_raises_alpha(setup, tmp_path):
     _, target, tokenizer, tokens, heldout = setup
-    summary = distill(target, tokenizer, tmp_path / "draft", tokens, heldout, layers=1, hidden=32, cfg=small_cfg(80))
+    summary = distill(target, tokenizer, tmp_path / "draft", tokens, heldout, layers=1, hidden=32, cfg=small_cfg(400))
     before, after = summary["before"], summary["after"]
-    assert after["kl"] < 0.8 * before["kl"]
-    assert after["greedy_alpha"] > before["greedy_alpha"] + 0.1
-    assert after["sampled_alpha"] > before["sampled_alpha"]
+    print(before, after)
+    assert after["kl"] < 0.75 * before["kl"]
+    assert after["greedy_alpha"] > before["greedy_alpha"] + 0.2
+    assert after["sampled_alpha"] > before["sampled_alpha"] + 0.1
     # saved the real way: transformers loads it, with the target's tokenizer beside it
     draft = AutoModelForCausalLM.from_pretrained(tmp_path / "draft")
     assert draft.config.vocab_size == target.config.vocab_size
     assert load_tokenizer(str(tmp_path / "draft")).get_vocab() == tokenizer.get_vocab()
-    assert json.loads((tmp_path / "draft" / "distill_summary.json").read_text())["steps"] == 80
+    assert json.loads((tmp_path / "draft" / "distill_summary.json").read_text())["steps"] == 400
 
 
 def test_interrupted_distillation_resumes_from_its_checkpoint(setup, tmp_path):
