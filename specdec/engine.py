@@ -24,7 +24,7 @@ class SpecConfig:
     width: int = 1  # tree width (1: a chain)
     max_depth: int = 8  # adaptive K's ceiling for the draft model's depth
     max_ngram: int = 10  # adaptive K's ceiling for n-gram guesses
-    probe_every: int = 8  # a source adaptive K left idle drafts one token every this many steps
+    probe_every: int = 8  # an idle source drafts one token every probe_every / alpha steps (at most 64)
 
     def __post_init__(self):
         if self.depth is not None and self.depth < 0:
@@ -212,10 +212,14 @@ class SpeculativeEngine:
             alpha_n = self._alpha(alphas, match).alpha if match else 0.0
             k, n = best_plan(alpha_m, alpha_n, self.costs, cfg.width, cfg.max_depth if d.uses_model else 0,
                              cfg.max_ngram if match else 0)
-            k = k or int(idle[0] + 1 >= cfg.probe_every)  # keep an idle source's alpha live
-            n = n or int(match > 0 and idle[1] + 1 >= cfg.probe_every)
+            # keep an idle source's alpha live with a probe, rarer the less it was accepted
+            k = k or int(d.uses_model and idle[0] + 1 >= self._probe_interval(alpha_m))
+            n = n or int(match > 0 and idle[1] + 1 >= self._probe_interval(alpha_n))
         cap = max(0, remaining - 1)  # drafting past max_new_tokens is wasted
         return Plan(depth=min(k, cap) if d.uses_model else 0, ngram=min(n, cap) if d.uses_ngram else 0)
+
+    def _probe_interval(self, alpha: float) -> float:
+        return min(64.0, self.config.probe_every / max(alpha, 1e-3))
 
     def _observe(self, alphas: dict, match: int, idle: list[int], plan: Plan, tree: TokenTree, v: Verdict) -> None:
         """Credit each source with the depth its own guess reached on the accepted path."""
