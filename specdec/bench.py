@@ -107,10 +107,10 @@ def load_prompts(path: str, limit: int | None) -> list[dict]:
     return rows
 
 
+@torch.inference_mode()
 def run_bench(args) -> None:
     if args.draft is None:
         raise ValueError("bench compares drafters: give --draft DIR (or neither --target nor --draft: the default pair)")
-    torch.set_grad_enabled(False)
     params = SamplingParams(temperature=args.temperature, seed=args.seed)
     dtype = parse_dtype(args.dtype)
     tokenizer = load_tokenizer(args.target)

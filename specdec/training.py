@@ -52,6 +52,7 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
 
 
+@torch.enable_grad()
 def train(
     model: torch.nn.Module,
     loss_fn: Callable[[torch.Tensor], torch.Tensor],  # batch [B, S] -> scalar loss
