@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="continue one prompt")
     add_model_args(g)
-    g.add_argument("--drafter", choices=["model", "ngram", "model+ngram", "none"], help="default: model with --draft, else ngram")
+    g.add_argument("--drafter", choices=["model", "ngram", "model+ngram", "none"], help="default: model+ngram with a draft, else ngram")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, required=True)
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int)
     g.add_argument("--num-speculative-tokens", type=parse_depth, metavar="K|auto",
-                   help="tokens drafted per step (tree depth), or auto for adaptive K (default 4)")
+                   help="tokens drafted per step (tree depth), or auto for adaptive K "
+                        "(default: auto; 4 for sampling with --seed, which only a fixed K reproduces)")
     g.add_argument("--tree", type=parse_tree, metavar="WxD", help="draft a tree W wide and D deep")
     g.add_argument("--max-depth", type=int, default=8, help="ceiling for --num-speculative-tokens auto (default 8)")
     g.add_argument("--num-samples", type=int, default=1, help="independent continuations, each its own random stream")
@@ -111,10 +112,14 @@ def resolve_models(args) -> None:
 
 
 def spec_config(args):
-    """--num-speculative-tokens (default 4) and --tree WxD as one SpecConfig."""
+    """--num-speculative-tokens and --tree WxD as one SpecConfig. The default is adaptive K, except for
+    seeded sampling: adaptive plans follow live timings, and another plan draws other random numbers, so
+    only a fixed K makes a seeded sample reproducible (greedy output never depends on the plan)."""
     from .engine import SpecConfig
 
     k = args.num_speculative_tokens
+    if k is None and not args.tree:
+        k = 4 if args.temperature > 0 and args.seed is not None else "auto"
     if args.tree:
         width, depth = args.tree
         if isinstance(k, int):
@@ -122,8 +127,8 @@ def spec_config(args):
                 "--num-speculative-tokens K and --tree WxD both set the depth: pass one of them, "
                 "or --num-speculative-tokens auto with --tree (auto then goes up to the tree's depth)"
             )
-        return SpecConfig(depth=None if k == "auto" else depth, width=width, max_depth=depth)
-    return SpecConfig(depth=None if k == "auto" else 4 if k is None else k, max_depth=args.max_depth)
+        return SpecConfig(depth=depth if k is None else None, width=width, max_depth=depth)
+    return SpecConfig(depth=None if k == "auto" else k, max_depth=args.max_depth)
 
 
 def cmd_generate(args) -> None:
@@ -139,7 +144,7 @@ def cmd_generate(args) -> None:
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     config = spec_config(args)
     resolve_models(args)
-    drafter_name = args.drafter or ("model" if args.draft else "ngram")
+    drafter_name = args.drafter or ("model+ngram" if args.draft else "ngram")
     dtype = parse_dtype(args.dtype)
     tokenizer = load_tokenizer(args.target)
     target = load_model(args.target, dtype, args.device)

@@ -123,33 +123,13 @@ class SpeculativeEngine:
             matches = [self._match(i, seqs[r]) for i, r in enumerate(rows)]
             plans = [self._plan(alphas[r], m, idle[r], max_new_tokens - len(out[r].token_ids))
                      for r, m in zip(rows, matches)]
-            t0 = self._clock()
-            live = [seqs[r] for r in rows]
-            if any(p.depth or p.ngram for p in plans):
-                trees = self.drafter.propose(live, plans, [params[r] for r in rows], [gens[r] for r in rows])
-            else:
-                trees = [TokenTree.root(s[-1]) for s in live]
-            t1 = self._clock()
-            verdicts, verify_tokens = self._verify(trees, [params[r] for r in rows], [gens[r] for r in rows])
-            t2 = self._clock()
-            if self.drafter is not None:
-                self.drafter.commit([v.path for v in verdicts])
-            if self.costs is not None:
-                self.costs.observe_verify(t2 - t1, verify_tokens)
-                self.costs.observe_draft(t1 - t0, max(p.depth for p in plans))
-
+            trees, verdicts, times = self._step([seqs[r] for r in rows], plans, [params[r] for r in rows],
+                                                [gens[r] for r in rows])
             keep = []
-            for i, (r, tree, v) in enumerate(zip(rows, trees, verdicts)):
-                st = out[r].stats
-                st.steps += 1
-                st.draft_time_s += t1 - t0
-                st.verify_time_s += t2 - t1
-                st.drafted += len(tree) - 1
-                st.accepted += v.accepted
-                if len(tree) > 1:
-                    st.tried_depths += v.accepted + (v.accepted < tree.depth)
-                self._observe(alphas[r], matches[i], idle[r], plans[i], tree, v)
-                if self._emit(out[r], seqs[r], v.tokens, max_new_tokens):
+            for i, r in enumerate(rows):
+                self._record(out[r].stats, trees[i], verdicts[i], times)
+                self._observe(alphas[r], matches[i], idle[r], plans[i], trees[i], verdicts[i])
+                if self._emit(out[r], seqs[r], verdicts[i].tokens, max_new_tokens):
                     keep.append(i)
             if len(keep) < len(rows):
                 self.target.select(keep)
@@ -157,6 +137,33 @@ class SpeculativeEngine:
                     self.drafter.select(keep)
                 rows = [rows[i] for i in keep]
         return out
+
+    def _step(self, seqs, plans, params, gens) -> tuple[list[TokenTree], list[Verdict], tuple[float, float]]:
+        """One speculative step for the batch: draft, verify, commit. -> trees, verdicts, (draft s, verify s)"""
+        t0 = self._clock()
+        if any(p.depth or p.ngram for p in plans):
+            trees = self.drafter.propose(seqs, plans, params, gens)
+        else:
+            trees = [TokenTree.root(s[-1]) for s in seqs]
+        t1 = self._clock()
+        verdicts, verify_tokens = self._verify(trees, params, gens)
+        t2 = self._clock()
+        if self.drafter is not None:
+            self.drafter.commit([v.path for v in verdicts])
+        if self.costs is not None:
+            self.costs.observe_verify(t2 - t1, verify_tokens)
+            self.costs.observe_draft(t1 - t0, max(p.depth for p in plans))
+        return trees, verdicts, (t1 - t0, t2 - t1)
+
+    @staticmethod
+    def _record(st: RequestStats, tree: TokenTree, v: Verdict, times: tuple[float, float]) -> None:
+        st.steps += 1
+        st.draft_time_s += times[0]
+        st.verify_time_s += times[1]
+        st.drafted += len(tree) - 1
+        st.accepted += v.accepted
+        if len(tree) > 1:
+            st.tried_depths += v.accepted + (v.accepted < tree.depth)
 
     def _clock(self) -> float:
         """Wall time, after the device has finished what it was given."""

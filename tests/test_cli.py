@@ -5,24 +5,17 @@ import shutil
 
 import pytest
 import torch
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import Whitespace
-from transformers import PreTrainedTokenizerFast
-
 from conftest import VOCAB
 from specdec.cli import main
+from test_loading import save_tokenizer
 
 WORDS = [f"w{i}" for i in range(VOCAB - 1)]  # + [UNK] = VOCAB tokens
 
 
 def _with_tokenizer(src: str, dst) -> str:
+    """A copy of a model folder with a word-level tokenizer over its vocabulary beside it."""
     shutil.copytree(src, dst)
-    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}
-    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(dst)
-    return str(dst)
+    return save_tokenizer(dst, WORDS)
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +139,20 @@ def test_bench_rejects_bad_prompt_rows(dirs, tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["bench", "--target", dirs["target"], "--draft", dirs["draft"], "--prompts", str(prompts)])
     assert "bad.jsonl:1" in str(e.value) and "'prompt'" in str(e.value)
+
+
+@pytest.mark.parametrize("flags, depth, width", [
+    ([], None, 1),  # adaptive K by default
+    (["--temperature", "1", "--seed", "3"], 4, 1),  # seeded sampling: a fixed K reproduces the sample
+    (["--temperature", "1", "--seed", "3", "--num-speculative-tokens", "auto"], None, 1),
+    (["--temperature", "1"], None, 1),  # unseeded sampling is not reproducible anyway
+    (["--tree", "3x5"], 5, 3),
+    (["--tree", "3x5", "--num-speculative-tokens", "auto"], None, 3),
+    (["--num-speculative-tokens", "0"], 0, 1),
+])
+def test_speculation_defaults(flags, depth, width):
+    from specdec.cli import build_parser, spec_config
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--max-new-tokens", "1", *flags])
+    cfg = spec_config(args)
+    assert (cfg.depth, cfg.width) == (depth, width)
