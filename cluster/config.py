@@ -1,0 +1,235 @@
+"""The operator's YAML config: one pydantic model tree, errors that name the file and the key path,
+and live reloading of the routing section."""
+
+import difflib
+import logging
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic_core import ErrorDetails
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+class ConfigError(ValueError):
+    """An invalid or unreadable config; one line per problem, each naming the file and the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSpec(_Section):
+    path: str
+    dtype: Dtype = "float32"
+
+
+class ModelsConfig(_Section):
+    target: ModelSpec
+    draft: ModelSpec | None = None
+
+
+class PlacementConfig(_Section):
+    tensor_parallel_size: int = Field(1, ge=1)
+    draft_replicas: int = Field(1, ge=0)
+    gpus_per_actor: float = Field(1.0, gt=0)
+
+
+class SpeculationConfig(_Section):
+    drafter: Literal["model", "ngram", "model+ngram", "none"] = "model+ngram"
+    num_speculative_tokens: int | Literal["auto"] = "auto"
+    tree_width: int = Field(1, ge=1)
+    max_depth: int = Field(8, ge=1)
+
+    @field_validator("num_speculative_tokens", mode="before")
+    @classmethod
+    def _count_or_auto(cls, value: Any) -> Any:
+        if value == "auto" or (type(value) is int and value >= 0):
+            return value
+        raise ValueError(f"must be an integer >= 0 or 'auto' (got {value!r})")
+
+
+class Thresholds(_Section):
+    """When a task type speculates, and how far."""
+
+    on_alpha: float = Field(0.55, gt=0, le=1)  # turn speculation on at or above this alpha
+    off_alpha: float = Field(0.35, ge=0, lt=1, validate_default=True)  # turn it off below this alpha
+    min_samples: int = Field(20, ge=1)  # reports needed before the decision may switch
+    probe_fraction: float = Field(0.05, ge=0, le=1)  # share of requests still speculative while off
+    ema: float = Field(0.1, gt=0, le=1)  # weight of a new report in the alpha moving average
+    max_k: int = Field(8, ge=1)
+    draft_cost_ratio: float = Field(0.15, gt=0, lt=1)  # a draft forward's cost / a target step's
+
+    @field_validator("off_alpha")
+    @classmethod
+    def _below_on_alpha(cls, off_alpha: float, info: ValidationInfo) -> float:
+        on_alpha = info.data.get("on_alpha")  # absent when on_alpha itself was invalid
+        if on_alpha is not None and off_alpha >= on_alpha:
+            raise ValueError(f"must be < on_alpha ({off_alpha} >= {on_alpha})")
+        return off_alpha
+
+
+class RoutingConfig(_Section):
+    default: Thresholds = Field(default_factory=Thresholds)
+    task_types: dict[str, Thresholds] = Field(default_factory=dict)
+
+    def thresholds(self, task_type: str) -> Thresholds:
+        return self.task_types.get(task_type, self.default)
+
+
+class ServerConfig(_Section):
+    grpc_port: Port = 9000
+    http_port: Port = Field(8000, validate_default=True)
+    max_prompt_tokens: int = Field(4096, ge=1)
+    max_new_tokens: int = Field(1024, ge=1)
+    max_queued_requests: int = Field(256, ge=1)
+
+    @field_validator("http_port")
+    @classmethod
+    def _differs_from_grpc_port(cls, http_port: int, info: ValidationInfo) -> int:
+        if http_port == info.data.get("grpc_port"):
+            raise ValueError(f"must differ from grpc_port (both are {http_port})")
+        return http_port
+
+
+class ServeConfig(_Section):
+    models: ModelsConfig
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    speculation: SpeculationConfig = Field(default_factory=SpeculationConfig)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+
+
+def load_config(path: str | os.PathLike) -> ServeConfig:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read config file ({getattr(e, 'strerror', None) or e})") from None
+    return parse_config(text, source=str(path))
+
+
+def parse_config(text_or_dict: str | Mapping, source: str = "<string>") -> ServeConfig:
+    data = _parse_yaml(text_or_dict, source) if isinstance(text_or_dict, str) else text_or_dict
+    if not isinstance(data, Mapping):
+        got = "an empty document" if data is None else f"a {type(data).__name__}"
+        sections = ", ".join(ServeConfig.model_fields)
+        raise ConfigError(f"{source}: the document must be a mapping of sections ({sections}), got {got}")
+    try:
+        return ServeConfig.model_validate(dict(data))
+    except ValidationError as e:
+        problems = [f"{source}: {_key_path(err['loc'])}: {_reason(err)}" for err in e.errors()]
+        raise ConfigError("\n".join(problems)) from None
+
+
+def _parse_yaml(text: str, source: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark
+        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
+        raise ConfigError(f"{where}: YAML syntax error: {e.problem or e.context}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: YAML syntax error: {' '.join(str(e).split())}") from None
+
+
+def _key_path(loc: tuple) -> str:
+    return ".".join(map(str, loc)) or "<top level>"
+
+
+def _reason(err: ErrorDetails) -> str:
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return "extra key not allowed" + _key_hint(str(err["loc"][-1]), _keys_at(err["loc"][:-1]))
+    if kind == "missing":
+        return "required key missing"
+    if kind == "value_error":
+        return str(err["ctx"]["error"])
+    if kind in ("model_type", "dict_type"):
+        return f"must be a mapping (got {err['input']!r})"
+    return f"{err['msg'].replace('Input should be', 'must be')} (got {err['input']!r})"
+
+
+def _key_hint(key: str, allowed: list[str]) -> str:
+    close = difflib.get_close_matches(key, allowed, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else f" (allowed: {', '.join(allowed)})"
+
+
+def _keys_at(loc: tuple) -> list[str]:
+    """The keys the section at `loc` accepts (a task type name in a dict of sections is any key)."""
+    node: Any = ServeConfig
+    for part in loc:
+        node = get_args(node)[1] if get_origin(node) is dict else _unwrap_optional(node.model_fields[part].annotation)
+    return list(node.model_fields)
+
+
+def _unwrap_optional(annotation: Any) -> Any:
+    if get_origin(annotation) in (Union, UnionType):
+        return next(arg for arg in get_args(annotation) if arg is not type(None))
+    return annotation
+
+
+class RoutingReloader:
+    """Polls the config file; applies a changed routing section live through `on_change`.
+
+    The whole file is re-validated on every change. An invalid file is logged (once per distinct
+    error) and the running config kept; changes outside `routing` are logged as needing a restart."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        on_change: Callable[[RoutingConfig], None],
+        log: logging.Logger = logging.getLogger(__name__),
+    ):
+        self.path = Path(path)
+        self.on_change = on_change
+        self.log = log
+        self._seen = self._signature()
+        self.config = load_config(self.path)  # the running config: routing as applied, the rest as started
+        self._last_error: str | None = None
+
+    def check(self) -> bool:
+        """Re-read the file if it changed since the last check; True when a new routing was applied."""
+        seen = self._signature()
+        if seen == self._seen:
+            return False
+        self._seen = seen
+        try:
+            new = load_config(self.path)
+        except ConfigError as e:
+            self._log_error_once(str(e))
+            return False
+        self._last_error = None
+        self._warn_about_restart_only_changes(new)
+        if new.routing == self.config.routing:
+            return False
+        self.on_change(new.routing)
+        self.config = self.config.model_copy(update={"routing": new.routing})
+        return True
+
+    def _signature(self) -> tuple[int, int, int] | None:
+        """What changes when the file is rewritten or replaced; None while it cannot be read."""
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def _log_error_once(self, message: str) -> None:
+        if message != self._last_error:
+            self.log.error("invalid config, keeping the running one:\n%s", message)
+            self._last_error = message
+
+    def _warn_about_restart_only_changes(self, new: ServeConfig) -> None:
+        sections = [name for name in ServeConfig.model_fields if name != "routing"]
+        changed = [name for name in sections if getattr(new, name) != getattr(self.config, name)]
+        if changed:
+            self.log.warning(
+                "%s: changes to %s take effect only after a restart; only routing is reloaded live",
+                self.path, ", ".join(changed),
+            )

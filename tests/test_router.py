@@ -1,0 +1,202 @@
+"""Router: live alpha per task type, hysteresis, probes while off, K from alpha, overrides, reload."""
+
+import sys
+import threading
+
+import pytest
+
+from cluster.config import RoutingConfig, Thresholds
+from cluster.router import Decision, Router, best_k
+
+MIN_SAMPLES = 20
+
+
+def routing(**default) -> RoutingConfig:
+    return RoutingConfig(default=Thresholds(**{"min_samples": MIN_SAMPLES, **default}))
+
+
+def report_alpha(router: Router, task_type: str, alpha: float, times: int = 1) -> None:
+    for _ in range(times):
+        router.report(task_type, accepted=round(alpha * 100), tried=100)
+
+
+def test_high_alpha_stays_on():
+    router = Router(routing())
+    for _ in range(100):
+        report_alpha(router, "code", 0.99)
+        decision = router.route("code")
+        assert decision.speculative and not decision.probe and decision.k == 8
+    assert router.stats()["code"]["decision"] == "on"
+    assert router.stats()["code"]["alpha"] == pytest.approx(0.99)
+
+
+def test_low_alpha_switches_off_after_min_samples_then_probes_at_the_configured_fraction():
+    router = Router(routing(probe_fraction=0.25))
+    for _ in range(MIN_SAMPLES - 1):
+        assert router.route("prose").speculative  # optimistic until enough reports
+        report_alpha(router, "prose", 0.05)
+    assert router.stats()["prose"]["decision"] == "on"
+    report_alpha(router, "prose", 0.05)
+    assert router.stats()["prose"]["decision"] == "off"
+
+    decisions = [router.route("prose") for _ in range(100)]
+    probes = [d for d in decisions if d.probe]
+    assert len(probes) == 25 and all(d.speculative and d.k >= 1 for d in probes)
+    assert decisions[3].probe and not decisions[0].probe  # evenly spread: every 4th request
+    assert all(d == Decision(speculative=False, probe=False, k=0) for d in decisions if not d.probe)
+    assert router.stats()["prose"]["requests"] == {"speculative": MIN_SAMPLES - 1, "plain": 75, "probe": 25}
+
+
+def test_probe_reports_bring_a_task_type_back_on():
+    router = Router(routing(probe_fraction=0.5, ema=0.1))
+    report_alpha(router, "prose", 0.05, times=MIN_SAMPLES)
+    assert router.stats()["prose"]["decision"] == "off"
+    # with ema 0.1, reports of 1.0 lift alpha from 0.05 to >= 0.55 after 8 of them (1 - 0.95 * 0.9^n)
+    probe_reports = 0
+    while router.stats()["prose"]["decision"] == "off":
+        decision = router.route("prose")
+        if decision.probe:
+            report_alpha(router, "prose", 1.0)
+            probe_reports += 1
+    assert probe_reports == 8
+    assert router.stats()["prose"]["samples"] == MIN_SAMPLES + 8
+    k = best_k(router.stats()["prose"]["alpha"], Thresholds())
+    assert router.route("prose") == Decision(speculative=True, probe=False, k=k)
+
+
+def test_hysteresis_keeps_the_decision_between_off_and_on():
+    router = Router(RoutingConfig(default=Thresholds(min_samples=1, ema=1.0, on_alpha=0.55, off_alpha=0.35)))
+    decisions = []
+    for alpha in (0.45, 0.2, 0.45, 0.54, 0.55, 0.36, 0.35, 0.34):
+        report_alpha(router, "chat", alpha)
+        decisions.append(router.stats()["chat"]["decision"])
+    assert decisions == ["on", "off", "off", "off", "on", "on", "on", "off"]
+
+
+def test_no_switch_before_min_samples_even_for_extreme_alpha():
+    router = Router(routing())
+    report_alpha(router, "x", 0.0, times=MIN_SAMPLES - 1)
+    assert router.route("x").speculative
+
+
+def test_requested_on_and_off_override_the_decision():
+    router = Router(routing(probe_fraction=0.0))
+    report_alpha(router, "prose", 0.05, times=MIN_SAMPLES)
+    assert router.route("prose") == Decision(speculative=False, probe=False, k=0)
+    forced = router.route("prose", "ON")
+    assert forced.speculative and not forced.probe and forced.k >= 1
+    assert router.route("code", "OFF") == Decision(speculative=False, probe=False, k=0)  # on, yet forced off
+    assert router.route("code", "AUTO").speculative
+    assert router.stats()["prose"]["requests"] == {"speculative": 1, "plain": 1, "probe": 0}
+    assert router.stats()["code"]["requests"] == {"speculative": 1, "plain": 1, "probe": 0}
+    with pytest.raises(ValueError, match="requested must be one of AUTO, ON, OFF, got 'on'"):
+        router.route("code", "on")
+
+
+def test_unknown_task_types_use_default_thresholds_with_their_own_state():
+    config = RoutingConfig(
+        default=Thresholds(min_samples=5, off_alpha=0.3),
+        task_types={"code": Thresholds(min_samples=50, off_alpha=0.3)},
+    )
+    router = Router(config)
+    for task_type in ("code", "poetry", "legal"):
+        report_alpha(router, task_type, 0.1, times=5)
+    stats = router.stats()
+    assert stats["code"]["decision"] == "on"  # needs 50 reports
+    assert stats["poetry"]["decision"] == "off" and stats["legal"]["decision"] == "off"  # default: 5
+    report_alpha(router, "legal", 0.9, times=30)
+    assert router.stats()["poetry"]["alpha"] == pytest.approx(0.1)  # legal's reports are its own
+
+
+def test_update_routing_takes_effect_and_keeps_alpha():
+    router = Router(routing())
+    report_alpha(router, "code", 0.45, times=MIN_SAMPLES)  # between off (0.35) and on (0.55): stays on
+    router.route("code")
+    assert router.stats()["code"]["decision"] == "on"
+
+    router.update_routing(routing(off_alpha=0.5, on_alpha=0.7))
+    stats = router.stats()["code"]
+    assert stats["decision"] == "off"  # at once, without waiting for a report
+    assert stats["alpha"] == pytest.approx(0.45) and stats["samples"] == MIN_SAMPLES
+    assert stats["requests"]["speculative"] == 1
+
+    router.update_routing(RoutingConfig(default=Thresholds(min_samples=100)))  # not enough reports: keep
+    assert router.stats()["code"]["decision"] == "off"
+
+
+def test_update_routing_changes_k():
+    router = Router(routing())
+    report_alpha(router, "code", 0.9, times=MIN_SAMPLES)
+    assert router.route("code").k == 8
+    router.update_routing(routing(max_k=3))
+    assert router.route("code").k == 3
+
+
+def test_k_grows_with_alpha_and_is_zero_for_plain():
+    thresholds = Thresholds()
+    ks = [best_k(a / 20, thresholds) for a in range(21)]
+    assert ks == sorted(ks) and ks[0] == 1 and ks[-1] == thresholds.max_k
+    assert best_k(0.9, Thresholds(draft_cost_ratio=0.9)) < best_k(0.9, Thresholds(draft_cost_ratio=0.05))
+
+    router = Router(routing(off_alpha=0.0, on_alpha=0.01))  # never off
+    k_by_alpha = []
+    for alpha in (0.1, 0.5, 0.8, 0.95):
+        task_type = f"t{alpha}"
+        report_alpha(router, task_type, alpha)
+        k_by_alpha.append(router.route(task_type).k)
+    assert k_by_alpha == sorted(k_by_alpha) and k_by_alpha[0] < k_by_alpha[-1]
+    assert router.route("t0.1", "OFF").k == 0
+
+
+def test_k_before_any_report_uses_on_alpha():
+    router = Router(routing(on_alpha=0.9, off_alpha=0.1))
+    assert router.route("new").k == best_k(0.9, Thresholds(on_alpha=0.9, off_alpha=0.1))
+
+
+def test_reports_that_tried_nothing_are_ignored_and_bad_ones_refused():
+    router = Router(routing())
+    router.report("code", accepted=0, tried=0)
+    assert router.stats() == {}
+    for accepted, tried in ((5, 4), (-1, 4)):
+        with pytest.raises(ValueError, match="need 0 <= accepted <= tried"):
+            router.report("code", accepted, tried)
+
+
+def test_stats_shape():
+    router = Router(routing())
+    router.route("code")
+    report_alpha(router, "code", 0.8)
+    assert router.stats() == {
+        "code": {
+            "alpha": pytest.approx(0.8),
+            "decision": "on",
+            "k": best_k(0.8, Thresholds()),
+            "samples": 1,
+            "requests": {"speculative": 1, "plain": 0, "probe": 0},
+        }
+    }
+    router.update_routing(routing(on_alpha=0.9, off_alpha=0.85, min_samples=1))
+    assert router.stats()["code"]["decision"] == "off" and router.stats()["code"]["k"] == 0
+
+
+def test_concurrent_requests_are_all_counted():
+    router = Router(routing(probe_fraction=0.5))
+    report_alpha(router, "prose", 0.0, times=MIN_SAMPLES)
+
+    def serve():
+        for _ in range(500):
+            if router.route("prose").probe:
+                router.report("prose", 0, 4)
+
+    threads = [threading.Thread(target=serve) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    stats = router.stats()["prose"]
+    assert stats["requests"] == {"speculative": 0, "plain": 1000, "probe": 1000}
+    assert stats["samples"] == MIN_SAMPLES + 1000
+
+
+def test_no_ray_or_grpc_imported():
+    assert not [name for name in sys.modules if name.split(".")[0] in ("ray", "grpc")]
