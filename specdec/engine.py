@@ -10,11 +10,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .acceptance import Verdict, accept_greedy, accept_sampling
+from .acceptance import Verdict
 from .adaptive import AlphaEstimate, Costs, best_plan
 from .drafters import Drafter, Plan
 from .kvcache import CachedLM
 from .sampling import SamplingParams, make_generator
+from .target import TargetWorker
 from .tree import TokenTree, layout
 
 
@@ -101,7 +102,7 @@ class SpeculativeEngine:
         if len(streams) != B:
             raise ValueError(f"{len(streams)} random streams for {B} prompts: give one per prompt")
         device = self.target.device
-        gens = [make_generator(p.seed, s, device) for p, s in zip(params, streams)]
+        gens = [make_generator(p.seed, s, device, role="draft") for p, s in zip(params, streams)]
         if self.config.depth is None and self.drafter is not None and self.costs is None:
             self.costs = self.calibrate(prompts[0])
 
@@ -112,10 +113,10 @@ class SpeculativeEngine:
         rows = list(range(B))  # batch row -> request index
 
         t0 = self._clock()
-        self.target.reset(B)
+        worker = TargetWorker(self.target)
+        worker.add([(r, prompts[r], params[r], streams[r]) for r in range(B)])
         if self.drafter is not None:
             self.drafter.start(B)
-        self.target.prefill([s[:-1] for s in seqs])
         for g in out:
             g.stats.prefill_time_s = self._clock() - t0
 
@@ -123,8 +124,8 @@ class SpeculativeEngine:
             matches = [self._match(i, seqs[r]) for i, r in enumerate(rows)]
             plans = [self._plan(alphas[r], m, idle[r], max_new_tokens - len(out[r].token_ids))
                      for r, m in zip(rows, matches)]
-            trees, verdicts, times = self._step([seqs[r] for r in rows], plans, [params[r] for r in rows],
-                                                [gens[r] for r in rows])
+            trees, verdicts, times = self._step(worker, rows, [seqs[r] for r in rows], plans,
+                                                [params[r] for r in rows], [gens[r] for r in rows])
             keep = []
             for i, r in enumerate(rows):
                 self._record(out[r].stats, trees[i], verdicts[i], times)
@@ -132,13 +133,13 @@ class SpeculativeEngine:
                 if self._emit(out[r], seqs[r], verdicts[i].tokens, max_new_tokens):
                     keep.append(i)
             if len(keep) < len(rows):
-                self.target.select(keep)
+                worker.remove([r for i, r in enumerate(rows) if i not in set(keep)])
                 if self.drafter is not None:
                     self.drafter.select(keep)
                 rows = [rows[i] for i in keep]
         return out
 
-    def _step(self, seqs, plans, params, gens) -> tuple[list[TokenTree], list[Verdict], tuple[float, float]]:
+    def _step(self, worker, rows, seqs, plans, params, gens) -> tuple[list[TokenTree], list[Verdict], tuple[float, float]]:
         """One speculative step for the batch: draft, verify, commit. -> trees, verdicts, (draft s, verify s)"""
         t0 = self._clock()
         if any(p.depth or p.ngram for p in plans):
@@ -146,7 +147,8 @@ class SpeculativeEngine:
         else:
             trees = [TokenTree.root(s[-1]) for s in seqs]
         t1 = self._clock()
-        verdicts, verify_tokens = self._verify(trees, params, gens)
+        by_request, verify_tokens = worker.verify(dict(zip(rows, trees)))
+        verdicts = [by_request[r] for r in rows]
         t2 = self._clock()
         if self.drafter is not None:
             self.drafter.commit([v.path for v in verdicts])
@@ -170,19 +172,6 @@ class SpeculativeEngine:
         if self.target.device.type == "cuda":
             torch.cuda.synchronize(self.target.device)
         return time.perf_counter()
-
-    def _verify(self, trees, params, gens) -> tuple[list[Verdict], int]:
-        """Score all trees in one target forward and decide acceptance. -> verdicts, tokens in the block"""
-        start = self.target.size
-        tokens, block, positions = layout(trees, self.target.lengths)
-        logits = self.target.forward(tokens, block, positions)  # [B, T, V]
-        argmax = logits.argmax(-1).tolist()
-        verdicts = [
-            accept_greedy(tree, am) if p.greedy else accept_sampling(tree, lg, p, g)
-            for tree, am, lg, p, g in zip(trees, argmax, logits, params, gens)
-        ]
-        self.target.commit([[start + n for n in v.path] for v in verdicts])
-        return verdicts, tokens.numel()
 
     def _emit(self, gen: Generation, seq: list[int], tokens: list[int], max_new_tokens: int) -> bool:
         """Append accepted tokens up to eos or the length limit; False when the request is done."""

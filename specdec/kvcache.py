@@ -58,6 +58,12 @@ class GrowingLayer(CacheLayerMixin):
         if self.is_initialized and tokens_to_remove:
             self._set_length(self.n - abs(tokens_to_remove))
 
+    def add_rows(self, n: int) -> None:
+        """n new, empty sequences at the end of the batch."""
+        if self.buf_k is not None:
+            self.buf_k, self.buf_v = (torch.cat([b, b.new_zeros((n, *b.shape[1:]))]) for b in (self.buf_k, self.buf_v))
+            self._set_length(self.n)
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
             self.buf_k, self.buf_v = self.buf_k.index_select(0, indices), self.buf_v.index_select(0, indices)
@@ -149,6 +155,13 @@ class CachedLM:
         excess = self.size - max(self.lengths, default=0)
         if excess > 0:
             self.kv.crop(-excess)
+
+    @torch.inference_mode()
+    def add_rows(self, n: int) -> None:
+        """n new sequences join the batch, with nothing committed yet."""
+        for layer in self.kv.layers:
+            layer.add_rows(n)
+        self.lengths += [0] * n
 
     @torch.inference_mode()
     def select(self, rows: list[int]) -> None:

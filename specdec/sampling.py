@@ -45,11 +45,17 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def make_generator(seed: int | None, stream: int = 0, device: str | torch.device = "cpu") -> torch.Generator:
-    """A generator for one request's random stream; `stream` separates the samples of one seed."""
+ROLES = ("draft", "target")  # the two sides draw from separate streams, as they may run in separate processes
+
+
+def make_generator(
+    seed: int | None, stream: int = 0, device: str | torch.device = "cpu", role: str = "draft"
+) -> torch.Generator:
+    """A generator for one request's random stream; `stream` separates the samples of one seed and
+    `role` the draft side's draws from the target side's."""
     g = torch.Generator(device=device)
     if seed is None:
         g.seed()
     else:
-        g.manual_seed((seed * 1_000_003 + stream) % (2**63))
+        g.manual_seed(((seed * 1_000_003 + stream) * len(ROLES) + ROLES.index(role)) % (2**63))
     return g

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-import specdec.engine
+import specdec.target
 from specdec import CachedLM, MergedDrafter, ModelDrafter, NgramDrafter, SamplingParams, SpecConfig, SpeculativeEngine
 from specdec.acceptance import Verdict, accept_sampling
 from specdec.adaptive import Costs
@@ -237,7 +237,7 @@ def accept_without_residual(tree, logits, params, generator):
 @pytest.mark.parametrize("wrong", [accept_first_branch_unchecked, accept_without_residual], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("kind", ["chain", "tree"])
 def test_wrong_acceptance_fails_the_bound(monkeypatch, small_target, small_draft, exact_t1, wrong, kind):
-    monkeypatch.setattr(specdec.engine, "accept_sampling", wrong)
+    monkeypatch.setattr(specdec.target, "accept_sampling", wrong)
     drafter, depth, width = drafter_for(kind, small_draft)
     counts, _ = sample_engine(small_target, drafter, depth, width, PARAMS_T1)
     joint, margins, tv = fit(counts, exact_t1)

@@ -1,0 +1,85 @@
+"""The target side of speculation: requests join and leave a running batch (continuous batching),
+each keeping its own KV rows; the candidate trees of any of them are verified together in one
+forward. It sees trees and sampling settings only, so the side that drafts can be another process."""
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+from .acceptance import Verdict, accept_greedy, accept_sampling
+from .kvcache import CachedLM
+from .sampling import SamplingParams, make_generator
+from .tree import TokenTree, layout
+
+
+@dataclass
+class _Request:
+    seq: list[int]  # committed tokens; the cache holds all but the last, the root of the next tree
+    params: SamplingParams
+    generator: torch.Generator  # the target side's random stream (acceptance, bonus tokens)
+
+
+class TargetWorker:
+    def __init__(self, lm: CachedLM):
+        self.lm = lm
+        lm.reset(0)
+        self.requests: dict[Hashable, _Request] = {}
+        self.rows: list[Hashable] = []  # batch row -> request id
+
+    def add(self, joining: list[tuple[Hashable, list[int], SamplingParams, int]]) -> None:
+        """Requests (id, prompt, params, stream) join the batch; their prompts are prefilled in one forward."""
+        for rid, prompt, _, _ in joining:
+            if rid in self.requests:
+                raise ValueError(f"request {rid!r} is already in the batch")
+            if not prompt:
+                raise ValueError(f"request {rid!r}: the prompt is empty")
+        self.lm.add_rows(len(joining))
+        for rid, prompt, params, stream in joining:
+            gen = make_generator(params.seed, stream, self.lm.device, role="target")
+            self.requests[rid] = _Request(list(prompt), params, gen)
+            self.rows.append(rid)
+        fresh = {rid: prompt for rid, prompt, _, _ in joining}
+        self.lm.prefill([fresh[rid][:-1] if rid in fresh else [] for rid in self.rows])
+
+    def remove(self, leaving: list[Hashable]) -> None:
+        gone = set(leaving)
+        keep = [row for row, rid in enumerate(self.rows) if rid not in gone]
+        self.lm.select(keep)
+        self.rows = [self.rows[row] for row in keep]
+        for rid in gone:
+            del self.requests[rid]
+
+    def last_token(self, rid: Hashable) -> int:
+        return self.requests[rid].seq[-1]
+
+    @torch.inference_mode()
+    def verify(self, trees: dict[Hashable, TokenTree]) -> tuple[dict[Hashable, Verdict], int]:
+        """Score the given requests' trees in one forward (other requests sit it out) and decide what
+        each keeps. -> verdicts by request id, tokens in the forward's block"""
+        for rid, tree in trees.items():
+            if rid not in self.requests:
+                raise KeyError(f"request {rid!r} is not in the batch")
+            if tree.tokens[0] != self.requests[rid].seq[-1]:
+                raise ValueError(f"request {rid!r}: a tree's root must be its last token "
+                                 f"({self.requests[rid].seq[-1]}), got {tree.tokens[0]}")
+        if not trees:
+            return {}, 0
+        row_trees = [trees.get(rid) or TokenTree.root(self.requests[rid].seq[-1]) for rid in self.rows]
+        start = self.lm.size
+        tokens, block, positions = layout(row_trees, self.lm.lengths)
+        logits = self.lm.forward(tokens, block, positions)  # [B, T, V]
+        argmax = logits.argmax(-1).tolist()
+        verdicts, keep = {}, []
+        for row, (rid, tree) in enumerate(zip(self.rows, row_trees)):
+            if rid not in trees:
+                keep.append([])  # sat this step out: nothing committed
+                continue
+            req = self.requests[rid]
+            v = accept_greedy(tree, argmax[row]) if req.params.greedy else \
+                accept_sampling(tree, logits[row], req.params, req.generator)
+            req.seq += v.tokens
+            verdicts[rid] = v
+            keep.append([start + n for n in v.path])
+        self.lm.commit(keep)
+        return verdicts, tokens.numel()
