@@ -1,0 +1,96 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Speculation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SPECULATION_AUTO: _ClassVar[Speculation]
+    SPECULATION_ON: _ClassVar[Speculation]
+    SPECULATION_OFF: _ClassVar[Speculation]
+SPECULATION_AUTO: Speculation
+SPECULATION_ON: Speculation
+SPECULATION_OFF: Speculation
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "task_type", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "speculation")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TASK_TYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    task_type: str
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    speculation: Speculation
+    def __init__(self, prompt: _Optional[str] = ..., task_type: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, str]] = ...) -> None: ...
+
+class SpeculationStats(_message.Message):
+    __slots__ = ("speculative", "drafted", "accepted", "steps", "alpha")
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    speculative: bool
+    drafted: int
+    accepted: int
+    steps: int
+    alpha: float
+    def __init__(self, speculative: _Optional[bool] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., steps: _Optional[int] = ..., alpha: _Optional[float] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("text", "token_ids", "finish_reason", "stats")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    stats: SpeculationStats
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[SpeculationStats, _Mapping]] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TaskTypeStats(_message.Message):
+    __slots__ = ("task_type", "alpha", "decision", "k", "samples", "requests")
+    class RequestsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    TASK_TYPE_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    task_type: str
+    alpha: float
+    decision: str
+    k: int
+    samples: int
+    requests: _containers.ScalarMap[str, int]
+    def __init__(self, task_type: _Optional[str] = ..., alpha: _Optional[float] = ..., decision: _Optional[str] = ..., k: _Optional[int] = ..., samples: _Optional[int] = ..., requests: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("task_types",)
+    TASK_TYPES_FIELD_NUMBER: _ClassVar[int]
+    task_types: _containers.RepeatedCompositeFieldContainer[TaskTypeStats]
+    def __init__(self, task_types: _Optional[_Iterable[_Union[TaskTypeStats, _Mapping]]] = ...) -> None: ...

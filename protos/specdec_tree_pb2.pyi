@@ -1,0 +1,55 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Proposal(_message.Message):
+    __slots__ = ("probs", "vocab")
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_FIELD_NUMBER: _ClassVar[int]
+    probs: bytes
+    vocab: int
+    def __init__(self, probs: _Optional[bytes] = ..., vocab: _Optional[int] = ...) -> None: ...
+
+class CandidateTree(_message.Message):
+    __slots__ = ("request_id", "tokens", "parents", "proposal_ids", "proposals", "from_model", "guess")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    FROM_MODEL_FIELD_NUMBER: _ClassVar[int]
+    GUESS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    proposal_ids: _containers.RepeatedScalarFieldContainer[int]
+    proposals: _containers.RepeatedCompositeFieldContainer[Proposal]
+    from_model: _containers.RepeatedScalarFieldContainer[bool]
+    guess: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., proposal_ids: _Optional[_Iterable[int]] = ..., proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., from_model: _Optional[_Iterable[bool]] = ..., guess: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("trees",)
+    TREES_FIELD_NUMBER: _ClassVar[int]
+    trees: _containers.RepeatedCompositeFieldContainer[CandidateTree]
+    def __init__(self, trees: _Optional[_Iterable[_Union[CandidateTree, _Mapping]]] = ...) -> None: ...
+
+class VerifyResult(_message.Message):
+    __slots__ = ("request_id", "path", "tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    path: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., path: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[VerifyResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ...) -> None: ...
