@@ -34,17 +34,40 @@ class TargetServiceStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Open = channel.unary_unary(
+                '/specdec.v1.TargetService/Open',
+                request_serializer=protos_dot_specdec__tree__pb2.OpenRequest.SerializeToString,
+                response_deserializer=protos_dot_specdec__tree__pb2.OpenResponse.FromString,
+                _registered_method=True)
         self.Verify = channel.unary_unary(
                 '/specdec.v1.TargetService/Verify',
                 request_serializer=protos_dot_specdec__tree__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=protos_dot_specdec__tree__pb2.VerifyResponse.FromString,
+                _registered_method=True)
+        self.Close = channel.unary_unary(
+                '/specdec.v1.TargetService/Close',
+                request_serializer=protos_dot_specdec__tree__pb2.CloseRequest.SerializeToString,
+                response_deserializer=protos_dot_specdec__tree__pb2.CloseResponse.FromString,
                 _registered_method=True)
 
 
 class TargetServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
+    def Open(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Verify(self, request, context):
+        """concurrent calls are verified in one forward
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Close(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -53,10 +76,20 @@ class TargetServiceServicer:
 
 def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Open': grpc.unary_unary_rpc_method_handler(
+                    servicer.Open,
+                    request_deserializer=protos_dot_specdec__tree__pb2.OpenRequest.FromString,
+                    response_serializer=protos_dot_specdec__tree__pb2.OpenResponse.SerializeToString,
+            ),
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
                     request_deserializer=protos_dot_specdec__tree__pb2.VerifyRequest.FromString,
                     response_serializer=protos_dot_specdec__tree__pb2.VerifyResponse.SerializeToString,
+            ),
+            'Close': grpc.unary_unary_rpc_method_handler(
+                    servicer.Close,
+                    request_deserializer=protos_dot_specdec__tree__pb2.CloseRequest.FromString,
+                    response_serializer=protos_dot_specdec__tree__pb2.CloseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -68,6 +101,33 @@ def add_TargetServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class TargetService:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Open(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.TargetService/Open',
+            protos_dot_specdec__tree__pb2.OpenRequest.SerializeToString,
+            protos_dot_specdec__tree__pb2.OpenResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Verify(request,
@@ -86,6 +146,33 @@ class TargetService:
             '/specdec.v1.TargetService/Verify',
             protos_dot_specdec__tree__pb2.VerifyRequest.SerializeToString,
             protos_dot_specdec__tree__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Close(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.TargetService/Close',
+            protos_dot_specdec__tree__pb2.CloseRequest.SerializeToString,
+            protos_dot_specdec__tree__pb2.CloseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -68,6 +68,20 @@ class Generation:
     stats: RequestStats = field(default_factory=RequestStats)
 
 
+def emit(gen: Generation, seq: list[int], tokens: list[int], max_new_tokens: int, eos: set[int]) -> bool:
+    """Append committed tokens up to eos or the length limit; False when the request is done."""
+    for tok in tokens:
+        gen.token_ids.append(tok)
+        seq.append(tok)
+        gen.stats.new_tokens += 1
+        if tok in eos:
+            gen.finish_reason = "stop"
+            return False
+        if len(gen.token_ids) >= max_new_tokens:
+            return False
+    return True
+
+
 class SpeculativeEngine:
     def __init__(
         self,
@@ -130,7 +144,7 @@ class SpeculativeEngine:
             for i, r in enumerate(rows):
                 self._record(out[r].stats, trees[i], verdicts[i], times)
                 self._observe(alphas[r], matches[i], idle[r], plans[i], trees[i], verdicts[i])
-                if self._emit(out[r], seqs[r], verdicts[i].tokens, max_new_tokens):
+                if emit(out[r], seqs[r], verdicts[i].tokens, max_new_tokens, self.eos):
                     keep.append(i)
             if len(keep) < len(rows):
                 worker.remove([r for i, r in enumerate(rows) if i not in set(keep)])
@@ -172,19 +186,6 @@ class SpeculativeEngine:
         if self.target.device.type == "cuda":
             torch.cuda.synchronize(self.target.device)
         return time.perf_counter()
-
-    def _emit(self, gen: Generation, seq: list[int], tokens: list[int], max_new_tokens: int) -> bool:
-        """Append accepted tokens up to eos or the length limit; False when the request is done."""
-        for tok in tokens:
-            gen.token_ids.append(tok)
-            seq.append(tok)
-            gen.stats.new_tokens += 1
-            if tok in self.eos:
-                gen.finish_reason = "stop"
-                return False
-            if len(gen.token_ids) >= max_new_tokens:
-                return False
-        return True
 
     def _match(self, row: int, seq: list[int]) -> int:
         """Length of the n-gram the drafter's guess would match for this row (0: none, or no n-gram)."""

@@ -53,16 +53,20 @@ class TargetWorker:
     def last_token(self, rid: Hashable) -> int:
         return self.requests[rid].seq[-1]
 
-    @torch.inference_mode()
-    def verify(self, trees: dict[Hashable, TokenTree]) -> tuple[dict[Hashable, Verdict], int]:
-        """Score the given requests' trees in one forward (other requests sit it out) and decide what
-        each keeps. -> verdicts by request id, tokens in the forward's block"""
+    def check(self, trees: dict[Hashable, TokenTree]) -> None:
+        """KeyError for a request not in the batch; ValueError for a tree not rooted at its last token."""
         for rid, tree in trees.items():
             if rid not in self.requests:
                 raise KeyError(f"request {rid!r} is not in the batch")
             if tree.tokens[0] != self.requests[rid].seq[-1]:
                 raise ValueError(f"request {rid!r}: a tree's root must be its last token "
                                  f"({self.requests[rid].seq[-1]}), got {tree.tokens[0]}")
+
+    @torch.inference_mode()
+    def verify(self, trees: dict[Hashable, TokenTree]) -> tuple[dict[Hashable, Verdict], int]:
+        """Score the given requests' trees in one forward (other requests sit it out) and decide what
+        each keeps. -> verdicts by request id, tokens in the forward's block"""
+        self.check(trees)
         if not trees:
             return {}, 0
         row_trees = [trees.get(rid) or TokenTree.root(self.requests[rid].seq[-1]) for rid in self.rows]

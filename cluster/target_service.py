@@ -1,0 +1,139 @@
+"""The target's gRPC face, specdec.v1.TargetService: Open, Verify, Close over a TargetWorker.
+
+One thread owns the worker. Verify calls that arrive while it runs a forward (or within
+`batch_window_s` of the first) are merged into one forward, so the trees of concurrent requests are
+verified together."""
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos import specdec_tree_pb2 as tree_pb
+from protos import specdec_tree_pb2_grpc as tree_grpc
+from specdec.target import TargetWorker
+
+from . import wire
+
+
+@dataclass
+class _Op:
+    run: Callable  # () -> result, on the worker's thread; verify ops merge instead
+    trees: dict | None = None  # verify ops: request id -> TokenTree
+    done: threading.Event = field(default_factory=threading.Event)
+    result: object = None
+    error: Exception | None = None
+
+
+class TargetService(tree_grpc.TargetServiceServicer):
+    def __init__(self, worker: TargetWorker, batch_window_s: float = 0.0):
+        self.worker, self.window = worker, batch_window_s
+        self.ops: queue.Queue[_Op | None] = queue.Queue()
+        self.forwards = 0  # verify forwards run
+        self.largest_batch = 0  # most requests verified in one forward
+        self._thread = threading.Thread(target=self._serve, name="target-worker", daemon=True)
+        self._thread.start()
+
+    def Open(self, request, context):
+        try:
+            params = wire.sampling_from_proto(request.params)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"params: {e}")
+        self._submit(_Op(lambda: self.worker.add([(request.request_id, list(request.prompt), params, request.stream)])),
+                     context)
+        return tree_pb.OpenResponse()
+
+    def Verify(self, request, context):
+        try:
+            trees = dict(wire.tree_from_proto(t) for t in request.trees)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if len(trees) != len(request.trees):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a request id appears twice in one VerifyRequest")
+        verdicts = self._submit(_Op(run=None, trees=trees), context)
+        return tree_pb.VerifyResponse(results=[wire.verdict_to_proto(rid, verdicts[rid]) for rid in trees])
+
+    def Close(self, request, context):
+        self._submit(_Op(lambda: self.worker.remove([r for r in request.request_ids if r in self.worker.requests])),
+                     context)
+        return tree_pb.CloseResponse()
+
+    def stop(self) -> None:
+        self.ops.put(None)
+        self._thread.join()
+
+    def _submit(self, op: _Op, context):
+        self.ops.put(op)
+        op.done.wait()
+        if isinstance(op.error, KeyError):
+            context.abort(grpc.StatusCode.NOT_FOUND, op.error.args[0])
+        if isinstance(op.error, ValueError):
+            code = grpc.StatusCode.ALREADY_EXISTS if "already" in str(op.error) else grpc.StatusCode.INVALID_ARGUMENT
+            context.abort(code, str(op.error))
+        if op.error is not None:
+            context.abort(grpc.StatusCode.INTERNAL, repr(op.error))
+        return op.result
+
+    def _serve(self) -> None:
+        while (op := self.ops.get()) is not None:
+            if op.trees is None:
+                self._finish(op)
+                continue
+            batch, later = self._gather_verifies(op)
+            self._verify(batch)
+            for other in later:
+                self._finish(other)
+            if None in later:
+                break
+
+    def _gather_verifies(self, first: _Op) -> tuple[list[_Op], list]:
+        """The first verify plus every verify queued meanwhile (or within the window) whose requests
+        are checked and not already in the batch; other ops run after the forward."""
+        batch, later, ids = [], [], set()
+        op, deadline_wait = first, self.window
+        while True:
+            if op is None or op.trees is None:
+                later.append(op)
+            elif ids & op.trees.keys():  # the same request twice: its second tree goes in a forward of its own
+                later.append(_Op(run=lambda o=op: self._verify([o])))
+            else:
+                try:
+                    self.worker.check(op.trees)
+                    batch.append(op)
+                    ids |= op.trees.keys()
+                except (KeyError, ValueError) as e:
+                    op.error = e
+                    op.done.set()
+            try:
+                op = self.ops.get(timeout=deadline_wait) if deadline_wait else self.ops.get_nowait()
+                deadline_wait = 0
+            except queue.Empty:
+                return batch, later
+
+    def _verify(self, batch: list[_Op]) -> None:
+        if not batch:
+            return
+        merged = {rid: tree for op in batch for rid, tree in op.trees.items()}
+        try:
+            verdicts, _ = self.worker.verify(merged)
+            self.forwards += 1
+            self.largest_batch = max(self.largest_batch, len(merged))
+            for op in batch:
+                op.result = verdicts
+        except Exception as e:  # noqa: BLE001 - handed to each caller as a gRPC error
+            for op in batch:
+                op.error = e
+        for op in batch:
+            op.done.set()
+
+    @staticmethod
+    def _finish(op: _Op | None) -> None:
+        if op is None:
+            return
+        try:
+            op.result = op.run()
+        except Exception as e:  # noqa: BLE001 - handed to the caller as a gRPC error
+            op.error = e
+        op.done.set()
