@@ -1,0 +1,1 @@
+"""Ray actors: thin shells that own models and call specdec/ and cluster/."""
