@@ -66,11 +66,7 @@ def sampling_to_proto(p: SamplingParams) -> tree_pb.SamplingParams:
     return tree_pb.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
 
 
-def sampling_from_proto(msg: tree_pb.SamplingParams) -> SamplingParams:
-    return sampling_from_request(msg)
-
-
-def sampling_from_request(req: api.GenerateRequest | tree_pb.SamplingParams) -> SamplingParams:
+def sampling_from_proto(req: api.GenerateRequest | tree_pb.SamplingParams) -> SamplingParams:
     """ValueError naming the field when temperature, top_k or top_p is out of range."""
     return SamplingParams(temperature=req.temperature, top_k=req.top_k,
                           top_p=req.top_p if req.HasField("top_p") else 1.0,

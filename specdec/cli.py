@@ -178,7 +178,6 @@ def cmd_generate(args) -> None:
 
 
 def cmd_distill(args) -> None:
-    import torch
 
     from .distill import corpus_files, distill, encode_texts, generated_corpus, split_heldout
     from .loading import load_model, load_tokenizer, parse_dtype

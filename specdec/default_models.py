@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from .distill import distill, encode_texts, evaluate
+from .distill import distill, encode_texts, remove_checkpoint
 from .training import TrainConfig, train
 
 FORMAT = 1  # bump when the build changes in a way the spec does not capture
@@ -134,7 +134,7 @@ def build(spec: DefaultSpec, out: Path, log=print) -> dict:
     dcfg = TrainConfig(steps=spec.draft_steps, batch_size=spec.batch_size, seq_len=spec.seq_len, lr=3e-3,
                        seed=spec.seed + 1, checkpoint_every=10**9)
     summary = distill(target, tokenizer, tmp / "draft", tokens, heldout, spec.draft_layers, spec.draft_hidden, dcfg)
-    shutil.rmtree(tmp / "draft" / "checkpoint", ignore_errors=True)
+    remove_checkpoint(tmp / "draft")
     report = {
         "spec": asdict(spec),
         "seconds": round(time.perf_counter() - t0, 1),
@@ -151,4 +151,4 @@ def build(spec: DefaultSpec, out: Path, log=print) -> dict:
     return report
 
 
-__all__ = ["DefaultSpec", "default_pair", "build", "cache_root", "evaluate"]
+__all__ = ["DefaultSpec", "default_pair", "build", "cache_root"]

@@ -152,9 +152,7 @@ class CachedLM:
             rows_t, src_t, dst_t = (torch.tensor(x, device=self.device) for x in (rows, src, dst))
             for layer in self.kv.layers:
                 layer.move(rows_t, src_t, dst_t)
-        excess = self.size - max(self.lengths, default=0)
-        if excess > 0:
-            self.kv.crop(-excess)
+        self._crop_to_longest()
 
     @torch.inference_mode()
     def add_rows(self, n: int) -> None:
@@ -172,6 +170,10 @@ class CachedLM:
         for layer in self.kv.layers:
             layer.batch_select_indices(index)
         self.lengths = [self.lengths[r] for r in rows]
+        self._crop_to_longest()
+
+    def _crop_to_longest(self) -> None:
+        """Drop the slots past the longest row's committed tokens."""
         excess = self.size - max(self.lengths, default=0)
         if excess > 0:
             self.kv.crop(-excess)

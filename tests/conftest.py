@@ -11,7 +11,6 @@ All are saved with save_pretrained and read back through specdec.loading.load_mo
 import copy
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch

@@ -17,7 +17,6 @@ from specdec.adaptive import Costs
 from specdec.sampling import make_generator, warp
 from specdec.tree import TokenTree
 
-from conftest import SMALL_VOCAB
 
 PROMPT = [1, 2, 3, 1, 2]  # repeats, so prompt lookup proposes guesses too
 N_TOKENS = 3  # tokens generated per sample; the first step drafts min(K, 2) of them

@@ -71,14 +71,14 @@ def test_malformed_verdict():
         wire.verdict_from_proto(tree_pb.VerifyResult(request_id="x", path=[0, 1], tokens=[4]))
 
 
-def test_sampling_from_request():
-    p = wire.sampling_from_request(api.GenerateRequest(prompt="x", temperature=0.7, top_k=5, seed=3))
+def test_sampling_from_proto():
+    p = wire.sampling_from_proto(api.GenerateRequest(prompt="x", temperature=0.7, top_k=5, seed=3))
     assert (p.temperature, p.top_k, p.top_p, p.seed) == (pytest.approx(0.7), 5, 1.0, 3)
-    assert wire.sampling_from_request(api.GenerateRequest(prompt="x")).seed is None
+    assert wire.sampling_from_proto(api.GenerateRequest(prompt="x")).seed is None
     for req, field in [(api.GenerateRequest(temperature=-1), "temperature"), (api.GenerateRequest(top_k=-2), "top_k"),
                        (api.GenerateRequest(top_p=0.0), "top_p"), (api.GenerateRequest(top_p=1.5), "top_p")]:
         with pytest.raises(ValueError, match=field):
-            wire.sampling_from_request(req)
+            wire.sampling_from_proto(req)
 
 
 def test_service_names():
