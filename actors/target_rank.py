@@ -1,16 +1,23 @@
-"""A target rank: owns the target model and its requests' KV caches, and serves
-specdec.v1.TargetService over gRPC so draft replicas can send it token trees."""
+"""A target rank: owns (a shard of) the target model and its requests' KV caches. Rank 0 serves
+specdec.v1.TargetService over gRPC, so draft replicas can send it token trees, and decodes plain
+(unspeculative) requests itself; ranks > 0 mirror rank 0's calls (cluster/lockstep.py)."""
 
+import os
+import threading
 from concurrent import futures
 
 import grpc
 import ray
 import torch
+import torch.distributed as dist
 
-from cluster.target_service import TargetService
+from cluster.draft_loop import run_steps
+from cluster.lockstep import LockstepWorker, follow
+from cluster.target_service import LocalStub, TargetService
 from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.kvcache import CachedLM
-from specdec.loading import load_model, parse_dtype
+from specdec.loading import load_model, load_sharded_model, parse_dtype
+from specdec.sampling import SamplingParams
 from specdec.target import TargetWorker
 
 
@@ -27,17 +34,28 @@ def use_assigned_cpus() -> None:
 @ray.remote
 class TargetRank:
     def __init__(self, model_path: str, dtype: str = "float32", rank: int = 0, world_size: int = 1,
-                 batch_window_s: float = 0.002):
-        if world_size != 1:
-            raise NotImplementedError("tensor_parallel_size > 1 is not built yet: run the target on one GPU")
+                 dist_address: str | None = None, batch_window_s: float = 0.002):
         use_assigned_cpus()
-        self.rank = rank
-        model = load_model(model_path, parse_dtype(dtype), device_for_actor())
-        self.service = TargetService(TargetWorker(CachedLM(model)), batch_window_s)
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
+        self.rank, self.service = rank, None
+        if world_size == 1:
+            worker = TargetWorker(CachedLM(load_model(model_path, parse_dtype(dtype), device_for_actor())))
+            self.weights_held = _local_numel(worker.lm.model)
+        else:
+            group = _join_tensor_parallel_group(rank, world_size, dist_address)
+            worker = TargetWorker(CachedLM(load_sharded_model(model_path, parse_dtype(dtype))))
+            self.weights_held = _local_numel(worker.lm.model)
+            if rank > 0:
+                threading.Thread(target=follow, args=(worker, group), name="lockstep", daemon=True).start()
+                return
+            worker = LockstepWorker(worker, group)
+        self.service = TargetService(worker, batch_window_s)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
         tree_grpc.add_TargetServiceServicer_to_server(self.service, self.server)
         self.port = self.server.add_insecure_port("0.0.0.0:0")
         self.server.start()
+
+    def ready(self) -> bool:
+        return True
 
     def address(self) -> str:
         return f"{ray.util.get_node_ip_address()}:{self.port}"
@@ -45,6 +63,46 @@ class TargetRank:
     def gpu_ids(self) -> list:
         return ray.get_gpu_ids()
 
+    def decode(self, request_id: str, prompt: list[int], params: dict, max_new_tokens: int, eos: list[int]):
+        """A plain request, decoded here one token per step: yields each step's tokens, then a summary."""
+        steps = run_steps(LocalStub(self.service), None, request_id, prompt, SamplingParams(**params),
+                          max_new_tokens, set(eos))
+        yield from stream_steps(steps)
+
     def stats(self) -> dict:
-        return {"forwards": self.service.forwards, "largest_batch": self.service.largest_batch,
-                "open_requests": len(self.service.worker.rows)}
+        if self.service is None:  # a rank > 0
+            return {"weights_held": self.weights_held}
+        return {"weights_held": self.weights_held, "forwards": self.service.forwards, "largest_batch": self.service.largest_batch,
+                "forward_time_s": self.service.forward_time_s, "open_requests": len(self.service.worker.rows)}
+
+
+def stream_steps(steps):
+    """What a request's actor stream carries: {"tokens": [...]} per step, then the finish and stats."""
+    out = None
+    for tokens, out in steps:
+        if tokens:
+            yield {"tokens": tokens}
+    yield {"tokens": [], "finish_reason": out.finish_reason, "stats": out.stats.to_dict()}
+
+
+def _local_numel(model: torch.nn.Module) -> int:
+    """Parameters this process holds (a rank's shard of a sharded model)."""
+    return sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())
+
+
+def free_address() -> str:
+    """host:port on this node for torch.distributed's rendezvous (rank 0 listens there)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return f"{ray.util.get_node_ip_address()}:{s.getsockname()[1]}"
+
+
+def _join_tensor_parallel_group(rank: int, world_size: int, address: str) -> dist.ProcessGroup:
+    """Join the target's torch.distributed group (nccl on GPUs, gloo on CPU); -> a gloo group for control."""
+    cuda = device_for_actor().startswith("cuda")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")  # Ray shows each rank one GPU
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{address}", rank=rank,
+                            world_size=world_size)
+    return dist.new_group(backend="gloo")

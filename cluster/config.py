@@ -33,6 +33,12 @@ class ModelSpec(_Section):
 class ModelsConfig(_Section):
     target: ModelSpec
     draft: ModelSpec | None = None
+    task_drafts: dict[str, ModelSpec] = Field(default_factory=dict)  # a draft of its own per task type
+
+    def drafts(self) -> dict[str, tuple[str, str]]:
+        """task type -> (path, dtype) of its draft; the "" entry is for every other task type."""
+        base = {"": (self.draft.path, self.draft.dtype)} if self.draft else {}
+        return base | {task: (spec.path, spec.dtype) for task, spec in self.task_drafts.items()}
 
 
 class PlacementConfig(_Section):

@@ -1,17 +1,21 @@
 """The draft side of one request, driving speculation against a remote target over gRPC: draft a
-tree, send it, keep what the target accepted, roll the draft's cache back, repeat."""
+tree, send it, keep what the target accepted, roll the draft's cache back, repeat. With no drafter
+(or depth 0) every tree is a lone root: plain decoding, one token per step."""
+
+import time
+from collections.abc import Iterator
 
 from protos import specdec_tree_pb2 as tree_pb
 from specdec.drafters import Drafter, Plan
-from specdec.engine import Generation, emit
+from specdec.engine import Generation, emit, record_step
 from specdec.sampling import SamplingParams, make_generator
 from specdec.tree import TokenTree
 
 from . import wire
 
 
-def run_request(
-    stub,  # specdec_tree_pb2_grpc.TargetServiceStub
+def run_steps(
+    stub,  # specdec_tree_pb2_grpc.TargetServiceStub, or anything with its Open/Verify/Close
     drafter: Drafter | None,
     request_id: str,
     prompt: list[int],
@@ -20,26 +24,42 @@ def run_request(
     eos: set[int],
     depth: int = 4,
     stream: int = 0,
-) -> Generation:
-    """Generate one request with the target behind `stub`; the request is closed there at the end."""
+) -> Iterator[tuple[list[int], Generation]]:
+    """Generate one request with the target behind `stub`, yielding after every step the tokens it
+    committed and the generation so far (finish_reason is final once the iterator ends). The request
+    is closed on the target at the end, also when the consumer stops early."""
     stub.Open(tree_pb.OpenRequest(request_id=request_id, prompt=prompt, params=wire.sampling_to_proto(params),
                                   stream=stream))
     out, seq = Generation([], "length"), list(prompt)
     gen = make_generator(params.seed, stream, role="draft")
-    if drafter is not None:
+    speculate = drafter is not None and depth > 0
+    if speculate:
         drafter.start(1)
     try:
         while True:
-            tree = (drafter.propose([seq], [Plan(depth, depth)], [params], [gen])[0] if drafter and depth
-                    else TokenTree.root(seq[-1]))
+            t0 = time.perf_counter()
+            tree = drafter.propose([seq], [Plan(depth, depth)], [params], [gen])[0] if speculate \
+                else TokenTree.root(seq[-1])
+            t1 = time.perf_counter()
             reply = stub.Verify(tree_pb.VerifyRequest(trees=[wire.tree_to_proto(request_id, tree)]))
             _, verdict = wire.verdict_from_proto(reply.results[0])
-            if drafter is not None:
+            record_step(out.stats, tree, verdict, (t1 - t0, time.perf_counter() - t1))  # verify: the round trip
+            if speculate:
                 drafter.commit([verdict.path])
-            out.stats.steps += 1
-            out.stats.drafted += len(tree) - 1
-            out.stats.accepted += verdict.accepted
-            if not emit(out, seq, verdict.tokens, max_new_tokens, eos):
-                return out
+            before = len(out.token_ids)
+            more = emit(out, seq, verdict.tokens, max_new_tokens, eos)
+            yield out.token_ids[before:], out
+            if not more:
+                return
     finally:
         stub.Close(tree_pb.CloseRequest(request_ids=[request_id]))
+
+
+def run_request(stub, drafter: Drafter | None, request_id: str, prompt: list[int], params: SamplingParams,
+                max_new_tokens: int, eos: set[int], depth: int = 4, stream: int = 0) -> Generation:
+    """run_steps to the end: the whole generation."""
+    out = Generation([], "length")
+    for _, out in run_steps(stub, drafter, request_id, prompt, params, max_new_tokens, eos, depth, stream):
+        pass
+    return out
+

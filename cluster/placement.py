@@ -8,20 +8,27 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.draft_replica import DraftReplica
-from actors.target_rank import TargetRank
+from actors.target_rank import TargetRank, free_address
 
 from .config import ServeConfig
+
+ACTOR_CONCURRENCY = 256  # requests an actor runs at once (threads; the target batches their forwards)
 
 
 @dataclass
 class Topology:
-    target_ranks: list  # TargetRank handles, rank order
+    target_ranks: list  # TargetRank handles, rank order; rank 0 serves
     drafts: list  # DraftReplica handles
     groups: list[PlacementGroup]
+    target_address: str  # rank 0's TargetService, host:port
+
+    @property
+    def target(self):
+        return self.target_ranks[0]
 
     def shutdown(self) -> None:
         for actor in self.target_ranks + self.drafts:
-            ray.kill(actor)
+            ray.kill(actor, no_restart=True)
         for pg in self.groups:
             remove_placement_group(pg)
 
@@ -30,31 +37,39 @@ def _bundles(n: int, gpus: float) -> list[dict]:
     return [{"GPU": gpus, "CPU": 1} for _ in range(n)]
 
 
-def start_topology(cfg: ServeConfig, timeout_s: float = 60) -> Topology:
+def _on(pg: PlacementGroup, bundle: int) -> PlacementGroupSchedulingStrategy:
+    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
+
+
+def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
     """Reserve GPUs, start the target ranks and the draft replicas, and connect them."""
     place, models, spec = cfg.placement, cfg.models, cfg.speculation
-    target_pg = placement_group(_bundles(place.tensor_parallel_size, place.gpus_per_actor), strategy="STRICT_PACK")
+    tp = place.tensor_parallel_size
+    target_pg = placement_group(_bundles(tp, place.gpus_per_actor), strategy="STRICT_PACK")
     groups = [target_pg]
-    if place.draft_replicas:
-        groups.append(placement_group(_bundles(place.draft_replicas, place.gpus_per_actor), strategy="PACK"))
-    for pg in groups:
-        ray.get(pg.ready(), timeout=timeout_s)  # fails, naming the wait, when the cluster lacks the GPUs
-
-    def on(pg, i):
-        return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
-
-    ranks = [TargetRank.options(num_gpus=place.gpus_per_actor, num_cpus=1, scheduling_strategy=on(target_pg, r))
-             .remote(models.target.path, models.target.dtype, r, place.tensor_parallel_size)
-             for r in range(place.tensor_parallel_size)]
+    n_drafts = place.draft_replicas if spec.drafter != "none" else 0
+    if n_drafts:
+        groups.append(placement_group(_bundles(n_drafts, place.gpus_per_actor), strategy="PACK"))
+    topo = Topology([], [], groups, "")
     try:
-        address = ray.get(ranks[0].address.remote(), timeout=timeout_s)
+        for pg in groups:
+            ray.get(pg.ready(), timeout=timeout_s)  # fails, naming the wait, when the cluster lacks the GPUs
+        rendezvous = ray.get(ray.remote(free_address).options(num_cpus=0, scheduling_strategy=_on(target_pg, 0))
+                             .remote()) if tp > 1 else None
+        topo.target_ranks = [
+            TargetRank.options(num_gpus=place.gpus_per_actor, num_cpus=1, max_concurrency=ACTOR_CONCURRENCY,
+                               scheduling_strategy=_on(target_pg, r))
+            .remote(models.target.path, models.target.dtype, r, tp, rendezvous)
+            for r in range(tp)]
+        ray.get([rank.ready.remote() for rank in topo.target_ranks], timeout=timeout_s)
+        topo.target_address = ray.get(topo.target.address.remote())
+        topo.drafts = [
+            DraftReplica.options(num_gpus=place.gpus_per_actor, num_cpus=1, max_concurrency=ACTOR_CONCURRENCY,
+                                 max_restarts=-1, scheduling_strategy=_on(groups[1], i))
+            .remote(models.drafts(), topo.target_address, spec.drafter, spec.tree_width)
+            for i in range(n_drafts)]
+        ray.get([d.ready.remote() for d in topo.drafts], timeout=timeout_s)
     except Exception:
-        Topology(ranks, [], groups).shutdown()  # release what was reserved, then report why
+        topo.shutdown()  # release what was reserved, then report why
         raise
-    draft_path = models.draft.path if models.draft else None
-    depth = 4 if spec.num_speculative_tokens == "auto" else spec.num_speculative_tokens
-    drafts = [DraftReplica.options(num_gpus=place.gpus_per_actor, num_cpus=1, scheduling_strategy=on(groups[1], i))
-              .remote(draft_path, address, spec.drafter, models.draft.dtype if models.draft else "float32",
-                      spec.tree_width, depth)
-              for i in range(place.draft_replicas)]
-    return Topology(ranks, drafts, groups)
+    return topo

@@ -6,6 +6,7 @@ verified together."""
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ class TargetService(tree_grpc.TargetServiceServicer):
         self.ops: queue.Queue[_Op | None] = queue.Queue()
         self.forwards = 0  # verify forwards run
         self.largest_batch = 0  # most requests verified in one forward
+        self.forward_time_s = 0.0  # spent in verify forwards (acceptance included)
         self._thread = threading.Thread(target=self._serve, name="target-worker", daemon=True)
         self._thread.start()
 
@@ -117,7 +119,9 @@ class TargetService(tree_grpc.TargetServiceServicer):
             return
         merged = {rid: tree for op in batch for rid, tree in op.trees.items()}
         try:
+            t0 = time.perf_counter()
             verdicts, _ = self.worker.verify(merged)
+            self.forward_time_s += time.perf_counter() - t0
             self.forwards += 1
             self.largest_batch = max(self.largest_batch, len(merged))
             for op in batch:
@@ -137,3 +141,38 @@ class TargetService(tree_grpc.TargetServiceServicer):
         except Exception as e:  # noqa: BLE001 - handed to the caller as a gRPC error
             op.error = e
         op.done.set()
+
+
+class LocalStub:
+    """A TargetService called in-process through the TargetServiceStub's interface, so the same
+    request loop runs on the target's own node (plain decoding) as on a draft replica."""
+
+    def __init__(self, service: TargetService):
+        self.service = service
+
+    def Open(self, request):
+        return self.service.Open(request, _LocalContext())
+
+    def Verify(self, request):
+        return self.service.Verify(request, _LocalContext())
+
+    def Close(self, request):
+        return self.service.Close(request, _LocalContext())
+
+
+class LocalRpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class _LocalContext:
+    @staticmethod
+    def abort(code: grpc.StatusCode, details: str):
+        raise LocalRpcError(code, details)

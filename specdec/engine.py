@@ -68,6 +68,17 @@ class Generation:
     stats: RequestStats = field(default_factory=RequestStats)
 
 
+def record_step(st: RequestStats, tree: TokenTree, v: Verdict, times: tuple[float, float]) -> None:
+    """Count one verify step of a request: its tree, the verdict, (draft, verify) seconds."""
+    st.steps += 1
+    st.draft_time_s += times[0]
+    st.verify_time_s += times[1]
+    st.drafted += len(tree) - 1
+    st.accepted += v.accepted
+    if len(tree) > 1:
+        st.tried_depths += v.accepted + (v.accepted < tree.depth)
+
+
 def emit(gen: Generation, seq: list[int], tokens: list[int], max_new_tokens: int, eos: set[int]) -> bool:
     """Append committed tokens up to eos or the length limit; False when the request is done."""
     for tok in tokens:
@@ -142,7 +153,7 @@ class SpeculativeEngine:
                                                 [params[r] for r in rows], [gens[r] for r in rows])
             keep = []
             for i, r in enumerate(rows):
-                self._record(out[r].stats, trees[i], verdicts[i], times)
+                record_step(out[r].stats, trees[i], verdicts[i], times)
                 self._observe(alphas[r], matches[i], idle[r], plans[i], trees[i], verdicts[i])
                 if emit(out[r], seqs[r], verdicts[i].tokens, max_new_tokens, self.eos):
                     keep.append(i)
@@ -170,16 +181,6 @@ class SpeculativeEngine:
             self.costs.observe_verify(t2 - t1, verify_tokens)
             self.costs.observe_draft(t1 - t0, max(p.depth for p in plans))
         return trees, verdicts, (t1 - t0, t2 - t1)
-
-    @staticmethod
-    def _record(st: RequestStats, tree: TokenTree, v: Verdict, times: tuple[float, float]) -> None:
-        st.steps += 1
-        st.draft_time_s += times[0]
-        st.verify_time_s += times[1]
-        st.drafted += len(tree) - 1
-        st.accepted += v.accepted
-        if len(tree) > 1:
-            st.tried_depths += v.accepted + (v.accepted < tree.depth)
 
     def _clock(self) -> float:
         """Wall time, after the device has finished what it was given."""

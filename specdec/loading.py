@@ -21,6 +21,14 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu
     return model.to(device).eval()
 
 
+def load_sharded_model(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """This rank's shard of a causal LM, split by transformers' own tensor-parallel plan across the
+    ranks of the default torch.distributed group (which the caller has initialised)."""
+    _check_exists(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", tp_plan="auto")
+    return model.eval()
+
+
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     _check_exists(path)
     return AutoTokenizer.from_pretrained(path)

@@ -37,9 +37,9 @@ def test_every_actor_gets_its_own_gpu_and_requests_equal_plain_decoding(cluster,
         assert len(set(flat)) == len(flat)  # nobody shares a GPU: drafts never sit on the target's
 
         prompts = reference.prompts[:6]
-        runs = [topo.drafts[i % len(topo.drafts)].generate.remote(f"r{i}", p, {}, NEW_TOKENS)
-                for i, p in enumerate(prompts)]
-        outs = ray.get(runs, timeout=120)
+        runs = [topo.drafts[i % len(topo.drafts)].generate.options(num_returns="streaming")
+                .remote(f"r{i}", p, {}, NEW_TOKENS, depth=3) for i, p in enumerate(prompts)]
+        outs = [collect(run) for run in runs]
         assert [o["token_ids"] for o in outs] == reference.continuations[:6]
         assert sum(o["stats"]["accepted"] for o in outs) > 0
         stats = ray.get(topo.target_ranks[0].stats.remote())
@@ -48,10 +48,47 @@ def test_every_actor_gets_its_own_gpu_and_requests_equal_plain_decoding(cluster,
         topo.shutdown()
 
 
-def test_tensor_parallel_is_refused_clearly_until_built(cluster, model_dirs):
-    with pytest.raises(ray.exceptions.RayActorError, match="tensor_parallel_size > 1 is not built yet"):
-        start_topology(config(model_dirs, replicas=0, tp=2))
+@pytest.mark.parametrize("replicas", [0, 1])
+def test_tensor_parallel_target_equals_plain_decoding(cluster, model_dirs, target, reference, replicas):
+    """Two ranks over gloo, weights sharded by tp_plan="auto": plain requests decoded on the target
+    group (replicas=0) and speculative ones through a draft replica give the engine's tokens."""
+    topo = start_topology(config(model_dirs, replicas=replicas, tp=2))
+    try:
+        prompts = reference.prompts[:4]
+        if replicas:
+            runs = [topo.drafts[0].generate.options(num_returns="streaming").remote(f"r{i}", p, {}, NEW_TOKENS, depth=3)
+                    for i, p in enumerate(prompts)]
+        else:
+            runs = [topo.target.decode.options(num_returns="streaming").remote(f"r{i}", p, {}, NEW_TOKENS, [])
+                    for i, p in enumerate(prompts)]
+        outs = [collect(run) for run in runs]
+        assert [o["token_ids"] for o in outs] == reference.continuations[:4]
+        assert len(set(ray.get([r.gpu_ids.remote() for r in topo.target_ranks])[0] +
+                       ray.get(topo.target_ranks[1].gpu_ids.remote()))) == 2
+        if replicas:
+            assert sum(o["stats"]["accepted"] for o in outs) > 0
+        held = [ray.get(r.stats.remote())["weights_held"] for r in topo.target_ranks]
+        whole = sum(p.numel() for p in target.parameters())
+        assert held[0] == held[1] < 0.8 * whole  # each rank holds a shard, not the whole model
+    finally:
+        topo.shutdown()
+
+
+def test_failed_start_releases_the_gpus(cluster, model_dirs):
+    bad = config(model_dirs, replicas=1)
+    bad.models.target.path = str(model_dirs.target) + "-missing"
+    with pytest.raises(ray.exceptions.RayActorError, match="does not exist"):
+        start_topology(bad)
     deadline = time.monotonic() + 30  # placement groups are removed asynchronously
     while ray.available_resources().get("GPU") != 4 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("GPU") == 4  # its reservation was released
+
+
+def collect(stream) -> dict:
+    """A request's actor stream -> {"token_ids", "finish_reason", "stats"}."""
+    tokens, last = [], {}
+    for ref in stream:
+        last = ray.get(ref, timeout=120)
+        tokens += last["tokens"]
+    return {"token_ids": tokens, "finish_reason": last["finish_reason"], "stats": last["stats"]}

@@ -1,0 +1,64 @@
+"""Tensor-parallel target ranks in lockstep: rank 0 serves, the other ranks mirror its calls.
+
+Each rank holds a shard of the target (transformers' tp_plan="auto") and a TargetWorker over it.
+Before each call that runs a forward or changes the batch (add, remove, verify), rank 0 broadcasts
+it over a CPU (gloo) group; the other ranks make the same call, so the collectives inside the
+forward meet. Logits after the all-reduce are identical on every rank, and every request's random
+stream is seeded alike on every rank (rank 0 fixes a seed for requests that have none), so every
+rank reaches the same verdicts and keeps the same cache rows."""
+
+import dataclasses
+import logging
+import random
+
+import torch.distributed as dist
+
+from specdec.target import TargetWorker
+
+log = logging.getLogger(__name__)
+
+
+class LockstepWorker:
+    """Rank 0's worker: a TargetWorker whose batch-changing calls are mirrored on the other ranks."""
+
+    def __init__(self, worker: TargetWorker, group: dist.ProcessGroup):
+        self.worker, self.group = worker, group
+
+    def add(self, joining):
+        pinned = [(rid, prompt, _with_seed(params), stream) for rid, prompt, params, stream in joining]
+        return self._mirrored("add", pinned)
+
+    def remove(self, leaving):
+        return self._mirrored("remove", leaving)
+
+    def verify(self, trees):
+        self.worker.check(trees)  # refuse bad trees here, before the other ranks start a forward
+        return self._mirrored("verify", trees)
+
+    def stop(self) -> None:
+        dist.broadcast_object_list([None], src=0, group=self.group)
+
+    def __getattr__(self, name):  # read-only access: check, requests, rows, last_token
+        return getattr(self.worker, name)
+
+    def _mirrored(self, name: str, *args):
+        dist.broadcast_object_list([(name, args)], src=0, group=self.group)
+        return getattr(self.worker, name)(*args)
+
+
+def follow(worker: TargetWorker, group: dist.ProcessGroup) -> None:
+    """A rank > 0: make every call rank 0 broadcasts, until it broadcasts None."""
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        if box[0] is None:
+            return
+        name, args = box[0]
+        try:
+            getattr(worker, name)(*args)
+        except (KeyError, ValueError) as e:  # rank 0 raised the same (it checks the same way) and reported it
+            log.debug("mirrored %s refused: %s", name, e)
+
+
+def _with_seed(params):
+    return params if params.seed is not None else dataclasses.replace(params, seed=random.getrandbits(63))
