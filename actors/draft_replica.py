@@ -11,14 +11,16 @@ from specdec.kvcache import CachedLM
 from specdec.loading import load_model, parse_dtype
 from specdec.sampling import SamplingParams
 
-from .target_rank import device_for_actor, stream_steps, use_assigned_cpus
+from .streams import RequestStreams
+from .target_rank import device_for_actor, use_assigned_cpus
 
 
 @ray.remote
-class DraftReplica:
+class DraftReplica(RequestStreams):
     def __init__(self, drafts: dict[str, tuple[str, str]], target_address: str, drafter: str = "model+ngram",
                  width: int = 1):
         """drafts: task type -> (model folder, dtype); the "" entry drafts for every other task type."""
+        super().__init__()
         use_assigned_cpus()
         self.models = {task: load_model(path, parse_dtype(dtype), device_for_actor())
                        for task, (path, dtype) in drafts.items()}
@@ -39,7 +41,7 @@ class DraftReplica:
         cache on the target is closed when it finishes (or when the caller cancels it)."""
         steps = run_steps(self.stub, self.drafter_for(task_type), request_id, prompt, SamplingParams(**params),
                           max_new_tokens, set(eos), depth)
-        yield from stream_steps(steps)
+        yield from self._stream(request_id, steps)
 
     def gpu_ids(self) -> list:
         return ray.get_gpu_ids()

@@ -20,6 +20,8 @@ from specdec.loading import load_model, load_sharded_model, parse_dtype
 from specdec.sampling import SamplingParams
 from specdec.target import TargetWorker
 
+from .streams import RequestStreams
+
 
 def device_for_actor() -> str:
     """The actor's GPU when Ray gave it one and CUDA is there; else the CPU (logical GPUs in tests)."""
@@ -32,9 +34,10 @@ def use_assigned_cpus() -> None:
 
 
 @ray.remote
-class TargetRank:
+class TargetRank(RequestStreams):
     def __init__(self, model_path: str, dtype: str = "float32", rank: int = 0, world_size: int = 1,
                  dist_address: str | None = None, batch_window_s: float = 0.002):
+        super().__init__()
         use_assigned_cpus()
         self.rank, self.service = rank, None
         if world_size == 1:
@@ -67,22 +70,13 @@ class TargetRank:
         """A plain request, decoded here one token per step: yields each step's tokens, then a summary."""
         steps = run_steps(LocalStub(self.service), None, request_id, prompt, SamplingParams(**params),
                           max_new_tokens, set(eos))
-        yield from stream_steps(steps)
+        yield from self._stream(request_id, steps)
 
     def stats(self) -> dict:
         if self.service is None:  # a rank > 0
             return {"weights_held": self.weights_held}
         return {"weights_held": self.weights_held, "forwards": self.service.forwards, "largest_batch": self.service.largest_batch,
                 "forward_time_s": self.service.forward_time_s, "open_requests": len(self.service.worker.rows)}
-
-
-def stream_steps(steps):
-    """What a request's actor stream carries: {"tokens": [...]} per step, then the finish and stats."""
-    out = None
-    for tokens, out in steps:
-        if tokens:
-            yield {"tokens": tokens}
-    yield {"tokens": [], "finish_reason": out.finish_reason, "stats": out.stats.to_dict()}
 
 
 def _local_numel(model: torch.nn.Module) -> int:

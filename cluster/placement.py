@@ -1,6 +1,7 @@
 """Where the actors go: the target group's ranks packed in one placement group (one GPU bundle each)
 and every draft replica on a bundle of its own, so drafts never share the target's GPUs."""
 
+import uuid
 from dataclasses import dataclass
 
 import ray
@@ -12,6 +13,7 @@ from actors.target_rank import TargetRank, free_address
 
 from .config import ServeConfig
 
+NAMESPACE = "specdec"  # draft replicas are named here (draft-<i>-<topology tag>), for operators and tests
 ACTOR_CONCURRENCY = 256  # requests an actor runs at once (threads; the target batches their forwards)
 
 
@@ -50,7 +52,7 @@ def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
     n_drafts = place.draft_replicas if spec.drafter != "none" else 0
     if n_drafts:
         groups.append(placement_group(_bundles(n_drafts, place.gpus_per_actor), strategy="PACK"))
-    topo = Topology([], [], groups, "")
+    topo, tag = Topology([], [], groups, ""), uuid.uuid4().hex[:8]
     try:
         for pg in groups:
             ray.get(pg.ready(), timeout=timeout_s)  # fails, naming the wait, when the cluster lacks the GPUs
@@ -65,7 +67,8 @@ def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
         topo.target_address = ray.get(topo.target.address.remote())
         topo.drafts = [
             DraftReplica.options(num_gpus=place.gpus_per_actor, num_cpus=1, max_concurrency=ACTOR_CONCURRENCY,
-                                 max_restarts=-1, scheduling_strategy=_on(groups[1], i))
+                                 max_restarts=-1, scheduling_strategy=_on(groups[1], i),
+                                 name=f"draft-{i}-{tag}", namespace=NAMESPACE)
             .remote(models.drafts(), topo.target_address, spec.drafter, spec.tree_width)
             for i in range(n_drafts)]
         ray.get([d.ready.remote() for d in topo.drafts], timeout=timeout_s)

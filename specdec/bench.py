@@ -13,11 +13,10 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from .cli import eos_ids
 from .drafters import MergedDrafter, ModelDrafter, NgramDrafter
 from .engine import SpecConfig, SpeculativeEngine
 from .kvcache import CachedLM
-from .loading import check_same_vocabulary, load_model, load_tokenizer, parse_dtype
+from .loading import check_same_vocabulary, eos_ids, load_model, load_tokenizer, parse_dtype
 from .sampling import SamplingParams
 
 
@@ -117,7 +116,7 @@ def run_bench(args) -> None:
     check_same_vocabulary(tokenizer, load_tokenizer(args.draft))
     target = load_model(args.target, dtype, args.device)
     draft = load_model(args.draft, dtype, args.device)
-    eos = eos_ids(target, tokenizer)
+    eos = eos_ids(target.generation_config, tokenizer)
     only = set(args.modes.split(",")) if args.modes else None
     modes = build_modes(target, draft, eos, args.max_new_tokens, params, only)
     rows = load_prompts(args.prompts, args.limit)

@@ -137,7 +137,7 @@ def cmd_generate(args) -> None:
     from .drafters import make_drafter
     from .engine import SpeculativeEngine
     from .kvcache import CachedLM
-    from .loading import check_same_vocabulary, load_model, load_tokenizer, parse_dtype
+    from .loading import check_same_vocabulary, eos_ids, load_model, load_tokenizer, parse_dtype
 
     if args.num_samples < 1:
         raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
@@ -153,7 +153,7 @@ def cmd_generate(args) -> None:
         check_same_vocabulary(tokenizer, load_tokenizer(args.draft))
         draft = CachedLM(load_model(args.draft, dtype, args.device))
     engine = SpeculativeEngine(CachedLM(target), make_drafter(drafter_name, draft, config.width), config,
-                               eos_ids(target, tokenizer))
+                               eos_ids(target.generation_config, tokenizer))
     prompt = tokenizer(args.prompt)["input_ids"]
     if not prompt:
         raise ValueError("--prompt is empty: it needs at least one token")
@@ -209,12 +209,6 @@ def cmd_models(args) -> None:
 
     pair = default_pair(DefaultSpec(seed=args.seed), rebuild=args.rebuild, log=log)
     print(json.dumps(pair) if args.json else f"target: {pair['target']}\ndraft:  {pair['draft']}")
-
-
-def eos_ids(model, tokenizer) -> set[int]:
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    eos = tokenizer.eos_token_id if eos is None else eos
-    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
 
 def main(argv: list[str] | None = None) -> None:

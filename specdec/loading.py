@@ -34,6 +34,13 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(path)
 
 
+def eos_ids(generation_config, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """The tokens that end a generation: the model's generation config's, else the tokenizer's."""
+    eos = getattr(generation_config, "eos_token_id", None)
+    eos = tokenizer.eos_token_id if eos is None else eos
+    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
 def check_same_vocabulary(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:
     """Speculation compares token ids, so both models must use one tokenizer."""
     if target.get_vocab() != draft.get_vocab():

@@ -14,7 +14,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specdec.loading import load_model
 
@@ -59,6 +62,15 @@ def _noisy_copy(model: LlamaForCausalLM, noise: float, seed: int) -> LlamaForCau
         for p in draft.parameters():
             p.add_(torch.randn_like(p) * noise * p.std())
     return draft
+
+
+def save_tokenizer(path, words: list[str]) -> str:
+    """A word-level tokenizer: "[UNK]" is id 0, words[i] is id i + 1."""
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
+    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
+    return str(path)
 
 
 @dataclass(frozen=True)

@@ -2,22 +2,11 @@
 
 import pytest
 import torch
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import Whitespace
-from transformers import PreTrainedTokenizerFast
 
+from conftest import save_tokenizer
 from specdec.loading import check_same_vocabulary, load_model, load_tokenizer, parse_dtype
 
 WORDS = ["the", "cat", "sat", "on", "mat", "dog", "ran"]
-
-
-def save_tokenizer(path, words):
-    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
-    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")

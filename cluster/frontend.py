@@ -1,0 +1,236 @@
+"""What the ingress does with a request, whatever it came over (gRPC or HTTP): check it, admit it
+under the queue limit, ask the router whether to speculate and how far, run it on a draft replica
+(or, plain, on the target group), stream its tokens back, and report its acceptance to the router.
+
+A draft replica that dies mid-request costs speed, not the request: the request goes on from the
+tokens already streamed, decoded plain on the target. Ray restarts the replica."""
+
+import asyncio
+import itertools
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import ray
+from transformers import AutoConfig, GenerationConfig
+
+from specdec.loading import eos_ids, load_tokenizer
+
+from .config import ConfigError, RoutingReloader, ServeConfig
+from .placement import Topology, start_topology
+from .router import Router
+
+log = logging.getLogger(__name__)
+RELOAD_EVERY_S = 1.0
+_REPLICA_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+class InvalidRequest(ValueError):
+    """A request the server refuses (gRPC INVALID_ARGUMENT, HTTP 400); `field` names what is wrong."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field}: {reason}")
+        self.field, self.reason = field, reason
+
+    def __reduce__(self):  # Ray ships it to the gRPC proxy
+        return InvalidRequest, (self.field, self.reason)
+
+
+class QueueFull(RuntimeError):
+    """Too many requests admitted and unfinished (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """A client's request, transport aside (field names as in specdec_api.proto)."""
+
+    prompt: str
+    task_type: str = ""
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    speculation: str = "AUTO"  # AUTO, ON or OFF
+
+
+@dataclass
+class Admitted:
+    """A checked request: its prompt tokens and sampling settings as the actors take them."""
+
+    request: Request
+    prompt_ids: list[int]
+    params: dict
+    task_type: str  # "" means the default thresholds
+
+
+@dataclass
+class Chunk:
+    """Part of a response: new tokens, and on the last chunk the finish reason and stats."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    stats: dict = field(default_factory=dict)
+
+
+class Frontend:
+    def __init__(self, cfg: ServeConfig, config_path: str | None = None):
+        self.cfg = cfg
+        target = cfg.models.target.path
+        self.tokenizer = load_tokenizer(target)
+        self.eos = sorted(eos_ids(_generation_config(target), self.tokenizer))
+        self.context = getattr(AutoConfig.from_pretrained(target), "max_position_embeddings", None)
+        self.router = Router(cfg.routing)
+        self.topology: Topology = start_topology(cfg)
+        self.in_flight = 0
+        self.served = {"speculative": 0, "plain": 0, "fallbacks": 0, "cancelled": 0}
+        self._turn = itertools.count()
+        self._reloader = RoutingReloader(config_path, self.router.update_routing, log) if config_path else None
+        if self._reloader:
+            threading.Thread(target=self._watch_config, name="config-reload", daemon=True).start()
+
+    # --- checking -------------------------------------------------------------------------------
+
+    def admit(self, req: Request) -> Admitted:
+        """Check every field (InvalidRequest names the first bad one) and take a queue place (QueueFull)."""
+        limits = self.cfg.server
+        if not req.prompt:
+            raise InvalidRequest("prompt", "must not be empty")
+        if not 0 < req.max_new_tokens <= limits.max_new_tokens:
+            raise InvalidRequest("max_new_tokens", f"must be in 1..{limits.max_new_tokens}, got {req.max_new_tokens}")
+        if not (req.temperature >= 0 and math.isfinite(req.temperature)):
+            raise InvalidRequest("temperature", f"must be >= 0 (0 is greedy), got {req.temperature}")
+        if not 0 < req.top_p <= 1:
+            raise InvalidRequest("top_p", f"must be in (0, 1], got {req.top_p}")
+        if req.top_k < 0:
+            raise InvalidRequest("top_k", f"must be >= 0 (0 turns it off), got {req.top_k}")
+        if req.speculation not in ("AUTO", "ON", "OFF"):
+            raise InvalidRequest("speculation", f"must be AUTO, ON or OFF, got {req.speculation!r}")
+        ids = self.tokenizer(req.prompt)["input_ids"]
+        if not ids:
+            raise InvalidRequest("prompt", "encodes to no tokens")
+        if len(ids) > limits.max_prompt_tokens:
+            raise InvalidRequest("prompt", f"is {len(ids)} tokens, over the limit of {limits.max_prompt_tokens}")
+        if self.context and len(ids) + req.max_new_tokens > self.context:
+            raise InvalidRequest("prompt", f"{len(ids)} prompt tokens + max_new_tokens {req.max_new_tokens} exceed "
+                                           f"the model's context of {self.context} tokens")
+        if self.in_flight >= limits.max_queued_requests:
+            raise QueueFull(f"{self.in_flight} requests are queued or running (max_queued_requests "
+                            f"{limits.max_queued_requests}); retry later")
+        self.in_flight += 1
+        params = {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "seed": req.seed}
+        return Admitted(req, ids, params, req.task_type)
+
+    # --- running --------------------------------------------------------------------------------
+
+    async def generate(self, job: Admitted) -> AsyncIterator[Chunk]:
+        """The request's tokens as they are committed; the last chunk has finish_reason and stats.
+        Closing the iterator early (client gone, deadline passed) stops the request on the actors."""
+        try:
+            async for chunk in self._run(job):
+                yield chunk
+        finally:
+            self.in_flight -= 1
+
+    async def _run(self, job: Admitted) -> AsyncIterator[Chunk]:
+        req, rid, text = job.request, uuid.uuid4().hex, _Detokenizer(self.tokenizer)
+        decision = self.router.route(job.task_type or "default", req.speculation)
+        drafts = self.topology.drafts
+        done: list[int] = []
+        stats = {"speculative": bool(decision.speculative and drafts), "drafted": 0, "accepted": 0, "steps": 0,
+                 "tried_depths": 0}
+        if stats["speculative"]:
+            replica = drafts[next(self._turn) % len(drafts)]
+            stream = replica.generate.options(num_returns="streaming").remote(
+                rid, job.prompt_ids, job.params, req.max_new_tokens, self.eos, decision.k, job.task_type)
+            try:
+                async for chunk in self._relay(replica, rid, stream, text, done, stats):
+                    yield chunk
+                if stats.get("tried_depths"):
+                    self.router.report(job.task_type or "default", stats["accepted"], stats["tried_depths"])
+                self.served["speculative"] += 1
+                return
+            except _REPLICA_GONE as e:
+                log.warning("draft replica lost during request %s (%s); finishing it on the target", rid, e)
+                self.served["fallbacks"] += 1
+            if done and (done[-1] in self.eos or len(done) >= req.max_new_tokens):
+                yield _last_chunk("stop" if done[-1] in self.eos else "length", stats, [], text)
+                return
+        self.served["plain"] += 1
+        rid = f"{rid}-plain"
+        stream = self.topology.target.decode.options(num_returns="streaming").remote(
+            rid, job.prompt_ids + done, job.params, req.max_new_tokens - len(done), self.eos)
+        async for chunk in self._relay(self.topology.target, rid, stream, text, done, stats, offset=dict(stats)):
+            yield chunk
+
+    async def _relay(self, actor, rid: str, stream, text: "_Detokenizer", done: list[int], stats: dict,
+                     offset: dict | None = None):
+        """Chunks from an actor stream; cancels the request on the actor if the consumer stops early."""
+        finished = False
+        try:
+            async for ref in stream:
+                part = await ref
+                done += part["tokens"]
+                for key in ("drafted", "accepted", "steps", "tried_depths"):
+                    stats[key] = part["stats"][key] + (offset or {}).get(key, 0)
+                if "finish_reason" in part:
+                    finished = True
+                    yield _last_chunk(part["finish_reason"], stats, part["tokens"], text)
+                elif part["tokens"]:
+                    yield Chunk(part["tokens"], text.add(part["tokens"]))
+        finally:
+            if not finished:
+                actor.cancel.remote(rid)
+                self.served["cancelled"] += 1
+
+    # --- the rest -------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        return {"task_types": self.router.stats(), "requests": dict(self.served), "in_flight": self.in_flight}
+
+    def shutdown(self) -> None:
+        self.topology.shutdown()
+
+    def _watch_config(self) -> None:
+        while True:
+            time.sleep(RELOAD_EVERY_S)
+            try:
+                if self._reloader.check():
+                    log.info("routing reloaded from %s", self._reloader.path)
+            except ConfigError as e:  # check() logs broken files itself; this is a vanished file
+                log.error("%s", e)
+
+
+class _Detokenizer:
+    """A request's text, chunk by chunk: decoded whole each time, so tokens that split a character
+    (byte-level BPE) come out once the character is complete."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.sent = tokenizer, [], 0
+
+    def add(self, ids: list[int], final: bool = False) -> str:
+        self.ids += ids
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd") and not final:
+            return ""  # an incomplete character: wait for its next bytes
+        new, self.sent = text[self.sent:], len(text)
+        return new
+
+
+def _last_chunk(finish_reason: str, stats: dict, tokens: list[int], text: _Detokenizer) -> Chunk:
+    tried = stats["tried_depths"]
+    summary = {"speculative": stats["speculative"], "drafted": stats["drafted"], "accepted": stats["accepted"],
+               "steps": stats["steps"], "alpha": stats["accepted"] / tried if tried else None}
+    return Chunk(list(tokens), text.add(list(tokens), final=True), finish_reason, summary)
+
+
+def _generation_config(path: str):
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:  # the folder has no generation_config.json: the tokenizer's eos then
+        return None

@@ -1,0 +1,258 @@
+"""The served product end to end: `build_app` deployed on a local Ray cluster with logical GPUs,
+called over real gRPC (specdec.v1.SpecDecode) and HTTP on loopback.
+
+Two task types get drafts of their own: "echo" drafts with the target itself (alpha = 1) and
+"noise" with an unrelated random model (alpha near 0); other task types use the noisy-copy draft."""
+
+import concurrent.futures
+import json
+import shutil
+import socket
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import grpc
+import pytest
+import ray
+import torch
+import yaml
+from ray import serve
+from transformers import LlamaForCausalLM
+
+from cluster.placement import NAMESPACE
+from cluster.serve_app import GRPC_SERVICER, build_app
+from conftest import VOCAB, _llama_config, hf_greedy, save_tokenizer
+from protos import specdec_api_pb2 as api
+from protos import specdec_api_pb2_grpc as api_grpc
+
+WORDS = [f"w{i}" for i in range(1, VOCAB)]  # ids 1..63; "[UNK]" is 0
+PROMPTS = ["w5 w17 w3", "w40 w41 w42 w43 w44 w45", "w9", "w1 w2 w1 w2 w1 w2 w1 w2", "w33 w7 w60 w12 w12"]
+THRESHOLDS = {"on_alpha": 0.5, "off_alpha": 0.3, "min_samples": 4, "probe_fraction": 0.5, "ema": 0.5, "max_k": 4}
+
+
+@dataclass
+class Server:
+    stub: api_grpc.SpecDecodeStub
+    http: str
+    config_path: object
+    config: dict
+    tokenizer: object
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("serving")
+    target_dir = shutil.copytree(model_dirs.target, root / "target")
+    save_tokenizer(target_dir, WORDS)
+    torch.manual_seed(7)
+    LlamaForCausalLM(_llama_config(VOCAB, 64, 0.3, 256)).save_pretrained(root / "noise")
+    config = {
+        "models": {"target": {"path": str(target_dir)}, "draft": {"path": model_dirs.draft},
+                   "task_drafts": {"echo": {"path": str(target_dir)}, "noise": {"path": str(root / "noise")}}},
+        "placement": {"tensor_parallel_size": 1, "draft_replicas": 2},
+        "speculation": {"drafter": "model"},
+        "routing": {"default": THRESHOLDS, "task_types": {"echo": THRESHOLDS, "noise": THRESHOLDS}},
+        "server": {"max_prompt_tokens": 64, "max_new_tokens": 200, "max_queued_requests": 4,
+                   "grpc_port": free_port(), "http_port": free_port()},
+    }
+    path = root / "specdec.yaml"
+    path.write_text(yaml.safe_dump(config))
+    ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    server = config["server"]
+    serve.start(http_options={"host": "127.0.0.1", "port": server["http_port"]},
+                grpc_options={"port": server["grpc_port"], "grpc_servicer_functions": [GRPC_SERVICER]})
+    serve.run(build_app({"config": str(path)}), name="specdec", route_prefix="/")
+    channel = grpc.insecure_channel(f"127.0.0.1:{server['grpc_port']}")
+    from specdec.loading import load_tokenizer
+    yield Server(api_grpc.SpecDecodeStub(channel), f"http://127.0.0.1:{server['http_port']}", path, config,
+                 load_tokenizer(str(target_dir)))
+    channel.close()
+    serve.shutdown()
+    ray.shutdown()
+
+
+def expected(server: Server, target, prompt: str, n: int) -> list[int]:
+    return hf_greedy(target, server.tokenizer(prompt)["input_ids"], n)[0]
+
+
+def http(server: Server, path: str, body: dict | None = None) -> tuple[int, dict | str]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(server.http + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            text = r.read().decode()
+            return r.status, json.loads(text) if r.headers.get_content_type() == "application/json" else text
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read().decode())
+
+
+def task_stats(server: Server, task_type: str) -> api.TaskTypeStats:
+    return next(t for t in server.stub.GetStats(api.GetStatsRequest()).task_types if t.task_type == task_type)
+
+
+@pytest.mark.parametrize("speculation", [api.SPECULATION_ON, api.SPECULATION_OFF])
+def test_generate_and_stream_equal_plain_greedy(server, target, speculation):
+    for prompt in PROMPTS:
+        want = expected(server, target, prompt, 20)
+        req = api.GenerateRequest(prompt=prompt, max_new_tokens=20, speculation=speculation)
+        one = server.stub.Generate(req, timeout=60)
+        assert list(one.token_ids) == want
+        assert one.finish_reason == "length" and one.stats.speculative == (speculation == api.SPECULATION_ON)
+        assert one.text == server.tokenizer.decode(want, skip_special_tokens=True)
+        chunks = list(server.stub.GenerateStream(req, timeout=60))
+        assert [t for c in chunks for t in c.token_ids] == want
+        assert chunks[-1].finish_reason == "length" and all(not c.finish_reason for c in chunks[:-1])
+        assert chunks[-1].stats.steps >= 1
+    if speculation == api.SPECULATION_ON:
+        assert one.stats.drafted > 0 and one.stats.accepted > 0
+
+
+INVALID = [
+    ({"prompt": ""}, "prompt"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"max_new_tokens": 201}, "max_new_tokens"),
+    ({"prompt": " ".join(["w1"] * 65)}, "prompt"),  # over max_prompt_tokens
+    ({"prompt": " ".join(["w1"] * 60), "max_new_tokens": 200}, "prompt"),  # past the model's 256 positions
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+]
+
+
+@pytest.mark.parametrize("fields, field", INVALID)
+def test_invalid_requests_are_refused_naming_the_field(server, fields, field):
+    req = api.GenerateRequest(**{"prompt": "w1 w2", "max_new_tokens": 8, **fields})
+    for call in (server.stub.Generate, lambda r, **kw: list(server.stub.GenerateStream(r, **kw))):
+        with pytest.raises(grpc.RpcError) as e:
+            call(req, timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith(f"{field}:")
+    body = {"prompt": req.prompt, "max_tokens": req.max_new_tokens, "temperature": req.temperature,
+            "top_k": req.top_k, "top_p": req.top_p if req.HasField("top_p") else 1.0}
+    status, reply = http(server, "/v1/completions", body)
+    assert status == 400
+    assert reply["error"]["param"] == {"max_new_tokens": "max_tokens"}.get(field, field)
+
+
+def test_http_completions_match_grpc(server, target):
+    prompt = PROMPTS[1]
+    want = expected(server, target, prompt, 16)
+    status, reply = http(server, "/v1/completions", {"prompt": prompt, "max_tokens": 16, "temperature": 0})
+    assert status == 200
+    assert reply["choices"][0]["token_ids"] == want and reply["choices"][0]["finish_reason"] == "length"
+    assert reply["usage"]["completion_tokens"] == 16 and "speculative" in reply["speculation"]
+    status, text = http(server, "/v1/completions", {"prompt": prompt, "max_tokens": 16, "temperature": 0,
+                                                     "stream": True})
+    events = [line.removeprefix("data: ") for line in text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert [t for c in chunks for t in c["token_ids"]] == want and chunks[-1]["finish_reason"] == "length"
+    for bad in ({"prompt": prompt, "n": 2}, {"prompt": prompt, "stop": ["x"]}, {"max_tokens": 3}):
+        status, reply = http(server, "/v1/completions", bad)
+        assert status == 400 and reply["error"]["param"] in ("n", "stop", "prompt")
+    assert http(server, "/healthz") == (200, {"status": "ok"})
+    status, stats = http(server, "/v1/stats")
+    assert status == 200 and "task_types" in stats
+
+
+def test_router_keeps_echo_on_turns_noise_off_and_probes_it(server):
+    def run(task_type):
+        r = server.stub.Generate(api.GenerateRequest(prompt="w3 w4 w5", task_type=task_type, max_new_tokens=12),
+                                 timeout=60)
+        return r.stats.speculative
+
+    echo = [run("echo") for _ in range(8)]
+    assert all(echo)
+    stats = task_stats(server, "echo")
+    assert stats.decision == "on" and stats.alpha == 1.0 and stats.k == 4
+
+    min_samples = THRESHOLDS["min_samples"]
+    noise = [run("noise") for _ in range(min_samples + 8)]
+    assert all(noise[:min_samples])  # speculative until min_samples reports are in
+    stats = task_stats(server, "noise")
+    assert stats.decision == "off" and stats.alpha < THRESHOLDS["off_alpha"]
+    assert stats.requests["plain"] >= 3 and stats.requests["probe"] >= 3  # probe_fraction 0.5 while off
+    assert stats.samples == min_samples + stats.requests["probe"]  # probes keep alpha updating
+
+
+def test_routing_change_in_the_yaml_applies_live(server):
+    """echo runs at alpha = 1, so its K is max_k: lowering max_k in the file lowers K without a restart."""
+    server.stub.Generate(api.GenerateRequest(prompt="w3", task_type="echo", max_new_tokens=4), timeout=60)
+    assert task_stats(server, "echo").k == THRESHOLDS["max_k"]
+    config = json.loads(json.dumps(server.config))
+    config["routing"]["task_types"]["echo"]["max_k"] = 2
+    try:
+        server.config_path.write_text("routing: [broken")  # a broken file is refused; the running config stays
+        time.sleep(2.5)
+        assert task_stats(server, "echo").k == THRESHOLDS["max_k"]
+        server.config_path.write_text(yaml.safe_dump(config))
+        deadline = time.monotonic() + 15
+        while task_stats(server, "echo").k != 2:
+            assert time.monotonic() < deadline, "the routing change was not applied"
+            time.sleep(0.25)
+        reply = server.stub.Generate(api.GenerateRequest(prompt="w3", task_type="echo", max_new_tokens=12), timeout=60)
+        assert reply.stats.drafted == 2 * reply.stats.steps  # requests now draft K = 2 per step
+    finally:
+        server.config_path.write_text(yaml.safe_dump(server.config))
+
+
+def test_full_queue_is_refused_with_resource_exhausted(server):
+    req = api.GenerateRequest(prompt="w3 w4", task_type="noise", max_new_tokens=150, speculation=api.SPECULATION_ON)
+
+    def call(_):
+        try:
+            server.stub.Generate(req, timeout=120)
+            return "OK"
+        except grpc.RpcError as e:
+            return e.code().name
+
+    with concurrent.futures.ThreadPoolExecutor(24) as pool:
+        codes = list(pool.map(call, range(24)))
+    assert "RESOURCE_EXHAUSTED" in codes and "OK" in codes, codes
+    assert set(codes) == {"OK", "RESOURCE_EXHAUSTED"}
+
+
+def test_client_deadline_stops_the_request(server):
+    before = http(server, "/v1/stats")[1]["requests"]["cancelled"]
+    req = api.GenerateRequest(prompt="w3 w4", task_type="noise", max_new_tokens=190, speculation=api.SPECULATION_ON)
+    with pytest.raises(grpc.RpcError) as e:
+        list(server.stub.GenerateStream(req, timeout=0.3))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 10
+    while http(server, "/v1/stats")[1]["requests"]["cancelled"] == before:
+        assert time.monotonic() < deadline, "the server did not stop the request"
+        time.sleep(0.1)
+
+
+def test_killing_draft_replicas_mid_request_still_completes_it(server, target):
+    replicas = _replicas()
+    prompt = "w3 w4"
+    want = expected(server, target, prompt, 190)
+    before = http(server, "/v1/stats")[1]["requests"]["fallbacks"]
+    req = api.GenerateRequest(prompt=prompt, task_type="noise", max_new_tokens=190, speculation=api.SPECULATION_ON)
+    got = []
+    for i, chunk in enumerate(server.stub.GenerateStream(req, timeout=120)):
+        got += chunk.token_ids
+        if i == 0:
+            for replica in replicas:
+                ray.kill(replica, no_restart=False)
+    assert got == want
+    assert http(server, "/v1/stats")[1]["requests"]["fallbacks"] == before + 1
+    for replica in replicas:  # Ray brings them back
+        assert ray.get(replica.ready.remote(), timeout=60)
+
+
+def _replicas():
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == NAMESPACE and a["name"].startswith("draft-")]
+    assert len(names) == 2
+    return [ray.get_actor(n, namespace=NAMESPACE) for n in names]
