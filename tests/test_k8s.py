@@ -1,0 +1,247 @@
+"""k8s/: the RayService against KubeRay's CRD schema, its serveConfigV2 against Ray Serve's schema, and
+the operator YAML in the ConfigMap against cluster.config, for the base and each rendered overlay."""
+
+import copy
+import functools
+import importlib
+import math
+import posixpath
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
+
+import jsonschema
+import pydantic
+import pytest
+import yaml
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)  # Ray's own pydantic-v1-style Field(...) calls
+    from ray.serve.schema import ServeDeploySchema
+
+from cluster.config import RoutingReloader, parse_config
+
+ROOT = Path(__file__).resolve().parent.parent
+K8S = ROOT / "k8s"
+CRD = ROOT.parent / "shared" / "kuberay" / "ray.io_rayservices.yaml"
+PROFILES = ["base", "overlays/cpu", "overlays/gpu"]
+
+
+def strict(schema):
+    """The CRD schema as the API server applies it: fields a schema does not list are errors (no
+    x-kubernetes-preserve-unknown-fields here). Int-or-string nodes already carry their anyOf, and
+    the other x-kubernetes-* keys are not checked."""
+    if isinstance(schema, list):
+        return [strict(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    node = {key: strict(value) for key, value in schema.items()}
+    open_ended = "additionalProperties" in node or node.get("x-kubernetes-preserve-unknown-fields")
+    if "properties" in node and not open_ended:
+        node["additionalProperties"] = False
+    return node
+
+
+@pytest.fixture(scope="module")
+def rayservice_validator():
+    if not CRD.exists():
+        pytest.skip(f"KubeRay's RayService CRD is absent ({CRD})")
+    crd = yaml.safe_load(CRD.read_text())
+    (v1,) = [version for version in crd["spec"]["versions"] if version["name"] == "v1"]
+    return jsonschema.Draft202012Validator(strict(v1["schema"]["openAPIV3Schema"]))
+
+
+@functools.cache
+def _render(profile: str) -> tuple:
+    if kubectl := shutil.which("kubectl"):
+        command = [kubectl, "kustomize", str(K8S / profile)]
+    elif kustomize := shutil.which("kustomize"):
+        command = [kustomize, "build", str(K8S / profile)]
+    else:
+        pytest.skip("neither kubectl nor kustomize is on PATH to render the kustomizations")
+    out = subprocess.run(command, capture_output=True, text=True, check=True, timeout=60).stdout
+    return tuple(yaml.safe_load_all(out))
+
+
+def rendered(profile: str, kind: str) -> list[dict]:
+    return [doc for doc in _render(profile) if doc["kind"] == kind]
+
+
+def rayservice(profile: str) -> dict:
+    (service,) = rendered(profile, "RayService")
+    return service
+
+
+def pod_groups(service: dict) -> list[dict]:
+    cluster = service["spec"]["rayClusterConfig"]
+    return [{"groupName": "head", **cluster["headGroupSpec"]}, *cluster["workerGroupSpecs"]]
+
+
+def serve_app(service: dict) -> tuple[dict, dict]:
+    """serveConfigV2 parsed, and its one application."""
+    serve = yaml.safe_load(service["spec"]["serveConfigV2"])
+    (app,) = serve["applications"]
+    return serve, app
+
+
+def operator_config(profile: str):
+    """The operator YAML at the path serveConfigV2 names, as the ConfigMap mounted there holds it."""
+    config_path = serve_app(rayservice(profile))[1]["args"]["config"]
+    (configmap,) = rendered(profile, "ConfigMap")
+    return parse_config(configmap["data"][posixpath.basename(config_path)], source=f"{profile}: {config_path}")
+
+
+def resolve(dotted: str, separator: str):
+    module, _, name = dotted.rpartition(separator)
+    return getattr(importlib.import_module(module), name)
+
+
+def test_base_files_match_crd(rayservice_validator):
+    """Without a renderer too: the RayService as written in k8s/base."""
+    resources = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())["resources"]
+    docs = [doc for name in resources for doc in yaml.safe_load_all((K8S / "base" / name).read_text())]
+    services = [doc for doc in docs if doc["kind"] == "RayService"]
+    assert services
+    for service in services:
+        rayservice_validator.validate(service)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_rayservice_matches_crd(profile, rayservice_validator):
+    service = rayservice(profile)
+    assert service["apiVersion"] == "ray.io/v1"
+    rayservice_validator.validate(service)
+
+
+@pytest.mark.parametrize("path, value, complaint", [
+    (("spec", "rayClusterConfig", "headGroupSpec", "rayStartParam"), {"num-gpus": "0"}, "Additional properties"),
+    (("spec", "rayClusterConfig", "workerGroupSpecs", 0, "replicas"), "1", "is not of type 'integer'"),
+    (("spec", "rayClusterConfig", "workerGroupSpecs", 0, "template", "spec", "containers", 0, "ports", 0,
+      "containerPort"), "8000", "is not of type 'integer'"),
+])
+def test_crd_check_rejects_a_broken_rayservice(path, value, complaint, rayservice_validator):
+    broken = copy.deepcopy(rayservice("base"))
+    node = broken
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    errors = list(rayservice_validator.iter_errors(broken))
+    assert errors and complaint in errors[0].message
+
+
+def check_serve_config(serve: dict) -> None:
+    parsed = ServeDeploySchema.model_validate(serve)
+    # Serve ignores keys it does not know, so a misspelled key would silently drop its setting.
+    assert parsed.model_dump(exclude_unset=True) == serve, "serveConfigV2 has keys Ray Serve does not know"
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_serve_config_matches_ray_schema(profile):
+    serve, app = serve_app(rayservice(profile))
+    check_serve_config(serve)
+    assert app["import_path"] == "cluster.serve_app:build_app"
+    assert serve["grpc_options"]["grpc_servicer_functions"] == [
+        "protos.specdec_api_pb2_grpc.add_SpecDecodeServicer_to_server"]
+
+
+@pytest.mark.parametrize("key, value", [("grpc_option", {"port": 9000}), ("http_options", {"port": "http"})])
+def test_serve_config_check_rejects_a_broken_one(key, value):
+    serve, _ = serve_app(rayservice("base"))
+    with pytest.raises((AssertionError, pydantic.ValidationError)):
+        check_serve_config({**serve, key: value})
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_serve_import_paths_resolve(profile):
+    serve, app = serve_app(rayservice(profile))
+    for servicer in serve["grpc_options"]["grpc_servicer_functions"]:
+        assert callable(resolve(servicer, "."))
+    assert callable(resolve(app["import_path"], ":"))
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_ports_agree(profile):
+    """Serve's proxy ports, the head container's named ports (the serve Service is built from them)
+    and the operator config's server section."""
+    service = rayservice(profile)
+    serve, _ = serve_app(service)
+    head = service["spec"]["rayClusterConfig"]["headGroupSpec"]
+    head_ports = {port["name"]: port["containerPort"] for port in head["template"]["spec"]["containers"][0]["ports"]}
+    server = operator_config(profile).server
+    assert head_ports["serve"] == serve["http_options"]["port"] == server.http_port
+    assert head_ports["serve-grpc"] == serve["grpc_options"]["port"] == server.grpc_port
+    assert head_ports["metrics"] == int(head["rayStartParams"]["metrics-export-port"])
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_operator_config_in_configmap_is_valid(profile):
+    config = operator_config(profile)
+    assert config.models.target.path.startswith("/models/") and config.models.draft.path.startswith("/models/")
+    assert config.routing.task_types
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_configmap_mounted_as_directory_in_every_pod(profile):
+    """A subPath mount never sees ConfigMap updates, so routing could not change live."""
+    service = rayservice(profile)
+    config_path = serve_app(service)[1]["args"]["config"]
+    configmaps = {configmap["metadata"]["name"] for configmap in rendered(profile, "ConfigMap")}
+    for group in pod_groups(service):
+        pod = group["template"]["spec"]
+        volumes = {volume["name"]: volume["configMap"]["name"] for volume in pod["volumes"] if "configMap" in volume}
+        (container,) = pod["containers"]
+        mounts = [mount for mount in container["volumeMounts"] if mount["name"] in volumes]
+        assert [(mount["mountPath"], mount.get("subPath")) for mount in mounts] == [
+            (posixpath.dirname(config_path), None)], group["groupName"]
+        assert volumes[mounts[0]["name"]] in configmaps, group["groupName"]
+
+
+def kubelet_update(mount: Path, name: str, text: str, stamp: str) -> None:
+    """A ConfigMap volume update as the kubelet makes it: the files go to a new timestamped folder,
+    `..data` is swapped to it atomically and the old folder is deleted; `name` links to ..data/name."""
+    data, new = mount / "..data", mount / f"..{stamp}"
+    old = data.resolve() if data.is_symlink() else None
+    new.mkdir()
+    (new / name).write_text(text)
+    (mount / "..data_tmp").symlink_to(new.name)
+    (mount / "..data_tmp").rename(data)
+    if old:
+        shutil.rmtree(old)
+    if not (mount / name).is_symlink():
+        (mount / name).symlink_to(f"..data/{name}")
+
+
+def test_routing_changes_live_through_a_configmap_update(tmp_path):
+    """The path the app watches must survive the kubelet's swap: not the resolved, deleted folder."""
+    _, app = serve_app(rayservice("base"))
+    name = posixpath.basename(app["args"]["config"])
+    (configmap,) = rendered("base", "ConfigMap")
+    kubelet_update(tmp_path, name, configmap["data"][name], "1")
+    application = resolve(app["import_path"], ":")({**app["args"], "config": str(tmp_path / name)})
+    watched = application._bound_deployment.init_args[1]  # the ingress's config_path
+    applied = []
+    reloader = RoutingReloader(watched, applied.append)
+    changed = yaml.safe_load(configmap["data"][name])
+    changed["routing"]["default"]["max_k"] = 3
+    kubelet_update(tmp_path, name, yaml.safe_dump(changed), "2")
+    assert reloader.check(), f"routing not reloaded from {watched}"
+    assert applied[0].default.max_k == 3
+
+
+def gpus_per_pod(group: dict) -> int:
+    """What Ray sees: rayStartParams num-gpus if given, else the nvidia.com/gpu limit."""
+    limits = group["template"]["spec"]["containers"][0]["resources"].get("limits", {})
+    return int(group.get("rayStartParams", {}).get("num-gpus", limits.get("nvidia.com/gpu", 0)))
+
+
+@pytest.mark.parametrize("profile", ["overlays/cpu", "overlays/gpu"])
+def test_worker_gpus_fit_placement(profile):
+    """The target's ranks share one pod (a STRICT_PACK placement group); drafts get pods of their own."""
+    placement = operator_config(profile).placement
+    groups = {group["groupName"]: group for group in pod_groups(rayservice(profile))}
+    target, draft = groups["target"], groups["draft"]
+    assert gpus_per_pod(groups["head"]) == 0
+    assert target["replicas"] == 1
+    assert gpus_per_pod(target) == math.ceil(placement.tensor_parallel_size * placement.gpus_per_actor)
+    assert draft["replicas"] * gpus_per_pod(draft) == math.ceil(placement.draft_replicas * placement.gpus_per_actor)
