@@ -1,4 +1,4 @@
-"""The `specdec` command: generate, bench."""
+"""The `specdec` command: generate, bench, distill, models; serve and client (in cluster/)."""
 
 import argparse
 import json
@@ -93,6 +93,33 @@ def build_parser() -> argparse.ArgumentParser:
     md.add_argument("--rebuild", action="store_true")
     md.add_argument("--seed", type=int, default=0)
     md.add_argument("--json", action="store_true", help='end with {"target": DIR, "draft": DIR}')
+
+    s = sub.add_parser("serve", help="serve over gRPC and HTTP on a local (or existing) Ray cluster")
+    s.add_argument("--config", help="operator YAML (see configs/default.yaml); default: the embedded default pair")
+    s.add_argument("--address", help="join this Ray cluster instead of starting a local one")
+    s.add_argument("--target", help="overrides models.target.path")
+    s.add_argument("--draft", help="overrides models.draft.path")
+    s.add_argument("--tensor-parallel-size", type=int, help="overrides placement.tensor_parallel_size")
+    s.add_argument("--draft-replicas", type=int, help="overrides placement.draft_replicas")
+    s.add_argument("--grpc-port", type=int, help="overrides server.grpc_port")
+    s.add_argument("--http-port", type=int, help="overrides server.http_port")
+    s.add_argument("--num-gpus", type=float, help="GPUs a local cluster declares (logical on a CPU machine; "
+                                                   "default: the CUDA GPUs, else as many as the actors need)")
+
+    c = sub.add_parser("client", help="call a running server's gRPC API")
+    c.add_argument("--address", default="localhost:9000", help="host:port of specdec.v1.SpecDecode")
+    c.add_argument("--prompt")
+    c.add_argument("--task-type", default="", help="e.g. code, chat, prose (routing per task type)")
+    c.add_argument("--max-new-tokens", type=int, default=64)
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--top-k", type=int, default=0)
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--seed", type=int)
+    c.add_argument("--speculation", choices=["auto", "on", "off"], default="auto")
+    c.add_argument("--stream", action="store_true", help="print tokens as they come")
+    c.add_argument("--timeout", type=float, default=300, help="deadline in seconds")
+    c.add_argument("--json", action="store_true")
+    c.add_argument("--stats", action="store_true", help="print per task type alpha, decision, K, requests")
     return parser
 
 
@@ -225,6 +252,10 @@ def main(argv: list[str] | None = None) -> None:
             cmd_distill(args)
         elif args.command == "models":
             cmd_models(args)
+        elif args.command in ("serve", "client"):
+            from cluster import commands  # the distributed shell; specdec/ itself imports neither ray nor grpc
+
+            (commands.serve_main if args.command == "serve" else commands.client_main)(args)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"specdec: {e}") from None
 

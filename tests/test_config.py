@@ -242,3 +242,14 @@ def test_reloader_refuses_a_broken_file_at_start(tmp_path):
     path.write_text("models: {}\n")
     with pytest.raises(ConfigError, match="models.target: required key missing"):
         RoutingReloader(path, lambda routing: None)
+
+
+def test_serve_flags_override_the_file_and_are_checked_again():
+    from cluster.serve_app import apply_overrides
+
+    cfg = parse_config({"models": {"target": {"path": "t", "dtype": "bfloat16"}}})
+    out = apply_overrides(cfg, {"draft": "d", "draft_replicas": 3, "tensor_parallel_size": None, "grpc_port": 9001})
+    assert out.models.draft.path == "d" and out.placement.draft_replicas == 3 and out.server.grpc_port == 9001
+    assert out.placement.tensor_parallel_size == cfg.placement.tensor_parallel_size  # None: not given
+    with pytest.raises(ConfigError, match="server.http_port: must differ from grpc_port"):
+        apply_overrides(cfg, {"grpc_port": 8000})

@@ -256,3 +256,16 @@ def _replicas():
              if a["namespace"] == NAMESPACE and a["name"].startswith("draft-")]
     assert len(names) == 2
     return [ray.get_actor(n, namespace=NAMESPACE) for n in names]
+
+
+def test_specdec_client_command(server, target, capsys):
+    from specdec.cli import main
+
+    address = f"127.0.0.1:{server.config['server']['grpc_port']}"
+    main(["client", "--address", address, "--prompt", PROMPTS[0], "--max-new-tokens", "6", "--json"])
+    reply = json.loads(capsys.readouterr().out)
+    assert reply["token_ids"] == expected(server, target, PROMPTS[0], 6) and reply["finish_reason"] == "length"
+    main(["client", "--address", address, "--stats"])
+    assert "requests" in next(iter(json.loads(capsys.readouterr().out).values()))
+    with pytest.raises(SystemExit, match="INVALID_ARGUMENT: top_p"):
+        main(["client", "--address", address, "--prompt", "w1", "--top-p", "2"])
