@@ -5,6 +5,7 @@ import grpc
 import ray
 
 from cluster.draft_loop import run_steps
+from cluster.metrics import StepTimer
 from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.drafters import make_drafter
 from specdec.kvcache import CachedLM
@@ -27,6 +28,8 @@ class DraftReplica(RequestStreams):
         self.drafter, self.width = drafter, width
         self.drafter_for("")  # fail here, at start, on a bad drafter/model combination
         self.stub = tree_grpc.TargetServiceStub(grpc.insecure_channel(target_address))
+        name = ray.get_runtime_context().get_actor_name() or "draft"
+        self.step_timer = StepTimer(name.rsplit("-", 1)[0])  # draft-<i>-<topology tag> -> draft-<i>
 
     def ready(self) -> bool:
         return True
@@ -40,7 +43,7 @@ class DraftReplica(RequestStreams):
         """One request, start to end, K = depth: yields each step's tokens, then a summary. Its KV
         cache on the target is closed when it finishes (or when the caller cancels it)."""
         steps = run_steps(self.stub, self.drafter_for(task_type), request_id, prompt, SamplingParams(**params),
-                          max_new_tokens, set(eos), depth)
+                          max_new_tokens, set(eos), depth, on_step=self.step_timer)
         yield from self._stream(request_id, steps)
 
     def gpu_ids(self) -> list:

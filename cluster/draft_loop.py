@@ -3,7 +3,7 @@ tree, send it, keep what the target accepted, roll the draft's cache back, repea
 (or depth 0) every tree is a lone root: plain decoding, one token per step."""
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from protos import specdec_tree_pb2 as tree_pb
 from specdec.drafters import Drafter, Plan
@@ -24,10 +24,12 @@ def run_steps(
     eos: set[int],
     depth: int = 4,
     stream: int = 0,
+    on_step: Callable[[float, float], None] | None = None,
 ) -> Iterator[tuple[list[int], Generation]]:
     """Generate one request with the target behind `stub`, yielding after every step the tokens it
     committed and the generation so far (finish_reason is final once the iterator ends). The request
-    is closed on the target at the end, also when the consumer stops early."""
+    is closed on the target at the end, also when the consumer stops early. `on_step` gets each
+    step's (draft, verify round trip) seconds."""
     stub.Open(tree_pb.OpenRequest(request_id=request_id, prompt=prompt, params=wire.sampling_to_proto(params),
                                   stream=stream))
     out, seq = Generation([], "length"), list(prompt)
@@ -43,7 +45,10 @@ def run_steps(
             t1 = time.perf_counter()
             reply = stub.Verify(tree_pb.VerifyRequest(trees=[wire.tree_to_proto(request_id, tree)]))
             _, verdict = wire.verdict_from_proto(reply.results[0])
-            record_step(out.stats, tree, verdict, (t1 - t0, time.perf_counter() - t1))  # verify: the round trip
+            times = (t1 - t0, time.perf_counter() - t1)  # verify: the round trip
+            record_step(out.stats, tree, verdict, times)
+            if on_step:
+                on_step(*times)
             if speculate:
                 drafter.commit([verdict.path])
             before = len(out.token_ids)

@@ -5,7 +5,6 @@ under the queue limit, ask the router whether to speculate and how far, run it o
 A draft replica that dies mid-request costs speed, not the request: the request goes on from the
 tokens already streamed, decoded plain on the target. Ray restarts the replica."""
 
-import asyncio
 import itertools
 import logging
 import math
@@ -20,12 +19,14 @@ from transformers import AutoConfig, GenerationConfig
 
 from specdec.loading import eos_ids, load_tokenizer
 
+from . import metrics
 from .config import ConfigError, RoutingReloader, ServeConfig
 from .placement import Topology, start_topology
 from .router import Router
 
 log = logging.getLogger(__name__)
 RELOAD_EVERY_S = 1.0
+GAUGES_EVERY_S = 1.0  # Ray stops exporting a gauge that is not set again for ~20 s
 _REPLICA_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 
@@ -66,6 +67,7 @@ class Admitted:
     prompt_ids: list[int]
     params: dict
     task_type: str  # "" means the default thresholds
+    admitted_at: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -89,15 +91,26 @@ class Frontend:
         self.topology: Topology = start_topology(cfg)
         self.in_flight = 0
         self.served = {"speculative": 0, "plain": 0, "fallbacks": 0, "cancelled": 0}
+        self.timing = {"steps": 0, "step_round_trip_s": 0.0, "draft_s": 0.0}  # speculative requests' steps
         self._turn = itertools.count()
         self._reloader = RoutingReloader(config_path, self.router.update_routing, log) if config_path else None
         if self._reloader:
             threading.Thread(target=self._watch_config, name="config-reload", daemon=True).start()
+        threading.Thread(target=self._publish_gauges, name="metrics", daemon=True).start()
 
     # --- checking -------------------------------------------------------------------------------
 
     def admit(self, req: Request) -> Admitted:
         """Check every field (InvalidRequest names the first bad one) and take a queue place (QueueFull)."""
+        try:
+            job = self._admit(req)
+        except (InvalidRequest, QueueFull) as e:
+            reason = "refused_invalid" if isinstance(e, InvalidRequest) else "refused_queue_full"
+            metrics.count_event(req.task_type or "default", reason)
+            raise
+        return job
+
+    def _admit(self, req: Request) -> Admitted:
         limits = self.cfg.server
         if not req.prompt:
             raise InvalidRequest("prompt", "must not be empty")
@@ -131,19 +144,23 @@ class Frontend:
     async def generate(self, job: Admitted) -> AsyncIterator[Chunk]:
         """The request's tokens as they are committed; the last chunk has finish_reason and stats.
         Closing the iterator early (client gone, deadline passed) stops the request on the actors."""
+        meter = metrics.RequestMeter(job.task_type or "default", job.admitted_at)
         try:
-            async for chunk in self._run(job):
+            async for chunk in self._run(job, meter):
+                meter.sent(len(chunk.token_ids), chunk.finish_reason is not None)
                 yield chunk
         finally:
             self.in_flight -= 1
+            meter.end()
 
-    async def _run(self, job: Admitted) -> AsyncIterator[Chunk]:
-        req, rid, text = job.request, uuid.uuid4().hex, _Detokenizer(self.tokenizer)
-        decision = self.router.route(job.task_type or "default", req.speculation)
+    async def _run(self, job: Admitted, meter: metrics.RequestMeter) -> AsyncIterator[Chunk]:
+        req, rid, text, task_type = job.request, uuid.uuid4().hex, _Detokenizer(self.tokenizer), meter.task_type
+        decision = self.router.route(task_type, req.speculation)
         drafts = self.topology.drafts
         done: list[int] = []
         stats = {"speculative": bool(decision.speculative and drafts), "drafted": 0, "accepted": 0, "steps": 0,
                  "tried_depths": 0}
+        meter.start(("probe" if decision.probe else "speculative") if stats["speculative"] else "plain")
         if stats["speculative"]:
             replica = drafts[next(self._turn) % len(drafts)]
             stream = replica.generate.options(num_returns="streaming").remote(
@@ -152,12 +169,15 @@ class Frontend:
                 async for chunk in self._relay(replica, rid, stream, text, done, stats):
                     yield chunk
                 if stats.get("tried_depths"):
-                    self.router.report(job.task_type or "default", stats["accepted"], stats["tried_depths"])
+                    self.router.report(task_type, stats["accepted"], stats["tried_depths"])
                 self.served["speculative"] += 1
                 return
             except _REPLICA_GONE as e:
                 log.warning("draft replica lost during request %s (%s); finishing it on the target", rid, e)
                 self.served["fallbacks"] += 1
+                meter.event("fallback")
+            finally:
+                meter.drafts(stats["drafted"], stats["accepted"])
             if done and (done[-1] in self.eos or len(done) >= req.max_new_tokens):
                 yield _last_chunk("stop" if done[-1] in self.eos else "length", stats, [], text)
                 return
@@ -171,7 +191,7 @@ class Frontend:
     async def _relay(self, actor, rid: str, stream, text: "_Detokenizer", done: list[int], stats: dict,
                      offset: dict | None = None):
         """Chunks from an actor stream; cancels the request on the actor if the consumer stops early."""
-        finished = False
+        finished = lost = False
         try:
             async for ref in stream:
                 part = await ref
@@ -180,18 +200,31 @@ class Frontend:
                     stats[key] = part["stats"][key] + (offset or {}).get(key, 0)
                 if "finish_reason" in part:
                     finished = True
+                    if offset is None:  # a draft replica's round trips: what the gRPC hop and batching add
+                        self._add_timing(part["stats"])
                     yield _last_chunk(part["finish_reason"], stats, part["tokens"], text)
                 elif part["tokens"]:
                     yield Chunk(part["tokens"], text.add(part["tokens"]))
+        except _REPLICA_GONE:
+            lost = True
+            raise
         finally:
-            if not finished:
+            if not (finished or lost):
                 actor.cancel.remote(rid)
                 self.served["cancelled"] += 1
 
     # --- the rest -------------------------------------------------------------------------------
 
-    def stats(self) -> dict:
-        return {"task_types": self.router.stats(), "requests": dict(self.served), "in_flight": self.in_flight}
+    async def stats(self) -> dict:
+        target = await self.topology.target.stats.remote()
+        timing = {"forwards": target["forwards"], "forward_s": target["forward_time_s"], **self.timing}
+        return {"task_types": self.router.stats(), "requests": dict(self.served), "in_flight": self.in_flight,
+                "timing": timing}
+
+    def _add_timing(self, stats: dict) -> None:
+        self.timing["steps"] += stats["steps"]
+        self.timing["step_round_trip_s"] += stats["verify_time_s"]
+        self.timing["draft_s"] += stats["draft_time_s"]
 
     def shutdown(self) -> None:
         self.topology.shutdown()
@@ -204,6 +237,11 @@ class Frontend:
                     log.info("routing reloaded from %s", self._reloader.path)
             except ConfigError as e:  # check() logs broken files itself; this is a vanished file
                 log.error("%s", e)
+
+    def _publish_gauges(self) -> None:
+        while True:
+            metrics.publish_gauges(self.in_flight, self.router.stats())
+            time.sleep(GAUGES_EVERY_S)
 
 
 class _Detokenizer:

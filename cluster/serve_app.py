@@ -149,7 +149,7 @@ class SpecDecodeIngress:
 
     @http_app.get("/v1/stats")
     async def stats(self) -> dict:
-        return self.frontend.stats()
+        return await self.frontend.stats()
 
     @http_app.get("/healthz")
     async def healthz(self):

@@ -120,6 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--timeout", type=float, default=300, help="deadline in seconds")
     c.add_argument("--json", action="store_true")
     c.add_argument("--stats", action="store_true", help="print per task type alpha, decision, K, requests")
+
+    sb = sub.add_parser("bench-served", help="a running server's tokens/s with speculation off vs on")
+    sb.add_argument("--address", default="localhost:9000", help="host:port of specdec.v1.SpecDecode")
+    sb.add_argument("--http", default="http://localhost:8000", help="the server's HTTP root (for /v1/stats)")
+    sb.add_argument("--prompts", required=True, help="JSONL rows with 'prompt' and 'task_type'")
+    sb.add_argument("--clients", type=int, nargs="+", default=[1, 8], help="concurrent clients (default 1 8)")
+    sb.add_argument("--modes", nargs="+", choices=["off", "on", "auto"], default=["off", "on", "auto"])
+    sb.add_argument("--max-new-tokens", type=int, default=64)
+    sb.add_argument("--limit", type=int, help="use only the first N prompts of each task type")
+    sb.add_argument("--json", action="store_true")
     return parser
 
 
@@ -252,10 +262,11 @@ def main(argv: list[str] | None = None) -> None:
             cmd_distill(args)
         elif args.command == "models":
             cmd_models(args)
-        elif args.command in ("serve", "client"):
-            from cluster import commands  # the distributed shell; specdec/ itself imports neither ray nor grpc
+        elif args.command in ("serve", "client", "bench-served"):
+            from cluster import commands, served_bench  # the shell; specdec/ itself imports neither ray nor grpc
 
-            (commands.serve_main if args.command == "serve" else commands.client_main)(args)
+            {"serve": commands.serve_main, "client": commands.client_main,
+             "bench-served": served_bench.bench_main}[args.command](args)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"specdec: {e}") from None
 

@@ -162,6 +162,9 @@ def test_http_completions_match_grpc(server, target):
     assert http(server, "/healthz") == (200, {"status": "ok"})
     status, stats = http(server, "/v1/stats")
     assert status == 200 and "task_types" in stats
+    timing = stats["timing"]
+    assert timing["forwards"] > 0 and 0 < timing["forward_s"] and timing["steps"] > 0
+    assert timing["step_round_trip_s"] > timing["forward_s"] * timing["steps"] / timing["forwards"] * 0.5
 
 
 def test_router_keeps_echo_on_turns_noise_off_and_probes_it(server):

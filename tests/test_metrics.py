@@ -1,0 +1,129 @@
+"""The Prometheus metrics end to end: `build_app` on a local Ray cluster whose metrics agent serves
+/metrics, a few requests over gRPC, then the exported series checked against what was sent and
+against GetStats."""
+
+import shutil
+import socket
+import time
+import urllib.request
+from collections import defaultdict
+
+import grpc
+import pytest
+import ray
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from ray import serve
+
+from cluster.serve_app import GRPC_SERVICER, build_app
+from conftest import VOCAB, save_tokenizer
+from protos import specdec_api_pb2 as api
+from protos import specdec_api_pb2_grpc as api_grpc
+
+WORDS = [f"w{i}" for i in range(1, VOCAB)]
+LABELS = {"task_type", "mode", "event", "replica"}  # specdec's own; Ray adds WorkerId, NodeAddress and more
+SENT = {("code", "speculative"): 3, ("prose", "plain"): 2}  # (task type, mode) -> requests
+MAX_NEW_TOKENS = 12
+LATENCIES = ("time_to_first_token_seconds", "time_per_output_token_seconds")  # per request
+STEPS = {"draft_step_seconds": ["draft-0"], "verify_step_seconds": ["draft-0", "target"]}  # name -> replicas
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dirs, tmp_path_factory):
+    """-> (SpecDecode stub, /metrics URL), after the requests of SENT and one refused request."""
+    root = tmp_path_factory.mktemp("metrics")
+    target_dir = shutil.copytree(model_dirs.target, root / "target")
+    save_tokenizer(target_dir, WORDS)
+    config = {"models": {"target": {"path": str(target_dir)}, "draft": {"path": model_dirs.draft}},
+              "placement": {"tensor_parallel_size": 1, "draft_replicas": 1},
+              "speculation": {"drafter": "model"},
+              "server": {"grpc_port": free_port()}}
+    path = root / "specdec.yaml"
+    path.write_text(yaml.safe_dump(config))
+    metrics_port = free_port()
+    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False,
+             _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000})
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()},
+                grpc_options={"port": config["server"]["grpc_port"], "grpc_servicer_functions": [GRPC_SERVICER]})
+    serve.run(build_app({"config": str(path)}), name="specdec", route_prefix="/")
+    channel = grpc.insecure_channel(f"127.0.0.1:{config['server']['grpc_port']}")
+    stub = api_grpc.SpecDecodeStub(channel)
+    speculation = {"speculative": api.SPECULATION_ON, "plain": api.SPECULATION_OFF}
+    for (task_type, mode), n in SENT.items():
+        for i in range(n):
+            reply = stub.Generate(api.GenerateRequest(prompt=f"w{i + 3} w7 w9", task_type=task_type,
+                                                      max_new_tokens=MAX_NEW_TOKENS, speculation=speculation[mode]),
+                                  timeout=60)
+            assert len(reply.token_ids) == MAX_NEW_TOKENS
+    with pytest.raises(grpc.RpcError):
+        stub.Generate(api.GenerateRequest(prompt="w1", task_type="prose", max_new_tokens=0), timeout=60)
+    yield stub, f"http://127.0.0.1:{metrics_port}/metrics"
+    channel.close()
+    serve.shutdown()
+    ray.shutdown()
+
+
+def scrape(url: str) -> dict[str, dict[tuple, float]]:
+    """specdec's samples but histogram buckets: name less ray_specdec_ -> {sorted (label, value) pairs of
+    specdec's own labels: value}, summed over the processes that report them."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    samples = defaultdict(lambda: defaultdict(float))
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("ray_specdec_") and not s.name.endswith("_bucket"):
+                labels = tuple(sorted((k, v) for k, v in s.labels.items() if k in LABELS))
+                samples[s.name.removeprefix("ray_specdec_")][labels] += s.value
+    return samples
+
+
+def value(samples: dict, name: str, **labels) -> float | None:
+    return samples.get(name, {}).get(tuple(sorted(labels.items())))
+
+
+def exported(url: str, code_alpha: float) -> dict:
+    """The samples, once every request sent and every actor's steps are in, and the ingress's gauges are
+    up to date (it sets them every second; Ray exports every second here)."""
+    deadline = time.monotonic() + 60
+    while True:
+        m = scrape(url)
+        if (all(value(m, f"{h}_count", task_type=t, mode=mode) == n for h in LATENCIES for (t, mode), n in SENT.items())
+                and all(value(m, f"{name}_count", replica=r) for name, replicas in STEPS.items() for r in replicas)
+                and value(m, "alpha", task_type="code") == pytest.approx(code_alpha)
+                and value(m, "queue_depth") == 0):
+            return m
+        assert time.monotonic() < deadline, f"metrics not exported in time: {dict(m)}"
+        time.sleep(1)
+
+
+def test_metrics_are_exported_per_task_type_and_replica(cluster):
+    stub, url = cluster
+    code = next(t for t in stub.GetStats(api.GetStatsRequest()).task_types if t.task_type == "code")
+    m = exported(url, code.alpha)
+
+    for (task_type, mode), n in SENT.items():
+        assert value(m, "requests_total", task_type=task_type, mode=mode) == n
+    assert set(m["requests_total"]) == {(("mode", mode), ("task_type", t)) for t, mode in SENT}
+    for name in LATENCIES:
+        assert set(m[f"{name}_count"]) == set(m["requests_total"])
+        assert all(0 < m[f"{name}_sum"][labels] < 10 * n for labels, n in m[f"{name}_count"].items())
+    assert m["request_events_total"] == {(("event", "refused_invalid"), ("task_type", "prose")): 1}
+
+    drafted = value(m, "drafted_tokens_total", task_type="code")
+    assert drafted >= value(m, "accepted_tokens_total", task_type="code") > 0
+    assert set(m["drafted_tokens_total"]) == {(("task_type", "code"),)}  # prose never speculated
+    assert 0 <= value(m, "alpha", task_type="code") <= 1  # and equal to GetStats's, or exported() would wait
+    assert value(m, "speculation_on", task_type="code") == (code.decision == "on")
+    assert value(m, "speculation_on", task_type="prose") == 1  # no reports yet: optimistic
+
+    for name, replicas in STEPS.items():
+        assert {dict(labels)["replica"] for labels in m[f"{name}_count"]} == set(replicas)
+        for replica in replicas:
+            count, total = value(m, f"{name}_count", replica=replica), value(m, f"{name}_sum", replica=replica)
+            assert 1e-5 < total / count < 10, (name, replica, count, total)
