@@ -13,7 +13,7 @@ import grpc
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 from ray import serve
 
 from protos import specdec_api_pb2 as api
