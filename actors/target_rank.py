@@ -4,7 +4,6 @@ specdec.v1.TargetService over gRPC, so draft replicas can send it token trees, a
 
 import os
 import threading
-import time
 from concurrent import futures
 
 import grpc
@@ -53,7 +52,7 @@ class TargetRank(RequestStreams):
                 threading.Thread(target=follow, args=(worker, group), name="lockstep", daemon=True).start()
                 return
             worker = LockstepWorker(worker, group)
-        self.service = TargetService(_TimedForwards(worker), batch_window_s)
+        self.service = TargetService(worker, batch_window_s, on_forward=metrics.observe_forward)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
         tree_grpc.add_TargetServiceServicer_to_server(self.service, self.server)
         self.port = self.server.add_insecure_port("0.0.0.0:0")
@@ -77,24 +76,8 @@ class TargetRank(RequestStreams):
     def stats(self) -> dict:
         if self.service is None:  # a rank > 0
             return {"weights_held": self.weights_held}
-        return {"weights_held": self.weights_held, "forwards": self.service.forwards, "largest_batch": self.service.largest_batch,
-                "forward_time_s": self.service.forward_time_s, "open_requests": len(self.service.worker.rows)}
-
-
-class _TimedForwards:
-    """The worker, with each verify forward's time recorded in the metrics."""
-
-    def __init__(self, worker):
-        self.worker = worker
-
-    def verify(self, trees):
-        t0 = time.perf_counter()
-        result = self.worker.verify(trees)
-        metrics.observe_forward(time.perf_counter() - t0)
-        return result
-
-    def __getattr__(self, name):  # the rest as the worker has it: add, remove, check, requests, rows
-        return getattr(self.worker, name)
+        return {"weights_held": self.weights_held, "forwards": self.service.forwards,
+                "largest_batch": self.service.largest_batch, "forward_time_s": self.service.forward_time_s, "open_requests": len(self.service.worker.rows)}
 
 
 def _local_numel(model: torch.nn.Module) -> int:

@@ -29,8 +29,9 @@ class _Op:
 
 
 class TargetService(tree_grpc.TargetServiceServicer):
-    def __init__(self, worker: TargetWorker, batch_window_s: float = 0.0):
-        self.worker, self.window = worker, batch_window_s
+    def __init__(self, worker: TargetWorker, batch_window_s: float = 0.0,
+                 on_forward: Callable[[float], None] = lambda seconds: None):
+        self.worker, self.window, self.on_forward = worker, batch_window_s, on_forward
         self.ops: queue.Queue[_Op | None] = queue.Queue()
         self.forwards = 0  # verify forwards run
         self.largest_batch = 0  # most requests verified in one forward
@@ -121,7 +122,9 @@ class TargetService(tree_grpc.TargetServiceServicer):
         try:
             t0 = time.perf_counter()
             verdicts, _ = self.worker.verify(merged)
-            self.forward_time_s += time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            self.forward_time_s += elapsed
+            self.on_forward(elapsed)
             self.forwards += 1
             self.largest_batch = max(self.largest_batch, len(merged))
             for op in batch:

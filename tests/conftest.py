@@ -10,6 +10,8 @@ All are saved with save_pretrained and read back through specdec.loading.load_mo
 
 import copy
 import random
+import shutil
+import socket
 from dataclasses import dataclass
 
 import pytest
@@ -71,6 +73,21 @@ def save_tokenizer(path, words: list[str]) -> str:
     tok.pre_tokenizer = Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
     return str(path)
+
+
+SERVED_WORDS = [f"w{i}" for i in range(1, VOCAB)]  # the served target's tokenizer: "w<i>" is id i, "[UNK]" 0
+
+
+def served_target(model_dirs, root) -> str:
+    """A copy of the target with a tokenizer, as a server needs it (prompts like "w5 w17 w3")."""
+    path = shutil.copytree(model_dirs.target, root / "target")
+    return save_tokenizer(path, SERVED_WORDS)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

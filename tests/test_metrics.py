@@ -2,8 +2,6 @@
 /metrics, a few requests over gRPC, then the exported series checked against what was sent and
 against GetStats."""
 
-import shutil
-import socket
 import time
 import urllib.request
 from collections import defaultdict
@@ -16,11 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from cluster.serve_app import GRPC_SERVICER, build_app
-from conftest import VOCAB, save_tokenizer
+from conftest import free_port, served_target
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
 
-WORDS = [f"w{i}" for i in range(1, VOCAB)]
 LABELS = {"task_type", "mode", "event", "replica"}  # specdec's own; Ray adds WorkerId, NodeAddress and more
 SENT = {("code", "speculative"): 3, ("prose", "plain"): 2}  # (task type, mode) -> requests
 MAX_NEW_TOKENS = 12
@@ -28,18 +25,12 @@ LATENCIES = ("time_to_first_token_seconds", "time_per_output_token_seconds")  # 
 STEPS = {"draft_step_seconds": ["draft-0"], "verify_step_seconds": ["draft-0", "target"]}  # name -> replicas
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs, tmp_path_factory):
     """-> (SpecDecode stub, /metrics URL), after the requests of SENT and one refused request."""
     root = tmp_path_factory.mktemp("metrics")
-    target_dir = shutil.copytree(model_dirs.target, root / "target")
-    save_tokenizer(target_dir, WORDS)
+    target_dir = served_target(model_dirs, root)
     config = {"models": {"target": {"path": str(target_dir)}, "draft": {"path": model_dirs.draft}},
               "placement": {"tensor_parallel_size": 1, "draft_replicas": 1},
               "speculation": {"drafter": "model"},

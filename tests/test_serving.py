@@ -6,8 +6,6 @@ Two task types get drafts of their own: "echo" drafts with the target itself (al
 
 import concurrent.futures
 import json
-import shutil
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -23,11 +21,10 @@ from transformers import LlamaForCausalLM
 
 from cluster.placement import NAMESPACE
 from cluster.serve_app import GRPC_SERVICER, build_app
-from conftest import VOCAB, _llama_config, hf_greedy, save_tokenizer
+from conftest import VOCAB, _llama_config, free_port, hf_greedy, served_target
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
 
-WORDS = [f"w{i}" for i in range(1, VOCAB)]  # ids 1..63; "[UNK]" is 0
 PROMPTS = ["w5 w17 w3", "w40 w41 w42 w43 w44 w45", "w9", "w1 w2 w1 w2 w1 w2 w1 w2", "w33 w7 w60 w12 w12"]
 THRESHOLDS = {"on_alpha": 0.5, "off_alpha": 0.3, "min_samples": 4, "probe_fraction": 0.5, "ema": 0.5, "max_k": 4}
 
@@ -41,17 +38,11 @@ class Server:
     tokenizer: object
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def server(model_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("serving")
-    target_dir = shutil.copytree(model_dirs.target, root / "target")
-    save_tokenizer(target_dir, WORDS)
+    target_dir = served_target(model_dirs, root)
     torch.manual_seed(7)
     LlamaForCausalLM(_llama_config(VOCAB, 64, 0.3, 256)).save_pretrained(root / "noise")
     config = {
