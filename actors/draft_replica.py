@@ -4,8 +4,8 @@ given, sending token trees to the target group over gRPC."""
 import grpc
 import ray
 
-from cluster.draft_loop import run_steps
-from cluster.metrics import StepTimer
+from .draft_loop import GrpcTarget, run_steps
+from .metrics import StepTimer
 from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.drafters import make_drafter
 from specdec.kvcache import CachedLM
@@ -27,7 +27,7 @@ class DraftReplica(RequestStreams):
                        for task, (path, dtype) in drafts.items()}
         self.drafter, self.width = drafter, width
         self.drafter_for("")  # fail here, at start, on a bad drafter/model combination
-        self.stub = tree_grpc.TargetServiceStub(grpc.insecure_channel(target_address))
+        self.target = GrpcTarget(tree_grpc.TargetServiceStub(grpc.insecure_channel(target_address)))
         name = ray.get_runtime_context().get_actor_name() or "draft"
         self.step_timer = StepTimer(name.rsplit("-", 1)[0])  # draft-<i>-<topology tag> -> draft-<i>
 
@@ -38,11 +38,11 @@ class DraftReplica(RequestStreams):
         model = self.models.get(task_type, self.models.get(""))
         return make_drafter(self.drafter, CachedLM(model) if model is not None else None, self.width)
 
-    def generate(self, request_id: str, prompt: list[int], params: dict, max_new_tokens: int,
+    def generate(self, request_id: str, prompt: list[int], params: SamplingParams, max_new_tokens: int,
                  eos: list[int] = (), depth: int = 4, task_type: str = ""):
         """One request, start to end, K = depth: yields each step's tokens, then a summary. Its KV
         cache on the target is closed when it finishes (or when the caller cancels it)."""
-        steps = run_steps(self.stub, self.drafter_for(task_type), request_id, prompt, SamplingParams(**params),
+        steps = run_steps(self.target, self.drafter_for(task_type), request_id, prompt, params,
                           max_new_tokens, set(eos), depth, on_step=self.step_timer)
         yield from self._stream(request_id, steps)
 

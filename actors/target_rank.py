@@ -1,6 +1,6 @@
 """A target rank: owns (a shard of) the target model and its requests' KV caches. Rank 0 serves
 specdec.v1.TargetService over gRPC, so draft replicas can send it token trees, and decodes plain
-(unspeculative) requests itself; ranks > 0 mirror rank 0's calls (cluster/lockstep.py)."""
+(unspeculative) requests itself; ranks > 0 mirror rank 0's calls (actors/lockstep.py)."""
 
 import os
 import threading
@@ -11,10 +11,10 @@ import ray
 import torch
 import torch.distributed as dist
 
-from cluster import metrics
-from cluster.draft_loop import run_steps
-from cluster.lockstep import LockstepWorker, follow
-from cluster.target_service import LocalStub, TargetService
+from . import metrics
+from .draft_loop import run_steps
+from .lockstep import LockstepWorker, follow
+from .target_service import TargetService
 from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.kvcache import CachedLM
 from specdec.loading import load_model, load_sharded_model, parse_dtype
@@ -67,9 +67,9 @@ class TargetRank(RequestStreams):
     def gpu_ids(self) -> list:
         return ray.get_gpu_ids()
 
-    def decode(self, request_id: str, prompt: list[int], params: dict, max_new_tokens: int, eos: list[int]):
+    def decode(self, request_id: str, prompt: list[int], params: SamplingParams, max_new_tokens: int, eos: list[int]):
         """A plain request, decoded here one token per step: yields each step's tokens, then a summary."""
-        steps = run_steps(LocalStub(self.service), None, request_id, prompt, SamplingParams(**params),
+        steps = run_steps(self.service, None, request_id, prompt, params,
                           max_new_tokens, set(eos))
         yield from self._stream(request_id, steps)
 

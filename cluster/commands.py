@@ -1,6 +1,8 @@
-"""`specdec serve` and `specdec client`: bring up the Serve application on a local (or existing)
-Ray cluster, and call its gRPC API."""
+"""The `specdec` command (the console script): the core's commands (specdec/cli.py) plus the ones
+that start or call a cluster: `specdec serve` brings up the Serve application on a local (or
+existing) Ray cluster, `specdec client` calls its gRPC API, `specdec bench-served` measures it."""
 
+import argparse
 import json
 import os
 import signal
@@ -11,19 +13,70 @@ import grpc
 
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
+from specdec import cli
 
-OVERRIDE_FLAGS = ("target", "draft", "tensor_parallel_size", "draft_replicas", "grpc_port", "http_port")
+from .config import OVERRIDES, app_config
+from .router import Speculation
+
+
+def add_serving_commands(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("serve", help="serve over gRPC and HTTP on a local (or existing) Ray cluster")
+    s.add_argument("--config", help="operator YAML (see configs/default.yaml); default: the embedded default pair")
+    s.add_argument("--address", help="join this Ray cluster instead of starting a local one")
+    s.add_argument("--target", help="overrides models.target.path")
+    s.add_argument("--draft", help="overrides models.draft.path")
+    s.add_argument("--tensor-parallel-size", type=int, help="overrides placement.tensor_parallel_size")
+    s.add_argument("--draft-replicas", type=int, help="overrides placement.draft_replicas")
+    s.add_argument("--grpc-port", type=int, help="overrides server.grpc_port")
+    s.add_argument("--http-port", type=int, help="overrides server.http_port")
+    s.add_argument("--num-gpus", type=float, help="GPUs a local cluster declares (logical on a CPU machine; "
+                                                   "default: the CUDA GPUs, else as many as the actors need)")
+
+    c = sub.add_parser("client", help="call a running server's gRPC API")
+    c.add_argument("--address", default="localhost:9000", help="host:port of specdec.v1.SpecDecode")
+    c.add_argument("--prompt")
+    c.add_argument("--task-type", default="", help="e.g. code, chat, prose (routing per task type)")
+    c.add_argument("--max-new-tokens", type=int, default=64)
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--top-k", type=int, default=0)
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--seed", type=int)
+    c.add_argument("--speculation", type=Speculation.parse, choices=list(Speculation), default=Speculation.AUTO,
+                   metavar="{auto,on,off}")
+    c.add_argument("--stream", action="store_true", help="print tokens as they come")
+    c.add_argument("--timeout", type=float, default=300, help="deadline in seconds")
+    c.add_argument("--json", action="store_true")
+    c.add_argument("--stats", action="store_true", help="print per task type alpha, decision, K, requests")
+
+    sb = sub.add_parser("bench-served", help="a running server's tokens/s with speculation off vs on")
+    sb.add_argument("--address", default="localhost:9000", help="host:port of specdec.v1.SpecDecode")
+    sb.add_argument("--http", default="http://localhost:8000", help="the server's HTTP root (for /v1/stats)")
+    sb.add_argument("--prompts", required=True, help="JSONL rows with 'prompt' and 'task_type'")
+    sb.add_argument("--clients", type=int, nargs="+", default=[1, 8], help="concurrent clients (default 1 8)")
+    sb.add_argument("--modes", nargs="+", type=Speculation.parse, choices=list(Speculation),
+                    default=list(Speculation), metavar="{auto,on,off}")
+    sb.add_argument("--max-new-tokens", type=int, default=64)
+    sb.add_argument("--limit", type=int, help="use only the first N prompts of each task type")
+    sb.add_argument("--json", action="store_true")
+
+
+def main(argv: list[str] | None = None) -> None:
+    from .served_bench import bench_main
+
+    parser, sub = cli.build_parser()
+    add_serving_commands(sub)
+    commands = cli.COMMANDS | {"serve": serve_main, "client": client_main, "bench-served": bench_main}
+    cli.main(argv, parser, commands)
 
 
 def serve_main(args) -> None:
     import ray
     from ray import serve
 
-    from .config import load_config
-    from .serve_app import GRPC_SERVICER, apply_overrides, build_app, default_config
+    from .serve_app import GRPC_SERVICER, build_app, default_models
 
-    app_args = {"config": args.config, **{flag: getattr(args, flag) for flag in OVERRIDE_FLAGS}}
-    cfg = apply_overrides(load_config(args.config) if args.config else default_config(), app_args)
+    app_args = {"config": args.config, **{flag: getattr(args, flag) for flag in OVERRIDES}}
+    cfg = app_config(app_args, default_models)
     if args.address:
         ray.init(address=args.address)
     else:
@@ -78,7 +131,7 @@ def generate_request(args) -> api.GenerateRequest:
     return api.GenerateRequest(
         prompt=args.prompt, task_type=args.task_type, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-        speculation=api.Speculation.Value(f"SPECULATION_{args.speculation.upper()}"))
+        speculation=api.Speculation.Value(args.speculation.proto_name))
 
 
 def stats_dict(stats: api.SpeculationStats) -> dict:

@@ -1,8 +1,7 @@
 """The operator's YAML config: one pydantic model tree, errors that name the file and the key path,
-and live reloading of the routing section."""
+the live part (routing) that Serve's reconfigure applies, and the command-line overrides."""
 
 import difflib
-import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -10,8 +9,10 @@ from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import ErrorDetails
+
+from specdec.drafters import DrafterKind
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Port = Annotated[int, Field(ge=1, le=65535)]
@@ -22,7 +23,7 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_enum_values=True)  # enums kept as their values: dumps are plain YAML
 
 
 class ModelSpec(_Section):
@@ -48,7 +49,7 @@ class PlacementConfig(_Section):
 
 
 class SpeculationConfig(_Section):
-    drafter: Literal["model", "ngram", "model+ngram", "none"] = "model+ngram"
+    drafter: DrafterKind = DrafterKind("model+ngram")
     num_speculative_tokens: int | Literal["auto"] = "auto"
     tree_width: int = Field(1, ge=1)
     max_depth: int = Field(8, ge=1)
@@ -110,6 +111,14 @@ class ServeConfig(_Section):
     speculation: SpeculationConfig = Field(default_factory=SpeculationConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @model_validator(mode="after")
+    def _draft_for_model_drafters(self) -> "ServeConfig":
+        drafter = self.speculation.drafter
+        if drafter in (DrafterKind("model"), DrafterKind("model+ngram")) and not self.models.drafts():
+            raise ValueError(f"speculation.drafter {str(drafter)!r} needs models.draft (or models.task_drafts); "
+                             f"without a draft model use drafter ngram or none")
+        return self
 
 
 def load_config(path: str | os.PathLike) -> ServeConfig:
@@ -180,62 +189,59 @@ def _unwrap_optional(annotation: Any) -> Any:
     return annotation
 
 
-class RoutingReloader:
-    """Polls the config file; applies a changed routing section live through `on_change`.
+class LiveConfig(_Section):
+    """What may change while serving: Ray Serve hands it to the ingress's reconfigure() as the
+    deployment's user_config (KubeRay applies an edited serveConfigV2 in place). Only `routing`; any
+    other key is refused, naming it, and nothing of the update is applied."""
 
-    The whole file is re-validated on every change. An invalid file is logged (once per distinct
-    error) and the running config kept; changes outside `routing` are logged as needing a restart."""
+    routing: RoutingConfig
 
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        on_change: Callable[[RoutingConfig], None],
-        log: logging.Logger = logging.getLogger(__name__),
-    ):
-        self.path = Path(path)
-        self.on_change = on_change
-        self.log = log
-        self._seen = self._signature()
-        self.config = load_config(self.path)  # the running config: routing as applied, the rest as started
-        self._last_error: str | None = None
 
-    def check(self) -> bool:
-        """Re-read the file if it changed since the last check; True when a new routing was applied."""
-        seen = self._signature()
-        if seen == self._seen:
-            return False
-        self._seen = seen
-        try:
-            new = load_config(self.path)
-        except ConfigError as e:
-            self._log_error_once(str(e))
-            return False
-        self._last_error = None
-        self._warn_about_restart_only_changes(new)
-        if new.routing == self.config.routing:
-            return False
-        self.on_change(new.routing)
-        self.config = self.config.model_copy(update={"routing": new.routing})
-        return True
+def parse_live_config(data: Any, source: str = "user_config") -> RoutingConfig:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: must be a mapping with one key, routing (got {data!r})")
+    try:
+        return LiveConfig.model_validate(dict(data)).routing
+    except ValidationError as e:
+        problems = [f"{source}: {_key_path(err['loc'])}: {_live_reason(err)}" for err in e.errors()]
+        raise ConfigError("\n".join(problems)) from None
 
-    def _signature(self) -> tuple[int, int, int] | None:
-        """What changes when the file is rewritten or replaced; None while it cannot be read."""
-        try:
-            st = self.path.stat()
-        except OSError:
-            return None
-        return st.st_ino, st.st_mtime_ns, st.st_size
 
-    def _log_error_once(self, message: str) -> None:
-        if message != self._last_error:
-            self.log.error("invalid config, keeping the running one:\n%s", message)
-            self._last_error = message
+def _live_reason(err: ErrorDetails) -> str:
+    if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
+        return "cannot change while serving: only routing reloads live (the other sections need a redeploy)"
+    if err["type"] == "extra_forbidden":
+        return "extra key not allowed" + _key_hint(str(err["loc"][-1]), _keys_at(("routing",) + err["loc"][1:-1]))
+    return _reason(err)
 
-    def _warn_about_restart_only_changes(self, new: ServeConfig) -> None:
-        sections = [name for name in ServeConfig.model_fields if name != "routing"]
-        changed = [name for name in sections if getattr(new, name) != getattr(self.config, name)]
-        if changed:
-            self.log.warning(
-                "%s: changes to %s take effect only after a restart; only routing is reloaded live",
-                self.path, ", ".join(changed),
-            )
+
+# `specdec serve` flags and build_app args that override a key of the config: arg -> (section, key)
+OVERRIDES = {
+    "target": ("models", "target"), "draft": ("models", "draft"),
+    "tensor_parallel_size": ("placement", "tensor_parallel_size"), "draft_replicas": ("placement", "draft_replicas"),
+    "grpc_port": ("server", "grpc_port"), "http_port": ("server", "http_port"),
+}
+
+
+def app_config(args: Mapping, default_models: Callable[[], dict[str, str]]) -> ServeConfig:
+    """The config that `specdec serve` and build_app run: the YAML at args["config"], or, without one,
+    the models given by args["target"]/["draft"], or else `default_models()` (the embedded pair,
+    built only in that case); then every override in args that is not None, re-validated as a whole."""
+    if args.get("config"):
+        data = load_config(args["config"]).model_dump()
+    elif args.get("target"):  # as `specdec generate`: model+ngram with a draft, else ngram
+        data = {"models": {"target": {"path": args["target"]}},
+                "speculation": {"drafter": "model+ngram" if args.get("draft") else "ngram"}}
+    elif args.get("draft"):
+        raise ConfigError("--draft without --target or --config: give the target too")
+    else:
+        data = {"models": {name: {"path": path} for name, path in default_models().items()}}
+    for arg, (section, key) in OVERRIDES.items():
+        if args.get(arg) is None:
+            continue
+        value = args[arg]
+        if key in ("target", "draft"):
+            value = {"path": value, "dtype": ((data.get(section) or {}).get(key) or {}).get("dtype", "float32")}
+        data.setdefault(section, {})[key] = value
+    source = "the config with command-line overrides" if args.get("config") else "the command-line models"
+    return parse_config(data, source=source)

@@ -7,7 +7,6 @@ tokens already streamed, decoded plain on the target. Ray restarts the replica."
 
 import itertools
 import logging
-import math
 import threading
 import time
 import uuid
@@ -17,28 +16,19 @@ from dataclasses import dataclass, field
 import ray
 from transformers import AutoConfig, GenerationConfig
 
+from specdec.acceptance import acceptance_rate
+from specdec.errors import InvalidArgument
 from specdec.loading import eos_ids, load_tokenizer
+from specdec.sampling import SamplingParams
 
 from . import metrics
-from .config import ConfigError, RoutingReloader, ServeConfig
+from .config import RoutingConfig, ServeConfig
 from .placement import Topology, start_topology
-from .router import Router
+from .router import Router, Speculation
 
 log = logging.getLogger(__name__)
-RELOAD_EVERY_S = 1.0
 GAUGES_EVERY_S = 1.0  # Ray stops exporting a gauge that is not set again for ~20 s
 _REPLICA_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
-
-
-class InvalidRequest(ValueError):
-    """A request the server refuses (gRPC INVALID_ARGUMENT, HTTP 400); `field` names what is wrong."""
-
-    def __init__(self, field: str, reason: str):
-        super().__init__(f"{field}: {reason}")
-        self.field, self.reason = field, reason
-
-    def __reduce__(self):  # Ray ships it to the gRPC proxy
-        return InvalidRequest, (self.field, self.reason)
 
 
 class QueueFull(RuntimeError):
@@ -56,7 +46,7 @@ class Request:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
-    speculation: str = "AUTO"  # AUTO, ON or OFF
+    speculation: Speculation = Speculation.AUTO
 
 
 @dataclass
@@ -65,7 +55,7 @@ class Admitted:
 
     request: Request
     prompt_ids: list[int]
-    params: dict
+    params: SamplingParams
     task_type: str  # "" means the default thresholds
     admitted_at: float = field(default_factory=time.perf_counter)
 
@@ -81,7 +71,7 @@ class Chunk:
 
 
 class Frontend:
-    def __init__(self, cfg: ServeConfig, config_path: str | None = None):
+    def __init__(self, cfg: ServeConfig):
         self.cfg = cfg
         target = cfg.models.target.path
         self.tokenizer = load_tokenizer(target)
@@ -93,19 +83,16 @@ class Frontend:
         self.served = {"speculative": 0, "plain": 0, "fallbacks": 0, "cancelled": 0}
         self.timing = {"steps": 0, "step_round_trip_s": 0.0, "draft_s": 0.0}  # speculative requests' steps
         self._turn = itertools.count()
-        self._reloader = RoutingReloader(config_path, self.router.update_routing, log) if config_path else None
-        if self._reloader:
-            threading.Thread(target=self._watch_config, name="config-reload", daemon=True).start()
         threading.Thread(target=self._publish_gauges, name="metrics", daemon=True).start()
 
     # --- checking -------------------------------------------------------------------------------
 
     def admit(self, req: Request) -> Admitted:
-        """Check every field (InvalidRequest names the first bad one) and take a queue place (QueueFull)."""
+        """Check every field (InvalidArgument names the first bad one) and take a queue place (QueueFull)."""
         try:
             job = self._admit(req)
-        except (InvalidRequest, QueueFull) as e:
-            reason = "refused_invalid" if isinstance(e, InvalidRequest) else "refused_queue_full"
+        except (InvalidArgument, QueueFull) as e:
+            reason = "refused_invalid" if isinstance(e, InvalidArgument) else "refused_queue_full"
             metrics.count_event(req.task_type or "default", reason)
             raise
         return job
@@ -113,30 +100,25 @@ class Frontend:
     def _admit(self, req: Request) -> Admitted:
         limits = self.cfg.server
         if not req.prompt:
-            raise InvalidRequest("prompt", "must not be empty")
+            raise InvalidArgument("prompt", "must not be empty")
         if not 0 < req.max_new_tokens <= limits.max_new_tokens:
-            raise InvalidRequest("max_new_tokens", f"must be in 1..{limits.max_new_tokens}, got {req.max_new_tokens}")
-        if not (req.temperature >= 0 and math.isfinite(req.temperature)):
-            raise InvalidRequest("temperature", f"must be >= 0 (0 is greedy), got {req.temperature}")
-        if not 0 < req.top_p <= 1:
-            raise InvalidRequest("top_p", f"must be in (0, 1], got {req.top_p}")
-        if req.top_k < 0:
-            raise InvalidRequest("top_k", f"must be >= 0 (0 turns it off), got {req.top_k}")
-        if req.speculation not in ("AUTO", "ON", "OFF"):
-            raise InvalidRequest("speculation", f"must be AUTO, ON or OFF, got {req.speculation!r}")
+            raise InvalidArgument("max_new_tokens", f"must be in 1..{limits.max_new_tokens}, got {req.max_new_tokens}")
+        params = SamplingParams(req.temperature, req.top_k, req.top_p, req.seed)  # InvalidArgument naming the field
+        if req.speculation not in Speculation.__members__:
+            raise InvalidArgument("speculation", f"must be one of {', '.join(Speculation.__members__)}, "
+                                                 f"got {req.speculation!r}")
         ids = self.tokenizer(req.prompt)["input_ids"]
         if not ids:
-            raise InvalidRequest("prompt", "encodes to no tokens")
+            raise InvalidArgument("prompt", "encodes to no tokens")
         if len(ids) > limits.max_prompt_tokens:
-            raise InvalidRequest("prompt", f"is {len(ids)} tokens, over the limit of {limits.max_prompt_tokens}")
+            raise InvalidArgument("prompt", f"is {len(ids)} tokens, over the limit of {limits.max_prompt_tokens}")
         if self.context and len(ids) + req.max_new_tokens > self.context:
-            raise InvalidRequest("prompt", f"{len(ids)} prompt tokens + max_new_tokens {req.max_new_tokens} exceed "
+            raise InvalidArgument("prompt", f"{len(ids)} prompt tokens + max_new_tokens {req.max_new_tokens} exceed "
                                            f"the model's context of {self.context} tokens")
         if self.in_flight >= limits.max_queued_requests:
             raise QueueFull(f"{self.in_flight} requests are queued or running (max_queued_requests "
                             f"{limits.max_queued_requests}); retry later")
         self.in_flight += 1
-        params = {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "seed": req.seed}
         return Admitted(req, ids, params, req.task_type)
 
     # --- running --------------------------------------------------------------------------------
@@ -229,14 +211,9 @@ class Frontend:
     def shutdown(self) -> None:
         self.topology.shutdown()
 
-    def _watch_config(self) -> None:
-        while True:
-            time.sleep(RELOAD_EVERY_S)
-            try:
-                if self._reloader.check():
-                    log.info("routing reloaded from %s", self._reloader.path)
-            except ConfigError as e:  # check() logs broken files itself; this is a vanished file
-                log.error("%s", e)
+    def reconfigure(self, routing: RoutingConfig) -> None:
+        """New routing thresholds, live (Serve's reconfigure); learned alphas are kept."""
+        self.router.update_routing(routing)
 
     def _publish_gauges(self) -> None:
         while True:
@@ -261,9 +238,8 @@ class _Detokenizer:
 
 
 def _last_chunk(finish_reason: str, stats: dict, tokens: list[int], text: _Detokenizer) -> Chunk:
-    tried = stats["tried_depths"]
     summary = {"speculative": stats["speculative"], "drafted": stats["drafted"], "accepted": stats["accepted"],
-               "steps": stats["steps"], "alpha": stats["accepted"] / tried if tried else None}
+               "steps": stats["steps"], "alpha": acceptance_rate(stats["accepted"], stats["tried_depths"])}
     return Chunk(list(tokens), text.add(list(tokens), final=True), finish_reason, summary)
 
 

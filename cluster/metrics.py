@@ -1,51 +1,28 @@
-"""Prometheus metrics through Ray's metrics API (ray.util.metrics, what ray.serve.metrics builds on).
-Each process records its own; every node's metrics agent exports them, as ray_<name> (and counters
-with a _total suffix): docs/metrics.md lists them. A Ray metric belongs to the process that makes it,
-so each one here is made on first use, in the process that uses it."""
+"""The ingress's Prometheus metrics (requests, acceptance, routing decisions, queue depth, TTFT and
+TPOT) through Ray's metrics API; the actors' own step latencies are in actors/metrics.py, and
+docs/metrics.md lists them all."""
 
-import functools
 import time
 
-from ray.util.metrics import Counter, Gauge, Histogram
+from ray.util.metrics import Counter, Gauge
 
-SECONDS_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
+from actors.metrics import LazyMetric, seconds_histogram
 
-
-class _Lazy:
-    """A Ray metric, made when first called for in a process: metric() -> the Counter, Gauge or Histogram."""
-
-    def __init__(self, kind, name: str, description: str, tags: tuple[str, ...] = (), **kwargs):
-        self.make = functools.partial(kind, f"specdec_{name}", description, tag_keys=tags, **kwargs)
-        self.metric = None
-
-    def __call__(self):
-        if self.metric is None:
-            self.metric = self.make()
-        return self.metric
-
-
-def _seconds(name: str, description: str, tags: tuple[str, ...]) -> _Lazy:
-    return _Lazy(Histogram, name, description, tags, boundaries=SECONDS_BUCKETS)
-
-
-requests = _Lazy(Counter, "requests", "Requests started, by the mode they ran in", ("task_type", "mode"))
-request_events = _Lazy(Counter, "request_events", "Requests refused (refused_invalid, refused_queue_full), "
+requests = LazyMetric(Counter, "requests", "Requests started, by the mode they ran in", ("task_type", "mode"))
+request_events = LazyMetric(Counter, "request_events", "Requests refused (refused_invalid, refused_queue_full), "
                        "finished on the target after their draft replica died (fallback), or ended unfinished "
                        "(cancelled)", ("task_type", "event"))
-drafted_tokens = _Lazy(Counter, "drafted_tokens", "Tokens drafted (tree nodes) for speculative requests",
+drafted_tokens = LazyMetric(Counter, "drafted_tokens", "Tokens drafted (tree nodes) for speculative requests",
                        ("task_type",))
-accepted_tokens = _Lazy(Counter, "accepted_tokens", "Drafted tokens the target accepted", ("task_type",))
-alpha = _Lazy(Gauge, "alpha", "The router's moving average of per-depth acceptance", ("task_type",))
-speculation_on = _Lazy(Gauge, "speculation_on", "The router's decision for AUTO requests: 1 on, 0 off",
+accepted_tokens = LazyMetric(Counter, "accepted_tokens", "Drafted tokens the target accepted", ("task_type",))
+alpha = LazyMetric(Gauge, "alpha", "The router's moving average of per-depth acceptance", ("task_type",))
+speculation_on = LazyMetric(Gauge, "speculation_on", "The router's decision for AUTO requests: 1 on, 0 off",
                        ("task_type",))
-queue_depth = _Lazy(Gauge, "queue_depth", "Requests admitted and unfinished in this ingress replica")
-time_to_first_token = _seconds("time_to_first_token_seconds", "From admission to the first token sent",
+queue_depth = LazyMetric(Gauge, "queue_depth", "Requests admitted and unfinished in this ingress replica")
+time_to_first_token = seconds_histogram("time_to_first_token_seconds", "From admission to the first token sent",
                                ("task_type", "mode"))
-time_per_output_token = _seconds("time_per_output_token_seconds", "From the first token to the last, per "
+time_per_output_token = seconds_histogram("time_per_output_token_seconds", "From the first token to the last, per "
                                  "token after the first", ("task_type", "mode"))
-draft_step = _seconds("draft_step_seconds", "Drafting one step's tree", ("replica",))
-verify_step = _seconds("verify_step_seconds", "Verifying one step: the round trip from a draft replica, "
-                       "the forward on the target", ("replica",))
 
 
 def count_event(task_type: str, event: str) -> None:
@@ -101,19 +78,3 @@ class RequestMeter:
     def end(self) -> None:
         if not self.finished:
             self.event("cancelled")
-
-
-class StepTimer:
-    """A draft replica's per-step times, as run_steps reports them: (draft seconds, verify round trip)."""
-
-    def __init__(self, replica: str):
-        self.tags = {"replica": replica}
-
-    def __call__(self, draft_s: float, verify_s: float) -> None:
-        draft_step().observe(draft_s, self.tags)
-        verify_step().observe(verify_s, self.tags)
-
-
-def observe_forward(seconds: float) -> None:
-    """One verify forward on the target (rank 0)."""
-    verify_step().observe(seconds, {"replica": "target"})

@@ -6,14 +6,37 @@ keeps a moving average of it, turns speculation off below `off_alpha` and back o
 a `probe_fraction` of requests speculatively so that the average stays live. K maximises expected
 tokens per unit of target time, expected_tokens(alpha, K) / (1 + K * draft_cost_ratio)."""
 
+import enum
 import threading
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from cluster.config import RoutingConfig, Thresholds
+from specdec.acceptance import acceptance_rate
 from specdec.adaptive import expected_tokens
 
-Requested = Literal["AUTO", "ON", "OFF"]  # the client's wish: follow the router, force on, force off
+
+
+class Speculation(enum.StrEnum):
+    """The client's wish: follow the router, force speculation on, force it off. In the protos these
+    are SPECULATION_<name> (specdec_api.proto); in the CLI and the HTTP API, either case."""
+
+    AUTO = "AUTO"
+    ON = "ON"
+    OFF = "OFF"
+
+    @classmethod
+    def parse(cls, value: str, field_name: str = "speculation") -> "Speculation":
+        """From a name in either case (HTTP, the CLI) or a proto enum name; ValueError naming the field."""
+        name = value.removeprefix("SPECULATION_").upper() if isinstance(value, str) else value
+        if name not in cls.__members__:
+            raise ValueError(f"{field_name} must be one of {', '.join(cls.__members__)}, got {value!r}")
+        return cls[name]
+
+    @property
+    def proto_name(self) -> str:
+        return f"SPECULATION_{self.name}"
+
 Mode = Literal["speculative", "plain", "probe"]
 _ROUNDING = 1e-9  # probe credit: 0.1 added ten times falls just short of 1
 
@@ -50,9 +73,9 @@ class Router:
         self._tasks: dict[str, _TaskState] = {}
         self._lock = threading.Lock()
 
-    def route(self, task_type: str, requested: Requested = "AUTO") -> Decision:
-        if requested not in get_args(Requested):
-            raise ValueError(f"requested must be one of {', '.join(get_args(Requested))}, got {requested!r}")
+    def route(self, task_type: str, requested: Speculation = Speculation.AUTO) -> Decision:
+        if requested not in Speculation.__members__:
+            raise ValueError(f"requested must be one of {', '.join(Speculation.__members__)}, got {requested!r}")
         with self._lock:
             state, thresholds = self._state(task_type), self._routing.thresholds(task_type)
             mode = _choose_mode(state, thresholds, requested)
@@ -69,7 +92,7 @@ class Router:
             return
         with self._lock:
             state, thresholds = self._state(task_type), self._routing.thresholds(task_type)
-            observed = accepted / tried
+            observed = acceptance_rate(accepted, tried)
             state.alpha = observed if state.alpha is None else state.alpha + thresholds.ema * (observed - state.alpha)
             state.samples += 1
             _decide(state, thresholds)
@@ -99,9 +122,9 @@ class Router:
         return self._tasks.setdefault(task_type, _TaskState())
 
 
-def _choose_mode(state: _TaskState, thresholds: Thresholds, requested: Requested) -> Mode:
-    if requested != "AUTO":
-        return "speculative" if requested == "ON" else "plain"
+def _choose_mode(state: _TaskState, thresholds: Thresholds, requested: Speculation) -> Mode:
+    if requested != Speculation.AUTO:
+        return "speculative" if requested == Speculation.ON else "plain"
     if state.speculating:
         return "speculative"
     state.probe_credit += thresholds.probe_fraction

@@ -3,23 +3,26 @@ OpenAI-style HTTP, over the Frontend. `build_app` is what `specdec serve` runs a
 config (KubeRay's serveConfigV2) names by import path: `cluster.serve_app:build_app`."""
 
 import json
-import os
+import logging
 import time
 import uuid
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import grpc
 from fastapi import FastAPI, Request as HttpRequest
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
 from ray import serve
 
 from protos import specdec_api_pb2 as api
+from specdec.errors import InvalidArgument
 
-from .config import ServeConfig, load_config, parse_config
-from .frontend import Admitted, Chunk, Frontend, InvalidRequest, QueueFull, Request
+from .config import ConfigError, ServeConfig, app_config, parse_live_config
+from .frontend import Admitted, Chunk, Frontend, QueueFull, Request
+from .router import Speculation
+
+log = logging.getLogger(__name__)
 
 GRPC_SERVICER = "protos.specdec_api_pb2_grpc.add_SpecDecodeServicer_to_server"
 _HTTP_NAMES = {"max_new_tokens": "max_tokens"}  # a Request field -> its name in the OpenAI body
@@ -39,7 +42,7 @@ class CompletionBody(BaseModel):
     stream: bool = False
     n: Literal[1] = 1
     task_type: str = ""
-    speculation: Literal["auto", "on", "off", "AUTO", "ON", "OFF"] = "auto"
+    speculation: Annotated[Speculation, BeforeValidator(Speculation.parse)] = Speculation.AUTO
 
 
 # The helpers come before the deployment: Serve pickles the ingress class as it is decorated.
@@ -62,19 +65,36 @@ def _http_error(status: int, message: str, param: str | None, kind: str = "inval
 http_app = FastAPI(title="specdec", summary="Speculative decoding, OpenAI-style completions")
 
 
-@http_app.exception_handler(RequestValidationError)
-async def _bad_body(request: HttpRequest, e: RequestValidationError) -> JSONResponse:
-    err = e.errors()[0]
-    field = ".".join(str(part) for part in err["loc"] if part != "body") or "body"
-    return _http_error(400, f"{field}: {err['msg']}", field)
+def _parse_body(raw: bytes) -> CompletionBody | JSONResponse:
+    """The body as JSON whatever its content type (curl -d sends a form type), or a 400 naming the field."""
+    try:
+        return CompletionBody.model_validate_json(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(part) for part in err["loc"]) or "body"
+        reason = "is not valid JSON" if err["type"] == "json_invalid" else err["msg"]
+        return _http_error(400, f"{field}: {reason}", field)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, health_check_period_s=10)
 @serve.ingress(http_app)
 class SpecDecodeIngress:
-    def __init__(self, config: dict, config_path: str | None = None):
-        self.frontend = Frontend(ServeConfig.model_validate(config), config_path)
+    def __init__(self, config: dict):
+        self.frontend = Frontend(ServeConfig.model_validate(config))
         self.model_name = Path(self.frontend.cfg.models.target.path).name
+
+    def reconfigure(self, user_config: dict) -> None:
+        """Serve calls this with the deployment's user_config at start and whenever it changes (KubeRay
+        applies an edited serveConfigV2 in place, without restarting anything). It holds the routing
+        section only; an invalid update is refused as a whole, logged naming the key, and the
+        running routing kept."""
+        try:
+            routing = parse_live_config(user_config)
+        except ConfigError as e:
+            log.error("routing update refused, the running routing is kept:\n%s", e)
+            return
+        self.frontend.reconfigure(routing)
+        log.info("routing updated")
 
     async def check_health(self) -> None:
         await self.frontend.topology.target.ready.remote()  # raises when the target group is gone
@@ -107,11 +127,11 @@ class SpecDecodeIngress:
                       temperature=request.temperature, top_k=request.top_k,
                       top_p=request.top_p if request.HasField("top_p") else 1.0,
                       seed=request.seed if request.HasField("seed") else None,
-                      speculation=api.Speculation.Name(request.speculation).removeprefix("SPECULATION_"))
+                      speculation=Speculation.parse(api.Speculation.Name(request.speculation)))
         try:
             return self.frontend.admit(req)
-        except (InvalidRequest, QueueFull) as e:
-            code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, InvalidRequest) else grpc.StatusCode.RESOURCE_EXHAUSTED
+        except (InvalidArgument, QueueFull) as e:
+            code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, InvalidArgument) else grpc.StatusCode.RESOURCE_EXHAUSTED
             grpc_context.set_code(code)
             grpc_context.set_details(str(e))
             raise
@@ -119,13 +139,16 @@ class SpecDecodeIngress:
     # --- HTTP: OpenAI-style ------------------------------------------------------------------------
 
     @http_app.post("/v1/completions")
-    async def completions(self, body: CompletionBody):
+    async def completions(self, http: HttpRequest):
+        body = _parse_body(await http.body())
+        if isinstance(body, JSONResponse):
+            return body
         req = Request(prompt=body.prompt, task_type=body.task_type, max_new_tokens=body.max_tokens,
                       temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed,
-                      speculation=body.speculation.upper())
+                      speculation=body.speculation)
         try:
             job = self.frontend.admit(req)
-        except InvalidRequest as e:
+        except InvalidArgument as e:
             name = _HTTP_NAMES.get(e.field, e.field)
             return _http_error(400, f"{name}: {e.reason}", name)
         except QueueFull as e:
@@ -162,38 +185,17 @@ class SpecDecodeIngress:
 
 def build_app(args: dict) -> serve.Application:
     """The application for a Serve config: args {"config": path to the operator YAML} (optional; without
-    it the embedded default pair), plus overrides of `specdec serve`'s flags."""
-    path = args.get("config")
-    cfg = apply_overrides(load_config(path) if path else default_config(), args)
-    ingress = SpecDecodeIngress.options(max_ongoing_requests=cfg.server.max_queued_requests + 16)
-    return ingress.bind(cfg.model_dump(), os.path.abspath(path) if path else None)  # not resolve(): a ConfigMap's
-    # file is a symlink into a folder that the next update deletes, so watch the link
+    it the models given as target/draft, else the embedded default pair), plus overrides of `specdec
+    serve`'s flags. The routing section goes in as the deployment's user_config, so a Serve config
+    (KubeRay's serveConfigV2) can change it in place: see reconfigure."""
+    cfg = app_config(args, default_models)
+    ingress = SpecDecodeIngress.options(max_ongoing_requests=cfg.server.max_queued_requests + 16,
+                                        user_config={"routing": cfg.routing.model_dump()})
+    return ingress.bind(cfg.model_dump())
 
 
-def default_config() -> ServeConfig:
-    """The embedded default: the default model pair (built on first use) with built-in thresholds."""
+def default_models() -> dict[str, str]:
+    """The embedded default pair (built on first use): {"target": dir, "draft": dir}."""
     from specdec.default_models import default_pair
 
-    pair = default_pair()
-    return parse_config({"models": {"target": {"path": pair["target"]}, "draft": {"path": pair["draft"]}}},
-                        source="<embedded default>")
-
-
-_OVERRIDES = {  # build_app / `specdec serve` argument -> (section, key)
-    "target": ("models", "target"), "draft": ("models", "draft"),
-    "tensor_parallel_size": ("placement", "tensor_parallel_size"), "draft_replicas": ("placement", "draft_replicas"),
-    "grpc_port": ("server", "grpc_port"), "http_port": ("server", "http_port"),
-}
-
-
-def apply_overrides(cfg: ServeConfig, args: dict) -> ServeConfig:
-    """The config with the flags given (not None) put in, re-validated as a whole."""
-    data = cfg.model_dump()
-    for arg, (section, key) in _OVERRIDES.items():
-        if args.get(arg) is None:
-            continue
-        value = args[arg]
-        if key in ("target", "draft"):
-            value = {"path": value, "dtype": (data[section].get(key) or {}).get("dtype", "float32")}
-        data[section][key] = value
-    return parse_config(data, source="the config with command-line overrides")
+    return default_pair()

@@ -12,14 +12,13 @@ import grpc
 
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
+from specdec.prompts import load_prompts
 
-MODES = {"off": api.SPECULATION_OFF, "on": api.SPECULATION_ON, "auto": api.SPECULATION_AUTO}
+from .router import Speculation
 
 
 def bench_main(args) -> None:
-    rows = [json.loads(line) for line in open(args.prompts, encoding="utf-8") if line.strip()]
-    if args.limit:
-        rows = [r for i, r in enumerate(rows) if sum(x["task_type"] == r["task_type"] for x in rows[:i]) < args.limit]
+    rows = load_prompts(args.prompts, args.limit)
     results = []
     with grpc.insecure_channel(args.address) as channel:
         stub = api_grpc.SpecDecodeStub(channel)
@@ -44,9 +43,9 @@ def bench_main(args) -> None:
         print(json.dumps({"rows": results}))
 
 
-def _call(stub, row: dict, mode: str, max_new_tokens: int) -> api.GenerateResponse:
+def _call(stub, row: dict, mode: Speculation, max_new_tokens: int) -> api.GenerateResponse:
     req = api.GenerateRequest(prompt=row["prompt"], task_type=row["task_type"], max_new_tokens=max_new_tokens,
-                              speculation=MODES[mode])
+                              speculation=api.Speculation.Value(mode.proto_name))
     return stub.Generate(req, timeout=600)
 
 
@@ -61,7 +60,7 @@ def _row(clients: int, mode: str, wall: float, replies: list, before: dict, afte
     delta = {k: after[k] - before[k] for k in after}
     per = lambda key, n: 1000 * delta[key] / n if n else None  # noqa: E731 - ms per step
     return {
-        "clients": clients, "mode": mode, "requests": len(replies), "tokens": tokens, "wall_s": round(wall, 3),
+        "clients": clients, "mode": mode.lower(), "requests": len(replies), "tokens": tokens, "wall_s": round(wall, 3),
         "tokens_per_s": round(tokens / wall, 2), "steps": steps,
         "accepted": sum(r.stats.accepted for r in replies), "drafted": sum(r.stats.drafted for r in replies),
         "target_forward_ms": per("forward_s", delta["forwards"]),

@@ -1,14 +1,17 @@
 """specdec: lossless speculative decoding for Hugging Face causal LMs (pure PyTorch core)."""
 
-from .drafters import Drafter, MergedDrafter, ModelDrafter, NgramDrafter
-from .engine import Generation, RequestStats, SpecConfig, SpeculativeEngine
+from .adaptive import AdaptivePlanner, SpecConfig
+from .drafters import Drafter, DrafterKind, MergedDrafter, ModelDrafter, NgramDrafter, make_drafter
+from .engine import Generation, RequestStats, SpeculativeEngine
 from .kvcache import CachedLM
 from .sampling import SamplingParams
 from .tree import TokenTree
 
 __all__ = [
+    "AdaptivePlanner",
     "CachedLM",
     "Drafter",
+    "DrafterKind",
     "Generation",
     "MergedDrafter",
     "ModelDrafter",
@@ -18,4 +21,5 @@ __all__ = [
     "SpecConfig",
     "SpeculativeEngine",
     "TokenTree",
+    "make_drafter",
 ]

@@ -19,6 +19,12 @@ from .sampling import SamplingParams, warp
 from .tree import DELTA, TokenTree
 
 
+def acceptance_rate(accepted: float, tried: float) -> float | None:
+    """alpha, the per-depth acceptance rate: accepted depths / tried depths, where a step that drafted
+    K deep and kept a tried a + (a < K) depths; None before anything was tried."""
+    return accepted / tried if tried else None
+
+
 @dataclass
 class Verdict:
     path: list[int]  # accepted node indices, root first

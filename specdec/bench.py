@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from .drafters import MergedDrafter, ModelDrafter, NgramDrafter
+from .drafters import make_drafter
 from .engine import SpecConfig, SpeculativeEngine
 from .kvcache import CachedLM
 from .loading import check_same_vocabulary, eos_ids, load_model, load_tokenizer, parse_dtype
+from .prompts import load_prompts
 from .sampling import SamplingParams
 
 
@@ -67,13 +68,13 @@ def build_modes(target, draft, eos, max_new, params, only: set[str] | None):
         return CachedLM(draft)
 
     specs = {
-        "chain-k4": lambda: (ModelDrafter(dlm(), 1), SpecConfig(depth=4)),
-        "tree-2x4": lambda: (ModelDrafter(dlm(), 2), SpecConfig(depth=4, width=2)),
-        "ngram-k8": lambda: (NgramDrafter(), SpecConfig(depth=8)),
-        "ngram-auto": lambda: (NgramDrafter(), SpecConfig(depth=None)),
-        "model+ngram-k4": lambda: (MergedDrafter(ModelDrafter(dlm(), 1), NgramDrafter()), SpecConfig(depth=4)),
-        "auto": lambda: (ModelDrafter(dlm(), 1), SpecConfig(depth=None)),
-        "model+ngram-auto": lambda: (MergedDrafter(ModelDrafter(dlm(), 1), NgramDrafter()), SpecConfig(depth=None)),
+        "chain-k4": lambda: (make_drafter("model", dlm(), 1), SpecConfig(depth=4)),
+        "tree-2x4": lambda: (make_drafter("model", dlm(), 2), SpecConfig(depth=4, width=2)),
+        "ngram-k8": lambda: (make_drafter("ngram", None), SpecConfig(depth=8)),
+        "ngram-auto": lambda: (make_drafter("ngram", None), SpecConfig(depth=None)),
+        "model+ngram-k4": lambda: (make_drafter("model+ngram", dlm(), 1), SpecConfig(depth=4)),
+        "auto": lambda: (make_drafter("model", dlm(), 1), SpecConfig(depth=None)),
+        "model+ngram-auto": lambda: (make_drafter("model+ngram", dlm(), 1), SpecConfig(depth=None)),
     }
     modes = [hf_mode("plain", target, max_new, params)]
     for name, make in specs.items():
@@ -87,23 +88,6 @@ def build_modes(target, draft, eos, max_new, params, only: set[str] | None):
         if only is None or name in only:
             modes.append(hf_mode(name, target, max_new, params, **kw))
     return modes
-
-
-def load_prompts(path: str, limit: int | None) -> list[dict]:
-    rows, seen = [], defaultdict(int)
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if not isinstance(row.get("prompt"), str) or not row["prompt"] or "task_type" not in row:
-                raise ValueError(f"{path}:{n}: each row needs a non-empty 'prompt' string and a 'task_type'")
-            if limit is None or seen[row["task_type"]] < limit:
-                seen[row["task_type"]] += 1
-                rows.append(row)
-    if not rows:
-        raise ValueError(f"{path}: no prompts")
-    return rows
 
 
 @torch.inference_mode()

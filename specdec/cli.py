@@ -1,10 +1,11 @@
-"""The `specdec` command: generate, bench, distill, models; serve and client (in cluster/)."""
+"""The core's commands: generate, bench, distill, models (serve, client, bench-served: cluster/commands.py)."""
 
 import argparse
 import json
 import re
 import sys
 
+from .drafters import DrafterKind
 from .sampling import SamplingParams
 
 
@@ -36,13 +37,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    """The core's commands (generate, bench, distill, models); the serving commands are added by
+    cluster/commands.py, which the `specdec` console script runs. -> (parser, its subcommands)"""
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="continue one prompt")
     add_model_args(g)
-    g.add_argument("--drafter", choices=["model", "ngram", "model+ngram", "none"], help="default: model+ngram with a draft, else ngram")
+    g.add_argument("--drafter", choices=[k.value for k in DrafterKind], help="default: model+ngram with a draft, else ngram")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, required=True)
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
@@ -94,43 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     md.add_argument("--seed", type=int, default=0)
     md.add_argument("--json", action="store_true", help='end with {"target": DIR, "draft": DIR}')
 
-    s = sub.add_parser("serve", help="serve over gRPC and HTTP on a local (or existing) Ray cluster")
-    s.add_argument("--config", help="operator YAML (see configs/default.yaml); default: the embedded default pair")
-    s.add_argument("--address", help="join this Ray cluster instead of starting a local one")
-    s.add_argument("--target", help="overrides models.target.path")
-    s.add_argument("--draft", help="overrides models.draft.path")
-    s.add_argument("--tensor-parallel-size", type=int, help="overrides placement.tensor_parallel_size")
-    s.add_argument("--draft-replicas", type=int, help="overrides placement.draft_replicas")
-    s.add_argument("--grpc-port", type=int, help="overrides server.grpc_port")
-    s.add_argument("--http-port", type=int, help="overrides server.http_port")
-    s.add_argument("--num-gpus", type=float, help="GPUs a local cluster declares (logical on a CPU machine; "
-                                                   "default: the CUDA GPUs, else as many as the actors need)")
-
-    c = sub.add_parser("client", help="call a running server's gRPC API")
-    c.add_argument("--address", default="localhost:9000", help="host:port of specdec.v1.SpecDecode")
-    c.add_argument("--prompt")
-    c.add_argument("--task-type", default="", help="e.g. code, chat, prose (routing per task type)")
-    c.add_argument("--max-new-tokens", type=int, default=64)
-    c.add_argument("--temperature", type=float, default=0.0)
-    c.add_argument("--top-k", type=int, default=0)
-    c.add_argument("--top-p", type=float, default=1.0)
-    c.add_argument("--seed", type=int)
-    c.add_argument("--speculation", choices=["auto", "on", "off"], default="auto")
-    c.add_argument("--stream", action="store_true", help="print tokens as they come")
-    c.add_argument("--timeout", type=float, default=300, help="deadline in seconds")
-    c.add_argument("--json", action="store_true")
-    c.add_argument("--stats", action="store_true", help="print per task type alpha, decision, K, requests")
-
-    sb = sub.add_parser("bench-served", help="a running server's tokens/s with speculation off vs on")
-    sb.add_argument("--address", default="localhost:9000", help="host:port of specdec.v1.SpecDecode")
-    sb.add_argument("--http", default="http://localhost:8000", help="the server's HTTP root (for /v1/stats)")
-    sb.add_argument("--prompts", required=True, help="JSONL rows with 'prompt' and 'task_type'")
-    sb.add_argument("--clients", type=int, nargs="+", default=[1, 8], help="concurrent clients (default 1 8)")
-    sb.add_argument("--modes", nargs="+", choices=["off", "on", "auto"], default=["off", "on", "auto"])
-    sb.add_argument("--max-new-tokens", type=int, default=64)
-    sb.add_argument("--limit", type=int, help="use only the first N prompts of each task type")
-    sb.add_argument("--json", action="store_true")
-    return parser
+    return parser, sub
 
 
 def log(msg: str) -> None:
@@ -248,25 +215,23 @@ def cmd_models(args) -> None:
     print(json.dumps(pair) if args.json else f"target: {pair['target']}\ndraft:  {pair['draft']}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+def cmd_bench(args) -> None:
+    from .bench import run_bench
+
+    resolve_models(args)
+    run_bench(args)
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "distill": cmd_distill, "models": cmd_models}
+
+
+def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None,
+         commands: dict | None = None) -> None:
+    """Parse, run the command, and turn a user's error into a one-line exit naming what is wrong.
+    `python -m specdec` runs the core's commands; the `specdec` script passes the serving ones too."""
+    args = (parser or build_parser()[0]).parse_args(argv)
     try:
-        if args.command == "generate":
-            cmd_generate(args)
-        elif args.command == "bench":
-            from .bench import run_bench
-
-            resolve_models(args)
-            run_bench(args)
-        elif args.command == "distill":
-            cmd_distill(args)
-        elif args.command == "models":
-            cmd_models(args)
-        elif args.command in ("serve", "client", "bench-served"):
-            from cluster import commands, served_bench  # the shell; specdec/ itself imports neither ray nor grpc
-
-            {"serve": commands.serve_main, "client": commands.client_main,
-             "bench-served": served_bench.bench_main}[args.command](args)
+        (commands or COMMANDS)[args.command](args)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"specdec: {e}") from None
 

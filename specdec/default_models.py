@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from .distill import distill, encode_texts, remove_checkpoint
+from .distill import distill, encode_texts, remove_checkpoint, small_llama_config
 from .training import TrainConfig, train
 
 FORMAT = 1  # bump when the build changes in a way the spec does not capture
@@ -104,11 +104,9 @@ def train_tokenizer(texts: list[str], vocab_size: int, max_chars: int) -> PreTra
 
 
 def target_config(spec: DefaultSpec, vocab: int) -> LlamaConfig:
-    heads = max(1, spec.target_hidden // 64)
-    return LlamaConfig(vocab_size=vocab, hidden_size=spec.target_hidden, num_hidden_layers=spec.target_layers,
-                       intermediate_size=(spec.target_hidden * 8 // 3 + 31) // 32 * 32, num_attention_heads=heads,
-                       num_key_value_heads=heads, max_position_embeddings=2048, tie_word_embeddings=True,
-                       bos_token_id=0, eos_token_id=0, pad_token_id=None)
+    """The default target: a small Llama whose bos and eos are <|endoftext|> (id 0)."""
+    return small_llama_config(vocab, spec.target_layers, spec.target_hidden, max_positions=2048,
+                              bos_token_id=0, eos_token_id=0, pad_token_id=None)
 
 
 def build(spec: DefaultSpec, out: Path, log=print) -> dict:

@@ -15,24 +15,35 @@ from .training import TrainConfig, sample_windows, train
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".jsonl")
 
 
-def draft_config(target: PreTrainedModel, layers: int, hidden: int) -> LlamaConfig:
-    """A small Llama over the target's vocabulary."""
-    if layers < 1 or hidden < 16 or hidden % 16:
-        raise ValueError(f"draft needs layers >= 1 and hidden a multiple of 16 (>= 16), got {layers}, {hidden}")
-    tc = target.config
+def small_llama_config(vocab_size: int, layers: int, hidden: int, *, max_positions: int, bos_token_id: int | None,
+                       eos_token_id: int | list[int] | None, pad_token_id: int | None) -> LlamaConfig:
+    """The sizing of the small Llamas made here (the default target, drafts): heads of 64 dims (at least
+    one head), an MLP 8/3 as wide as `hidden` rounded up to a multiple of 32, tied embeddings."""
     heads = max(1, hidden // 64)
     return LlamaConfig(
-        vocab_size=target.get_output_embeddings().weight.shape[0],
+        vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=(hidden * 8 // 3 + 31) // 32 * 32,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=heads,
-        max_position_embeddings=getattr(tc, "max_position_embeddings", 2048),
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
-        bos_token_id=tc.bos_token_id,
-        eos_token_id=tc.eos_token_id,
-        pad_token_id=tc.pad_token_id,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+    )
+
+
+def draft_config(target: PreTrainedModel, layers: int, hidden: int) -> LlamaConfig:
+    """A small Llama over the target's vocabulary."""
+    if layers < 1 or hidden < 16 or hidden % 16:
+        raise ValueError(f"draft needs layers >= 1 and hidden a multiple of 16 (>= 16), got {layers}, {hidden}")
+    tc = target.config
+    return small_llama_config(
+        target.get_output_embeddings().weight.shape[0], layers, hidden,
+        max_positions=getattr(tc, "max_position_embeddings", 2048),
+        bos_token_id=tc.bos_token_id, eos_token_id=tc.eos_token_id, pad_token_id=tc.pad_token_id,
     )
 
 

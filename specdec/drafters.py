@@ -3,10 +3,12 @@
 A drafter sees only token ids and sampling settings, and is told which tree nodes were accepted,
 so it can live in another process than the target. Protocol:
   start(batch)                    a new batch of sequences
+  match_length(row, seq)          the n-gram a guess for this row would match now (0: none)
   propose(seqs, plans, ...)       one tree per row, rooted at the row's last token
   commit(paths)                   per row, the accepted node indices (root first)
   select(rows)                    keep only these rows (the others finished)"""
 
+import enum
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,10 +29,15 @@ class Plan:
 
 
 class Drafter(Protocol):
-    uses_model: bool
-    uses_ngram: bool
+    uses_model: bool  # drafts with a draft model (Plan.depth)
+    uses_ngram: bool  # drafts n-gram guesses (Plan.ngram)
+
+    @property
+    def draft_lm(self) -> CachedLM | None:
+        """The draft model, when there is one (its forward is timed to plan adaptive K)."""
 
     def start(self, batch_size: int) -> None: ...
+    def match_length(self, row: int, seq: list[int]) -> int: ...
     def propose(
         self, seqs: list[list[int]], plans: list[Plan], params: list[SamplingParams], gens: list[torch.Generator]
     ) -> list[TokenTree]: ...
@@ -42,6 +49,7 @@ class NgramDrafter:
     """Prompt lookup as a chain of up to plan.ngram guesses."""
 
     uses_model, uses_ngram = False, True
+    draft_lm = None
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
@@ -87,6 +95,13 @@ class ModelDrafter:
         if width < 1:
             raise ValueError(f"tree width must be >= 1, got {width}")
         self.lm, self.width = draft, width
+
+    @property
+    def draft_lm(self) -> CachedLM:
+        return self.lm
+
+    def match_length(self, row: int, seq: list[int]) -> int:
+        return 0  # no n-gram guesses
 
     def start(self, batch_size: int) -> None:
         self.lm.reset(batch_size)
@@ -190,6 +205,10 @@ class MergedDrafter:
     def __init__(self, model: ModelDrafter, ngram: NgramDrafter):
         self.model, self.ngram = model, ngram
 
+    @property
+    def draft_lm(self) -> CachedLM:
+        return self.model.lm
+
     def start(self, batch_size: int) -> None:
         self.model.start(batch_size)
         self.ngram.start(batch_size)
@@ -211,18 +230,26 @@ class MergedDrafter:
         return trees
 
 
-DRAFTERS = ("model", "ngram", "model+ngram", "none")
+class DrafterKind(enum.StrEnum):
+    """The drafters make_drafter builds, by name (`[k.value for k in DrafterKind]` lists them)."""
+
+    MODEL = "model"
+    NGRAM = "ngram"
+    MODEL_NGRAM = "model+ngram"
+    NONE = "none"
 
 
-def make_drafter(name: str, draft: CachedLM | None, width: int = 1) -> Drafter | None:
-    """The drafter called `name` (one of DRAFTERS); the model-based ones need a draft LM."""
-    if name not in DRAFTERS:
-        raise ValueError(f"unknown drafter {name!r}: choose one of {', '.join(DRAFTERS)}")
-    if name in ("model", "model+ngram") and draft is None:
-        raise ValueError(f"drafter {name!r} needs a draft model (--draft DIR)")
-    if name == "none":
+def make_drafter(kind: DrafterKind | str, draft: CachedLM | None, width: int = 1) -> Drafter | None:
+    """The drafter of this kind (a DrafterKind or its name); the model-based ones need a draft LM."""
+    try:
+        kind = DrafterKind(kind)
+    except ValueError:
+        raise ValueError(f"unknown drafter {kind!r}: choose one of {', '.join(DrafterKind)}") from None
+    if kind is DrafterKind.NONE:
         return None
-    if name == "ngram":
+    if kind is DrafterKind.NGRAM:
         return NgramDrafter()
+    if draft is None:
+        raise ValueError(f"drafter {kind.value!r} needs a draft model (--draft DIR)")
     model = ModelDrafter(draft, width)
-    return model if name == "model" else MergedDrafter(model, NgramDrafter())
+    return model if kind is DrafterKind.MODEL else MergedDrafter(model, NgramDrafter())

@@ -1,39 +1,21 @@
-"""The speculative decoding loop over a batch of sequences.
+"""The speculative decoding loop over a batch of sequences. Each step:
+  plan    how far each sequence drafts (a fixed K, or adaptive K: adaptive.AdaptivePlanner)
+  draft   the drafter proposes a token tree per sequence
+  verify  the target scores every tree of the batch in one forward; acceptance keeps a path per
+          sequence plus one token of the target's own
+  commit  both caches keep only the accepted path, the tokens are emitted, the planner learns"""
 
-Each step: choose a depth K per sequence, the drafter proposes a token tree per sequence, the target
-scores every tree of the batch in one forward, acceptance keeps a path per sequence plus one token
-of the target's own, and both caches keep only the accepted path."""
-
-import statistics
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .acceptance import Verdict
-from .adaptive import AlphaEstimate, Costs, best_plan
+from .acceptance import Verdict, acceptance_rate
+from .adaptive import AdaptivePlanner, RowState, SpecConfig, clock
 from .drafters import Drafter, Plan
 from .kvcache import CachedLM
 from .sampling import SamplingParams, make_generator
 from .target import TargetWorker
-from .tree import TokenTree, layout
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    depth: int | None = 4  # K: the draft model's depth and the n-gram guesses per step; None: adaptive
-    width: int = 1  # tree width (1: a chain)
-    max_depth: int = 8  # adaptive K's ceiling for the draft model's depth
-    max_ngram: int = 10  # adaptive K's ceiling for n-gram guesses
-    probe_every: int = 8  # an idle source drafts one token every probe_every / alpha steps (at most 64)
-
-    def __post_init__(self):
-        if self.depth is not None and self.depth < 0:
-            raise ValueError(f"num_speculative_tokens (depth) must be >= 0 or auto, got {self.depth}")
-        if self.width < 1:
-            raise ValueError(f"tree width must be >= 1, got {self.width}")
-        if self.max_depth < 1 or self.max_ngram < 1:
-            raise ValueError(f"max_depth and max_ngram must be >= 1, got {self.max_depth}, {self.max_ngram}")
+from .tree import TokenTree
 
 
 @dataclass
@@ -50,7 +32,7 @@ class RequestStats:
     @property
     def alpha(self) -> float | None:
         """Per-depth acceptance rate: the chance that the next drafted depth is accepted."""
-        return self.accepted / self.tried_depths if self.tried_depths else None
+        return acceptance_rate(self.accepted, self.tried_depths)
 
     @property
     def mean_accepted_length(self) -> float | None:
@@ -105,10 +87,8 @@ class SpeculativeEngine:
         self.target, self.drafter, self.config = target, drafter, config
         self.eos = eos_token_ids or set()
         self.max_positions = max_positions or getattr(target.model.config, "max_position_embeddings", None)
-        self.costs: Costs | None = None
-        # what this engine has learned across requests: alpha of the draft model ("model") and of n-gram
-        # guesses by the length of the n-gram they matched (1, 2, ...); each request starts from these
-        self.priors: dict = {"model": AlphaEstimate(decay=0.99)}
+        self.planner = AdaptivePlanner(config, uses_model=drafter is not None and drafter.uses_model,
+                                       uses_ngram=drafter is not None and drafter.uses_ngram)
 
     @torch.inference_mode()
     def generate(
@@ -123,118 +103,76 @@ class SpeculativeEngine:
         B = len(prompts)
         params = params if isinstance(params, list) else [params] * B
         streams = list(range(B)) if streams is None else streams
-        self._check(prompts, max_new_tokens, params)
-        if len(streams) != B:
-            raise ValueError(f"{len(streams)} random streams for {B} prompts: give one per prompt")
-        device = self.target.device
-        gens = [make_generator(p.seed, s, device, role="draft") for p, s in zip(params, streams)]
-        if self.config.depth is None and self.drafter is not None and self.costs is None:
-            self.costs = self.calibrate(prompts[0])
-
-        out = [Generation([], "length") for _ in range(B)]
-        seqs = [list(p) for p in prompts]
-        alphas = [{} for _ in range(B)]  # per row: source -> AlphaEstimate (see self.priors)
-        idle = [[0, 0] for _ in range(B)]  # steps since each source last drafted
-        rows = list(range(B))  # batch row -> request index
+        self._check(prompts, max_new_tokens, params, streams)
+        gens = [make_generator(p.seed, s, self.target.device, role="draft") for p, s in zip(params, streams)]
+        if self.planner.needs_costs:
+            self.planner.calibrate(self.target, self.drafter.draft_lm, prompts[0])
 
         t0 = self._clock()
-        worker = TargetWorker(self.target)
-        worker.add([(r, prompts[r], params[r], streams[r]) for r in range(B)])
-        if self.drafter is not None:
-            self.drafter.start(B)
-        for g in out:
-            g.stats.prefill_time_s = self._clock() - t0
-
+        worker = self._start(prompts, params, streams)
+        prefill_s = self._clock() - t0
+        out = [Generation([], "length", RequestStats(prefill_time_s=prefill_s)) for _ in range(B)]
+        seqs = [list(p) for p in prompts]
+        states = [RowState() for _ in range(B)]
+        rows = list(range(B))  # batch row -> request index
         while rows:
-            matches = [self._match(i, seqs[r]) for i, r in enumerate(rows)]
-            plans = [self._plan(alphas[r], m, idle[r], max_new_tokens - len(out[r].token_ids))
-                     for r, m in zip(rows, matches)]
+            plans = [self._plan(i, states[r], seqs[r], max_new_tokens - len(out[r].token_ids))
+                     for i, r in enumerate(rows)]
             trees, verdicts, times = self._step(worker, rows, [seqs[r] for r in rows], plans,
                                                 [params[r] for r in rows], [gens[r] for r in rows])
-            keep = []
+            live = []  # commit: count, learn, emit
             for i, r in enumerate(rows):
                 record_step(out[r].stats, trees[i], verdicts[i], times)
-                self._observe(alphas[r], matches[i], idle[r], plans[i], trees[i], verdicts[i])
+                self.planner.observe(states[r], plans[i], trees[i], verdicts[i])
                 if emit(out[r], seqs[r], verdicts[i].tokens, max_new_tokens, self.eos):
-                    keep.append(i)
-            if len(keep) < len(rows):
-                worker.remove([r for i, r in enumerate(rows) if i not in set(keep)])
-                if self.drafter is not None:
-                    self.drafter.select(keep)
-                rows = [rows[i] for i in keep]
+                    live.append(i)
+            rows = self._retire(worker, rows, live)
         return out
 
+    def _start(self, prompts, params, streams) -> TargetWorker:
+        """A target worker with the prompts prefilled, and the drafter started on the batch."""
+        worker = TargetWorker(self.target)
+        worker.add([(r, p, params[r], streams[r]) for r, p in enumerate(prompts)])
+        if self.drafter is not None:
+            self.drafter.start(len(prompts))
+        return worker
+
+    def _plan(self, row: int, state: RowState, seq: list[int], remaining: int) -> Plan:
+        """How far batch row `row` drafts this step."""
+        state.match = self.drafter.match_length(row, seq) if self.drafter is not None else 0
+        return self.planner.plan(state, remaining)
+
     def _step(self, worker, rows, seqs, plans, params, gens) -> tuple[list[TokenTree], list[Verdict], tuple[float, float]]:
-        """One speculative step for the batch: draft, verify, commit. -> trees, verdicts, (draft s, verify s)"""
+        """Draft, verify the batch's trees in one target forward, roll the drafter back to the accepted
+        paths. -> trees, verdicts, (draft s, verify s)"""
         t0 = self._clock()
-        if any(p.depth or p.ngram for p in plans):
-            trees = self.drafter.propose(seqs, plans, params, gens)
-        else:
-            trees = [TokenTree.root(s[-1]) for s in seqs]
+        trees = self._draft(seqs, plans, params, gens)
         t1 = self._clock()
         by_request, verify_tokens = worker.verify(dict(zip(rows, trees)))
         verdicts = [by_request[r] for r in rows]
         t2 = self._clock()
         if self.drafter is not None:
             self.drafter.commit([v.path for v in verdicts])
-        if self.costs is not None:
-            self.costs.observe_verify(t2 - t1, verify_tokens)
-            self.costs.observe_draft(t1 - t0, max(p.depth for p in plans))
+        self.planner.observe_timing(t1 - t0, max(p.depth for p in plans), t2 - t1, verify_tokens)
         return trees, verdicts, (t1 - t0, t2 - t1)
 
+    def _draft(self, seqs, plans, params, gens) -> list[TokenTree]:
+        if any(p.depth or p.ngram for p in plans):
+            return self.drafter.propose(seqs, plans, params, gens)
+        return [TokenTree.root(s[-1]) for s in seqs]  # a lone root: a plain decoding step
+
+    def _retire(self, worker: TargetWorker, rows: list[int], live: list[int]) -> list[int]:
+        """Drop the finished rows (all but batch rows `live`) from the target and the drafter. -> rows left"""
+        if len(live) < len(rows):
+            worker.remove([r for i, r in enumerate(rows) if i not in set(live)])
+            if self.drafter is not None:
+                self.drafter.select(live)
+        return [rows[i] for i in live]
+
     def _clock(self) -> float:
-        """Wall time, after the device has finished what it was given."""
-        if self.target.device.type == "cuda":
-            torch.cuda.synchronize(self.target.device)
-        return time.perf_counter()
+        return clock(self.target.device)
 
-    def _match(self, row: int, seq: list[int]) -> int:
-        """Length of the n-gram the drafter's guess would match for this row (0: none, or no n-gram)."""
-        return self.drafter.match_length(row, seq) if self.drafter is not None and self.drafter.uses_ngram else 0
-
-    def _alpha(self, alphas: dict, source) -> AlphaEstimate:
-        if source not in alphas:
-            prior = self.priors.setdefault(source, AlphaEstimate(decay=0.99))
-            alphas[source] = AlphaEstimate.starting_from(prior)
-        return alphas[source]
-
-    def _plan(self, alphas: dict, match: int, idle: list[int], remaining: int) -> Plan:
-        """How far this row drafts now: fixed K, or adaptive K from its alphas and the measured costs."""
-        cfg, d = self.config, self.drafter
-        if d is None:
-            return Plan()
-        if cfg.depth is not None:
-            k = n = cfg.depth
-        else:
-            alpha_m = self._alpha(alphas, "model").alpha if d.uses_model else 0.0
-            alpha_n = self._alpha(alphas, match).alpha if match else 0.0
-            k, n = best_plan(alpha_m, alpha_n, self.costs, cfg.width, cfg.max_depth if d.uses_model else 0,
-                             cfg.max_ngram if match else 0)
-            # keep an idle source's alpha live with a probe, rarer the less it was accepted
-            k = k or int(d.uses_model and idle[0] + 1 >= self._probe_interval(alpha_m))
-            n = n or int(match > 0 and idle[1] + 1 >= self._probe_interval(alpha_n))
-        cap = max(0, remaining - 1)  # drafting past max_new_tokens is wasted
-        return Plan(depth=min(k, cap) if d.uses_model else 0, ngram=min(n, cap) if d.uses_ngram else 0)
-
-    def _probe_interval(self, alpha: float) -> float:
-        return min(64.0, self.config.probe_every / max(alpha, 1e-3))
-
-    def _observe(self, alphas: dict, match: int, idle: list[int], plan: Plan, tree: TokenTree, v: Verdict) -> None:
-        """Credit each source with the depth its own guess reached on the accepted path."""
-        model_depth = max((tree.depths[n] for n, m in enumerate(tree.from_model) if m), default=0)
-        if model_depth:
-            accepted = tree.model_depth(v.path)
-            self._alpha(alphas, "model").observe(accepted, model_depth)
-            self.priors["model"].observe(accepted, model_depth)
-        if plan.ngram and tree.guess:
-            guess, got = tree.guess, v.tokens[:-1]
-            matched = next((j for j, (a, b) in enumerate(zip(guess, got)) if a != b), min(len(guess), len(got)))
-            self._alpha(alphas, match).observe(matched, len(guess))
-            self.priors[match].observe(matched, len(guess))
-        idle[0] = 0 if plan.depth else idle[0] + 1
-        idle[1] = 0 if plan.ngram else idle[1] + 1
-
-    def _check(self, prompts, max_new_tokens, params) -> None:
+    def _check(self, prompts, max_new_tokens, params, streams) -> None:
         if not prompts:
             raise ValueError("no prompts given")
         if any(len(p) == 0 for p in prompts):
@@ -251,34 +189,5 @@ class SpeculativeEngine:
             )
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-
-    @torch.inference_mode()
-    def calibrate(self, context: list[int], repeats: int = 3) -> Costs:
-        """Time target steps of several sizes up to the largest plan, and a draft forward, on this context."""
-        cfg = self.config
-        most = 1 + cfg.width * cfg.max_depth + cfg.max_ngram
-        sizes = sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if n < most} | {most})
-
-        def timed(lm: CachedLM, n: int) -> float:
-            tree = TokenTree.root(context[-1])
-            for _ in range(n - 1):
-                tree.add(len(tree) - 1, context[-1])
-            tokens, block, positions = layout([tree], lm.lengths)
-            times = []
-            for _ in range(repeats):
-                t = self._clock()
-                lm.forward(tokens, block, positions)
-                times.append(self._clock() - t)
-                lm.commit([[]])
-            return statistics.median(times)
-
-        self.target.reset(1)
-        self.target.prefill([context[:-1]])
-        timed(self.target, 1)  # warm-up
-        costs = Costs(verify_table={n: timed(self.target, n) for n in sizes})
-        draft_lm = getattr(getattr(self.drafter, "model", self.drafter), "lm", None)
-        if draft_lm is not None:
-            draft_lm.reset(1)
-            draft_lm.prefill([context[:-1]])
-            costs.draft = timed(draft_lm, cfg.width)
-        return costs
+        if len(streams) != len(prompts):
+            raise ValueError(f"{len(streams)} random streams for {len(prompts)} prompts: give one per prompt")

@@ -1,8 +1,11 @@
 """Sampling parameters and the logits warping applied alike to target (p) and draft (q)."""
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from .errors import InvalidArgument
 
 
 @dataclass(frozen=True)
@@ -15,12 +18,13 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        """The one check of sampling fields, wherever they come from (CLI, gRPC, HTTP, another actor)."""
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise InvalidArgument("temperature", f"must be a finite number >= 0 (0 is greedy), got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
+            raise InvalidArgument("top_k", f"must be >= 0 (0 turns it off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidArgument("top_p", f"must be in (0, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .acceptance import Verdict, accept_greedy, accept_sampling
+from .errors import RequestExists, UnknownRequest
 from .kvcache import CachedLM
 from .sampling import SamplingParams, make_generator
 from .tree import TokenTree, layout
@@ -31,7 +32,7 @@ class TargetWorker:
         """Requests (id, prompt, params, stream) join the batch; their prompts are prefilled in one forward."""
         for rid, prompt, _, _ in joining:
             if rid in self.requests:
-                raise ValueError(f"request {rid!r} is already in the batch")
+                raise RequestExists(f"request {rid!r} is already in the batch")
             if not prompt:
                 raise ValueError(f"request {rid!r}: the prompt is empty")
         self.lm.add_rows(len(joining))
@@ -54,10 +55,10 @@ class TargetWorker:
         return self.requests[rid].seq[-1]
 
     def check(self, trees: dict[Hashable, TokenTree]) -> None:
-        """KeyError for a request not in the batch; ValueError for a tree not rooted at its last token."""
+        """UnknownRequest for a request not in the batch; ValueError for a tree not rooted at its last token."""
         for rid, tree in trees.items():
             if rid not in self.requests:
-                raise KeyError(f"request {rid!r} is not in the batch")
+                raise UnknownRequest(f"request {rid!r} is not in the batch")
             if tree.tokens[0] != self.requests[rid].seq[-1]:
                 raise ValueError(f"request {rid!r}: a tree's root must be its last token "
                                  f"({self.requests[rid].seq[-1]}), got {tree.tokens[0]}")

@@ -3,8 +3,11 @@ alpha estimate, cost tracking, and calibration on real (tiny) models."""
 
 import pytest
 
-from specdec import CachedLM, MergedDrafter, ModelDrafter, NgramDrafter, SpecConfig, SpeculativeEngine
-from specdec.adaptive import AlphaEstimate, Costs, best_plan, expected_tokens
+from specdec import CachedLM, SpecConfig, SpeculativeEngine
+from specdec.acceptance import Verdict
+from specdec.adaptive import AdaptivePlanner, AlphaEstimate, Costs, RowState, best_plan, expected_tokens
+from specdec.drafters import Plan, make_drafter
+from specdec.tree import TokenTree
 
 
 def test_expected_tokens_one_source():
@@ -80,23 +83,75 @@ def test_costs_smoothing():
     assert c.verify(1) == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("drafter_kind", ["model", "ngram", "merged"])
+def model_chain(depth: int) -> TokenTree:
+    """A chain the draft model proposed: tokens 1..depth under root 0."""
+    tree = TokenTree.root(0)
+    for t in range(1, depth + 1):
+        tree.add(t - 1, t, from_model=True)
+    return tree
+
+
+def test_planner_fixed_k():
+    """Fixed K: every source the drafter has drafts K, capped by the tokens still to generate."""
+    row = RowState(match=3)
+    model = AdaptivePlanner(SpecConfig(depth=4), uses_model=True, uses_ngram=False)
+    assert not model.needs_costs
+    assert model.plan(row, remaining=10) == Plan(depth=4, ngram=0)
+    assert model.plan(row, remaining=3) == Plan(depth=2, ngram=0)
+    assert model.plan(row, remaining=1) == Plan()
+    assert AdaptivePlanner(SpecConfig(depth=4), uses_model=True, uses_ngram=True).plan(row, 10) == Plan(4, 4)
+    assert AdaptivePlanner(SpecConfig(depth=4), uses_model=False, uses_ngram=True).plan(row, 10) == Plan(0, 4)
+    no_drafter = AdaptivePlanner(SpecConfig(depth=None), uses_model=False, uses_ngram=False)
+    assert not no_drafter.needs_costs and no_drafter.plan(row, 10) == Plan()
+
+
+def test_planner_adapts_to_each_row_and_learns_priors():
+    planner = AdaptivePlanner(SpecConfig(depth=None, max_depth=6), uses_model=True, uses_ngram=False)
+    assert planner.needs_costs
+    planner.costs = Costs.linear(draft=0.05, base=1.0, per_token=0.01)
+    good, bad = RowState(), RowState()
+    for _ in range(30):
+        plan = Plan(depth=4)
+        planner.observe(good, plan, model_chain(4), Verdict([0, 1, 2, 3, 4], [1, 2, 3, 4, 9]))  # all accepted
+        planner.observe(bad, plan, model_chain(4), Verdict([0], [9]))  # the first depth rejected
+    assert good.alphas["model"].alpha > 0.9 and bad.alphas["model"].alpha < 0.2
+    assert planner.plan(good, 100).depth == 6  # the ceiling
+    assert planner.plan(bad, 100).depth < planner.plan(good, 100).depth
+    assert planner.plan(good, 3) == Plan(depth=2)  # still capped by what remains
+    # a new row starts from what the engine learned (half good, half bad rows), not from scratch
+    fresh = RowState()
+    planner.plan(fresh, 100)
+    assert fresh.alphas["model"].alpha == pytest.approx(planner.priors["model"].alpha)
+    assert 0.2 < fresh.alphas["model"].alpha < 0.9
+
+
+def test_planner_probes_an_idle_source():
+    """A source that best_plan drops still drafts one token now and then, so its alpha stays live."""
+    planner = AdaptivePlanner(SpecConfig(depth=None, probe_every=2), uses_model=True, uses_ngram=False)
+    planner.costs = Costs.linear(draft=1.0, base=1.0, per_token=0.1)  # a dear draft: best_plan says (0, 0)
+    row = RowState()
+    row.alphas["model"] = AlphaEstimate(accepted=1.0, tried=2.0)  # probe every 2 / 0.5 = 4 steps
+    depths = []
+    for _ in range(8):
+        plan = planner.plan(row, 100)
+        depths.append(plan.depth)
+        planner.observe(row, plan, TokenTree.root(0), Verdict([0], [5]))
+    assert depths == [0, 0, 0, 1, 0, 0, 0, 1]
+    assert row.idle_model == 0 and row.idle_ngram == 8
+
+
+@pytest.mark.parametrize("drafter_kind", ["model", "ngram", "model+ngram"])
 def test_calibrate_measures_costs(target, draft, drafter_kind):
-    if drafter_kind == "ngram":
-        drafter = NgramDrafter()
-    else:
-        drafter = ModelDrafter(CachedLM(draft), 2)
-        if drafter_kind == "merged":
-            drafter = MergedDrafter(drafter, NgramDrafter())
+    drafter = make_drafter(drafter_kind, CachedLM(draft), 2)
     engine = SpeculativeEngine(CachedLM(target), drafter, SpecConfig(depth=None, width=2, max_depth=4))
-    costs = engine.calibrate(list(range(1, 20)))
+    costs = engine.planner.calibrate(engine.target, drafter.draft_lm, list(range(1, 20)))
     assert costs.verify(1) > 0 and costs.verify(20) > 0
     if drafter_kind == "ngram":
         assert costs.draft == 0
     else:
         assert costs.draft > 0
     # generate calibrates once, lazily, and keeps the measured costs
-    engine.costs = None
+    engine.planner.costs = None
     outs = engine.generate([[1, 2, 3, 1, 2, 3, 1, 2]], 10)
-    assert engine.costs is not None and engine.costs.verify(1) > 0
+    assert engine.planner.costs is not None and engine.planner.costs.verify(1) > 0
     assert len(outs[0].token_ids) == 10

@@ -5,7 +5,8 @@ is measured and reported, and only a loose floor is asserted."""
 import pytest
 import torch
 
-from specdec import CachedLM, MergedDrafter, ModelDrafter, NgramDrafter, SpecConfig, SpeculativeEngine
+from specdec import CachedLM, SpecConfig, SpeculativeEngine
+from specdec.drafters import make_drafter
 from specdec.loading import load_model
 
 NEW = 16
@@ -30,7 +31,7 @@ def test_bf16_greedy_agreement(bf16_models, reference):
     prompts = reference.prompts[:10]
     plain = SpeculativeEngine(CachedLM(target), None).generate(prompts, NEW)
     spec = SpeculativeEngine(
-        CachedLM(target), MergedDrafter(ModelDrafter(CachedLM(draft), 2), NgramDrafter()), SpecConfig(depth=4, width=2)
+        CachedLM(target), make_drafter("model+ngram", CachedLM(draft), 2), SpecConfig(depth=4, width=2)
     ).generate(prompts, NEW)
     agree = [prefix_agreement(s.token_ids, p.token_ids) / NEW for s, p in zip(spec, plain)]
     same = sum(s.token_ids == p.token_ids for s, p in zip(spec, plain))

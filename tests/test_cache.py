@@ -10,8 +10,9 @@ Slots beyond the longest row must have been cropped."""
 import pytest
 import torch
 
+from specdec import CachedLM, ModelDrafter, SamplingParams, SpecConfig, SpeculativeEngine
 from specdec.adaptive import Costs
-from specdec import CachedLM, MergedDrafter, ModelDrafter, NgramDrafter, SamplingParams, SpecConfig, SpeculativeEngine
+from specdec.drafters import make_drafter
 
 ATOL = 1e-5
 NEW = 20
@@ -49,7 +50,7 @@ class CacheChecker:
     def __init__(self, engine: SpeculativeEngine, target_model, draft_model):
         self.engine, self.target_model, self.draft_model = engine, target_model, draft_model
         drafter = engine.drafter
-        self.draft_lm = drafter.lm if isinstance(drafter, ModelDrafter) else getattr(getattr(drafter, "model", None), "lm", None)
+        self.draft_lm = drafter.draft_lm
         self.seqs: list[list[int]] = []  # the engine's own (growing) sequence lists, in batch-row order
         self.checks = 0
         self.partial_draft = 0  # checks where the draft cache lagged behind the committed text
@@ -75,22 +76,14 @@ class CacheChecker:
             self.partial_draft += sum(n < len(s) for n, s in zip(self.draft_lm.lengths, self.seqs))
 
 
-def make_drafter(kind, draft, width):
-    if kind == "model":
-        return ModelDrafter(CachedLM(draft), width)
-    if kind == "merged":
-        return MergedDrafter(ModelDrafter(CachedLM(draft), width), NgramDrafter())
-    return NgramDrafter()
-
-
 CASES = [
     # kind, depth, width, sampling
     ("model", 4, 1, False),
     ("model", 3, 3, False),
-    ("merged", 3, 2, False),
+    ("model+ngram", 3, 2, False),
     ("ngram", 4, 1, False),
     ("model", 3, 2, True),
-    ("merged", 2, 2, True),
+    ("model+ngram", 2, 2, True),
     ("model", None, 2, False),
 ]
 
@@ -99,9 +92,10 @@ CASES = [
 def test_caches_equal_fresh_prefill_after_every_step(target, draft, reference, case):
     kind, depth, width, sampling = case
     prompts = reference.prompts[:12]
-    engine = SpeculativeEngine(CachedLM(target), make_drafter(kind, draft, width), SpecConfig(depth=depth, width=width, max_depth=5))
+    engine = SpeculativeEngine(CachedLM(target), make_drafter(kind, CachedLM(draft), width),
+                               SpecConfig(depth=depth, width=width, max_depth=5))
     if depth is None:  # adaptive K: preset costs under which drafting pays (see test_greedy_equality)
-        engine.costs = Costs.linear(draft=1e-4, base=1e-2, per_token=1e-5)
+        engine.planner.costs = Costs.linear(draft=1e-4, base=1e-2, per_token=1e-5)
     checker = CacheChecker(engine, target, draft)
     params = SamplingParams(temperature=1.0, seed=3) if sampling else SamplingParams()
     outs = engine.generate(prompts, NEW, params=params)

@@ -153,6 +153,6 @@ def test_bench_rejects_bad_prompt_rows(dirs, tmp_path):
 def test_speculation_defaults(flags, depth, width):
     from specdec.cli import build_parser, spec_config
 
-    args = build_parser().parse_args(["generate", "--prompt", "x", "--max-new-tokens", "1", *flags])
+    args = build_parser()[0].parse_args(["generate", "--prompt", "x", "--max-new-tokens", "1", *flags])
     cfg = spec_config(args)
     assert (cfg.depth, cfg.width) == (depth, width)

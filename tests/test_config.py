@@ -1,16 +1,15 @@
-"""Operator config: validation with errors naming the file, key path and reason; live routing reload."""
+"""Operator config: validation with errors naming the file, key path and reason; the live part
+(routing, Serve's user_config); the command-line models and overrides."""
 
-import logging
-import os
 from pathlib import Path
 
 import pytest
 import yaml
 
-from cluster.config import ConfigError, RoutingConfig, RoutingReloader, ServeConfig, load_config, parse_config
+from cluster.config import ConfigError, app_config, load_config, parse_config, parse_live_config
 
 DEFAULT_YAML = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
-MINIMAL = {"models": {"target": {"path": "t"}}}
+MINIMAL = {"models": {"target": {"path": "t"}, "draft": {"path": "d"}}}
 
 
 def with_section(section: str, values: dict) -> dict:
@@ -39,8 +38,8 @@ def test_round_trip():
 
 
 def test_defaults():
-    config = parse_config("models: {target: {path: t}}")
-    assert config.models.target.dtype == "float32" and config.models.draft is None
+    config = parse_config("models: {target: {path: t}, draft: {path: d}}")
+    assert config.models.target.dtype == "float32" and config.models.task_drafts == {}
     p = config.placement
     assert (p.tensor_parallel_size, p.draft_replicas, p.gpus_per_actor) == (1, 1, 1.0)
     assert config.speculation.drafter == "model+ngram" and config.speculation.num_speculative_tokens == "auto"
@@ -145,111 +144,71 @@ def test_load_config_names_the_file(tmp_path):
         load_config(path)
 
 
-# --- live reload of the routing section ---
+def test_a_model_drafter_needs_a_draft_model():
+    message = config_error({"models": {"target": {"path": "t"}}})
+    assert "speculation.drafter 'model+ngram' needs models.draft" in message
+    assert parse_config({"models": {"target": {"path": "t"}}, "speculation": {"drafter": "ngram"}}).models.draft is None
+    assert "drafter: must be 'model', 'ngram', 'model+ngram' or 'none'" in config_error(
+        with_section("speculation", {"drafter": "eagle"}))
 
 
-class ConfigFile:
-    """A config file whose every write gets a later mtime (file times are coarser than these tests)."""
-
-    def __init__(self, path: Path, data: dict):
-        self.path, self.mtime_ns = path, 1_000_000_000
-        self.write(data)
-
-    def write(self, data: dict | str) -> None:
-        self.path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
-        self.mtime_ns += 1_000_000_000
-        os.utime(self.path, ns=(self.mtime_ns, self.mtime_ns))
+# --- the live part: routing, as Serve's user_config ---
 
 
 def routing_data(on_alpha: float = 0.55, code_off_alpha: float = 0.3) -> dict:
     return {"default": {"on_alpha": on_alpha}, "task_types": {"code": {"off_alpha": code_off_alpha}}}
 
 
-@pytest.fixture
-def reload(tmp_path):
-    """(config file, reloader, routings passed to on_change)."""
-    file = ConfigFile(tmp_path / "serve.yaml", with_section("routing", routing_data()))
-    applied: list[RoutingConfig] = []
-    return file, RoutingReloader(file.path, applied.append, log=logging.getLogger("test.reload")), applied
+def test_live_config_is_routing():
+    routing = parse_live_config({"routing": routing_data(on_alpha=0.7)})
+    assert routing.default.on_alpha == 0.7 and routing.thresholds("code").off_alpha == 0.3
 
 
-def test_reloader_applies_changed_thresholds(reload):
-    file, reloader, applied = reload
-    assert isinstance(reloader.config, ServeConfig)
-    assert reloader.check() is False and applied == []  # nothing changed yet
-    file.write(with_section("routing", routing_data(on_alpha=0.7)))
-    assert reloader.check() is True
-    assert [r.default.on_alpha for r in applied] == [0.7]
-    assert reloader.config.routing.default.on_alpha == 0.7
-    assert reloader.check() is False and len(applied) == 1  # unchanged since
+@pytest.mark.parametrize("data, expected", [
+    ({"routing": routing_data(on_alpha=0.2)},
+     "user_config: routing.default.off_alpha: must be < on_alpha (0.35 >= 0.2)"),
+    ({"routing": {"default": {"max_kk": 2}}},
+     "user_config: routing.default.max_kk: extra key not allowed (did you mean 'max_k'?)"),
+    ({"routing": routing_data(), "server": {"max_new_tokens": 5}},
+     "user_config: server: cannot change while serving: only routing reloads live (the other sections need a redeploy)"),
+    ({}, "user_config: routing: required key missing"),
+    ("routing", "user_config: must be a mapping with one key, routing (got 'routing')"),
+])
+def test_live_config_refuses_whole_naming_the_key(data, expected):
+    with pytest.raises(ConfigError) as info:
+        parse_live_config(data)
+    assert expected in str(info.value).splitlines()
 
 
-def test_reloader_ignores_a_rewrite_with_the_same_routing(reload):
-    file, reloader, applied = reload
-    file.write(with_section("routing", routing_data()) | {"placement": {}})  # same config, other bytes
-    assert reloader.check() is False and applied == []
+# --- what `specdec serve` and build_app run ---
 
 
-def test_reloader_keeps_config_on_broken_file_and_logs_once(reload, caplog):
-    file, reloader, applied = reload
-    running = reloader.config
-    with caplog.at_level(logging.WARNING, logger="test.reload"):
-        file.write(with_section("routing", routing_data(on_alpha=0.2)))  # off_alpha 0.35 >= 0.2
-        assert reloader.check() is False
-        assert reloader.check() is False
-        file.write(with_section("routing", routing_data(on_alpha=0.2)))  # touched, same error
-        assert reloader.check() is False
-    assert applied == [] and reloader.config is running
-    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
-    assert len(errors) == 1
-    assert "keeping the running one" in errors[0].getMessage()
-    assert f"{file.path}: routing.default.off_alpha: must be < on_alpha (0.35 >= 0.2)" in errors[0].getMessage()
-
-    file.write("routing: [\n")  # a different problem is logged
-    assert reloader.check() is False
-    assert "YAML syntax error" in caplog.records[-1].getMessage()
-
-    file.write(with_section("routing", routing_data(on_alpha=0.8)))  # fixed: picked up
-    assert reloader.check() is True
-    assert applied[-1].default.on_alpha == 0.8
+def never_called() -> dict:
+    raise AssertionError("the default pair was built although models were given")
 
 
-def test_reloader_survives_the_file_going_missing(reload, caplog):
-    file, reloader, applied = reload
-    file.path.unlink()
-    with caplog.at_level(logging.ERROR, logger="test.reload"):
-        assert reloader.check() is False
-        assert reloader.check() is False
-    assert len(caplog.records) == 1 and "cannot read config file" in caplog.records[0].getMessage()
-    file.write(with_section("routing", routing_data(code_off_alpha=0.1)))
-    assert reloader.check() is True
-    assert applied[-1].thresholds("code").off_alpha == 0.1
+def test_command_line_models_need_no_default_pair():
+    cfg = app_config({"target": "t", "draft": "d"}, never_called)
+    assert (cfg.models.target.path, cfg.models.draft.path, cfg.speculation.drafter) == ("t", "d", "model+ngram")
+    cfg = app_config({"target": "t"}, never_called)
+    assert cfg.models.draft is None and cfg.speculation.drafter == "ngram"  # as `specdec generate`
+    with pytest.raises(ConfigError, match="--draft without --target"):
+        app_config({"draft": "d"}, never_called)
 
 
-def test_reloader_warns_that_other_sections_need_a_restart(reload, caplog):
-    file, reloader, applied = reload
-    with caplog.at_level(logging.WARNING, logger="test.reload"):
-        file.write(with_section("routing", routing_data()) | {"server": {"grpc_port": 9100}})
-        assert reloader.check() is False
-    assert applied == []
-    assert reloader.config.server.grpc_port == 9000  # still what the server started with
-    [record] = caplog.records
-    assert record.levelno == logging.WARNING and "server" in record.getMessage() and "restart" in record.getMessage()
+def test_no_models_given_uses_the_default_pair():
+    cfg = app_config({}, lambda: {"target": "dt", "draft": "dd"})
+    assert (cfg.models.target.path, cfg.models.draft.path) == ("dt", "dd")
 
 
-def test_reloader_refuses_a_broken_file_at_start(tmp_path):
-    path = tmp_path / "serve.yaml"
-    path.write_text("models: {}\n")
-    with pytest.raises(ConfigError, match="models.target: required key missing"):
-        RoutingReloader(path, lambda routing: None)
-
-
-def test_serve_flags_override_the_file_and_are_checked_again():
-    from cluster.serve_app import apply_overrides
-
-    cfg = parse_config({"models": {"target": {"path": "t", "dtype": "bfloat16"}}})
-    out = apply_overrides(cfg, {"draft": "d", "draft_replicas": 3, "tensor_parallel_size": None, "grpc_port": 9001})
+def test_serve_flags_override_the_file_and_are_checked_again(tmp_path):
+    path = tmp_path / "ops.yaml"
+    path.write_text(yaml.safe_dump({"models": {"target": {"path": "t", "dtype": "bfloat16"}}, "speculation": {"drafter": "ngram"}}))
+    base = load_config(path)
+    out = app_config({"config": str(path), "draft": "d", "draft_replicas": 3, "tensor_parallel_size": None,
+                      "grpc_port": 9001}, never_called)
     assert out.models.draft.path == "d" and out.placement.draft_replicas == 3 and out.server.grpc_port == 9001
-    assert out.placement.tensor_parallel_size == cfg.placement.tensor_parallel_size  # None: not given
+    assert out.models.draft.dtype == "float32" and out.models.target.dtype == "bfloat16"
+    assert out.placement.tensor_parallel_size == base.placement.tensor_parallel_size  # None: not given
     with pytest.raises(ConfigError, match="server.http_port: must differ from grpc_port"):
-        apply_overrides(cfg, {"grpc_port": 8000})
+        app_config({"config": str(path), "grpc_port": 8000}, never_called)

@@ -4,22 +4,11 @@ whatever the drafter, depth, width, batch composition or adaptive-K decision."""
 import pytest
 import torch
 
+from specdec import CachedLM, ModelDrafter, SamplingParams, SpecConfig, SpeculativeEngine
 from specdec.adaptive import Costs
-from specdec import CachedLM, MergedDrafter, ModelDrafter, NgramDrafter, SamplingParams, SpecConfig, SpeculativeEngine
+from specdec.drafters import make_drafter
 
 from conftest import NEW_TOKENS, hf_greedy
-
-
-def make_drafter(kind: str, draft_model, width: int):
-    if kind == "none":
-        return None
-    if kind == "model":
-        return ModelDrafter(CachedLM(draft_model), width)
-    if kind == "ngram":
-        return NgramDrafter()
-    if kind == "merged":
-        return MergedDrafter(ModelDrafter(CachedLM(draft_model), width), NgramDrafter())
-    raise ValueError(kind)
 
 
 CONFIGS = [
@@ -36,12 +25,12 @@ CONFIGS = [
     ("ngram", 1, 1),
     ("ngram", 3, 1),
     ("ngram", 6, 1),
-    ("merged", 3, 1),
-    ("merged", 4, 2),
+    ("model+ngram", 3, 1),
+    ("model+ngram", 4, 2),
     ("model", None, 1),  # adaptive K
     ("model", None, 2),
     ("ngram", None, 1),
-    ("merged", None, 2),
+    ("model+ngram", None, 2),
     ("model", 0, 1),  # K = 0: plain decoding through the speculative loop
 ]
 
@@ -66,13 +55,13 @@ def test_batched_greedy_matches_plain(target, draft, reference, cfg):
     """All prompts (lengths 1..40) in one ragged batch; each row equals its own plain decode."""
     kind, depth, width = cfg
     engine = SpeculativeEngine(
-        CachedLM(target), make_drafter(kind, draft, width), SpecConfig(depth=depth, width=width, max_depth=6),
+        CachedLM(target), make_drafter(kind, CachedLM(draft), width), SpecConfig(depth=depth, width=width, max_depth=6),
         eos_token_ids=set(),
     )
     if depth is None:
         # adaptive K from preset costs under which drafting pays (a timing-dependent calibration on a busy
         # machine could decide never to draft); live timings still steer later steps
-        engine.costs = Costs.linear(draft=1e-4, base=1e-2, per_token=1e-5)
+        engine.planner.costs = Costs.linear(draft=1e-4, base=1e-2, per_token=1e-5)
     outs = engine.generate(reference.prompts, NEW_TOKENS)
     assert len(outs) == len(reference.prompts)
     for i, (out, ref) in enumerate(zip(outs, reference.continuations)):
@@ -97,11 +86,12 @@ def test_batched_greedy_matches_plain(target, draft, reference, cfg):
         assert 0 < sum(alphas) / len(alphas) < 1
 
 
-@pytest.mark.parametrize("cfg", [("model", 4, 1), ("model", 3, 2), ("merged", 3, 2), ("ngram", 4, 1)], ids=_ids)
+@pytest.mark.parametrize("cfg", [("model", 4, 1), ("model", 3, 2), ("model+ngram", 3, 2), ("ngram", 4, 1)], ids=_ids)
 def test_single_prompt_greedy_matches_plain(target, draft, reference, cfg):
     kind, depth, width = cfg
     engine = SpeculativeEngine(
-        CachedLM(target), make_drafter(kind, draft, width), SpecConfig(depth=depth, width=width), eos_token_ids=set()
+        CachedLM(target), make_drafter(kind, CachedLM(draft), width), SpecConfig(depth=depth, width=width),
+        eos_token_ids=set(),
     )
     accepted = 0
     for prompt, ref in list(zip(reference.prompts, reference.continuations))[:8]:
@@ -111,12 +101,13 @@ def test_single_prompt_greedy_matches_plain(target, draft, reference, cfg):
     assert accepted > 0
 
 
-@pytest.mark.parametrize("kind", ["model", "merged"])
+@pytest.mark.parametrize("kind", ["model", "model+ngram"])
 def test_adaptive_with_measured_costs_matches_plain(target, draft, reference, kind):
     """Adaptive K with its own calibration (whatever it measures on this machine): still exact."""
-    engine = SpeculativeEngine(CachedLM(target), make_drafter(kind, draft, 2), SpecConfig(depth=None, width=2, max_depth=5))
+    engine = SpeculativeEngine(CachedLM(target), make_drafter(kind, CachedLM(draft), 2),
+                               SpecConfig(depth=None, width=2, max_depth=5))
     outs = engine.generate(reference.prompts, NEW_TOKENS)
-    assert engine.costs is not None and engine.costs.verify(1) > 0
+    assert engine.planner.costs is not None and engine.planner.costs.verify(1) > 0
     assert [o.token_ids for o in outs] == reference.continuations
 
 
@@ -152,7 +143,7 @@ def test_greedy_rows_unaffected_by_sampling_rows_in_the_batch(target, draft, ref
             assert out.token_ids == ref, i
 
 
-@pytest.mark.parametrize("kind", ["model", "merged", "none"])
+@pytest.mark.parametrize("kind", ["model", "model+ngram", "none"])
 def test_eos_stops_at_first_eos(target, draft, reference, kind):
     """With an eos id, each row is the plain decode cut just after its first eos (finish_reason 'stop');
     tokens drafted past the eos are never emitted."""
@@ -163,7 +154,7 @@ def test_eos_stops_at_first_eos(target, draft, reference, kind):
             counts[tok] = counts.get(tok, 0) + 1
     eos = max(counts, key=counts.get)
     engine = SpeculativeEngine(
-        CachedLM(target), make_drafter(kind, draft, 1), SpecConfig(depth=4), eos_token_ids={eos}
+        CachedLM(target), make_drafter(kind, CachedLM(draft), 1), SpecConfig(depth=4), eos_token_ids={eos}
     )
     outs = engine.generate(reference.prompts, NEW_TOKENS)
     stopped = 0
@@ -214,11 +205,8 @@ def test_greedy_matches_fresh_prompts(target, draft, seed, width):
             prompts.append(p)
             refs.append(tokens)
     assert len(prompts) >= 5
-    engine = SpeculativeEngine(
-        CachedLM(target),
-        MergedDrafter(ModelDrafter(CachedLM(draft), width), NgramDrafter()),
-        SpecConfig(depth=7, width=width),
-    )
+    engine = SpeculativeEngine(CachedLM(target), make_drafter("model+ngram", CachedLM(draft), width),
+                               SpecConfig(depth=7, width=width))
     outs = engine.generate(prompts, 32)
     assert [o.token_ids for o in outs] == refs
     assert sum(o.stats.accepted for o in outs) > 0
@@ -248,9 +236,7 @@ def test_greedy_with_eager_attention(model_dirs, reference):
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
     tgt, drf = eager(model_dirs.target), eager(model_dirs.draft)
-    engine = SpeculativeEngine(
-        CachedLM(tgt), MergedDrafter(ModelDrafter(CachedLM(drf), 2), NgramDrafter()), SpecConfig(depth=3, width=2)
-    )
+    engine = SpeculativeEngine(CachedLM(tgt), make_drafter("model+ngram", CachedLM(drf), 2), SpecConfig(depth=3, width=2))
     assert engine.target.eager
     outs = engine.generate(reference.prompts, NEW_TOKENS)
     assert [o.token_ids for o in outs] == reference.continuations

@@ -6,12 +6,12 @@ from concurrent import futures
 import grpc
 import pytest
 
-from cluster.draft_loop import run_request
-from cluster.target_service import TargetService
+from actors.draft_loop import GrpcTarget, run_request
+from actors.target_service import TargetService
 from conftest import NEW_TOKENS
 from protos import specdec_tree_pb2 as tree_pb
 from protos import specdec_tree_pb2_grpc as tree_grpc
-from specdec.drafters import MergedDrafter, ModelDrafter, NgramDrafter
+from specdec.drafters import make_drafter
 from specdec.kvcache import CachedLM
 from specdec.sampling import SamplingParams
 from specdec.target import TargetWorker
@@ -33,15 +33,13 @@ def served(target):
     service.stop()
 
 
-@pytest.mark.parametrize("kind", ["model", "model+ngram", "none"])
-def test_concurrent_requests_over_grpc_equal_plain_decoding(served, draft, reference, kind):
+@pytest.mark.parametrize("kind, width", [("model", 1), ("model+ngram", 2), ("none", 1)])
+def test_concurrent_requests_over_grpc_equal_plain_decoding(served, draft, reference, kind, width):
     service, stub = served
-    make = {"model": lambda: ModelDrafter(CachedLM(draft), 1),
-            "model+ngram": lambda: MergedDrafter(ModelDrafter(CachedLM(draft), 2), NgramDrafter()),
-            "none": lambda: None}[kind]
     prompts = reference.prompts[:6]
     with futures.ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-        runs = [pool.submit(run_request, stub, make(), f"req-{i}", p, GREEDY, NEW_TOKENS, set(), 3)
+        runs = [pool.submit(run_request, GrpcTarget(stub), make_drafter(kind, CachedLM(draft), width), f"req-{i}", p,
+                            GREEDY, NEW_TOKENS, set(), 3)
                 for i, p in enumerate(prompts)]
         outs = [r.result(timeout=120) for r in runs]
     assert [o.token_ids for o in outs] == reference.continuations[:6]

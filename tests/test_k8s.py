@@ -20,7 +20,8 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)  # Ray's own pydantic-v1-style Field(...) calls
     from ray.serve.schema import ServeDeploySchema
 
-from cluster.config import RoutingReloader, parse_config
+from cluster.config import parse_config, parse_live_config
+from cluster.serve_app import SpecDecodeIngress
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
@@ -178,12 +179,12 @@ def test_ports_agree(profile):
 def test_operator_config_in_configmap_is_valid(profile):
     config = operator_config(profile)
     assert config.models.target.path.startswith("/models/") and config.models.draft.path.startswith("/models/")
-    assert config.routing.task_types
 
 
 @pytest.mark.parametrize("profile", PROFILES)
 def test_configmap_mounted_as_directory_in_every_pod(profile):
-    """A subPath mount never sees ConfigMap updates, so routing could not change live."""
+    """The operator YAML is where serveConfigV2's args say, in every pod (a directory mount: a
+    subPath mount would never see the ConfigMap's updates)."""
     service = rayservice(profile)
     config_path = serve_app(service)[1]["args"]["config"]
     configmaps = {configmap["metadata"]["name"] for configmap in rendered(profile, "ConfigMap")}
@@ -197,36 +198,18 @@ def test_configmap_mounted_as_directory_in_every_pod(profile):
         assert volumes[mounts[0]["name"]] in configmaps, group["groupName"]
 
 
-def kubelet_update(mount: Path, name: str, text: str, stamp: str) -> None:
-    """A ConfigMap volume update as the kubelet makes it: the files go to a new timestamped folder,
-    `..data` is swapped to it atomically and the old folder is deleted; `name` links to ..data/name."""
-    data, new = mount / "..data", mount / f"..{stamp}"
-    old = data.resolve() if data.is_symlink() else None
-    new.mkdir()
-    (new / name).write_text(text)
-    (mount / "..data_tmp").symlink_to(new.name)
-    (mount / "..data_tmp").rename(data)
-    if old:
-        shutil.rmtree(old)
-    if not (mount / name).is_symlink():
-        (mount / name).symlink_to(f"..data/{name}")
-
-
-def test_routing_changes_live_through_a_configmap_update(tmp_path):
-    """The path the app watches must survive the kubelet's swap: not the resolved, deleted folder."""
-    _, app = serve_app(rayservice("base"))
-    name = posixpath.basename(app["args"]["config"])
-    (configmap,) = rendered("base", "ConfigMap")
-    kubelet_update(tmp_path, name, configmap["data"][name], "1")
-    application = resolve(app["import_path"], ":")({**app["args"], "config": str(tmp_path / name)})
-    watched = application._bound_deployment.init_args[1]  # the ingress's config_path
-    applied = []
-    reloader = RoutingReloader(watched, applied.append)
-    changed = yaml.safe_load(configmap["data"][name])
-    changed["routing"]["default"]["max_k"] = 3
-    kubelet_update(tmp_path, name, yaml.safe_dump(changed), "2")
-    assert reloader.check(), f"routing not reloaded from {watched}"
-    assert applied[0].default.max_k == 3
+@pytest.mark.parametrize("profile", PROFILES)
+def test_routing_is_the_ingress_user_config(profile):
+    """Routing lives in one place, serveConfigV2's user_config for the ingress deployment (applied in
+    place, live); it is a valid live config and the ConfigMap's YAML does not repeat it."""
+    _, app = serve_app(rayservice(profile))
+    (deployment,) = app["deployments"]
+    assert deployment["name"] == SpecDecodeIngress.name
+    routing = parse_live_config(deployment["user_config"], source=f"{profile}: serveConfigV2")
+    assert set(routing.task_types) == {"code", "prose"}
+    (configmap,) = rendered(profile, "ConfigMap")
+    (text,) = configmap["data"].values()
+    assert "routing" not in yaml.safe_load(text)
 
 
 def gpus_per_pod(group: dict) -> int:

@@ -9,6 +9,9 @@ import ray
 from cluster.config import parse_config
 from cluster.placement import start_topology
 from conftest import NEW_TOKENS
+from specdec.sampling import SamplingParams
+
+GREEDY = SamplingParams()
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +41,7 @@ def test_every_actor_gets_its_own_gpu_and_requests_equal_plain_decoding(cluster,
 
         prompts = reference.prompts[:6]
         runs = [topo.drafts[i % len(topo.drafts)].generate.options(num_returns="streaming")
-                .remote(f"r{i}", p, {}, NEW_TOKENS, depth=3) for i, p in enumerate(prompts)]
+                .remote(f"r{i}", p, GREEDY, NEW_TOKENS, depth=3) for i, p in enumerate(prompts)]
         outs = [collect(run) for run in runs]
         assert [o["token_ids"] for o in outs] == reference.continuations[:6]
         assert sum(o["stats"]["accepted"] for o in outs) > 0
@@ -56,10 +59,10 @@ def test_tensor_parallel_target_equals_plain_decoding(cluster, model_dirs, targe
     try:
         prompts = reference.prompts[:4]
         if replicas:
-            runs = [topo.drafts[0].generate.options(num_returns="streaming").remote(f"r{i}", p, {}, NEW_TOKENS, depth=3)
+            runs = [topo.drafts[0].generate.options(num_returns="streaming").remote(f"r{i}", p, GREEDY, NEW_TOKENS, depth=3)
                     for i, p in enumerate(prompts)]
         else:
-            runs = [topo.target.decode.options(num_returns="streaming").remote(f"r{i}", p, {}, NEW_TOKENS, [])
+            runs = [topo.target.decode.options(num_returns="streaming").remote(f"r{i}", p, GREEDY, NEW_TOKENS, [])
                     for i, p in enumerate(prompts)]
         outs = [collect(run) for run in runs]
         assert [o["token_ids"] for o in outs] == reference.continuations[:4]

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import specdec.target
-from specdec import CachedLM, MergedDrafter, ModelDrafter, NgramDrafter, SamplingParams, SpecConfig, SpeculativeEngine
+from specdec import CachedLM, ModelDrafter, SamplingParams, SpecConfig, SpeculativeEngine
 from specdec.acceptance import Verdict, accept_sampling
 from specdec.adaptive import Costs
+from specdec.drafters import make_drafter
 from specdec.sampling import make_generator, warp
 from specdec.tree import TokenTree
 
@@ -87,7 +88,7 @@ def sample_engine(target, drafter, depth, width, params, m=M, seed_prompt=PROMPT
     if depth is None:
         # adaptive K: start from costs that make drafting pay (instead of a timing-dependent calibration),
         # so the first step drafts; later plans follow live timings, which must not matter for the output
-        engine.costs = Costs.linear(draft=1e-4, base=1e-2, per_token=1e-5)
+        engine.planner.costs = Costs.linear(draft=1e-4, base=1e-2, per_token=1e-5)
     outs = engine.generate([seed_prompt] * m, N_TOKENS, params=params, streams=list(range(m)))
     assert all(len(o.token_ids) == N_TOKENS for o in outs)
     return Counter(tuple(o.token_ids) for o in outs), outs
@@ -119,20 +120,20 @@ def exact_warped(small_target):
     return exact_joint(small_target, PROMPT, N_TOKENS, PARAMS_WARPED)
 
 
-def drafter_for(kind, small_draft):
-    if kind == "chain":
-        return ModelDrafter(CachedLM(small_draft), 1), 2, 1
-    if kind == "tree":
-        return ModelDrafter(CachedLM(small_draft), 2), 2, 2
-    if kind == "merged":
-        return MergedDrafter(ModelDrafter(CachedLM(small_draft), 2), NgramDrafter()), 2, 2
-    if kind == "ngram":
-        return NgramDrafter(), 2, 1
-    if kind == "none":
-        return None, 2, 1
-    if kind == "auto":  # adaptive K: per-row depths and n-gram lengths vary from step to step
-        return MergedDrafter(ModelDrafter(CachedLM(small_draft), 2), NgramDrafter()), None, 2
-    raise ValueError(kind)
+SHAPES = {  # test case -> (drafter kind, depth, width)
+    "chain": ("model", 2, 1),
+    "tree": ("model", 2, 2),
+    "merged": ("model+ngram", 2, 2),
+    "ngram": ("ngram", 2, 1),
+    "none": ("none", 2, 1),
+    "auto": ("model+ngram", None, 2),  # adaptive K: per-row depths and n-gram lengths vary from step to step
+}
+
+
+def drafter_for(case, small_draft):
+    """-> (drafter, depth, width) of a test case."""
+    kind, depth, width = SHAPES[case]
+    return make_drafter(kind, CachedLM(small_draft), width), depth, width
 
 
 # ------------------------------------------------------------------ the draft really differs

@@ -3,18 +3,16 @@ different samples; a request's sample does not depend on the other requests of i
 
 import pytest
 
-from specdec import CachedLM, MergedDrafter, ModelDrafter, NgramDrafter, SamplingParams, SpecConfig, SpeculativeEngine
+from specdec import CachedLM, SamplingParams, SpecConfig, SpeculativeEngine
+from specdec.drafters import make_drafter
 
 PROMPTS = [[1, 2, 3, 4, 5], [9, 9, 8, 9, 9, 8, 9], [30], [12, 40, 41, 12, 40, 41, 12, 40, 41, 63, 2]]
 NEW = 16
 
 
 def engine(target, draft, width=2, depth=3):
-    return SpeculativeEngine(
-        CachedLM(target),
-        MergedDrafter(ModelDrafter(CachedLM(draft), width), NgramDrafter()),
-        SpecConfig(depth=depth, width=width),
-    )
+    return SpeculativeEngine(CachedLM(target), make_drafter("model+ngram", CachedLM(draft), width),
+                             SpecConfig(depth=depth, width=width))
 
 
 def tokens(outs):

@@ -17,10 +17,11 @@ import ray
 import torch
 import yaml
 from ray import serve
+from ray.serve.schema import ServeDeploySchema
 from transformers import LlamaForCausalLM
 
 from cluster.placement import NAMESPACE
-from cluster.serve_app import GRPC_SERVICER, build_app
+from cluster.serve_app import GRPC_SERVICER
 from conftest import VOCAB, _llama_config, free_port, hf_greedy, served_target
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
@@ -36,6 +37,15 @@ class Server:
     config_path: object
     config: dict
     tokenizer: object
+
+    def deploy(self, user_config: dict | None = None) -> None:
+        """Deploy (or update in place) as KubeRay does: a Serve config naming build_app by import path,
+        optionally overriding the ingress's user_config (the live routing)."""
+        app = {"name": "specdec", "route_prefix": "/", "import_path": "cluster.serve_app:build_app",
+               "args": {"config": str(self.config_path)}}
+        if user_config is not None:
+            app["deployments"] = [{"name": "SpecDecodeIngress", "user_config": user_config}]
+        serve.context._get_global_client().deploy_apps(ServeDeploySchema(applications=[app]), _blocking=True)
 
 
 
@@ -60,11 +70,12 @@ def server(model_dirs, tmp_path_factory):
     server = config["server"]
     serve.start(http_options={"host": "127.0.0.1", "port": server["http_port"]},
                 grpc_options={"port": server["grpc_port"], "grpc_servicer_functions": [GRPC_SERVICER]})
-    serve.run(build_app({"config": str(path)}), name="specdec", route_prefix="/")
     channel = grpc.insecure_channel(f"127.0.0.1:{server['grpc_port']}")
     from specdec.loading import load_tokenizer
-    yield Server(api_grpc.SpecDecodeStub(channel), f"http://127.0.0.1:{server['http_port']}", path, config,
-                 load_tokenizer(str(target_dir)))
+    served = Server(api_grpc.SpecDecodeStub(channel), f"http://127.0.0.1:{server['http_port']}", path, config,
+                    load_tokenizer(str(target_dir)))
+    served.deploy()
+    yield served
     channel.close()
     serve.shutdown()
     ray.shutdown()
@@ -74,9 +85,10 @@ def expected(server: Server, target, prompt: str, n: int) -> list[int]:
     return hf_greedy(target, server.tokenizer(prompt)["input_ids"], n)[0]
 
 
-def http(server: Server, path: str, body: dict | None = None) -> tuple[int, dict | str]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(server.http + path, data=data, headers={"Content-Type": "application/json"})
+def http(server: Server, path: str, body: dict | bytes | None = None,
+         content_type: str = "application/json") -> tuple[int, dict | str]:
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    req = urllib.request.Request(server.http + path, data=data, headers={"Content-Type": content_type})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             text = r.read().decode()
@@ -113,6 +125,7 @@ INVALID = [
     ({"prompt": " ".join(["w1"] * 65)}, "prompt"),  # over max_prompt_tokens
     ({"prompt": " ".join(["w1"] * 60), "max_new_tokens": 200}, "prompt"),  # past the model's 256 positions
     ({"temperature": -0.5}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -1}, "top_k"),
@@ -150,6 +163,12 @@ def test_http_completions_match_grpc(server, target):
     for bad in ({"prompt": prompt, "n": 2}, {"prompt": prompt, "stop": ["x"]}, {"max_tokens": 3}):
         status, reply = http(server, "/v1/completions", bad)
         assert status == 400 and reply["error"]["param"] in ("n", "stop", "prompt")
+    # curl -d sends a form content type: the body is read as JSON whatever the type says
+    body = json.dumps({"prompt": prompt, "max_tokens": 16, "temperature": 0}).encode()
+    status, reply = http(server, "/v1/completions", body, content_type="application/x-www-form-urlencoded")
+    assert status == 200 and reply["choices"][0]["token_ids"] == want
+    status, reply = http(server, "/v1/completions", b'{"prompt": "w1",', content_type="text/plain")
+    assert status == 400 and reply["error"]["message"] == "body: is not valid JSON"
     assert http(server, "/healthz") == (200, {"status": "ok"})
     status, stats = http(server, "/v1/stats")
     assert status == 200 and "task_types" in stats
@@ -178,25 +197,38 @@ def test_router_keeps_echo_on_turns_noise_off_and_probes_it(server):
     assert stats.samples == min_samples + stats.requests["probe"]  # probes keep alpha updating
 
 
-def test_routing_change_in_the_yaml_applies_live(server):
-    """echo runs at alpha = 1, so its K is max_k: lowering max_k in the file lowers K without a restart."""
+def test_routing_change_through_user_config_applies_in_place(server):
+    """echo runs at alpha = 1, so its K is max_k. An updated Serve config whose user_config lowers
+    max_k lowers K in place: the same ingress replica and the same actors keep serving (Serve calls
+    reconfigure). An update with an invalid routing, or one touching another section, is refused
+    whole and the running routing stays."""
     server.stub.Generate(api.GenerateRequest(prompt="w3", task_type="echo", max_new_tokens=4), timeout=60)
     assert task_stats(server, "echo").k == THRESHOLDS["max_k"]
-    config = json.loads(json.dumps(server.config))
-    config["routing"]["task_types"]["echo"]["max_k"] = 2
+    before = _actor_ids()
+    routing = json.loads(json.dumps(server.config["routing"]))
     try:
-        server.config_path.write_text("routing: [broken")  # a broken file is refused; the running config stays
-        time.sleep(2.5)
+        routing["task_types"]["echo"]["max_k"] = 0  # invalid: refused
+        server.deploy({"routing": routing})
+        routing["task_types"]["echo"]["max_k"] = 2
+        server.deploy({"routing": routing, "server": {"max_new_tokens": 5}})  # not live: refused whole
+        time.sleep(1)
         assert task_stats(server, "echo").k == THRESHOLDS["max_k"]
-        server.config_path.write_text(yaml.safe_dump(config))
+        server.deploy({"routing": routing})
         deadline = time.monotonic() + 15
         while task_stats(server, "echo").k != 2:
             assert time.monotonic() < deadline, "the routing change was not applied"
             time.sleep(0.25)
         reply = server.stub.Generate(api.GenerateRequest(prompt="w3", task_type="echo", max_new_tokens=12), timeout=60)
         assert reply.stats.drafted == 2 * reply.stats.steps  # requests now draft K = 2 per step
+        assert _actor_ids() == before  # nothing was restarted
     finally:
-        server.config_path.write_text(yaml.safe_dump(server.config))
+        server.deploy({"routing": server.config["routing"]})
+
+
+def _actor_ids() -> set[str]:
+    """The draft replicas' names, which carry their topology's tag: an ingress that restarted would
+    have built a new topology under a new tag."""
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE}
 
 
 def test_full_queue_is_refused_with_resource_exhausted(server):
@@ -260,7 +292,7 @@ def _replicas():
 
 
 def test_specdec_client_command(server, target, capsys):
-    from specdec.cli import main
+    from cluster.commands import main
 
     address = f"127.0.0.1:{server.config['server']['grpc_port']}"
     main(["client", "--address", address, "--prompt", PROMPTS[0], "--max-new-tokens", "6", "--json"])

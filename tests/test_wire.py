@@ -1,4 +1,4 @@
-"""Protobuf messages <-> engine data (cluster/wire.py), and the generated stubs."""
+"""Protobuf messages <-> engine data (actors/wire.py), and the generated stubs."""
 
 import subprocess
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster import wire
+from actors import wire
 from protos import specdec_api_pb2 as api
 from protos import specdec_tree_pb2 as tree_pb
 from specdec.drafters import MergedDrafter, ModelDrafter, NgramDrafter, Plan

@@ -4,6 +4,7 @@ One thread owns the worker. Verify calls that arrive while it runs a forward (or
 `batch_window_s` of the first) are merged into one forward, so the trees of concurrent requests are
 verified together."""
 
+import contextlib
 import queue
 import threading
 import time
@@ -14,7 +15,11 @@ import grpc
 
 from protos import specdec_tree_pb2 as tree_pb
 from protos import specdec_tree_pb2_grpc as tree_grpc
+from specdec.acceptance import Verdict
+from specdec.errors import RequestExists, UnknownRequest
+from specdec.sampling import SamplingParams
 from specdec.target import TargetWorker
+from specdec.tree import TokenTree
 
 from . import wire
 
@@ -29,6 +34,9 @@ class _Op:
 
 
 class TargetService(tree_grpc.TargetServiceServicer):
+    """Open/Verify/Close over gRPC, and the same three in-process as open/verify/close (the target
+    rank decodes its plain requests through those, so both run one code path)."""
+
     def __init__(self, worker: TargetWorker, batch_window_s: float = 0.0,
                  on_forward: Callable[[float], None] = lambda seconds: None):
         self.worker, self.window, self.on_forward = worker, batch_window_s, on_forward
@@ -39,44 +47,51 @@ class TargetService(tree_grpc.TargetServiceServicer):
         self._thread = threading.Thread(target=self._serve, name="target-worker", daemon=True)
         self._thread.start()
 
+    # --- in-process: errors are the core's typed errors ---------------------------------------------
+
+    def open(self, request_id: str, prompt: list[int], params: SamplingParams, stream: int = 0) -> None:
+        self._submit(_Op(lambda: self.worker.add([(request_id, list(prompt), params, stream)])))
+
+    def verify(self, request_id: str, tree: TokenTree) -> Verdict:
+        return self.verify_many({request_id: tree})[request_id]
+
+    def verify_many(self, trees: dict[str, TokenTree]) -> dict[str, Verdict]:
+        return self._submit(_Op(run=None, trees=trees))
+
+    def close(self, request_id: str) -> None:
+        self._submit(_Op(lambda: self.worker.remove([request_id] if request_id in self.worker.requests else [])))
+
+    # --- gRPC: specdec.v1.TargetService ---------------------------------------------------------------
+
     def Open(self, request, context):
-        try:
-            params = wire.sampling_from_proto(request.params)
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"params: {e}")
-        self._submit(_Op(lambda: self.worker.add([(request.request_id, list(request.prompt), params, request.stream)])),
-                     context)
+        with _status(context):
+            self.open(request.request_id, list(request.prompt), wire.sampling_from_proto(request.params),
+                      request.stream)
         return tree_pb.OpenResponse()
 
     def Verify(self, request, context):
-        try:
+        with _status(context):
             trees = dict(wire.tree_from_proto(t) for t in request.trees)
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if len(trees) != len(request.trees):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a request id appears twice in one VerifyRequest")
-        verdicts = self._submit(_Op(run=None, trees=trees), context)
+            if len(trees) != len(request.trees):
+                raise ValueError("a request id appears twice in one VerifyRequest")
+            verdicts = self.verify_many(trees)
         return tree_pb.VerifyResponse(results=[wire.verdict_to_proto(rid, verdicts[rid]) for rid in trees])
 
     def Close(self, request, context):
-        self._submit(_Op(lambda: self.worker.remove([r for r in request.request_ids if r in self.worker.requests])),
-                     context)
+        with _status(context):
+            for rid in request.request_ids:
+                self.close(rid)
         return tree_pb.CloseResponse()
 
     def stop(self) -> None:
         self.ops.put(None)
         self._thread.join()
 
-    def _submit(self, op: _Op, context):
+    def _submit(self, op: _Op):
         self.ops.put(op)
         op.done.wait()
-        if isinstance(op.error, KeyError):
-            context.abort(grpc.StatusCode.NOT_FOUND, op.error.args[0])
-        if isinstance(op.error, ValueError):
-            code = grpc.StatusCode.ALREADY_EXISTS if "already" in str(op.error) else grpc.StatusCode.INVALID_ARGUMENT
-            context.abort(code, str(op.error))
         if op.error is not None:
-            context.abort(grpc.StatusCode.INTERNAL, repr(op.error))
+            raise op.error
         return op.result
 
     def _serve(self) -> None:
@@ -146,36 +161,15 @@ class TargetService(tree_grpc.TargetServiceServicer):
         op.done.set()
 
 
-class LocalStub:
-    """A TargetService called in-process through the TargetServiceStub's interface, so the same
-    request loop runs on the target's own node (plain decoding) as on a draft replica."""
-
-    def __init__(self, service: TargetService):
-        self.service = service
-
-    def Open(self, request):
-        return self.service.Open(request, _LocalContext())
-
-    def Verify(self, request):
-        return self.service.Verify(request, _LocalContext())
-
-    def Close(self, request):
-        return self.service.Close(request, _LocalContext())
+_CODES = [(UnknownRequest, grpc.StatusCode.NOT_FOUND), (RequestExists, grpc.StatusCode.ALREADY_EXISTS),
+          (ValueError, grpc.StatusCode.INVALID_ARGUMENT)]  # by type, most specific first
 
 
-class LocalRpcError(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(f"{code.name}: {details}")
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-
-class _LocalContext:
-    @staticmethod
-    def abort(code: grpc.StatusCode, details: str):
-        raise LocalRpcError(code, details)
+@contextlib.contextmanager
+def _status(context):
+    """The core's typed errors as gRPC status codes; anything else is INTERNAL."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - every error reaches the caller as a status
+        code = next((code for kind, code in _CODES if isinstance(e, kind)), grpc.StatusCode.INTERNAL)
+        context.abort(code, str(e) if code != grpc.StatusCode.INTERNAL else repr(e))

@@ -1,0 +1,49 @@
+"""Per-actor Prometheus metrics through Ray's metrics API (ray.util.metrics, what ray.serve.metrics
+builds on): draft and verify step latency per replica. Each process records its own; every node's
+metrics agent exports them, as ray_<name> (and counters with a _total suffix): docs/metrics.md lists
+them. A Ray metric belongs to the process that makes it, so each one is made on first use, in the
+process that uses it (LazyMetric)."""
+
+import functools
+
+from ray.util.metrics import Histogram
+
+SECONDS_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
+
+
+class LazyMetric:
+    """A Ray metric, made when first called for in a process: metric() -> the Counter, Gauge or Histogram."""
+
+    def __init__(self, kind, name: str, description: str, tags: tuple[str, ...] = (), **kwargs):
+        self.make = functools.partial(kind, f"specdec_{name}", description, tag_keys=tags, **kwargs)
+        self.metric = None
+
+    def __call__(self):
+        if self.metric is None:
+            self.metric = self.make()
+        return self.metric
+
+
+def seconds_histogram(name: str, description: str, tags: tuple[str, ...]) -> LazyMetric:
+    return LazyMetric(Histogram, name, description, tags, boundaries=SECONDS_BUCKETS)
+
+
+draft_step = seconds_histogram("draft_step_seconds", "Drafting one step's tree", ("replica",))
+verify_step = seconds_histogram("verify_step_seconds", "Verifying one step: the round trip from a draft replica, "
+                                "the forward on the target", ("replica",))
+
+
+class StepTimer:
+    """A draft replica's per-step times, as run_steps reports them: (draft seconds, verify round trip)."""
+
+    def __init__(self, replica: str):
+        self.tags = {"replica": replica}
+
+    def __call__(self, draft_s: float, verify_s: float) -> None:
+        draft_step().observe(draft_s, self.tags)
+        verify_step().observe(verify_s, self.tags)
+
+
+def observe_forward(seconds: float) -> None:
+    """One verify forward on the target (rank 0)."""
+    verify_step().observe(seconds, {"replica": "target"})

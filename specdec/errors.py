@@ -1,0 +1,23 @@
+"""Typed errors of the core, so the layers above map them to status codes by type, not by message."""
+
+
+class InvalidArgument(ValueError):
+    """A bad value of a named field (gRPC INVALID_ARGUMENT, HTTP 400); `field` names it."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field}: {reason}")
+        self.field, self.reason = field, reason
+
+    def __reduce__(self):  # crosses process boundaries (Ray) intact
+        return type(self), (self.field, self.reason)
+
+
+class RequestExists(ValueError):
+    """A request id that is already in the target's batch (gRPC ALREADY_EXISTS)."""
+
+
+class UnknownRequest(KeyError):
+    """A request id that is not in the target's batch (gRPC NOT_FOUND)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
