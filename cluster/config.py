@@ -96,6 +96,10 @@ class ServerConfig(_Section):
     max_prompt_tokens: int = Field(4096, ge=1)
     max_new_tokens: int = Field(1024, ge=1)
     max_queued_requests: int = Field(256, ge=1)
+    # the target's KV budget: requests it holds at once, and KV tokens (each request counted at its most:
+    # prompt + max_new_tokens + room for a tree); beyond either, requests wait for room in arrival order
+    max_running_requests: int = Field(64, ge=1)
+    max_kv_tokens: int = Field(65536, ge=1)
 
     @field_validator("http_port")
     @classmethod

@@ -200,8 +200,9 @@ class Frontend:
     async def stats(self) -> dict:
         target = await self.topology.target.stats.remote()
         timing = {"forwards": target["forwards"], "forward_s": target["forward_time_s"], **self.timing}
+        held = {key: target[key] for key in ("open_requests", "kv_tokens_reserved", "waiting", "largest_batch")}
         return {"task_types": self.router.stats(), "requests": dict(self.served), "in_flight": self.in_flight,
-                "timing": timing}
+                "timing": timing, "target": held}
 
     def _add_timing(self, stats: dict) -> None:
         self.timing["steps"] += stats["steps"]
