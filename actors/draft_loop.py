@@ -77,7 +77,7 @@ def run_steps(
             if speculate:
                 drafter.commit([verdict.path])
             before = len(out.token_ids)
-            more = emit(out, seq, verdict.tokens, max_new_tokens, eos)
+            more = emit(out, seq, verdict, max_new_tokens, eos)
             yield out.token_ids[before:], out
             if not more:
                 return
