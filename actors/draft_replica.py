@@ -39,11 +39,12 @@ class DraftReplica(RequestStreams):
         return make_drafter(self.drafter, CachedLM(model) if model is not None else None, self.width)
 
     def generate(self, request_id: str, prompt: list[int], params: SamplingParams, max_new_tokens: int,
-                 eos: list[int] = (), depth: int = 4, task_type: str = ""):
+                 eos: list[int] = (), depth: int = 4, task_type: str = "", stream: int = 0):
         """One request, start to end, K = depth: yields each step's tokens, then a summary. Its KV
-        cache on the target is closed when it finishes (or when the caller cancels it)."""
+        cache on the target is closed when it finishes (or when the caller cancels it). `stream`
+        separates the random streams of samples that share a seed."""
         steps = run_steps(self.target, self.drafter_for(task_type), request_id, prompt, params,
-                          max_new_tokens, set(eos), depth, on_step=self.step_timer)
+                          max_new_tokens, set(eos), depth, stream, on_step=self.step_timer)
         yield from self._stream(request_id, steps)
 
     def gpu_ids(self) -> list:

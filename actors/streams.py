@@ -22,7 +22,8 @@ class RequestStreams:
                 self._cancelled.add(request_id)
 
     def _stream(self, request_id: str, steps: Iterator[tuple[list[int], Generation]]) -> Iterator[dict]:
-        """{"tokens", "stats"} per step, then {"tokens": [], "finish_reason", "stats"}."""
+        """{"tokens", "stats"} per step (and "logprobs" of the tokens when the request asked for them),
+        then {"tokens": [], "finish_reason", "stats"}."""
         with self._lock:
             self._running.add(request_id)
         out = None
@@ -31,7 +32,10 @@ class RequestStreams:
                 if request_id in self._cancelled:
                     steps.close()  # closes the request on the target
                     return
-                yield {"tokens": tokens, "stats": out.stats.to_dict()}
+                part = {"tokens": tokens, "stats": out.stats.to_dict()}
+                if out.logprobs:
+                    part["logprobs"] = out.logprobs[len(out.logprobs) - len(tokens):]
+                yield part
             yield {"tokens": [], "finish_reason": out.finish_reason, "stats": out.stats.to_dict()}
         finally:
             with self._lock:

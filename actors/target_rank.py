@@ -67,10 +67,11 @@ class TargetRank(RequestStreams):
     def gpu_ids(self) -> list:
         return ray.get_gpu_ids()
 
-    def decode(self, request_id: str, prompt: list[int], params: SamplingParams, max_new_tokens: int, eos: list[int]):
+    def decode(self, request_id: str, prompt: list[int], params: SamplingParams, max_new_tokens: int, eos: list[int],
+               stream: int = 0):
         """A plain request, decoded here one token per step: yields each step's tokens, then a summary."""
         steps = run_steps(self.service, None, request_id, prompt, params,
-                          max_new_tokens, set(eos))
+                          max_new_tokens, set(eos), stream=stream)
         yield from self._stream(request_id, steps)
 
     def stats(self) -> dict:

@@ -96,6 +96,7 @@ class ServerConfig(_Section):
     max_prompt_tokens: int = Field(4096, ge=1)
     max_new_tokens: int = Field(1024, ge=1)
     max_queued_requests: int = Field(256, ge=1)
+    max_n: int = Field(8, ge=1)  # most samples one request may ask for (OpenAI's n)
 
     @field_validator("http_port")
     @classmethod
