@@ -94,7 +94,8 @@ def serve_main(args) -> None:
     serve.run(build_app(app_args), name="specdec", route_prefix="/")
     print(f"specdec serving {cfg.models.target.path}\n"
           f"  gRPC specdec.v1.SpecDecode  localhost:{server.grpc_port}\n"
-          f"  HTTP /v1/completions        http://localhost:{server.http_port}/v1/completions\n"
+          f"  HTTP, OpenAI's API          http://localhost:{server.http_port}/v1 (models, completions, "
+          f"chat/completions)\n"
           f"  stats: specdec client --stats; stop with Ctrl-C", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -86,7 +86,7 @@ class CompletionBody(_Body):
     """POST /v1/completions."""
 
     prompt: str
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # null: up to server.max_new_tokens and the model's context
     logprobs: int | None = None  # the chosen token's logprob and the `logprobs` likeliest tokens' at each position
     echo: bool = False  # the prompt before the completion's text
 
