@@ -61,13 +61,14 @@ class DraftRequest:
     eos: set[int]
     depth: int  # K: tokens drafted per step (the n-gram guess is as long)
     sink: Sink
+    stream: int = 0  # separates the random streams of samples that share a seed
     seq: list[int] = field(init=False)
     out: Generation = field(default_factory=lambda: Generation([], "length"))
     gen: torch.Generator = field(init=False)
 
     def __post_init__(self):
         self.seq = list(self.prompt)
-        self.gen = make_generator(self.params.seed, 0, role="draft")
+        self.gen = make_generator(self.params.seed, self.stream, role="draft")
 
     def plan(self) -> Plan:
         k = min(self.depth, max(0, self.max_new_tokens - len(self.out.token_ids) - 1))  # past the end is waste
@@ -159,7 +160,7 @@ class DraftLoop:
             v = verdicts[r.rid]
             record_step(r.out.stats, tree, v, times)
             before = len(r.out.token_ids)
-            more = emit(r.out, r.seq, v.tokens, r.max_new_tokens, r.eos)
+            more = emit(r.out, r.seq, v, r.max_new_tokens, r.eos)
             r.sink(r.out.token_ids[before:], r.out, not more, None)
             if not more:
                 done.append(r)

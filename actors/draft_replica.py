@@ -43,15 +43,16 @@ class DraftReplica:
         return ray.get_gpu_ids()
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, max_new_tokens: int,
-                       eos: list[int] = (), depth: int = 4, task_type: str = ""):
+                       eos: list[int] = (), depth: int = 4, task_type: str = "", stream: int = 0):
         """One request, K = depth: opened on the target (it may wait there for room), then stepped with
-        the replica's other requests. Yields each step's tokens; the last item has the finish reason."""
+        the replica's other requests. Yields each step's tokens; the last item has the finish reason.
+        `stream` separates the random streams of samples that share a seed."""
         loop = self.running[request_id] = self._loop_for(task_type)  # from here on it can be cancelled
-        await asyncio.to_thread(self.target.open, request_id, prompt, params, 0, max_new_tokens)
-        stream = StepStream()
-        loop.join(DraftRequest(request_id, prompt, params, max_new_tokens, set(eos), depth, stream))
+        await asyncio.to_thread(self.target.open, request_id, prompt, params, stream, max_new_tokens)
+        steps = StepStream()
+        loop.join(DraftRequest(request_id, prompt, params, max_new_tokens, set(eos), depth, steps, stream))
         try:
-            async for item in stream.items():
+            async for item in steps.items():
                 yield item
         finally:
             self.running.pop(request_id, None)

@@ -6,7 +6,7 @@ process that uses it (LazyMetric)."""
 
 import functools
 
-from ray.util.metrics import Histogram
+from ray.util.metrics import Counter, Histogram
 
 SECONDS_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 
@@ -15,8 +15,19 @@ class LazyMetric:
     """A Ray metric, made when first called for in a process: metric() -> the Counter, Gauge or Histogram."""
 
     def __init__(self, kind, name: str, description: str, tags: tuple[str, ...] = (), **kwargs):
-        self.make = functools.partial(kind, f"specdec_{name}", description, tag_keys=tags, **kwargs)
+        self.kind, self.name, self.tags = kind, f"specdec_{name}", tags
+        self.make = functools.partial(kind, self.name, description, tag_keys=tags, **kwargs)
         self.metric = None
+
+    def exported(self) -> list[str]:
+        """The names the metrics agent exports it under: ray_ first, _total after a counter, a
+        histogram's _bucket, _count and _sum series."""
+        name = f"ray_{self.name}"
+        if self.kind is Counter:
+            return [f"{name}_total"]
+        if self.kind is Histogram:
+            return [f"{name}_bucket", f"{name}_count", f"{name}_sum"]
+        return [name]
 
     def __call__(self):
         if self.metric is None:

@@ -102,12 +102,12 @@ class TargetScheduler:
         self._join(_Join(rid, list(prompt), params, stream, self._cost(prompt, max_new_tokens))).wait()
 
     def decode(self, rid: str, prompt: list[int], params: SamplingParams, max_new_tokens: int, eos: set[int],
-               sink: Sink) -> None:
+               sink: Sink, stream: int = 0) -> None:
         """A plain request, decoded by the loop; `sink` gets every step's tokens, on the loop's thread (it
         must not block). Returns at once: a request refused at the door (RequestExists, an empty prompt,
         over the budget) raises here; one that fails later reaches `sink` with the error."""
         plain = _Plain(max_new_tokens, set(eos), sink, list(prompt))
-        self._join(_Join(rid, list(prompt), params, 0, self._cost(prompt, max_new_tokens), plain=plain))
+        self._join(_Join(rid, list(prompt), params, stream, self._cost(prompt, max_new_tokens), plain=plain))
 
     def verify(self, trees: dict[str, TokenTree]) -> dict[str, Verdict]:
         """Verdicts for these requests' trees, from the next forward; a request closed meanwhile has none."""
@@ -248,7 +248,7 @@ class TargetScheduler:
     def _advance_plain(self, rid: str, plain: _Plain, tree: TokenTree, verdict: Verdict, elapsed: float) -> None:
         record_step(plain.out.stats, tree, verdict, (0.0, elapsed))
         before = len(plain.out.token_ids)
-        more = emit(plain.out, plain.seq, verdict.tokens, plain.max_new_tokens, plain.eos)
+        more = emit(plain.out, plain.seq, verdict, plain.max_new_tokens, plain.eos)
         plain.sink(plain.out.token_ids[before:], plain.out, not more, None)
         if not more:
             self._finish_plain(rid)

@@ -12,15 +12,20 @@ Sink = Callable[[list[int], Generation, bool, Exception | None], None]  # a step
 
 class StepStream:
     """The sink a step loop calls (from its thread) and the items the actor yields: {"tokens",
-    "stats"} per step, the last one with "finish_reason" too."""
+    "stats"} per step ("logprobs" of the tokens too when the request asked for them), the last one
+    with "finish_reason" too."""
 
     def __init__(self):
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
 
     def __call__(self, tokens: list[int], out: Generation, finished: bool, error: Exception | None) -> None:
-        item = (list(tokens), out.stats.to_dict(), out.finish_reason if finished else None, error)
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        part = {"tokens": list(tokens), "stats": out.stats.to_dict()}
+        if out.logprobs and tokens:
+            part["logprobs"] = out.logprobs[len(out.logprobs) - len(tokens):]
+        if finished:
+            part["finish_reason"] = out.finish_reason
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, (part, error))
 
     def cancel(self) -> None:
         """End the stream now (its request was stopped); the loop's later calls are ignored."""
@@ -28,11 +33,9 @@ class StepStream:
 
     async def items(self) -> AsyncIterator[dict]:
         while (item := await self._queue.get()) is not None:
-            tokens, stats, finish_reason, error = item
+            part, error = item
             if error is not None:
                 raise error
-            if finish_reason is None:
-                yield {"tokens": tokens, "stats": stats}
-                continue
-            yield {"tokens": tokens, "stats": stats, "finish_reason": finish_reason}
-            return
+            yield part
+            if "finish_reason" in part:
+                return

@@ -72,13 +72,13 @@ class TargetRank:
         return ray.get_gpu_ids()
 
     async def decode(self, request_id: str, prompt: list[int], params: SamplingParams, max_new_tokens: int,
-                     eos: list[int]):
+                     eos: list[int], stream: int = 0):
         """A plain request, decoded by the scheduler's loop with every other row: yields each step's
-        tokens; the last item has the finish reason."""
-        stream = self.streams[request_id] = StepStream()
+        tokens; the last item has the finish reason. `stream` as in DraftReplica.generate."""
+        steps = self.streams[request_id] = StepStream()
         try:
-            self.scheduler.decode(request_id, prompt, params, max_new_tokens, set(eos), stream)
-            async for item in stream.items():
+            self.scheduler.decode(request_id, prompt, params, max_new_tokens, set(eos), steps, stream)
+            async for item in steps.items():
                 yield item
         finally:
             self.streams.pop(request_id, None)

@@ -7,6 +7,7 @@ import torch
 from protos import specdec_api_pb2 as api
 from protos import specdec_tree_pb2 as tree_pb
 from specdec.acceptance import Verdict
+from specdec.logprobs import TokenLogprob
 from specdec.sampling import SamplingParams
 from specdec.tree import DELTA, TokenTree
 
@@ -51,7 +52,9 @@ def tree_from_proto(msg: tree_pb.CandidateTree) -> tuple[str, TokenTree]:
 
 
 def verdict_to_proto(request_id: str, v: Verdict) -> tree_pb.VerifyResult:
-    return tree_pb.VerifyResult(request_id=request_id, path=v.path, tokens=v.tokens)
+    logprobs = [tree_pb.CommittedLogprob(logprob=e.logprob, top_tokens=[t for t, _ in e.top],
+                                         top_logprobs=[lp for _, lp in e.top]) for e in v.logprobs]
+    return tree_pb.VerifyResult(request_id=request_id, path=v.path, tokens=v.tokens, logprobs=logprobs)
 
 
 def verdict_from_proto(msg: tree_pb.VerifyResult) -> tuple[str, Verdict]:
@@ -59,15 +62,23 @@ def verdict_from_proto(msg: tree_pb.VerifyResult) -> tuple[str, Verdict]:
         raise ValueError(f"verdict of request {msg.request_id!r}: a path starts at the root (0) and commits "
                          f"one token per accepted node plus the target's own (path {list(msg.path)}, "
                          f"{len(msg.tokens)} tokens)")
-    return msg.request_id, Verdict(path=list(msg.path), tokens=list(msg.tokens))
+    if len(msg.logprobs) not in (0, len(msg.tokens)) or any(len(e.top_tokens) != len(e.top_logprobs)
+                                                             for e in msg.logprobs):
+        raise ValueError(f"verdict of request {msg.request_id!r}: logprobs are one per token ({len(msg.logprobs)} "
+                         f"for {len(msg.tokens)} tokens), each with as many top tokens as top logprobs")
+    logprobs = [TokenLogprob(token, e.logprob, list(zip(e.top_tokens, e.top_logprobs)))
+                for token, e in zip(msg.tokens, msg.logprobs)]
+    return msg.request_id, Verdict(path=list(msg.path), tokens=list(msg.tokens), logprobs=logprobs)
 
 
 def sampling_to_proto(p: SamplingParams) -> tree_pb.SamplingParams:
-    return tree_pb.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
+    return tree_pb.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
+                                  logprobs=p.logprobs)
 
 
 def sampling_from_proto(req: api.GenerateRequest | tree_pb.SamplingParams) -> SamplingParams:
-    """ValueError naming the field when temperature, top_k or top_p is out of range."""
+    """ValueError naming the field when temperature, top_k, top_p or logprobs is out of range."""
     return SamplingParams(temperature=req.temperature, top_k=req.top_k,
                           top_p=req.top_p if req.HasField("top_p") else 1.0,
-                          seed=req.seed if req.HasField("seed") else None)
+                          seed=req.seed if req.HasField("seed") else None,
+                          logprobs=req.logprobs if req.HasField("logprobs") else None)

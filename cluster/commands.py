@@ -43,6 +43,11 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--seed", type=int)
     c.add_argument("--speculation", type=Speculation.parse, choices=list(Speculation), default=Speculation.AUTO,
                    metavar="{auto,on,off}")
+    c.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the text where it first contains TEXT (repeat for up to 4)")
+    c.add_argument("-n", "--n", type=int, default=1, help="independent samples of the prompt")
+    c.add_argument("--logprobs", type=int, metavar="K",
+                   help="the target's logprob of each token and of its K likeliest alternatives (with --json)")
     c.add_argument("--stream", action="store_true", help="print tokens as they come")
     c.add_argument("--timeout", type=float, default=300, help="deadline in seconds")
     c.add_argument("--json", action="store_true")
@@ -98,7 +103,8 @@ def serve_main(args) -> None:
     serve.run(build_app(app_args), name="specdec", route_prefix="/")
     print(f"specdec serving {cfg.models.target.path}\n"
           f"  gRPC specdec.v1.SpecDecode  localhost:{server.grpc_port}\n"
-          f"  HTTP /v1/completions        http://localhost:{server.http_port}/v1/completions\n"
+          f"  HTTP, OpenAI's API          http://localhost:{server.http_port}/v1 (models, completions, "
+          f"chat/completions)\n"
           f"  stats: specdec client --stats; stop with Ctrl-C", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -121,26 +127,52 @@ def client_main(args) -> None:
                 raise SystemExit("specdec client: --prompt is required (or --stats)")
             request = generate_request(args)
             if args.stream:
-                for chunk in stub.GenerateStream(request, timeout=args.timeout):
-                    print(chunk.text, end="", flush=True)
-                print()
+                print_stream(stub.GenerateStream(request, timeout=args.timeout), args)
                 return
             reply = stub.Generate(request, timeout=args.timeout)
         except grpc.RpcError as e:
             raise SystemExit(f"specdec client: {e.code().name}: {e.details()}") from None
     if args.json:
-        print(json.dumps({"text": reply.text, "token_ids": list(reply.token_ids),
-                          "finish_reason": reply.finish_reason, "stats": stats_dict(reply.stats)}))
-    else:
-        print(reply.text)
-        print(f"[{reply.finish_reason}; {stats_dict(reply.stats)}]", file=sys.stderr)
+        more = {"more_samples": [sample_dict(s) for s in reply.more_samples]} if reply.more_samples else {}
+        print(json.dumps(sample_dict(reply) | more))
+        return
+    for sample in [reply, *reply.more_samples]:
+        print(f"[{sample.index}] {sample.text}" if reply.more_samples else sample.text)
+        print(f"[{sample.finish_reason}; {stats_dict(sample.stats)}]", file=sys.stderr)
+
+
+def print_stream(chunks, args) -> None:
+    """Text as it comes (each chunk on a line of its own, marked with its sample, when n > 1); with
+    --json, one object per chunk."""
+    for chunk in chunks:
+        if args.json:
+            print(json.dumps({"index": chunk.index, **sample_dict(chunk)}), flush=True)
+        elif args.n > 1:
+            print(f"[{chunk.index}] {chunk.text}", flush=True)
+        else:
+            print(chunk.text, end="", flush=True)
+    if not args.json and args.n == 1:
+        print()
 
 
 def generate_request(args) -> api.GenerateRequest:
     return api.GenerateRequest(
         prompt=args.prompt, task_type=args.task_type, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-        speculation=api.Speculation.Value(args.speculation.proto_name))
+        speculation=api.Speculation.Value(args.speculation.proto_name), stop=args.stop, n=args.n,
+        logprobs=args.logprobs)
+
+
+def sample_dict(r: api.GenerateResponse) -> dict:
+    """A sample (or a stream chunk) as JSON; logprobs only when the request asked for them."""
+    out = {"text": r.text, "token_ids": list(r.token_ids), "finish_reason": r.finish_reason or None,
+           "stats": stats_dict(r.stats) if r.HasField("stats") else None}
+    return out | ({"logprobs": [logprob_dict(e) for e in r.logprobs]} if r.logprobs else {})
+
+
+def logprob_dict(e: api.TokenLogprob) -> dict:
+    out = {"token": e.token, "token_id": e.token_id, "logprob": e.logprob}
+    return out | ({"top": [logprob_dict(t) for t in e.top]} if e.top else {})
 
 
 def stats_dict(stats: api.SpeculationStats) -> dict:

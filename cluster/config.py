@@ -100,6 +100,7 @@ class ServerConfig(_Section):
     # prompt + max_new_tokens + room for a tree); beyond either, requests wait for room in arrival order
     max_running_requests: int = Field(64, ge=1)
     max_kv_tokens: int = Field(65536, ge=1)
+    max_n: int = Field(8, ge=1)  # most samples one request may ask for (OpenAI's n)
 
     @field_validator("http_port")
     @classmethod

@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import ray
 from transformers import AutoConfig, GenerationConfig
@@ -19,10 +19,12 @@ from transformers import AutoConfig, GenerationConfig
 from specdec.acceptance import acceptance_rate
 from specdec.errors import InvalidArgument
 from specdec.loading import eos_ids, load_tokenizer
+from specdec.logprobs import TokenLogprob
 from specdec.sampling import SamplingParams
 
 from . import metrics
 from .config import RoutingConfig, ServeConfig
+from .detokenizer import Detokenizer, check_stop
 from .placement import Topology, start_topology
 from .router import Router, Speculation
 
@@ -41,19 +43,23 @@ class Request:
 
     prompt: str
     task_type: str = ""
-    max_new_tokens: int = 16
+    max_new_tokens: int | None = 16  # None: as many as server.max_new_tokens and the model's context allow
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
     speculation: Speculation = Speculation.AUTO
+    stop: tuple[str, ...] = ()  # generation ends once the text contains one of these (cut from it)
+    n: int = 1  # independent samples of the prompt, each with its own random stream
+    logprobs: int | None = None  # see SamplingParams
+    add_special_tokens: bool = True  # False for a prompt that a chat template rendered with its own
 
 
 @dataclass
 class Admitted:
     """A checked request: its prompt tokens and sampling settings as the actors take them."""
 
-    request: Request
+    request: Request  # with max_new_tokens set
     prompt_ids: list[int]
     params: SamplingParams
     task_type: str  # "" means the default thresholds
@@ -68,6 +74,7 @@ class Chunk:
     text: str
     finish_reason: str | None = None
     stats: dict = field(default_factory=dict)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of token_ids, when the request asked for them
 
 
 class Frontend:
@@ -101,42 +108,53 @@ class Frontend:
         limits = self.cfg.server
         if not req.prompt:
             raise InvalidArgument("prompt", "must not be empty")
-        if not 0 < req.max_new_tokens <= limits.max_new_tokens:
+        if req.max_new_tokens is not None and not 0 < req.max_new_tokens <= limits.max_new_tokens:
             raise InvalidArgument("max_new_tokens", f"must be in 1..{limits.max_new_tokens}, got {req.max_new_tokens}")
-        params = SamplingParams(req.temperature, req.top_k, req.top_p, req.seed)  # InvalidArgument naming the field
+        check_stop(req.stop)
+        if not 1 <= req.n <= limits.max_n:
+            raise InvalidArgument("n", f"must be in 1..{limits.max_n} (server.max_n), got {req.n}")
+        params = SamplingParams(req.temperature, req.top_k, req.top_p, req.seed, req.logprobs)  # InvalidArgument naming the field
         if req.speculation not in Speculation.__members__:
             raise InvalidArgument("speculation", f"must be one of {', '.join(Speculation.__members__)}, "
                                                  f"got {req.speculation!r}")
-        ids = self.tokenizer(req.prompt)["input_ids"]
+        ids = self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
         if not ids:
             raise InvalidArgument("prompt", "encodes to no tokens")
         if len(ids) > limits.max_prompt_tokens:
             raise InvalidArgument("prompt", f"is {len(ids)} tokens, over the limit of {limits.max_prompt_tokens}")
-        if self.context and len(ids) + req.max_new_tokens > self.context:
-            raise InvalidArgument("prompt", f"{len(ids)} prompt tokens + max_new_tokens {req.max_new_tokens} exceed "
+        max_new_tokens = req.max_new_tokens or self._room(len(ids))
+        if self.context and len(ids) + max_new_tokens > self.context:
+            raise InvalidArgument("prompt", f"{len(ids)} prompt tokens + max_new_tokens {max_new_tokens} exceed "
                                            f"the model's context of {self.context} tokens")
-        if self.in_flight >= limits.max_queued_requests:
+        if self.in_flight + req.n > limits.max_queued_requests:
             raise QueueFull(f"{self.in_flight} requests are queued or running (max_queued_requests "
-                            f"{limits.max_queued_requests}); retry later")
-        self.in_flight += 1
-        return Admitted(req, ids, params, req.task_type)
+                            f"{limits.max_queued_requests}, a request of n samples takes n); retry later")
+        self.in_flight += req.n  # each sample gives its place back as it ends (generate)
+        return Admitted(replace(req, max_new_tokens=max_new_tokens), ids, params, req.task_type)
+
+    def _room(self, prompt_tokens: int) -> int:
+        """The most new tokens a request may ask for after this prompt (at least 1)."""
+        room = self.context - prompt_tokens if self.context else self.cfg.server.max_new_tokens
+        return max(1, min(room, self.cfg.server.max_new_tokens))
 
     # --- running --------------------------------------------------------------------------------
 
-    async def generate(self, job: Admitted) -> AsyncIterator[Chunk]:
-        """The request's tokens as they are committed; the last chunk has finish_reason and stats.
-        Closing the iterator early (client gone, deadline passed) stops the request on the actors."""
+    async def generate(self, job: Admitted, sample: int = 0) -> AsyncIterator[Chunk]:
+        """Sample `sample` of the request (its random stream): its tokens as they are committed; the
+        last chunk has finish_reason and stats. Closing the iterator early (client gone, deadline
+        passed) stops it on the actors. Each of a request's n samples is generated by its own call."""
         meter = metrics.RequestMeter(job.task_type or "default", job.admitted_at)
         try:
-            async for chunk in self._run(job, meter):
+            async for chunk in self._run(job, meter, sample):
                 meter.sent(len(chunk.token_ids), chunk.finish_reason is not None)
                 yield chunk
         finally:
             self.in_flight -= 1
             meter.end()
 
-    async def _run(self, job: Admitted, meter: metrics.RequestMeter) -> AsyncIterator[Chunk]:
-        req, rid, text, task_type = job.request, uuid.uuid4().hex, _Detokenizer(self.tokenizer), meter.task_type
+    async def _run(self, job: Admitted, meter: metrics.RequestMeter, sample: int) -> AsyncIterator[Chunk]:
+        req, rid, task_type = job.request, uuid.uuid4().hex, meter.task_type
+        text = Detokenizer(self.tokenizer, req.stop)
         decision = self.router.route(task_type, req.speculation)
         drafts = self.topology.drafts
         done: list[int] = []
@@ -146,7 +164,7 @@ class Frontend:
         if stats["speculative"]:
             replica = drafts[next(self._turn) % len(drafts)]
             stream = replica.generate.options(num_returns="streaming").remote(
-                rid, job.prompt_ids, job.params, req.max_new_tokens, self.eos, decision.k, job.task_type)
+                rid, job.prompt_ids, job.params, req.max_new_tokens, self.eos, decision.k, job.task_type, stream=sample)
             try:
                 async for chunk in self._relay(replica, rid, stream, text, done, stats):
                     yield chunk
@@ -161,18 +179,20 @@ class Frontend:
             finally:
                 meter.drafts(stats["drafted"], stats["accepted"])
             if done and (done[-1] in self.eos or len(done) >= req.max_new_tokens):
-                yield _last_chunk("stop" if done[-1] in self.eos else "length", stats, [], text)
+                yield _last_chunk("stop" if done[-1] in self.eos else "length", stats,
+                                  _chunk({"tokens": []}, text, final=True))
                 return
         self.served["plain"] += 1
         rid = f"{rid}-plain"
         stream = self.topology.target.decode.options(num_returns="streaming").remote(
-            rid, job.prompt_ids + done, job.params, req.max_new_tokens - len(done), self.eos)
+            rid, job.prompt_ids + done, job.params, req.max_new_tokens - len(done), self.eos, stream=sample)
         async for chunk in self._relay(self.topology.target, rid, stream, text, done, stats, offset=dict(stats)):
             yield chunk
 
-    async def _relay(self, actor, rid: str, stream, text: "_Detokenizer", done: list[int], stats: dict,
+    async def _relay(self, actor, rid: str, stream, text: Detokenizer, done: list[int], stats: dict,
                      offset: dict | None = None):
-        """Chunks from an actor stream; cancels the request on the actor if the consumer stops early."""
+        """Chunks from an actor stream; cancels the request on the actor if the consumer stops early
+        or a stop string ends it."""
         finished = lost = False
         try:
             async for ref in stream:
@@ -184,16 +204,20 @@ class Frontend:
                     finished = True
                     if offset is None:  # a draft replica's round trips: what the gRPC hop and batching add
                         self._add_timing(part["stats"])
-                    yield _last_chunk(part["finish_reason"], stats, part["tokens"], text)
+                    yield _last_chunk(part["finish_reason"], stats, _chunk(part, text, final=True))
                 elif part["tokens"]:
-                    yield Chunk(part["tokens"], text.add(part["tokens"]))
+                    chunk = _chunk(part, text)
+                    yield _last_chunk("stop", stats, chunk) if text.stopped else chunk
+                    if text.stopped:
+                        return  # a stop string ended the request: it is stopped on the actor below
         except _REPLICA_GONE:
             lost = True
             raise
         finally:
             if not (finished or lost):
                 actor.cancel.remote(rid)
-                self.served["cancelled"] += 1
+                if not text.stopped:
+                    self.served["cancelled"] += 1
 
     # --- the rest -------------------------------------------------------------------------------
 
@@ -222,26 +246,16 @@ class Frontend:
             time.sleep(GAUGES_EVERY_S)
 
 
-class _Detokenizer:
-    """A request's text, chunk by chunk: decoded whole each time, so tokens that split a character
-    (byte-level BPE) come out once the character is complete."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.sent = tokenizer, [], 0
-
-    def add(self, ids: list[int], final: bool = False) -> str:
-        self.ids += ids
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd") and not final:
-            return ""  # an incomplete character: wait for its next bytes
-        new, self.sent = text[self.sent:], len(text)
-        return new
+def _chunk(part: dict, text: Detokenizer, final: bool = False) -> Chunk:
+    """An actor's step as a chunk: its tokens up to a stop string, if one ends the request there."""
+    kept, new = text.add(part["tokens"], final)
+    return Chunk(part["tokens"][:kept], new, logprobs=part.get("logprobs", [])[:kept])
 
 
-def _last_chunk(finish_reason: str, stats: dict, tokens: list[int], text: _Detokenizer) -> Chunk:
+def _last_chunk(finish_reason: str, stats: dict, chunk: Chunk) -> Chunk:
     summary = {"speculative": stats["speculative"], "drafted": stats["drafted"], "accepted": stats["accepted"],
                "steps": stats["steps"], "alpha": acceptance_rate(stats["accepted"], stats["tried_depths"])}
-    return Chunk(list(tokens), text.add(list(tokens), final=True), finish_reason, summary)
+    return replace(chunk, finish_reason=finish_reason, stats=summary)
 
 
 def _generation_config(path: str):

@@ -15,6 +15,7 @@ request_events = LazyMetric(Counter, "request_events", "Requests refused (refuse
 drafted_tokens = LazyMetric(Counter, "drafted_tokens", "Tokens drafted (tree nodes) for speculative requests",
                        ("task_type",))
 accepted_tokens = LazyMetric(Counter, "accepted_tokens", "Drafted tokens the target accepted", ("task_type",))
+output_tokens = LazyMetric(Counter, "output_tokens", "Tokens sent to clients (each sample's of n)", ("task_type", "mode"))
 alpha = LazyMetric(Gauge, "alpha", "The router's moving average of per-depth acceptance", ("task_type",))
 speculation_on = LazyMetric(Gauge, "speculation_on", "The router's decision for AUTO requests: 1 on, 0 off",
                        ("task_type",))
@@ -59,6 +60,7 @@ class RequestMeter:
                 self.first_token_at = self.last_token_at
                 time_to_first_token().observe(self.first_token_at - self.admitted_at, self.tags)
             self.tokens += tokens
+            output_tokens().inc(tokens, self.tags)
         if finished:
             self.finished = True
             if self.tokens > 1:

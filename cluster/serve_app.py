@@ -2,47 +2,28 @@
 OpenAI-style HTTP, over the Frontend. `build_app` is what `specdec serve` runs and what a Serve
 config (KubeRay's serveConfigV2) names by import path: `cluster.serve_app:build_app`."""
 
-import json
 import logging
-import time
-import uuid
 from pathlib import Path
-from typing import Annotated, Literal
 
 import grpc
 from fastapi import FastAPI, Request as HttpRequest
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
+from fastapi.responses import JSONResponse
 from ray import serve
 
 from protos import specdec_api_pb2 as api
 from specdec.errors import InvalidArgument
+from specdec.logprobs import TokenLogprob
 
 from .config import ConfigError, ServeConfig, app_config, parse_live_config
-from .frontend import Admitted, Chunk, Frontend, QueueFull, Request
+from .detokenizer import token_text
+from .frontend import Admitted, Frontend, QueueFull, Request
+from .openai_api import HttpError, OpenAIServer
 from .router import Speculation
+from .samples import Sample, gather_samples, run_samples
 
 log = logging.getLogger(__name__)
 
 GRPC_SERVICER = "protos.specdec_api_pb2_grpc.add_SpecDecodeServicer_to_server"
-_HTTP_NAMES = {"max_new_tokens": "max_tokens"}  # a Request field -> its name in the OpenAI body
-
-
-class CompletionBody(BaseModel):
-    """POST /v1/completions: OpenAI's fields that specdec serves, plus task_type, speculation, top_k."""
-
-    model_config = ConfigDict(extra="forbid")
-    prompt: str
-    model: str | None = None  # accepted and ignored: the server serves one model
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stream: bool = False
-    n: Literal[1] = 1
-    task_type: str = ""
-    speculation: Annotated[Speculation, BeforeValidator(Speculation.parse)] = Speculation.AUTO
 
 
 # The helpers come before the deployment: Serve pickles the ingress class as it is decorated.
@@ -51,29 +32,7 @@ def _stats_proto(stats: dict) -> api.SpeculationStats:
                                 accepted=stats["accepted"], steps=stats["steps"], alpha=stats["alpha"])
 
 
-def _sse_event(head: dict, chunk: Chunk) -> dict:
-    event = {**head, "choices": [{"index": 0, "text": chunk.text, "token_ids": chunk.token_ids,
-                                  "finish_reason": chunk.finish_reason, "logprobs": None}]}
-    return event | ({"speculation": chunk.stats} if chunk.finish_reason else {})
-
-
-def _http_error(status: int, message: str, param: str | None, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
-                        status_code=status)
-
-
-http_app = FastAPI(title="specdec", summary="Speculative decoding, OpenAI-style completions")
-
-
-def _parse_body(raw: bytes) -> CompletionBody | JSONResponse:
-    """The body as JSON whatever its content type (curl -d sends a form type), or a 400 naming the field."""
-    try:
-        return CompletionBody.model_validate_json(raw)
-    except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(part) for part in err["loc"]) or "body"
-        reason = "is not valid JSON" if err["type"] == "json_invalid" else err["msg"]
-        return _http_error(400, f"{field}: {reason}", field)
+http_app = FastAPI(title="specdec", summary="Speculative decoding, OpenAI-compatible")
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, health_check_period_s=10)
@@ -81,7 +40,7 @@ def _parse_body(raw: bytes) -> CompletionBody | JSONResponse:
 class SpecDecodeIngress:
     def __init__(self, config: dict):
         self.frontend = Frontend(ServeConfig.model_validate(config))
-        self.model_name = Path(self.frontend.cfg.models.target.path).name
+        self.openai = OpenAIServer(self.frontend, Path(self.frontend.cfg.models.target.path).name)
 
     def reconfigure(self, user_config: dict) -> None:
         """Serve calls this with the deployment's user_config at start and whenever it changes (KubeRay
@@ -102,19 +61,19 @@ class SpecDecodeIngress:
     # --- gRPC: specdec.v1.SpecDecode ---------------------------------------------------------------
 
     async def Generate(self, request: api.GenerateRequest, grpc_context) -> api.GenerateResponse:
+        """Sample 0 in the response's own fields, samples 1..n-1 in more_samples."""
         job = self._admit_grpc(request, grpc_context)
-        chunks = [chunk async for chunk in self.frontend.generate(job)]
-        last = chunks[-1]
-        return api.GenerateResponse(text="".join(c.text for c in chunks),
-                                    token_ids=[t for c in chunks for t in c.token_ids],
-                                    finish_reason=last.finish_reason, stats=_stats_proto(last.stats))
+        first, *more = [self._sample_proto(s) for s in await gather_samples(self.frontend, job)]
+        first.more_samples.extend(more)
+        return first
 
     async def GenerateStream(self, request: api.GenerateRequest, grpc_context):
         job = self._admit_grpc(request, grpc_context)
-        async for chunk in self.frontend.generate(job):
-            yield api.GenerateResponse(text=chunk.text, token_ids=chunk.token_ids,
+        async for index, chunk in run_samples(self.frontend, job):
+            yield api.GenerateResponse(index=index, text=chunk.text, token_ids=chunk.token_ids,
                                        finish_reason=chunk.finish_reason or "",
-                                       stats=_stats_proto(chunk.stats) if chunk.finish_reason else None)
+                                       stats=_stats_proto(chunk.stats) if chunk.finish_reason else None,
+                                       logprobs=self._logprobs_proto(chunk.logprobs))
 
     async def GetStats(self, request: api.GetStatsRequest, grpc_context) -> api.GetStatsResponse:
         return api.GetStatsResponse(task_types=[
@@ -127,7 +86,9 @@ class SpecDecodeIngress:
                       temperature=request.temperature, top_k=request.top_k,
                       top_p=request.top_p if request.HasField("top_p") else 1.0,
                       seed=request.seed if request.HasField("seed") else None,
-                      speculation=Speculation.parse(api.Speculation.Name(request.speculation)))
+                      speculation=Speculation.parse(api.Speculation.Name(request.speculation)),
+                      stop=tuple(request.stop), n=request.n or 1,
+                      logprobs=request.logprobs if request.HasField("logprobs") else None)
         try:
             return self.frontend.admit(req)
         except (InvalidArgument, QueueFull) as e:
@@ -136,39 +97,37 @@ class SpecDecodeIngress:
             grpc_context.set_details(str(e))
             raise
 
-    # --- HTTP: OpenAI-style ------------------------------------------------------------------------
+    def _sample_proto(self, s: Sample) -> api.GenerateResponse:
+        return api.GenerateResponse(index=s.index, text=s.text, token_ids=s.token_ids, finish_reason=s.finish_reason,
+                                    stats=_stats_proto(s.stats), logprobs=self._logprobs_proto(s.logprobs))
+
+    def _logprobs_proto(self, entries: list[TokenLogprob]) -> list[api.TokenLogprob]:
+        def one(token: int, logprob: float, top=()) -> api.TokenLogprob:
+            return api.TokenLogprob(token_id=token, token=token_text(self.frontend.tokenizer, token), logprob=logprob,
+                                    top=[one(t, lp) for t, lp in top])
+
+        return [one(e.token, e.logprob, e.top) for e in entries]
+
+    # --- HTTP: OpenAI's API (cluster/openai_api.py) ------------------------------------------------
+
+    @http_app.get("/v1/models")
+    async def models(self) -> dict:
+        return self.openai.models()
+
+    @http_app.get("/v1/models/{model:path}")
+    async def model(self, model: str):
+        if model != self.openai.model_name:
+            return HttpError(404, f"model {model!r} is not served here (it serves {self.openai.model_name!r})",
+                             "model").response()
+        return self.openai.model_card()
 
     @http_app.post("/v1/completions")
     async def completions(self, http: HttpRequest):
-        body = _parse_body(await http.body())
-        if isinstance(body, JSONResponse):
-            return body
-        req = Request(prompt=body.prompt, task_type=body.task_type, max_new_tokens=body.max_tokens,
-                      temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed,
-                      speculation=body.speculation)
-        try:
-            job = self.frontend.admit(req)
-        except InvalidArgument as e:
-            name = _HTTP_NAMES.get(e.field, e.field)
-            return _http_error(400, f"{name}: {e.reason}", name)
-        except QueueFull as e:
-            return _http_error(429, str(e), None, "rate_limit_exceeded")
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": body.model or self.model_name}
-        if body.stream:
-            return StreamingResponse(self._sse(job, head), media_type="text/event-stream")
-        chunks = [chunk async for chunk in self.frontend.generate(job)]
-        tokens = [t for c in chunks for t in c.token_ids]
-        choice = {"index": 0, "text": "".join(c.text for c in chunks), "token_ids": tokens,
-                  "finish_reason": chunks[-1].finish_reason, "logprobs": None}
-        usage = {"prompt_tokens": len(job.prompt_ids), "completion_tokens": len(tokens),
-                 "total_tokens": len(job.prompt_ids) + len(tokens)}
-        return {**head, "choices": [choice], "usage": usage, "speculation": chunks[-1].stats}
+        return await self.openai.completions(await http.body())
 
-    async def _sse(self, job: Admitted, head: dict):
-        async for chunk in self.frontend.generate(job):
-            yield f"data: {json.dumps(_sse_event(head, chunk))}\n\n"
-        yield "data: [DONE]\n\n"
+    @http_app.post("/v1/chat/completions")
+    async def chat_completions(self, http: HttpRequest):
+        return await self.openai.chat(await http.body())
 
     @http_app.get("/v1/stats")
     async def stats(self) -> dict:

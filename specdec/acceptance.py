@@ -11,10 +11,11 @@ p <- norm(max(0, p - q_i)) and the next child is tried. When every child is reje
 a leaf) one token is drawn from the current p. A deterministic guess (n-gram) has q_i = a point mass.
 Whatever the tree, the token emitted at each position is distributed exactly as the target's p."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from .logprobs import TokenLogprob
 from .sampling import SamplingParams, warp
 from .tree import DELTA, TokenTree
 
@@ -29,6 +30,7 @@ def acceptance_rate(accepted: float, tried: float) -> float | None:
 class Verdict:
     path: list[int]  # accepted node indices, root first
     tokens: list[int]  # newly committed tokens: the accepted drafted tokens, then the bonus token
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when the request asks for them
 
     @property
     def accepted(self) -> int:

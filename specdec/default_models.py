@@ -19,8 +19,14 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from .distill import distill, encode_texts, remove_checkpoint, small_llama_config
 from .training import TrainConfig, train
 
-FORMAT = 1  # bump when the build changes in a way the spec does not capture
+FORMAT = 2  # bump when the build changes in a way the spec does not capture (2: the chat template)
 EOT = "<|endoftext|>"
+# The pair knows only Python source, so a chat is rendered as Python comments, one per line, and the
+# assistant's turn is the code that follows them.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}# {{ m['role'] }}: {{ m['content'] | replace('\n', '\n# ') }}\n{% endfor %}"
+    "{% if add_generation_prompt %}# assistant:\n{% endif %}"
+)
 HELD_OUT = ("json", "email")  # standard-library packages kept out of training, for evaluation
 SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "__pycache__", "lib2to3", "turtledemo"}
 
@@ -100,7 +106,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, max_chars: int) -> PreTra
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(sample, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOT, eos_token=EOT)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOT, eos_token=EOT, chat_template=CHAT_TEMPLATE)
 
 
 def target_config(spec: DefaultSpec, vocab: int) -> LlamaConfig:

@@ -13,6 +13,7 @@ from .acceptance import Verdict, acceptance_rate
 from .adaptive import AdaptivePlanner, RowState, SpecConfig, clock
 from .drafters import Drafter, Plan
 from .kvcache import CachedLM
+from .logprobs import TokenLogprob
 from .sampling import SamplingParams, make_generator
 from .target import TargetWorker
 from .tree import TokenTree
@@ -48,6 +49,7 @@ class Generation:
     token_ids: list[int]
     finish_reason: str  # "stop" (eos) or "length"
     stats: RequestStats = field(default_factory=RequestStats)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, when the request asked for them
 
 
 def record_step(st: RequestStats, tree: TokenTree, v: Verdict, times: tuple[float, float]) -> None:
@@ -61,10 +63,12 @@ def record_step(st: RequestStats, tree: TokenTree, v: Verdict, times: tuple[floa
         st.tried_depths += v.accepted + (v.accepted < tree.depth)
 
 
-def emit(gen: Generation, seq: list[int], tokens: list[int], max_new_tokens: int, eos: set[int]) -> bool:
-    """Append committed tokens up to eos or the length limit; False when the request is done."""
-    for tok in tokens:
+def emit(gen: Generation, seq: list[int], v: Verdict, max_new_tokens: int, eos: set[int]) -> bool:
+    """Append a verdict's committed tokens (and their logprobs) up to eos or the length limit; False
+    when the request is done."""
+    for i, tok in enumerate(v.tokens):
         gen.token_ids.append(tok)
+        gen.logprobs += v.logprobs[i:i + 1]
         seq.append(tok)
         gen.stats.new_tokens += 1
         if tok in eos:
@@ -124,7 +128,7 @@ class SpeculativeEngine:
             for i, r in enumerate(rows):
                 record_step(out[r].stats, trees[i], verdicts[i], times)
                 self.planner.observe(states[r], plans[i], trees[i], verdicts[i])
-                if emit(out[r], seqs[r], verdicts[i].tokens, max_new_tokens, self.eos):
+                if emit(out[r], seqs[r], verdicts[i], max_new_tokens, self.eos):
                     live.append(i)
             rows = self._retire(worker, rows, live)
         return out

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import InvalidArgument
+from .logprobs import MAX_LOGPROBS
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,7 @@ class SamplingParams:
     top_k: int = 0  # 0: no top-k filter
     top_p: float = 1.0
     seed: int | None = None
+    logprobs: int | None = None  # None: none; k: the target's logprob of each token and of its k likeliest
 
     def __post_init__(self):
         """The one check of sampling fields, wherever they come from (CLI, gRPC, HTTP, another actor)."""
@@ -25,6 +27,8 @@ class SamplingParams:
             raise InvalidArgument("top_k", f"must be >= 0 (0 turns it off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise InvalidArgument("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument("logprobs", f"must be in 0..{MAX_LOGPROBS} (or unset), got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:

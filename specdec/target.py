@@ -10,6 +10,7 @@ import torch
 from .acceptance import Verdict, accept_greedy, accept_sampling
 from .errors import RequestExists, UnknownRequest
 from .kvcache import CachedLM
+from .logprobs import committed_logprobs
 from .sampling import SamplingParams, make_generator
 from .tree import TokenTree, layout
 
@@ -82,6 +83,8 @@ class TargetWorker:
             req = self.requests[rid]
             v = accept_greedy(tree, argmax[row]) if req.params.greedy else \
                 accept_sampling(tree, logits[row], req.params, req.generator)
+            if req.params.logprobs is not None:
+                v.logprobs = committed_logprobs(logits[row], v.path, v.tokens, req.params.logprobs)
             req.seq += v.tokens
             verdicts[rid] = v
             keep.append([start + n for n in v.path])

@@ -66,22 +66,29 @@ def _noisy_copy(model: LlamaForCausalLM, noise: float, seed: int) -> LlamaForCau
     return draft
 
 
-def save_tokenizer(path, words: list[str]) -> str:
+def save_tokenizer(path, words: list[str], chat_template: str | None = None) -> str:
     """A word-level tokenizer: "[UNK]" is id 0, words[i] is id i + 1."""
     vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
     tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", chat_template=chat_template).save_pretrained(path)
     return str(path)
 
 
 SERVED_WORDS = [f"w{i}" for i in range(1, VOCAB)]  # the served target's tokenizer: "w<i>" is id i, "[UNK]" 0
+CHAT_ROLES = {"system": "w61", "user": "w62", "assistant": "w63"}  # how the chat template marks each role
+CHAT_TEMPLATE = (
+    "{% set roles = " + str(CHAT_ROLES) + " %}{% for m in messages %}"
+    "{% if m['role'] not in roles %}{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "{{ roles[m['role']] }} {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w63{% endif %}"
+)
 
 
 def served_target(model_dirs, root) -> str:
-    """A copy of the target with a tokenizer, as a server needs it (prompts like "w5 w17 w3")."""
+    """A copy of the target with a tokenizer and a chat template, as a server needs it (prompts like
+    "w5 w17 w3"; chats rendered as "w62 <user's words> w63")."""
     path = shutil.copytree(model_dirs.target, root / "target")
-    return save_tokenizer(path, SERVED_WORDS)
+    return save_tokenizer(path, SERVED_WORDS, CHAT_TEMPLATE)
 
 
 def free_port() -> int:

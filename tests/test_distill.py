@@ -100,6 +100,9 @@ def test_default_build_is_reproducible_and_loads(tmp_path):
     # usable as a pair: same vocabulary, and the engine runs on it
     tok = load_tokenizer(a["target"])
     assert tok.get_vocab() == load_tokenizer(a["draft"]).get_vocab() and tok.eos_token_id == 0
+    chat = tok.apply_chat_template([{"role": "user", "content": "parse\na header"}], tokenize=False,
+                                   add_generation_prompt=True)  # what /v1/chat/completions renders
+    assert chat == "# user: parse\n# a header\n# assistant:\n"
     engine = SpeculativeEngine(CachedLM(load_model(a["target"])), None)
     assert len(engine.generate([tok("def f(x):")["input_ids"]], 5)[0].token_ids) >= 1
     # a different seed is a different build

@@ -100,6 +100,7 @@ def test_metrics_are_exported_per_task_type_and_replica(cluster):
 
     for (task_type, mode), n in SENT.items():
         assert value(m, "requests_total", task_type=task_type, mode=mode) == n
+        assert value(m, "output_tokens_total", task_type=task_type, mode=mode) == n * MAX_NEW_TOKENS
     assert set(m["requests_total"]) == {(("mode", mode), ("task_type", t)) for t, mode in SENT}
     for name in LATENCIES:
         assert set(m[f"{name}_count"]) == set(m["requests_total"])
@@ -118,3 +119,15 @@ def test_metrics_are_exported_per_task_type_and_replica(cluster):
         for replica in replicas:
             count, total = value(m, f"{name}_count", replica=replica), value(m, f"{name}_sum", replica=replica)
             assert 1e-5 < total / count < 10, (name, replica, count, total)
+
+
+def test_the_dashboard_asks_for_series_the_server_exports(cluster):
+    """Every metric the Grafana dashboard queries is in a live scrape (histograms by their _count)."""
+    from test_dashboard import metric_names, queries
+
+    stub, url = cluster
+    code = next(t for t in stub.GetStats(api.GetStatsRequest()).task_types if t.task_type == "code")
+    scraped = exported(url, code.alpha)
+    wanted = {name.removeprefix("ray_specdec_").removesuffix("_bucket") + ("_count" if name.endswith("_bucket") else "")
+              for query in queries() for name in metric_names(query)}
+    assert wanted - scraped.keys() == set()

@@ -160,7 +160,7 @@ def test_http_completions_match_grpc(server, target):
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
     assert [t for c in chunks for t in c["token_ids"]] == want and chunks[-1]["finish_reason"] == "length"
-    for bad in ({"prompt": prompt, "n": 2}, {"prompt": prompt, "stop": ["x"]}, {"max_tokens": 3}):
+    for bad in ({"prompt": prompt, "n": 0}, {"prompt": prompt, "stop": [""]}, {"max_tokens": 3}):
         status, reply = http(server, "/v1/completions", bad)
         assert status == 400 and reply["error"]["param"] in ("n", "stop", "prompt")
     # curl -d sends a form content type: the body is read as JSON whatever the type says

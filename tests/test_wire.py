@@ -25,7 +25,8 @@ def drafted_tree(draft, params):
     return drafter.propose([PROMPT], [Plan(3, 3)], [params], [make_generator(0)])[0]
 
 
-@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=1)])
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+                                    SamplingParams(logprobs=2), SamplingParams(temperature=0.8, seed=1, logprobs=0)])
 def test_tree_round_trip_verifies_the_same(target, draft, params):
     tree = drafted_tree(draft, params)
     msg = tree_pb.CandidateTree.FromString(wire.tree_to_proto("r1", tree).SerializeToString())
@@ -41,6 +42,7 @@ def test_tree_round_trip_verifies_the_same(target, draft, params):
         worker.add([("r1", PROMPT, params, 0)])
         verdicts.append(worker.verify({"r1": t})[0]["r1"])
     assert verdicts[0] == verdicts[1]
+    assert len(verdicts[0].logprobs) == (0 if params.logprobs is None else len(verdicts[0].tokens))
     rid, v = wire.verdict_from_proto(tree_pb.VerifyResult.FromString(
         wire.verdict_to_proto("r1", verdicts[0]).SerializeToString()))
     assert (rid, v) == ("r1", verdicts[0])
@@ -69,16 +71,36 @@ def test_malformed_verdict():
         wire.verdict_from_proto(tree_pb.VerifyResult(request_id="x", path=[1], tokens=[4]))
     with pytest.raises(ValueError, match="one token per accepted node"):
         wire.verdict_from_proto(tree_pb.VerifyResult(request_id="x", path=[0, 1], tokens=[4]))
+    one = tree_pb.CommittedLogprob(logprob=-0.5, top_tokens=[4], top_logprobs=[-0.5])
+    with pytest.raises(ValueError, match="logprobs are one per token"):
+        wire.verdict_from_proto(tree_pb.VerifyResult(request_id="x", path=[0, 1], tokens=[4, 5], logprobs=[one]))
+    with pytest.raises(ValueError, match="as many top tokens as top logprobs"):
+        wire.verdict_from_proto(tree_pb.VerifyResult(request_id="x", path=[0], tokens=[4], logprobs=[
+            tree_pb.CommittedLogprob(logprob=-0.5, top_tokens=[4, 5], top_logprobs=[-0.5])]))
 
 
 def test_sampling_from_proto():
     p = wire.sampling_from_proto(api.GenerateRequest(prompt="x", temperature=0.7, top_k=5, seed=3))
     assert (p.temperature, p.top_k, p.top_p, p.seed) == (pytest.approx(0.7), 5, 1.0, 3)
     assert wire.sampling_from_proto(api.GenerateRequest(prompt="x")).seed is None
-    for req, field in [(api.GenerateRequest(temperature=-1), "temperature"), (api.GenerateRequest(top_k=-2), "top_k"),
+    assert wire.sampling_from_proto(api.GenerateRequest(prompt="x")).logprobs is None
+    assert wire.sampling_from_proto(api.GenerateRequest(prompt="x", logprobs=0)).logprobs == 0
+    for req, field in [(api.GenerateRequest(logprobs=21), "logprobs"), (api.GenerateRequest(temperature=-1), "temperature"), (api.GenerateRequest(top_k=-2), "top_k"),
                        (api.GenerateRequest(top_p=0.0), "top_p"), (api.GenerateRequest(top_p=1.5), "top_p")]:
         with pytest.raises(ValueError, match=field):
             wire.sampling_from_proto(req)
+
+
+# The client API's fields as released before n, stop and logprobs: their numbers never change (old clients).
+RELEASED = {"GenerateRequest": {"prompt": 1, "task_type": 2, "max_new_tokens": 3, "temperature": 4, "top_k": 5,
+                                "top_p": 6, "seed": 7, "speculation": 8},
+            "GenerateResponse": {"text": 1, "token_ids": 2, "finish_reason": 3, "stats": 4}}
+
+
+def test_released_fields_keep_their_numbers():
+    for message, fields in RELEASED.items():
+        numbers = {f.name: f.number for f in api.DESCRIPTOR.message_types_by_name[message].fields}
+        assert {name: numbers.get(name) for name in fields} == fields, message
 
 
 def test_service_names():

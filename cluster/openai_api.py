@@ -1,0 +1,314 @@
+"""OpenAI's HTTP API over the Frontend, as the official clients call it: GET /v1/models, POST
+/v1/completions and /v1/chat/completions (whole or streamed, with n, stop, logprobs and usage in
+streams). OpenAI fields that specdec does not implement are refused by name; the implicit defaults
+that clients send for them are accepted. Every error has OpenAI's shape."""
+
+import json
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
+from itertools import accumulate
+from typing import Annotated, TypeVar
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+from specdec.errors import InvalidArgument
+from specdec.logprobs import TokenLogprob
+
+from .detokenizer import token_text
+from .frontend import Admitted, Chunk, Frontend, QueueFull, Request
+from .router import Speculation
+from .samples import Sample, gather_samples, run_samples
+
+# OpenAI fields specdec does not implement -> the values that leave them unused (null always does).
+UNSUPPORTED = {
+    "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "best_of": (1,), "suffix": ("",),
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+}
+
+
+class HttpError(Exception):
+    """An error response in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, param: str | None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}},
+                            status_code=self.status)
+
+
+# --- request bodies ---------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False  # a last event with the usage (and no choices) before [DONE]
+
+
+class _Body(BaseModel):
+    """The fields both endpoints take: OpenAI's that specdec serves, plus task_type, speculation, top_k."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None  # accepted and ignored: the server serves one model
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored
+    task_type: str = ""
+    speculation: Annotated[Speculation, BeforeValidator(Speculation.parse)] = Speculation.AUTO
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_with_stream(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("only allowed when stream is true")
+        return options
+
+    def request(self, prompt: str, max_new_tokens: int | None, logprobs: int | None, **more) -> Request:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return Request(prompt=prompt, task_type=self.task_type, max_new_tokens=max_new_tokens,
+                       temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
+                       speculation=self.speculation, stop=stop, n=self.n, logprobs=logprobs, **more)
+
+
+class CompletionBody(_Body):
+    """POST /v1/completions."""
+
+    prompt: str
+    max_tokens: int | None = 16  # null: up to server.max_new_tokens and the model's context
+    logprobs: int | None = None  # the chosen token's logprob and the `logprobs` likeliest tokens' at each position
+    echo: bool = False  # the prompt before the completion's text
+
+    @field_validator("echo")
+    @classmethod
+    def _not_with_logprobs(cls, echo: bool, info: ValidationInfo) -> bool:
+        if echo and info.data.get("logprobs") is not None:
+            raise ValueError("with logprobs is not supported by specdec (it does not compute the prompt's logprobs)")
+        return echo
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: str
+    content: str
+    name: str | None = None
+
+
+class ChatBody(_Body):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # unset: up to server.max_new_tokens and the model's context
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
+    logprobs: bool = False
+    top_logprobs: int | None = None  # with logprobs: the likeliest tokens' logprobs at each position
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top is not None and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return top
+
+
+Body = TypeVar("Body", bound=_Body)
+
+
+def parse_body(raw: bytes, model: type[Body]) -> Body:
+    """The body as JSON whatever its content type (curl -d sends a form type); HttpError naming the field."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise HttpError(400, "body: is not valid JSON", "body") from None
+    if not isinstance(data, dict):
+        raise HttpError(400, "body: must be a JSON object", "body")
+    for name, unused in UNSUPPORTED.items():
+        value = data.pop(name, None)
+        if value is not None and value not in unused:
+            raise HttpError(400, f"{name} is not supported by specdec", name)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(part) for part in err["loc"])
+        if err["type"] == "extra_forbidden":
+            reason = f"is not a field specdec knows (it takes {', '.join(model.model_fields)})"
+        else:
+            reason = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
+        raise HttpError(400, f"{field}: {reason}", field) from None
+
+
+# --- responses ---------------------------------------------------------------------------------------
+
+
+class _Completions:
+    """/v1/completions choices: text, and logprobs as tokens, token_logprobs, top_logprobs, text_offset."""
+
+    object = chunk_object = "text_completion"
+    id_prefix = "cmpl"
+
+    def __init__(self, piece: Callable[[int], str], body: CompletionBody):
+        self.piece, self.logprobs = piece, body.logprobs is not None
+        self.echo = body.prompt if body.echo else ""
+        self.offsets: dict[int, int] = defaultdict(lambda: len(self.echo))  # sample -> its next token's text_offset
+        self.started: set[int] = set()
+
+    def choice(self, s: Sample) -> dict:
+        return {"index": s.index, "text": self.echo + s.text, "token_ids": s.token_ids,
+                "finish_reason": s.finish_reason, "logprobs": self._logprobs(s.index, s.logprobs)}
+
+    def chunk_choice(self, index: int, chunk: Chunk) -> dict:
+        echo = "" if index in self.started else self.echo
+        self.started.add(index)
+        return {"index": index, "text": echo + chunk.text, "token_ids": chunk.token_ids,
+                "finish_reason": chunk.finish_reason, "logprobs": self._logprobs(index, chunk.logprobs)}
+
+    def _logprobs(self, index: int, entries: list[TokenLogprob]) -> dict | None:
+        """text_offset counts the characters of the tokens' own texts before each (as vLLM)."""
+        if not self.logprobs:
+            return None
+        tokens = [self.piece(e.token) for e in entries]
+        offsets = list(accumulate((len(t) for t in tokens), initial=self.offsets[index]))
+        self.offsets[index] = offsets.pop()
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self.piece(t): lp for t, lp in e.top} | {token: e.logprob}
+                                 for e, token in zip(entries, tokens)],
+                "text_offset": offsets}
+
+
+class _Chat:
+    """/v1/chat/completions choices: an assistant message (a delta in streams), logprobs as content[]."""
+
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def __init__(self, piece: Callable[[int], str], body: ChatBody):
+        self.piece, self.logprobs = piece, body.logprobs
+        self.started: set[int] = set()
+
+    def choice(self, s: Sample) -> dict:
+        return {"index": s.index, "message": {"role": "assistant", "content": s.text}, "token_ids": s.token_ids,
+                "finish_reason": s.finish_reason, "logprobs": self._logprobs(s.logprobs)}
+
+    def chunk_choice(self, index: int, chunk: Chunk) -> dict:
+        delta = {"content": chunk.text} if index in self.started else {"role": "assistant", "content": chunk.text}
+        self.started.add(index)
+        return {"index": index, "delta": delta, "token_ids": chunk.token_ids, "finish_reason": chunk.finish_reason,
+                "logprobs": self._logprobs(chunk.logprobs)}
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
+        if not self.logprobs:
+            return None
+        return {"content": [self._entry(e.token, e.logprob) | {"top_logprobs": [self._entry(t, lp) for t, lp in e.top]}
+                            for e in entries]}
+
+    def _entry(self, token: int, logprob: float) -> dict:
+        text = self.piece(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _sse(event: dict | str) -> str:
+    return f"data: {event if isinstance(event, str) else json.dumps(event)}\n\n"
+
+
+# --- the endpoints -----------------------------------------------------------------------------------
+
+
+class OpenAIServer:
+    """What the ingress's HTTP routes answer, over its Frontend."""
+
+    def __init__(self, frontend: Frontend, model_name: str):
+        self.frontend, self.model_name, self.created = frontend, model_name, int(time.time())
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specdec",
+                "max_model_len": self.frontend.context}
+
+    async def completions(self, raw: bytes):
+        try:
+            body = parse_body(raw, CompletionBody)
+            job = self._admit(body.request(body.prompt, body.max_tokens, body.logprobs),
+                              {"max_new_tokens": "max_tokens"})
+        except HttpError as e:
+            return e.response()
+        return await self._respond(job, body, _Completions(self._piece, body))
+
+    async def chat(self, raw: bytes):
+        try:
+            body = parse_body(raw, ChatBody)
+            max_tokens = body.max_completion_tokens or body.max_tokens
+            request = body.request(self._chat_prompt(body.messages), max_tokens,
+                                   (body.top_logprobs or 0) if body.logprobs else None, add_special_tokens=False)
+            names = {"max_new_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
+                     "prompt": "messages", "logprobs": "top_logprobs"}
+            job = self._admit(request, names)
+        except HttpError as e:
+            return e.response()
+        return await self._respond(job, body, _Chat(self._piece, body))
+
+    def _chat_prompt(self, messages: list[ChatMessage]) -> str:
+        tokenizer = self.frontend.tokenizer
+        if not tokenizer.chat_template:
+            raise HttpError(400, "messages: the target's tokenizer has no chat template (chat_template in its "
+                                 "tokenizer files), so chat completions are not served: use /v1/completions",
+                            "messages")
+        try:
+            return tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in messages],
+                                                 tokenize=False, add_generation_prompt=True)
+        except TemplateError as e:
+            raise HttpError(400, f"messages: the chat template refused them: {e}", "messages") from None
+
+    def _admit(self, request: Request, names: dict[str, str]) -> Admitted:
+        """The frontend's admission; its errors named as the body names the field (names: Request -> body)."""
+        try:
+            return self.frontend.admit(request)
+        except InvalidArgument as e:
+            name = names.get(e.field, e.field)
+            raise HttpError(400, f"{name}: {e.reason}", name) from None
+        except QueueFull as e:
+            raise HttpError(429, str(e), None, "rate_limit_exceeded") from None
+
+    def _piece(self, token: int) -> str:
+        return token_text(self.frontend.tokenizer, token)
+
+    async def _respond(self, job: Admitted, body: _Body, shape: _Completions | _Chat):
+        head = {"id": f"{shape.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": body.model or self.model_name}
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(self._events(job, shape, head, usage), media_type="text/event-stream")
+        samples = await gather_samples(self.frontend, job)
+        return {**head, "object": shape.object, "choices": [shape.choice(s) for s in samples],
+                "usage": _usage(len(job.prompt_ids), sum(len(s.token_ids) for s in samples)),
+                "speculation": samples[0].stats}
+
+    async def _events(self, job: Admitted, shape: _Completions | _Chat, head: dict, usage: bool) -> AsyncIterator[str]:
+        head = {**head, "object": shape.chunk_object}
+        completion_tokens = 0
+        async for index, chunk in run_samples(self.frontend, job):
+            completion_tokens += len(chunk.token_ids)
+            event = {**head, "choices": [shape.chunk_choice(index, chunk)]}
+            event |= {"usage": None} if usage else {}
+            yield _sse(event | ({"speculation": chunk.stats} if chunk.finish_reason else {}))
+        if usage:
+            yield _sse({**head, "choices": [], "usage": _usage(len(job.prompt_ids), completion_tokens)})
+        yield _sse("[DONE]")

@@ -1,0 +1,67 @@
+"""A request's n samples: each runs as a request of its own on the actors (with its own random
+stream), and their chunks reach the client as they come, each marked with its sample's index."""
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from specdec.logprobs import TokenLogprob
+
+from .frontend import Admitted, Chunk, Frontend
+
+
+@dataclass
+class Sample:
+    """One sample's whole output, gathered from its chunks."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: dict = field(default_factory=dict)
+
+    def add(self, chunk: Chunk) -> None:
+        self.text += chunk.text
+        self.token_ids += chunk.token_ids
+        self.logprobs += chunk.logprobs
+        if chunk.finish_reason:
+            self.finish_reason, self.stats = chunk.finish_reason, chunk.stats
+
+
+async def run_samples(frontend: Frontend, job: Admitted) -> AsyncIterator[tuple[int, Chunk]]:
+    """(sample index, chunk) for every sample's chunks as they come. Closing this early (the client
+    went away) stops every sample; an error in one stops the others and is raised here."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int) -> None:
+        try:
+            async for chunk in frontend.generate(job, index):
+                queue.put_nowait((index, chunk))
+            queue.put_nowait((index, None))
+        except Exception as e:  # noqa: BLE001 - raised to the consumer below
+            queue.put_nowait((index, e))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(job.request.n)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is None:
+                running -= 1
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()  # raises CancelledError inside its generator, which stops the sample on the actors
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def gather_samples(frontend: Frontend, job: Admitted) -> list[Sample]:
+    """Every sample of the request, run to its end; by index."""
+    samples = [Sample(i) for i in range(job.request.n)]
+    async for index, chunk in run_samples(frontend, job):
+        samples[index].add(chunk)
+    return samples

@@ -1,0 +1,354 @@
+"""The OpenAI API as real clients use it: the official `openai` package against `build_app` deployed on
+a local Ray cluster (1 target rank, 1 draft replica, logical GPUs), and the same capabilities over
+gRPC. Greedy output with stop, n and logprobs must stay token-identical to plain decoding, and the
+logprobs must be the target's own (a transformers forward of it)."""
+
+import asyncio
+import json
+import re
+import shlex
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
+import openai
+import pytest
+import ray
+import torch
+import yaml
+from ray import serve
+
+from cluster.openai_api import OpenAIServer
+from cluster.serve_app import GRPC_SERVICER, build_app
+from conftest import CHAT_ROLES, SERVED_WORDS, free_port, hf_greedy, save_tokenizer, served_target
+from protos import specdec_api_pb2 as api
+from protos import specdec_api_pb2_grpc as api_grpc
+from specdec.loading import load_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "w40 w41 w42 w43 w44 w45"
+MAX_N = 3
+SPECULATION = ["on", "off"]
+
+
+@dataclass
+class Served:
+    client: openai.OpenAI
+    stub: api_grpc.SpecDecodeStub
+    http: str  # http://host:port
+    grpc: str  # host:port
+    tokenizer: object
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("openai")
+    target_dir = served_target(model_dirs, root)
+    config = {"models": {"target": {"path": target_dir}, "draft": {"path": model_dirs.draft}},
+              "placement": {"tensor_parallel_size": 1, "draft_replicas": 1},
+              "speculation": {"drafter": "model"},
+              "server": {"max_new_tokens": 64, "max_n": MAX_N, "grpc_port": free_port(), "http_port": free_port()}}
+    path = root / "specdec.yaml"
+    path.write_text(yaml.safe_dump(config))
+    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    ports = config["server"]
+    serve.start(http_options={"host": "127.0.0.1", "port": ports["http_port"]},
+                grpc_options={"port": ports["grpc_port"], "grpc_servicer_functions": [GRPC_SERVICER]})
+    serve.run(build_app({"config": str(path)}), name="specdec", route_prefix="/")
+    http, address = f"http://127.0.0.1:{ports['http_port']}", f"127.0.0.1:{ports['grpc_port']}"
+    channel = grpc.insecure_channel(address)
+    yield Served(openai.OpenAI(base_url=f"{http}/v1", api_key="unused", max_retries=0),
+                 api_grpc.SpecDecodeStub(channel), http, address, load_tokenizer(target_dir))
+    channel.close()
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client
+
+
+@pytest.fixture(scope="module")
+def tokenizer(server):
+    return server.tokenizer
+
+
+def greedy(target, tokenizer, prompt: str | list[int], n: int) -> list[int]:
+    ids = tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+    return hf_greedy(target, ids, n)[0]
+
+
+def cut_at_stop(tokenizer, tokens: list[int], stop: str) -> tuple[list[int], str]:
+    """What plain decoding keeps with a stop string: tokens up to the one after which the text has it,
+    and the text before it."""
+    for i in range(1, len(tokens) + 1):
+        text = tokenizer.decode(tokens[:i])
+        if stop in text:
+            return tokens[:i], text[:text.index(stop)]
+    raise AssertionError(f"{stop!r} is not in the text")
+
+
+@torch.inference_mode()
+def target_logprobs(target, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), V]: the target's log-softmax before each token, by one transformers forward."""
+    logits = target(torch.tensor([prompt + tokens])).logits[0].float()
+    return logits.log_softmax(-1)[len(prompt) - 1: len(prompt) - 1 + len(tokens)]
+
+
+# --- the calls of issue 12's table -------------------------------------------------------------------
+
+
+def test_models_list_names_the_served_model_and_its_context(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["target"] and models[0].max_model_len == 256
+    assert client.models.retrieve("target").owned_by == "specdec"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+@pytest.mark.parametrize("speculation", SPECULATION)
+def test_completions_with_usage_stream_and_task_type(client, tokenizer, target, speculation):
+    want = greedy(target, tokenizer, PROMPT, 10)
+    extra = {"speculation": speculation, "task_type": "code"}
+    reply = client.completions.create(model="target", prompt=PROMPT, max_tokens=10, temperature=0, extra_body=extra)
+    assert reply.choices[0].text == tokenizer.decode(want) and reply.choices[0].finish_reason == "length"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (6, 10)
+    events = list(client.completions.create(model="target", prompt=PROMPT, max_tokens=10, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body=extra))
+    *chunks, last = events
+    assert "".join(c.choices[0].text for c in chunks) == reply.choices[0].text
+    assert all(c.usage is None for c in chunks) and chunks[-1].choices[0].finish_reason == "length"
+    assert last.choices == [] and last.usage.completion_tokens == 10 and last.usage.total_tokens == 16
+
+
+@pytest.mark.parametrize("speculation", SPECULATION)
+def test_stop_strings_end_the_text_where_plain_decoding_would(client, tokenizer, target, speculation):
+    want = greedy(target, tokenizer, PROMPT, 24)
+    words = tokenizer.decode(want).split()
+    stop = f"{words[6]} {words[7]}"  # two words: each alone may come earlier
+    tokens, text = cut_at_stop(tokenizer, want, stop)
+    body = dict(model="target", prompt=PROMPT, max_tokens=24, temperature=0,
+                extra_body={"speculation": speculation})
+    reply = client.completions.create(stop=["w0 w0", stop], **body)  # the first never occurs
+    choice = reply.choices[0]
+    assert (choice.text, choice.finish_reason) == (text, "stop")
+    assert choice.model_extra["token_ids"] == tokens and reply.usage.completion_tokens == len(tokens)
+    chunks = list(client.completions.create(stop=stop, stream=True, **body))
+    assert "".join(c.choices[0].text for c in chunks) == text and chunks[-1].choices[0].finish_reason == "stop"
+    assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == tokens
+
+
+def test_n_samples_are_independent_streams(client, tokenizer, target):
+    want = tokenizer.decode(greedy(target, tokenizer, PROMPT, 8))
+    reply = client.completions.create(model="target", prompt=PROMPT, max_tokens=8, temperature=0, n=2)
+    assert [(c.index, c.text) for c in reply.choices] == [(0, want), (1, want)]  # greedy: every sample is plain's
+    assert reply.usage.completion_tokens == 16
+    sampled = dict(model="target", prompt=PROMPT, max_tokens=16, temperature=1.5, seed=5,
+                   extra_body={"speculation": "off"})
+    many = client.completions.create(n=MAX_N, **sampled).choices
+    assert len({c.text for c in many}) > 1  # each sample its own random stream
+    assert client.completions.create(n=1, **sampled).choices[0].text == many[0].text  # sample 0: the seed's stream
+    chunks = list(client.completions.create(n=2, stream=True, **sampled))
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(2)]
+    assert texts == [many[0].text, many[1].text]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="target", prompt=PROMPT, n=MAX_N + 1)
+    assert e.value.param == "n" and "server.max_n" in e.value.message
+
+
+@pytest.mark.parametrize("speculation", SPECULATION)
+def test_logprobs_are_the_targets_own(client, tokenizer, target, speculation):
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    want = greedy(target, tokenizer, PROMPT, 12)
+    reply = client.completions.create(model="target", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=3,
+                                      extra_body={"speculation": speculation})
+    choice, expected = reply.choices[0], target_logprobs(target, prompt_ids, want)
+    assert choice.model_extra["token_ids"] == want
+    lp = choice.logprobs
+    assert lp.tokens == [tokenizer.decode([t]) for t in want]
+    assert lp.token_logprobs == pytest.approx([float(expected[i, t]) for i, t in enumerate(want)], abs=1e-4)
+    for i, top in enumerate(lp.top_logprobs):
+        values, ids = expected[i].topk(3)
+        assert list(top)[:3] == [tokenizer.decode([t]) for t in ids.tolist()]
+        assert list(top.values())[:3] == pytest.approx(values.tolist(), abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(12)]
+
+    chat = client.chat.completions.create(model="target", messages=[{"role": "user", "content": PROMPT}],
+                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"speculation": speculation})
+    chat_prompt = [int(CHAT_ROLES["user"][1:])] + prompt_ids + [int(CHAT_ROLES["assistant"][1:])]
+    chat_want = greedy(target, tokenizer, chat_prompt, 6)
+    expected = target_logprobs(target, chat_prompt, chat_want)
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [tokenizer.decode([t]) for t in chat_want]
+    assert [c.logprob for c in content] == pytest.approx([float(expected[i, t]) for i, t in enumerate(chat_want)],
+                                                         abs=1e-4)
+    assert [[t.token for t in c.top_logprobs] for c in content] == \
+           [[tokenizer.decode([t]) for t in expected[i].topk(2).indices.tolist()] for i in range(6)]
+
+
+def test_chat_completions_render_the_chat_template(client, tokenizer, target):
+    messages = [{"role": "system", "content": "w1 w2"}, {"role": "user", "content": "w5 w6"}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt == "w61 w1 w2 w62 w5 w6 w63"
+    want = tokenizer.decode(greedy(target, tokenizer, prompt, 8))
+    reply = client.chat.completions.create(model="target", messages=messages, max_tokens=8, temperature=0)
+    assert reply.choices[0].message.role == "assistant" and reply.choices[0].message.content == want
+    assert reply.usage.prompt_tokens == 7 and reply.object == "chat.completion"
+    chunks = list(client.chat.completions.create(model="target", messages=messages, max_completion_tokens=8,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == 8
+    unbounded = client.chat.completions.create(model="target", messages=messages, temperature=0)
+    assert unbounded.usage.completion_tokens == 64  # no max_tokens: up to server.max_new_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="target", messages=[{"role": "robot", "content": "w1"}])
+    assert e.value.param == "messages" and "unknown role robot" in e.value.message
+
+
+REFUSED = [  # (endpoint, field, value): OpenAI fields specdec does not implement
+    ("completions", "presence_penalty", 0.5), ("completions", "frequency_penalty", -1), ("completions", "best_of", 2),
+    ("completions", "logit_bias", {"5": 10}), ("completions", "suffix", "w1"),
+    ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]), ("chat", "presence_penalty", 1),
+]
+
+
+@pytest.mark.parametrize("endpoint, field, value", REFUSED)
+def test_unsupported_fields_are_refused_by_name(client, endpoint, field, value):
+    with pytest.raises(openai.BadRequestError) as e:
+        call(client, endpoint, **{field: value})
+    assert e.value.body["message"] == f"{field} is not supported by specdec" and e.value.param == field
+    assert e.value.type == "invalid_request_error"
+
+
+def test_implicit_defaults_of_unsupported_fields_are_accepted(client):
+    defaults = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "best_of": 1, "suffix": None}
+    assert call(client, "completions", **defaults).choices[0].finish_reason == "length"
+    assert call(client, "chat", presence_penalty=0, tools=[], tool_choice="none").choices[0].finish_reason == "length"
+
+
+BAD = [  # (endpoint, fields, the field the 400 names)
+    ("completions", {"logprobs": 21}, "logprobs"), ("completions", {"stop": ["a"] * 5}, "stop"),
+    ("completions", {"echo": True, "logprobs": 1}, "echo"), ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+    ("chat", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("chat", {"max_completion_tokens": 65}, "max_completion_tokens"),
+    ("completions", {"extra_body": {"frobnicate": 1}}, "frobnicate"),
+]
+
+
+def test_other_bad_fields_name_themselves(client):
+    for endpoint, fields, param in BAD:
+        with pytest.raises(openai.BadRequestError) as e:
+            call(client, endpoint, **fields)
+        assert e.value.param == param, e.value.message
+    assert all(f" {name}," in e.value.message for name in ("prompt", "max_tokens", "task_type"))  # lists the known ones
+
+
+def call(client, endpoint: str, **fields):
+    if endpoint == "chat":
+        return client.chat.completions.create(model="target", messages=[{"role": "user", "content": "w3 w4"}],
+                                              max_tokens=4, **fields)
+    return client.completions.create(model="target", prompt="w3 w4", max_tokens=4, **fields)
+
+
+def test_echo_puts_the_prompt_before_the_text(client):
+    plain = client.completions.create(model="target", prompt=PROMPT, max_tokens=4, temperature=0)
+    echoed = client.completions.create(model="target", prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+
+
+# --- gRPC parity ---------------------------------------------------------------------------------------
+
+
+def test_grpc_stop_n_and_logprobs(server, tokenizer, target):
+    stub = server.stub
+    want = greedy(target, tokenizer, PROMPT, 16)
+    stop = " ".join(tokenizer.decode(want).split()[5:7])
+    tokens, text = cut_at_stop(tokenizer, want, stop)
+    req = api.GenerateRequest(prompt=PROMPT, max_new_tokens=16, stop=[stop], n=2, logprobs=1,
+                              speculation=api.SPECULATION_ON)
+    reply = stub.Generate(req, timeout=60)
+    samples = [reply, *reply.more_samples]
+    assert [s.index for s in samples] == [0, 1]
+    for s in samples:
+        assert (list(s.token_ids), s.text, s.finish_reason) == (tokens, text, "stop")
+        assert [e.token_id for e in s.logprobs] == tokens and all(len(e.top) == 1 for e in s.logprobs)
+        assert s.logprobs[0].token == tokenizer.decode([tokens[0]])
+    expected = target_logprobs(target, tokenizer(PROMPT)["input_ids"], tokens)
+    assert [e.logprob for e in reply.logprobs] == pytest.approx([float(expected[i, t]) for i, t in enumerate(tokens)],
+                                                                abs=1e-4)
+    chunks = list(stub.GenerateStream(req, timeout=60))
+    for i in range(2):
+        mine = [c for c in chunks if c.index == i]
+        assert [t for c in mine for t in c.token_ids] == tokens and "".join(c.text for c in mine) == text
+        assert [e.logprob for c in mine for e in c.logprobs] == pytest.approx([e.logprob for e in reply.logprobs],
+                                                                               abs=1e-4)  # batched otherwise
+        assert mine[-1].finish_reason == "stop" and mine[-1].stats.steps > 0
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(api.GenerateRequest(prompt=PROMPT, max_new_tokens=4, n=MAX_N + 1), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("n:")
+
+
+def test_specdec_client_flags(server, tokenizer, target, capsys):
+    from cluster.commands import main
+
+    want = greedy(target, tokenizer, PROMPT, 10)
+    stop = " ".join(tokenizer.decode(want).split()[4:6])
+    tokens, text = cut_at_stop(tokenizer, want, stop)
+    base = ["client", "--address", server.grpc, "--prompt", PROMPT, "--max-new-tokens", "10", "--stop", "w0",
+            "--stop", stop, "-n", "2", "--logprobs", "2", "--json"]
+    main(base)
+    reply = json.loads(capsys.readouterr().out)
+    for sample in [reply, *reply["more_samples"]]:
+        assert (sample["token_ids"], sample["text"], sample["finish_reason"]) == (tokens, text, "stop")
+        assert [len(e["top"]) for e in sample["logprobs"]] == [2] * len(tokens)
+    main([*base, "--stream"])
+    chunks = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert "".join(c["text"] for c in chunks if c["index"] == 1) == text
+    with pytest.raises(SystemExit, match="INVALID_ARGUMENT: stop"):
+        main(["client", "--address", server.grpc, "--prompt", "w1", *["--stop", "x"] * 5])
+
+
+# --- the README's examples, as written (but the port) -------------------------------------------------
+
+
+def readme_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+
+
+def test_readme_curl_examples_work_as_written(server):
+    http = server.http
+    commands = [line for block in readme_blocks("bash") for line in _joined(block) if line.startswith("curl ")]
+    assert len(commands) >= 2
+    for command in commands:
+        argv = [a.replace("http://localhost:8000", http).replace("localhost:8000", http) for a in shlex.split(command)]
+        out = subprocess.run([*argv, "--silent", "--show-error", "--fail-with-body"], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, (command, out.stdout, out.stderr)
+        reply = json.loads(out.stdout)
+        assert reply["choices"][0]["finish_reason"] in ("stop", "length"), command
+
+
+def test_readme_openai_example_runs(server):
+    http = server.http
+    (example,) = [b for b in readme_blocks("python") if "import openai" in b or "from openai" in b]
+    exec(compile(example.replace("http://localhost:8000", http), "README.md", "exec"), {})
+
+
+def _joined(block: str) -> list[str]:
+    """The block's shell lines, continuation lines joined, comments dropped."""
+    return [re.sub(r"\s+#.*$", "", line).strip() for line in block.replace("\\\n", " ").splitlines()]
+
+
+def test_chat_without_a_chat_template_is_refused_naming_it(tmp_path):
+    """No server needed: the refusal comes before admission."""
+    frontend = SimpleNamespace(tokenizer=load_tokenizer(save_tokenizer(tmp_path, SERVED_WORDS)), context=256)
+    body = json.dumps({"messages": [{"role": "user", "content": "w1"}]}).encode()
+    reply = asyncio.run(OpenAIServer(frontend, "target").chat(body))
+    error = json.loads(reply.body)["error"]
+    assert reply.status_code == 400 and error["param"] == "messages" and "no chat template" in error["message"]
