@@ -1,11 +1,18 @@
-"""The draft side of one request, driving speculation against a target: draft a tree, send it, keep
-what the target accepted, roll the draft's cache back, repeat. With no drafter (or depth 0) every
-tree is a lone root: plain decoding, one token per step. The target is a TargetService in this
-process (plain requests on the target rank) or one reached over gRPC (GrpcTarget)."""
+"""A draft replica's step loop: one loop over all its running requests (of one drafter). Each
+iteration drafts every request's tree in one batched draft forward per depth, sends all the trees in
+one VerifyRequest, and hands each request its verdict: keep what the target accepted, roll the
+draft's cache back, stream the tokens. Requests join and leave between iterations.
 
+The target is a Target: GrpcTarget (a target rank's specdec.v1.TargetService over gRPC), or a
+TargetScheduler in the same process (tests)."""
+
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
+
+import torch
 
 from protos import specdec_tree_pb2 as tree_pb
 from specdec.acceptance import Verdict
@@ -15,12 +22,15 @@ from specdec.sampling import SamplingParams, make_generator
 from specdec.tree import TokenTree
 
 from . import wire
+from .streams import Sink
+
 
 
 class Target(Protocol):
-    def open(self, request_id: str, prompt: list[int], params: SamplingParams, stream: int = 0) -> None: ...
-    def verify(self, request_id: str, tree: TokenTree) -> Verdict: ...
-    def close(self, request_id: str) -> None: ...
+    def open(self, rid: str, prompt: list[int], params: SamplingParams, stream: int = 0,
+             max_new_tokens: int = 0) -> None: ...
+    def verify(self, trees: dict[str, TokenTree]) -> dict[str, Verdict]: ...
+    def close(self, rids: list[str]) -> None: ...
 
 
 class GrpcTarget:
@@ -29,67 +39,144 @@ class GrpcTarget:
     def __init__(self, stub):  # specdec_tree_pb2_grpc.TargetServiceStub
         self.stub = stub
 
-    def open(self, request_id: str, prompt: list[int], params: SamplingParams, stream: int = 0) -> None:
-        self.stub.Open(tree_pb.OpenRequest(request_id=request_id, prompt=prompt,
-                                           params=wire.sampling_to_proto(params), stream=stream))
+    def open(self, rid: str, prompt: list[int], params: SamplingParams, stream: int = 0,
+             max_new_tokens: int = 0) -> None:
+        self.stub.Open(tree_pb.OpenRequest(request_id=rid, prompt=prompt, params=wire.sampling_to_proto(params),
+                                           stream=stream, max_new_tokens=max_new_tokens))
 
-    def verify(self, request_id: str, tree: TokenTree) -> Verdict:
-        reply = self.stub.Verify(tree_pb.VerifyRequest(trees=[wire.tree_to_proto(request_id, tree)]))
-        return wire.verdict_from_proto(reply.results[0])[1]
+    def verify(self, trees: dict[str, TokenTree]) -> dict[str, Verdict]:
+        reply = self.stub.Verify(tree_pb.VerifyRequest(trees=[wire.tree_to_proto(rid, t) for rid, t in trees.items()]))
+        return dict(wire.verdict_from_proto(r) for r in reply.results)
 
-    def close(self, request_id: str) -> None:
-        self.stub.Close(tree_pb.CloseRequest(request_ids=[request_id]))
+    def close(self, rids: list[str]) -> None:
+        self.stub.Close(tree_pb.CloseRequest(request_ids=rids))  # returns at once: the target closes them later
 
 
-def run_steps(
-    target: Target,
-    drafter: Drafter | None,
-    request_id: str,
-    prompt: list[int],
-    params: SamplingParams,
-    max_new_tokens: int,
-    eos: set[int],
-    depth: int = 4,
-    stream: int = 0,
-    on_step: Callable[[float, float], None] | None = None,
-) -> Iterator[tuple[list[int], Generation]]:
-    """Generate one request with `target`, yielding after every step the tokens it
-    committed and the generation so far (finish_reason is final once the iterator ends). The request
-    is closed on the target at the end, also when the consumer stops early. `on_step` gets each
-    step's (draft, verify round trip) seconds."""
-    target.open(request_id, prompt, params, stream)
-    out, seq = Generation([], "length"), list(prompt)
-    gen = make_generator(params.seed, stream, role="draft")
-    speculate = drafter is not None and depth > 0
-    if speculate:
-        drafter.start(1)
-    try:
+@dataclass
+class DraftRequest:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    eos: set[int]
+    depth: int  # K: tokens drafted per step (the n-gram guess is as long)
+    sink: Sink
+    stream: int = 0  # the random stream of this sample of its seed
+    seq: list[int] = field(init=False)
+    out: Generation = field(default_factory=lambda: Generation([], "length"))
+    gen: torch.Generator = field(init=False)
+
+    def __post_init__(self):
+        self.seq = list(self.prompt)
+        self.gen = make_generator(self.params.seed, self.stream, role="draft")
+
+    def plan(self) -> Plan:
+        k = min(self.depth, max(0, self.max_new_tokens - len(self.out.token_ids) - 1))  # past the end is waste
+        return Plan(k, k)
+
+
+class DraftLoop:
+    """The running requests of one drafter, stepped together on a thread of their own."""
+
+    def __init__(self, target: Target, drafter: Drafter | None,
+                 on_step: Callable[[float, float], None] = lambda draft_s, verify_s: None):
+        self.target, self.drafter, self.on_step = target, drafter, on_step
+        self.rows: list[DraftRequest] = []  # batch order: the drafter's rows
+        self._joining: list[DraftRequest] = []
+        self._cancelled: set[str] = set()
+        self._cv = threading.Condition()
+        if drafter is not None:
+            drafter.start(0)
+        threading.Thread(target=self._loop, name="draft-loop", daemon=True).start()
+
+    def join(self, request: DraftRequest) -> None:
+        """A request already opened on the target joins at the next step."""
+        with self._cv:
+            self._joining.append(request)
+            self._cv.notify()
+
+    def cancel(self, rid: str) -> None:
+        """Stop a request at the next step; it is closed on the target and its sink told it finished."""
+        with self._cv:
+            self._cancelled.add(rid)
+            self._cv.notify()
+
+    def _loop(self) -> None:
         while True:
-            t0 = time.perf_counter()
-            tree = drafter.propose([seq], [Plan(depth, depth)], [params], [gen])[0] if speculate \
-                else TokenTree.root(seq[-1])
-            t1 = time.perf_counter()
-            verdict = target.verify(request_id, tree)
-            times = (t1 - t0, time.perf_counter() - t1)  # verify: the round trip
-            record_step(out.stats, tree, verdict, times)
-            if on_step:
-                on_step(*times)
-            if speculate:
-                drafter.commit([verdict.path])
-            before = len(out.token_ids)
-            more = emit(out, seq, verdict, max_new_tokens, eos)
-            yield out.token_ids[before:], out
+            with self._cv:
+                self._cv.wait_for(lambda: self.rows or self._joining)
+                joining, self._joining = self._joining, []
+                cancelled = set(self._cancelled)
+            try:
+                self._add(joining)
+                stopped = [r for r in self.rows if r.rid in cancelled]
+                with self._cv:  # a cancel may come before its request joins: kept until it is seen
+                    self._cancelled -= {r.rid for r in stopped}
+                self._drop(stopped, close=True)
+                if self.rows:
+                    self._step()
+            except Exception as e:  # noqa: BLE001 - the target is gone, or a bug: no request waits forever
+                self._fail(e)
+
+    def _add(self, joining: list[DraftRequest]) -> None:
+        if joining:
+            if self.drafter is not None:
+                self.drafter.add_rows(len(joining))
+            self.rows += joining
+
+    def _drop(self, leaving: list[DraftRequest], close: bool) -> None:
+        """Remove rows from the batch (and the drafter); `close`: also on the target, and tell their sinks."""
+        if not leaving:
+            return
+        gone = {id(r) for r in leaving}
+        keep = [i for i, r in enumerate(self.rows) if id(r) not in gone]
+        if self.drafter is not None:
+            self.drafter.select(keep)
+        self.rows = [self.rows[i] for i in keep]
+        if close:
+            self.target.close([r.rid for r in leaving])
+            for r in leaving:
+                r.sink([], r.out, True, None)
+
+    def _step(self) -> None:
+        rows = self.rows
+        plans = [r.plan() for r in rows]
+        t0 = time.perf_counter()
+        trees = self._draft(rows, plans)
+        t1 = time.perf_counter()
+        verdicts = self.target.verify({r.rid: t for r, t in zip(rows, trees)})
+        times = (t1 - t0, time.perf_counter() - t1)
+        self.on_step(*times)
+        # a request closed on the target meanwhile (its client went away) has no verdict
+        paths = [verdicts[r.rid].path if r.rid in verdicts else [0] for r in rows]
+        if self.drafter is not None:
+            self.drafter.commit(paths)
+        done = []
+        for r, tree in zip(rows, trees):
+            if r.rid not in verdicts:
+                done.append(r)
+                r.sink([], r.out, True, None)
+                continue
+            v = verdicts[r.rid]
+            record_step(r.out.stats, tree, v, times)
+            before = len(r.out.token_ids)
+            more = emit(r.out, r.seq, v, r.max_new_tokens, r.eos)
+            r.sink(r.out.token_ids[before:], r.out, not more, None)
             if not more:
-                return
-    finally:
-        target.close(request_id)
+                done.append(r)
+        if done:
+            self.target.close([r.rid for r in done])
+        self._drop(done, close=False)
 
+    def _draft(self, rows: list[DraftRequest], plans: list[Plan]) -> list[TokenTree]:
+        if self.drafter is None or not any(p.depth or p.ngram for p in plans):
+            return [TokenTree.root(r.seq[-1]) for r in rows]
+        return self.drafter.propose([r.seq for r in rows], plans, [r.params for r in rows], [r.gen for r in rows])
 
-def run_request(target: Target, drafter: Drafter | None, request_id: str, prompt: list[int], params: SamplingParams,
-                max_new_tokens: int, eos: set[int], depth: int = 4, stream: int = 0) -> Generation:
-    """run_steps to the end: the whole generation."""
-    out = Generation([], "length")
-    for _, out in run_steps(target, drafter, request_id, prompt, params, max_new_tokens, eos, depth, stream):
-        pass
-    return out
-
+    def _fail(self, error: Exception) -> None:
+        """A step failed (the target is gone, say): every running request ends with the error."""
+        rows, self.rows = self.rows, []
+        if self.drafter is not None:
+            self.drafter.start(0)
+        for r in rows:
+            r.sink([], r.out, True, error)

@@ -1,51 +1,71 @@
-"""A draft replica: owns the draft model(s) and drives the speculation loop of the requests it is
-given, sending token trees to the target group over gRPC."""
+"""A draft replica: owns the draft model(s) and runs one step loop per draft model over the
+requests it is given, sending all their token trees to the target group in one message per step."""
+
+import asyncio
 
 import grpc
 import ray
 
-from .draft_loop import GrpcTarget, run_steps
-from .metrics import StepTimer
 from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.drafters import make_drafter
 from specdec.kvcache import CachedLM
 from specdec.loading import load_model, parse_dtype
 from specdec.sampling import SamplingParams
 
-from .streams import RequestStreams
+from .draft_loop import DraftLoop, DraftRequest, GrpcTarget
+from .metrics import StepTimer
+from .streams import StepStream
 from .target_rank import device_for_actor, use_assigned_cpus
 
 
 @ray.remote
-class DraftReplica(RequestStreams):
+class DraftReplica:
+    """Async: a request is a stream fed by its draft model's loop, not a thread."""
+
     def __init__(self, drafts: dict[str, tuple[str, str]], target_address: str, drafter: str = "model+ngram",
                  width: int = 1):
         """drafts: task type -> (model folder, dtype); the "" entry drafts for every other task type."""
-        super().__init__()
         use_assigned_cpus()
         self.models = {task: load_model(path, parse_dtype(dtype), device_for_actor())
                        for task, (path, dtype) in drafts.items()}
         self.drafter, self.width = drafter, width
-        self.drafter_for("")  # fail here, at start, on a bad drafter/model combination
+        make_drafter(drafter, CachedLM(self.models[""]) if "" in self.models else None, width)  # fail at start
         self.target = GrpcTarget(tree_grpc.TargetServiceStub(grpc.insecure_channel(target_address)))
         name = ray.get_runtime_context().get_actor_name() or "draft"
         self.step_timer = StepTimer(name.rsplit("-", 1)[0])  # draft-<i>-<topology tag> -> draft-<i>
+        self.loops: dict[str, DraftLoop] = {}  # per draft model: its task type, or "" for the rest
+        self.running: dict[str, DraftLoop] = {}  # request id -> its loop
 
     def ready(self) -> bool:
         return True
 
-    def drafter_for(self, task_type: str):
-        model = self.models.get(task_type, self.models.get(""))
-        return make_drafter(self.drafter, CachedLM(model) if model is not None else None, self.width)
-
-    def generate(self, request_id: str, prompt: list[int], params: SamplingParams, max_new_tokens: int,
-                 eos: list[int] = (), depth: int = 4, task_type: str = "", stream: int = 0):
-        """One request, start to end, K = depth: yields each step's tokens, then a summary. Its KV
-        cache on the target is closed when it finishes (or when the caller cancels it). `stream`
-        separates the random streams of samples that share a seed."""
-        steps = run_steps(self.target, self.drafter_for(task_type), request_id, prompt, params,
-                          max_new_tokens, set(eos), depth, stream, on_step=self.step_timer)
-        yield from self._stream(request_id, steps)
-
     def gpu_ids(self) -> list:
         return ray.get_gpu_ids()
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, max_new_tokens: int,
+                       eos: list[int] = (), depth: int = 4, task_type: str = "", stream: int = 0):
+        """One request, K = depth: opened on the target (it may wait there for room), then stepped with
+        the replica's other requests. Yields each step's tokens; the last item has the finish reason.
+        `stream` separates the random streams of samples that share a seed."""
+        loop = self.running[request_id] = self._loop_for(task_type)  # from here on it can be cancelled
+        await asyncio.to_thread(self.target.open, request_id, prompt, params, stream, max_new_tokens)
+        steps = StepStream()
+        loop.join(DraftRequest(request_id, prompt, params, max_new_tokens, set(eos), depth, steps, stream))
+        try:
+            async for item in steps.items():
+                yield item
+        finally:
+            self.running.pop(request_id, None)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request at its next step (its client went away or its deadline passed)."""
+        if loop := self.running.get(request_id):
+            loop.cancel(request_id)
+
+    def _loop_for(self, task_type: str) -> DraftLoop:
+        key = task_type if task_type in self.models else ""
+        if key not in self.loops:
+            model = self.models.get(key)
+            drafter = make_drafter(self.drafter, CachedLM(model) if model is not None else None, self.width)
+            self.loops[key] = DraftLoop(self.target, drafter, on_step=self.step_timer)
+        return self.loops[key]

@@ -45,7 +45,7 @@ verify_step = seconds_histogram("verify_step_seconds", "Verifying one step: the 
 
 
 class StepTimer:
-    """A draft replica's per-step times, as run_steps reports them: (draft seconds, verify round trip)."""
+    """A draft replica's per-step times, as its DraftLoop reports them: (draft seconds, verify round trip)."""
 
     def __init__(self, replica: str):
         self.tags = {"replica": replica}

@@ -1,6 +1,7 @@
-"""A target rank: owns (a shard of) the target model and its requests' KV caches. Rank 0 serves
-specdec.v1.TargetService over gRPC, so draft replicas can send it token trees, and decodes plain
-(unspeculative) requests itself; ranks > 0 mirror rank 0's calls (actors/lockstep.py)."""
+"""A target rank: owns (a shard of) the target model and its requests' KV caches. Rank 0 runs the
+scheduler loop (actors/scheduler.py), which decodes plain requests and verifies the trees that
+draft replicas send over gRPC (specdec.v1.TargetService); ranks > 0 mirror rank 0's calls
+(actors/lockstep.py)."""
 
 import os
 import threading
@@ -11,17 +12,17 @@ import ray
 import torch
 import torch.distributed as dist
 
-from . import metrics
-from .draft_loop import run_steps
-from .lockstep import LockstepWorker, follow
-from .target_service import TargetService
 from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.kvcache import CachedLM
 from specdec.loading import load_model, load_sharded_model, parse_dtype
 from specdec.sampling import SamplingParams
 from specdec.target import TargetWorker
 
-from .streams import RequestStreams
+from . import metrics
+from .lockstep import LockstepWorker, follow
+from .scheduler import KvBudget, TargetScheduler
+from .streams import StepStream
+from .target_service import TargetService
 
 
 def device_for_actor() -> str:
@@ -35,12 +36,15 @@ def use_assigned_cpus() -> None:
 
 
 @ray.remote
-class TargetRank(RequestStreams):
+class TargetRank:
+    """Async: plain requests are streams fed by the scheduler's loop, not threads. Rank 0 runs the
+    scheduler and the gRPC service; ranks > 0 follow it."""
+
     def __init__(self, model_path: str, dtype: str = "float32", rank: int = 0, world_size: int = 1,
-                 dist_address: str | None = None, batch_window_s: float = 0.002):
-        super().__init__()
+                 dist_address: str | None = None, budget: KvBudget = KvBudget()):
         use_assigned_cpus()
-        self.rank, self.service = rank, None
+        self.rank, self.scheduler = rank, None
+        self.streams: dict[str, StepStream] = {}
         if world_size == 1:
             worker = TargetWorker(CachedLM(load_model(model_path, parse_dtype(dtype), device_for_actor())))
             self.weights_held = _local_numel(worker.lm.model)
@@ -52,9 +56,9 @@ class TargetRank(RequestStreams):
                 threading.Thread(target=follow, args=(worker, group), name="lockstep", daemon=True).start()
                 return
             worker = LockstepWorker(worker, group)
-        self.service = TargetService(worker, batch_window_s, on_forward=metrics.observe_forward)
+        self.scheduler = TargetScheduler(worker, budget, on_forward=metrics.observe_forward)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
-        tree_grpc.add_TargetServiceServicer_to_server(self.service, self.server)
+        tree_grpc.add_TargetServiceServicer_to_server(TargetService(self.scheduler), self.server)
         self.port = self.server.add_insecure_port("0.0.0.0:0")
         self.server.start()
 
@@ -67,18 +71,28 @@ class TargetRank(RequestStreams):
     def gpu_ids(self) -> list:
         return ray.get_gpu_ids()
 
-    def decode(self, request_id: str, prompt: list[int], params: SamplingParams, max_new_tokens: int, eos: list[int],
-               stream: int = 0):
-        """A plain request, decoded here one token per step: yields each step's tokens, then a summary."""
-        steps = run_steps(self.service, None, request_id, prompt, params,
-                          max_new_tokens, set(eos), stream=stream)
-        yield from self._stream(request_id, steps)
+    async def decode(self, request_id: str, prompt: list[int], params: SamplingParams, max_new_tokens: int,
+                     eos: list[int], stream: int = 0):
+        """A plain request, decoded by the scheduler's loop with every other row: yields each step's
+        tokens; the last item has the finish reason. `stream`: the sample's random stream."""
+        steps = self.streams[request_id] = StepStream()
+        try:
+            self.scheduler.decode(request_id, prompt, params, max_new_tokens, set(eos), steps, stream)
+            async for item in steps.items():
+                yield item
+        finally:
+            self.streams.pop(request_id, None)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a plain request (its client went away or its deadline passed)."""
+        self.scheduler.close([request_id])
+        if stream := self.streams.get(request_id):
+            stream.cancel()
 
     def stats(self) -> dict:
-        if self.service is None:  # a rank > 0
+        if self.scheduler is None:  # a rank > 0
             return {"weights_held": self.weights_held}
-        return {"weights_held": self.weights_held, "forwards": self.service.forwards,
-                "largest_batch": self.service.largest_batch, "forward_time_s": self.service.forward_time_s, "open_requests": len(self.service.worker.rows)}
+        return {"weights_held": self.weights_held, **self.scheduler.stats()}
 
 
 def _local_numel(model: torch.nn.Module) -> int:

@@ -53,16 +53,25 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--json", action="store_true")
     c.add_argument("--stats", action="store_true", help="print per task type alpha, decision, K, requests")
 
-    sb = sub.add_parser("bench-served", help="a running server's tokens/s with speculation off vs on")
+    sb = sub.add_parser("bench-served", help="a running server's tokens/s and time per output token: clients x "
+                                             "speculation off/on/auto, with transformers as reference lines")
     sb.add_argument("--address", default="localhost:9000", help="host:port of specdec.v1.SpecDecode")
-    sb.add_argument("--http", default="http://localhost:8000", help="the server's HTTP root (for /v1/stats)")
+    sb.add_argument("--http", default="http://localhost:8000",
+                    help="the server's HTTP root, for its step timing in GET /v1/stats ('' to skip it)")
     sb.add_argument("--prompts", required=True, help="JSONL rows with 'prompt' and 'task_type'")
-    sb.add_argument("--clients", type=int, nargs="+", default=[1, 8], help="concurrent clients (default 1 8)")
+    sb.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16],
+                    help="concurrent clients, one grid row each (default 1 2 4 8 16)")
     sb.add_argument("--modes", nargs="+", type=Speculation.parse, choices=list(Speculation),
-                    default=list(Speculation), metavar="{auto,on,off}")
+                    default=[Speculation.OFF, Speculation.ON, Speculation.AUTO], metavar="{off,on,auto}",
+                    help="default off on auto; off always runs first (every other mode must equal it)")
     sb.add_argument("--max-new-tokens", type=int, default=64)
     sb.add_argument("--limit", type=int, help="use only the first N prompts of each task type")
-    sb.add_argument("--json", action="store_true")
+    sb.add_argument("--target", metavar="DIR", help="the served target's model folder: measure transformers "
+                    "generate() and generate_batch on it in this process, after the grid (default: no references)")
+    sb.add_argument("--timeout", type=float, default=600, help="deadline per request in seconds (default 600)")
+    sb.add_argument("--json", action="store_true", help='end with one JSON line {"rows": [...], "references": {...}}')
+    sb.add_argument("--plot", metavar="PNG", help="write tokens/s against clients, one line per mode, "
+                                                  "the references as horizontal lines")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -97,6 +97,10 @@ class ServerConfig(_Section):
     max_new_tokens: int = Field(1024, ge=1)
     max_queued_requests: int = Field(256, ge=1)
     max_n: int = Field(8, ge=1)  # most samples one request may ask for (OpenAI's n)
+    # the target's KV budget: requests it holds at once, and KV tokens (each request counted at its most:
+    # prompt + max_new_tokens + room for a tree); beyond either, requests wait for room in arrival order
+    max_running_requests: int = Field(64, ge=1)
+    max_kv_tokens: int = Field(65536, ge=1)
 
     @field_validator("http_port")
     @classmethod

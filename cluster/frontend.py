@@ -204,7 +204,8 @@ class Frontend:
                     finished = True
                     if offset is None:  # a draft replica's round trips: what the gRPC hop and batching add
                         self._add_timing(part["stats"])
-                    yield _last_chunk(part["finish_reason"], stats, _chunk(part, text, final=True))
+                    chunk = _chunk(part, text, final=True)  # its tokens may complete a stop string
+                    yield _last_chunk("stop" if text.stopped else part["finish_reason"], stats, chunk)
                 elif part["tokens"]:
                     chunk = _chunk(part, text)
                     yield _last_chunk("stop", stats, chunk) if text.stopped else chunk
@@ -224,8 +225,9 @@ class Frontend:
     async def stats(self) -> dict:
         target = await self.topology.target.stats.remote()
         timing = {"forwards": target["forwards"], "forward_s": target["forward_time_s"], **self.timing}
+        held = {key: target[key] for key in ("open_requests", "kv_tokens_reserved", "waiting", "largest_batch")}
         return {"task_types": self.router.stats(), "requests": dict(self.served), "in_flight": self.in_flight,
-                "timing": timing}
+                "timing": timing, "target": held}
 
     def _add_timing(self, stats: dict) -> None:
         self.timing["steps"] += stats["steps"]

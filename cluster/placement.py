@@ -9,12 +9,13 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.draft_replica import DraftReplica
+from actors.scheduler import KvBudget
 from actors.target_rank import TargetRank, free_address
 
 from .config import ServeConfig
 
 NAMESPACE = "specdec"  # draft replicas are named here (draft-<i>-<topology tag>), for operators and tests
-ACTOR_CONCURRENCY = 256  # requests an actor runs at once (threads; the target batches their forwards)
+ACTOR_CONCURRENCY = 1024  # requests an actor streams at once (async: streams, not threads)
 
 
 @dataclass
@@ -61,7 +62,8 @@ def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
         topo.target_ranks = [
             TargetRank.options(num_gpus=place.gpus_per_actor, num_cpus=1, max_concurrency=ACTOR_CONCURRENCY,
                                scheduling_strategy=_on(target_pg, r))
-            .remote(models.target.path, models.target.dtype, r, tp, rendezvous)
+            .remote(models.target.path, models.target.dtype, r, tp, rendezvous,
+                    KvBudget(cfg.server.max_running_requests, cfg.server.max_kv_tokens))
             for r in range(tp)]
         ray.get([rank.ready.remote() for rank in topo.target_ranks], timeout=timeout_s)
         topo.target_address = ray.get(topo.target.address.remote())

@@ -1,12 +1,34 @@
-"""`specdec bench-served`: a running server's throughput with speculation off and on, side by side,
-at several client counts, plus where a step's time goes (target forward vs the gRPC hop and Ray).
+"""`specdec bench-served`: a running server's throughput and per-token latency on a grid of client counts
+x speculation modes, with transformers' own decoding of the same target measured in the same run as
+reference lines.
 
-Every prompt runs once per (clients, mode); the greedy outputs of every mode must equal OFF's."""
+A cell is (clients, mode): every prompt of the file is sent once with GenerateStream, by `clients`
+workers pulling from one shared queue, greedy (the server's default), so every mode must be
+token-identical to `off` at the same client count; a mismatch stops the run naming mode, clients and
+prompt. Per cell, measured on the client side:
+
+  tokens/s      all output tokens of the cell / the cell's wall time
+  TPOT          per request (time of its last token - time of its first) / (tokens - 1); p50 and p95
+  TTFT          per request, first token's arrival - the call; p50
+  vs off        tokens/s over off's at the same client count (off always runs first)
+
+plus, where the server reports them in GET /v1/stats ("timing"), where a step's time goes: the
+target's forward, a draft replica's verify round trip, its draft time. The server side changes, so a
+key it no longer reports shows as "-".
+
+Reference lines (--target, the served model folder): in this process, after the grid (never beside
+it: they would share the cores), transformers on the same target, greedy, the same prompts and
+max_new_tokens: `generate()` one request at a time, and continuous batching `generate_batch` over all
+prompts at once. Speed claims are ratios measured side by side in this one run; this is not a test."""
 
 import json
+import math
+import os
+import queue
+import threading
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -16,67 +38,338 @@ from specdec.prompts import load_prompts
 
 from .router import Speculation
 
+TIMING_KEYS = ("forwards", "forward_s", "steps", "step_round_trip_s", "draft_s")  # read from GET /v1/stats
+REFERENCES = ("generate", "generate_batch")
+
+
+@dataclass
+class Reply:
+    """One streamed request, as the client saw it."""
+
+    tokens: list[int] = field(default_factory=list)
+    ttft_s: float | None = None
+    tpot_s: float | None = None  # None for a one-token reply
+    steps: int = 0
+    accepted: int = 0
+    drafted: int = 0
+
 
 def bench_main(args) -> None:
+    if not args.clients or min(args.clients) < 1:
+        raise ValueError(f"--clients must be >= 1, got {args.clients}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     rows = load_prompts(args.prompts, args.limit)
-    results = []
+    modes = [Speculation.OFF] + [m for m in dict.fromkeys(args.modes) if m != Speculation.OFF]
+    if max(args.clients) > len(rows):
+        print(f"bench-served: {len(rows)} prompts: cells with more clients than that run at most {len(rows)} "
+              f"requests at once", flush=True)
+    results, off_outputs = [], None
     with grpc.insecure_channel(args.address) as channel:
         stub = api_grpc.SpecDecodeStub(channel)
-        warm = api.GenerateRequest(prompt=rows[0]["prompt"], max_new_tokens=4, task_type=rows[0]["task_type"])
-        stub.Generate(warm, timeout=300)
+        for mode in modes:  # warm-up (loads, first-call costs), not timed
+            stream_one(stub, rows[0], mode, min(4, args.max_new_tokens), args.timeout)
+        stats = _StatsReader(args.http)
         for clients in args.clients:
-            outputs = {}
-            for mode in args.modes:
-                before = _server_stats(args.http)
-                t0 = time.perf_counter()
-                with ThreadPoolExecutor(clients) as pool:
-                    replies = list(pool.map(lambda r, m=mode: _call(stub, r, m, args.max_new_tokens), rows))
-                wall = time.perf_counter() - t0
-                outputs[mode] = [list(r.token_ids) for r in replies]
-                results.append(_row(clients, mode, wall, replies, before, _server_stats(args.http)))
+            off = None
+            for mode in modes:
+                before = stats.read()
+                replies, wall = run_cell(stub, rows, mode, clients, args.max_new_tokens, args.timeout)
+                after = stats.read()
+                if mode == Speculation.OFF:
+                    off = [r.tokens for r in replies]
+                    off_outputs = off_outputs or off
+                else:
+                    check_identical(off, replies, mode, clients)
+                results.append(cell_row(clients, mode, wall, replies, before, after, results))
                 print(json.dumps(results[-1]), flush=True)
-            for mode in args.modes:
-                if outputs[mode] != outputs[args.modes[0]]:
-                    raise SystemExit(f"bench-served: mode {mode} changed the greedy output at {clients} clients")
-    print(_table(results))
+    if args.target:
+        references = measure_references(args.target, rows, args.max_new_tokens, off_outputs)
+    else:
+        print("bench-served: no --target: skipping the transformers reference lines", flush=True)
+        references = {name: {"skipped": "no --target"} for name in REFERENCES}
+    print(table(results, references, args, len(rows)))
+    if args.plot:
+        plot(results, references, args.plot, args)
     if args.json:
-        print(json.dumps({"rows": results}))
+        print(json.dumps({"rows": results, "references": references}))
 
 
-def _call(stub, row: dict, mode: Speculation, max_new_tokens: int) -> api.GenerateResponse:
+# --- the grid -----------------------------------------------------------------------------------------
+
+
+def stream_one(stub, row: dict, mode: Speculation, max_new_tokens: int, timeout: float) -> Reply:
+    """One GenerateStream call, timed per chunk as the chunks arrive."""
     req = api.GenerateRequest(prompt=row["prompt"], task_type=row["task_type"], max_new_tokens=max_new_tokens,
                               speculation=api.Speculation.Value(mode.proto_name))
-    return stub.Generate(req, timeout=600)
+    reply, first, last = Reply(), None, None
+    t0 = time.perf_counter()
+    for chunk in stub.GenerateStream(req, timeout=timeout):
+        now = time.perf_counter()
+        if chunk.token_ids:
+            first = now if first is None else first
+            last = now
+            reply.tokens.extend(chunk.token_ids)
+        if chunk.HasField("stats"):
+            reply.steps, reply.accepted, reply.drafted = chunk.stats.steps, chunk.stats.accepted, chunk.stats.drafted
+    if first is not None:
+        reply.ttft_s = first - t0
+        if len(reply.tokens) > 1:
+            reply.tpot_s = (last - first) / (len(reply.tokens) - 1)
+    return reply
 
 
-def _server_stats(http: str) -> dict:
-    with urllib.request.urlopen(f"{http}/v1/stats", timeout=30) as r:
-        return json.loads(r.read())["timing"]
+def run_cell(stub, rows: list[dict], mode: Speculation, clients: int, max_new_tokens: int,
+             timeout: float) -> tuple[list[Reply], float]:
+    """Every row once, by `clients` workers pulling from one queue -> (replies in row order, wall seconds)."""
+    todo: queue.Queue = queue.Queue()
+    for i, row in enumerate(rows):
+        todo.put((i, row))
+    replies: list[Reply | None] = [None] * len(rows)
+    errors: list[tuple[int, grpc.RpcError]] = []
+
+    def worker():
+        while True:
+            try:
+                i, row = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                replies[i] = stream_one(stub, row, mode, max_new_tokens, timeout)
+            except grpc.RpcError as e:
+                errors.append((i, e))
+
+    t0 = time.perf_counter()
+    workers = [threading.Thread(target=worker, name=f"bench-client-{n}", daemon=True) for n in range(clients)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        i, e = min(errors, key=lambda x: x[0])
+        raise SystemExit(f"bench-served: mode {mode.lower()} at {clients} clients, prompt {i}: "
+                         f"{e.code().name}: {e.details()}")
+    return replies, wall
 
 
-def _row(clients: int, mode: str, wall: float, replies: list, before: dict, after: dict) -> dict:
-    tokens = sum(len(r.token_ids) for r in replies)
-    steps = sum(r.stats.steps for r in replies)
-    delta = {k: after[k] - before[k] for k in after}
-    per = lambda key, n: 1000 * delta[key] / n if n else None  # noqa: E731 - ms per step
+def check_identical(off: list[list[int]], replies: list[Reply], mode: Speculation, clients: int) -> None:
+    """Greedy: every mode must give off's tokens, prompt by prompt; SystemExit naming the first that does not."""
+    for i, (want, reply) in enumerate(zip(off, replies)):
+        if reply.tokens != want:
+            at = next((n for n, (a, b) in enumerate(zip(want, reply.tokens)) if a != b), min(len(want), len(reply.tokens)))
+            raise SystemExit(f"bench-served: mode {mode.lower()} at {clients} clients changed the greedy output of "
+                             f"prompt {i} at token {at} (off: {want[at:at + 8]}, {mode.lower()}: {reply.tokens[at:at + 8]}, "
+                             f"lengths {len(want)} vs {len(reply.tokens)})")
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100), linear between closest ranks; None for no values."""
+    if not values:
+        return None
+    v = sorted(values)
+    pos = (len(v) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def cell_row(clients: int, mode: Speculation, wall: float, replies: list[Reply], before: dict, after: dict,
+             earlier: list[dict]) -> dict:
+    tokens = sum(len(r.tokens) for r in replies)
+    tps = tokens / wall
+    off = next((r["tokens_per_s"] for r in earlier if r["clients"] == clients and r["mode"] == "off"), None)
+    ms = lambda s: None if s is None else round(1000 * s, 3)  # noqa: E731
+    tpot = [r.tpot_s for r in replies if r.tpot_s is not None]
+    delta = {k: after[k] - before[k] for k in TIMING_KEYS if k in after and k in before}
+
+    def per(key: str, count: str) -> float | None:  # server ms per forward / per step, when reported
+        return round(1000 * delta[key] / delta[count], 3) if key in delta and delta.get(count) else None
+
     return {
-        "clients": clients, "mode": mode.lower(), "requests": len(replies), "tokens": tokens, "wall_s": round(wall, 3),
-        "tokens_per_s": round(tokens / wall, 2), "steps": steps,
-        "accepted": sum(r.stats.accepted for r in replies), "drafted": sum(r.stats.drafted for r in replies),
-        "target_forward_ms": per("forward_s", delta["forwards"]),
-        "step_round_trip_ms": per("step_round_trip_s", delta["steps"]),
-        "draft_ms": per("draft_s", delta["steps"]),
-        "client_step_ms": 1000 * wall * clients / steps,  # a step as a client sees it (at 1 client: all of it)
+        "clients": clients, "mode": mode.lower(), "requests": len(replies), "tokens": tokens,
+        "wall_s": round(wall, 3), "tokens_per_s": round(tps, 2),
+        "speedup": 1.0 if mode == Speculation.OFF else round(tps / off, 3) if off else None,
+        "tpot_p50_ms": ms(percentile(tpot, 50)), "tpot_p95_ms": ms(percentile(tpot, 95)),
+        "ttft_p50_ms": ms(percentile([r.ttft_s for r in replies if r.ttft_s is not None], 50)),
+        "steps": sum(r.steps for r in replies), "accepted": sum(r.accepted for r in replies),
+        "drafted": sum(r.drafted for r in replies),
+        "identical_to_off": None if mode == Speculation.OFF else True,  # a mismatch stops the run
+        "target_forward_ms": per("forward_s", "forwards"),
+        "step_round_trip_ms": per("step_round_trip_s", "steps"),
+        "draft_ms": per("draft_s", "steps"),
     }
 
 
-def _table(rows: list[dict]) -> str:
-    base = {r["clients"]: r["tokens_per_s"] for r in rows if r["mode"] == "off"}
-    lines = ["clients mode  tok/s   speedup  steps  accepted/drafted  forward_ms  round_trip_ms  draft_ms  client_step_ms"]
+class _StatsReader:
+    """The server's cumulative step timing (GET /v1/stats "timing"), read defensively: an unreachable
+    server, or a key it does not report, gives no value (noted once), never a crash."""
+
+    def __init__(self, http: str):
+        self.http = (http or "").rstrip("/")
+        self.noted = not self.http
+
+    def read(self) -> dict:
+        if not self.http:
+            return {}
+        try:
+            with urllib.request.urlopen(f"{self.http}/v1/stats", timeout=30) as r:
+                body = json.loads(r.read())
+        except (OSError, ValueError) as e:  # URLError, timeouts, bad JSON
+            return self._note(f"GET {self.http}/v1/stats failed ({e})")
+        timing = body.get("timing") if isinstance(body, dict) else None
+        if not isinstance(timing, dict):
+            return self._note(f"GET {self.http}/v1/stats has no 'timing'")
+        return {k: v for k, v in timing.items() if k in TIMING_KEYS and isinstance(v, int | float)}
+
+    def _note(self, msg: str) -> dict:
+        if not self.noted:
+            print(f"bench-served: {msg}: server step timing shown as '-'", flush=True)
+            self.noted = True
+        return {}
+
+
+# --- the reference lines --------------------------------------------------------------------------------
+
+
+def measure_references(target: str, rows: list[dict], max_new_tokens: int, off_outputs: list[list[int]] | None) -> dict:
+    """transformers on the served target in this process, greedy: generate() one prompt at a time, then
+    generate_batch over all at once. Each -> tokens, seconds, tokens/s, torch threads, and how many
+    prompts match the server's off output (information: the server's batching may round differently)."""
+    import torch
+
+    from specdec.loading import eos_ids, load_model, load_tokenizer
+
+    tokenizer = load_tokenizer(target)
+    model = load_model(target)
+    eos = sorted(eos_ids(model.generation_config, tokenizer))
+    prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]  # as the server's ingress encodes them
+    out = {}
+    with torch.inference_mode():
+        for name, run in (("generate", _generate_one_by_one), ("generate_batch", _generate_batch)):
+            try:
+                ref = run(model, prompts, max_new_tokens, eos)
+            except Exception as e:  # noqa: BLE001 - a reference that cannot run here is reported, not faked
+                ref = {"skipped": f"{type(e).__name__}: {e}"}
+            if "outputs" in ref:
+                outputs = ref.pop("outputs")
+                ref["tokens"] = sum(map(len, outputs))
+                ref["tokens_per_s"] = round(ref["tokens"] / ref["seconds"], 2)
+                ref["identical_to_off"] = (None if off_outputs is None else
+                                           f"{sum(a == b for a, b in zip(outputs, off_outputs))}/{len(outputs)}")
+                ref["torch_threads"] = torch.get_num_threads()
+                ref["device"] = str(model.device)
+            else:
+                print(f"bench-served: reference {name} skipped: {ref['skipped']}", flush=True)
+            out[name] = ref
+    return out
+
+
+def _generate_one_by_one(model, prompts: list[list[int]], max_new_tokens: int, eos: list[int]) -> dict:
+    import torch
+
+    def run(prompt, n):
+        ids = torch.tensor([prompt], device=model.device)
+        seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0)
+        return seq[0, len(prompt):].tolist()
+
+    run(prompts[0], min(4, max_new_tokens))  # warm-up, not timed
+    t0 = time.perf_counter()
+    outputs = [run(p, max_new_tokens) for p in prompts]
+    return {"outputs": outputs, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _generate_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: list[int]) -> dict:
+    """transformers' continuous batching over all prompts at once. Its paged KV cache is sized for this
+    workload: by default it takes 60% of the machine's RAM on CPU (tens of GB zeroed, tens of seconds).
+    Timed from the call to its last request's end; the manager's shutdown after that (about a second of
+    thread join and garbage collection) is left out, and the call's whole wall time reported beside it."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    page = 32
+    cache = ContinuousBatchingConfig(
+        page_size=page,
+        num_blocks=sum(math.ceil((len(p) + max_new_tokens + 1) / page) for p in prompts) + 1,
+        max_batch_tokens=max(512, max(map(len, prompts)) + 1),
+    )
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos or -1,
+                              pad_token_id=eos[0] if eos else 0)
+
+    def run(batch):
+        results = model.generate_batch(batch, generation_config=config, continuous_batching_config=cache,
+                                       warmup=model.device.type == "cuda")
+        results = list(results.values())
+        bad = [r.error for r in results if r.error is not None]
+        if len(results) != len(batch) or bad:
+            raise RuntimeError(f"{len(results)} of {len(batch)} requests came back"
+                               + (f"; errors: {bad[:2]}" if bad else ""))
+        return results
+
+    run(prompts[:1])  # warm-up, not timed
+    t0 = time.perf_counter()
+    results = run(prompts)
+    wall = time.perf_counter() - t0
+    end = max(r.lifespan[1] for r in results)
+    return {"outputs": [list(r.generated_tokens) for r in results], "seconds": round(end - t0, 3),
+            "call_wall_s": round(wall, 3)}
+
+
+# --- output -------------------------------------------------------------------------------------------
+
+
+def table(rows: list[dict], references: dict, args, n_prompts: int) -> str:
+    fmt = lambda v, spec=".1f": "-" if v is None else format(v, spec)  # noqa: E731
+    lines = [f"# specdec bench-served: {args.prompts} ({n_prompts} prompts), max_new_tokens={args.max_new_tokens}, "
+             f"greedy, server {args.address}",
+             f"{'clients':>7} {'mode':<5} {'tok/s':>7} {'vs off':>7} {'tpot p50':>9} {'tpot p95':>9} {'ttft p50':>9} "
+             f"{'accepted/drafted':>17} {'steps':>6} {'forward':>8} {'round trip':>10} {'draft':>7}  (ms)"]
     for r in rows:
-        speedup = r["tokens_per_s"] / base[r["clients"]] if r["clients"] in base else float("nan")
-        fmt = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
-        lines.append(f"{r['clients']:>7} {r['mode']:<5} {r['tokens_per_s']:>6.1f} {speedup:>7.2f}x {r['steps']:>6} "
-                     f"{r['accepted']:>8}/{r['drafted']:<8} {fmt(r['target_forward_ms']):>10} "
-                     f"{fmt(r['step_round_trip_ms']):>14} {fmt(r['draft_ms']):>9} {r['client_step_ms']:>15.2f}")
+        acc = f"{r['accepted']}/{r['drafted']}"
+        lines.append(
+            f"{r['clients']:>7} {r['mode']:<5} {r['tokens_per_s']:>7.1f} {fmt(r['speedup'], '.2f'):>6}x "
+            f"{fmt(r['tpot_p50_ms']):>9} {fmt(r['tpot_p95_ms']):>9} {fmt(r['ttft_p50_ms']):>9} "
+            f"{acc:>17} {r['steps']:>6} {fmt(r['target_forward_ms']):>8} "
+            f"{fmt(r['step_round_trip_ms']):>10} {fmt(r['draft_ms']):>7}")
+    lines.append("every mode token-identical to off" if rows else "no cells")
+    for name, ref in references.items():
+        if "skipped" in ref:
+            lines.append(f"reference {name}: skipped ({ref['skipped']})")
+        else:
+            lines.append(f"reference {name}: {ref['tokens_per_s']:.1f} tok/s ({ref['tokens']} tokens in "
+                         f"{ref['seconds']:.2f} s, {ref['device']}, torch threads={ref['torch_threads']}, "
+                         f"identical to off: {ref['identical_to_off']})")
     return "\n".join(lines)
+
+
+REFERENCE_LABELS = {"generate": "transformers generate(), one request at a time",
+                    "generate_batch": "transformers generate_batch, all prompts at once"}
+
+
+def plot(rows: list[dict], references: dict, path: str, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    clients = sorted({r["clients"] for r in rows})
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        points = sorted((r["clients"], r["tokens_per_s"]) for r in rows if r["mode"] == mode)
+        ax.plot(*zip(*points), marker="o", label=f"specdec serve, speculation {mode}")
+    for (name, ref), style in zip(references.items(), ("--", ":")):
+        if "tokens_per_s" in ref:
+            ax.axhline(ref["tokens_per_s"], color="gray", ls=style,
+                       label=f"{REFERENCE_LABELS.get(name, name)}: {ref['tokens_per_s']:.1f} tok/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(clients, [str(c) for c in clients])
+    ax.minorticks_off()
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("output tokens/s")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"specdec bench-served: {os.path.basename(args.prompts)}, {args.max_new_tokens} new tokens, greedy",
+                 fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -21,16 +21,18 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "params", "stream")
+    __slots__ = ("request_id", "prompt", "params", "stream", "max_new_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     stream: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[int] = ...) -> None: ...
+    max_new_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
     __slots__ = ()

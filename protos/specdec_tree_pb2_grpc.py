@@ -61,7 +61,7 @@ class TargetServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Verify(self, request, context):
-        """concurrent calls are verified in one forward
+        """in the target's next forward, with every other row
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -3,6 +3,7 @@
 A drafter sees only token ids and sampling settings, and is told which tree nodes were accepted,
 so it can live in another process than the target. Protocol:
   start(batch)                    a new batch of sequences
+  add_rows(n)                     n new sequences join the batch (at its end)
   match_length(row, seq)          the n-gram a guess for this row would match now (0: none)
   propose(seqs, plans, ...)       one tree per row, rooted at the row's last token
   commit(paths)                   per row, the accepted node indices (root first)
@@ -37,6 +38,7 @@ class Drafter(Protocol):
         """The draft model, when there is one (its forward is timed to plan adaptive K)."""
 
     def start(self, batch_size: int) -> None: ...
+    def add_rows(self, n: int) -> None: ...
     def match_length(self, row: int, seq: list[int]) -> int: ...
     def propose(
         self, seqs: list[list[int]], plans: list[Plan], params: list[SamplingParams], gens: list[torch.Generator]
@@ -63,7 +65,11 @@ class NgramDrafter:
         return self.indexes[row].match(seq)[0]
 
     def start(self, batch_size: int) -> None:
-        self.indexes = [NgramIndex(self.max_ngram, self.min_ngram) for _ in range(batch_size)]
+        self.indexes = []
+        self.add_rows(batch_size)
+
+    def add_rows(self, n: int) -> None:
+        self.indexes += [NgramIndex(self.max_ngram, self.min_ngram) for _ in range(n)]
 
     def propose(self, seqs, plans, params, gens) -> list[TokenTree]:
         trees = []
@@ -106,6 +112,10 @@ class ModelDrafter:
     def start(self, batch_size: int) -> None:
         self.lm.reset(batch_size)
         self.slot_of: list[dict[int, int]] = [{} for _ in range(batch_size)]
+
+    def add_rows(self, n: int) -> None:
+        self.lm.add_rows(n)
+        self.slot_of += [{} for _ in range(n)]
 
     def select(self, rows: list[int]) -> None:
         self.lm.select(rows)
@@ -212,6 +222,10 @@ class MergedDrafter:
     def start(self, batch_size: int) -> None:
         self.model.start(batch_size)
         self.ngram.start(batch_size)
+
+    def add_rows(self, n: int) -> None:
+        self.model.add_rows(n)
+        self.ngram.add_rows(n)
 
     def select(self, rows: list[int]) -> None:
         self.model.select(rows)

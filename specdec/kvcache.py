@@ -64,6 +64,28 @@ class GrowingLayer(CacheLayerMixin):
             self.buf_k, self.buf_v = (torch.cat([b, b.new_zeros((n, *b.shape[1:]))]) for b in (self.buf_k, self.buf_v))
             self._set_length(self.n)
 
+    def append_rows(self, other: "GrowingLayer") -> None:
+        """other's sequences join at the end of the batch, their slots [0, other.n) copied as they are."""
+        if self.buf_k is None:  # nothing here yet: other's rows are the batch
+            self.dtype, self.device, self.is_initialized = other.dtype, other.device, True
+            self.buf_k, self.buf_v = other.buf_k, other.buf_v
+            self._set_length(other.n)
+            return
+        n = max(self.n, other.n)
+        if n > self.buf_k.shape[2]:
+            B, H, _, D = self.buf_k.shape
+            self.buf_k, self.buf_v = (self._grown(buf, (B, H, 2 * n, D), buf) for buf in (self.buf_k, self.buf_v))
+        joined = []
+        for mine, theirs in ((self.buf_k, other.buf_k), (self.buf_v, other.buf_v)):
+            # slots the batch's rows now expose unwritten: zeros, never uninitialised memory, whose NaNs
+            # would leak through attention (a masked slot's weight is 0, and 0 * NaN is NaN)
+            mine[:, :, self.n : n] = 0
+            rows = mine.new_zeros((theirs.shape[0], *mine.shape[1:]))  # [B', H, cap, D]
+            rows[:, :, : other.n] = theirs[:, :, : other.n]
+            joined.append(torch.cat([mine, rows]))
+        self.buf_k, self.buf_v = joined
+        self._set_length(n)
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
             self.buf_k, self.buf_v = self.buf_k.index_select(0, indices), self.buf_v.index_select(0, indices)
@@ -160,6 +182,28 @@ class CachedLM:
         for layer in self.kv.layers:
             layer.add_rows(n)
         self.lengths += [0] * n
+
+    @torch.inference_mode()
+    def join(self, chunks: list[list[int]]) -> None:
+        """New sequences join the batch with these tokens committed, prefilled on their own: the forward
+        costs O(new rows x their tokens), whatever the batch already holds."""
+        if not any(chunks):
+            self.add_rows(len(chunks))
+            return
+        fresh = CachedLM(self.model)
+        fresh.reset(len(chunks))
+        fresh.prefill(chunks)
+        if not self.kv.layers and self.lengths:  # rows that never ran a forward: pad them in as before
+            self.add_rows(len(chunks))
+            self.prefill([[]] * (len(self.lengths) - len(chunks)) + chunks)
+            return
+        if not self.kv.layers:
+            self.kv = fresh.kv
+        else:
+            for layer, new in zip(self.kv.layers, fresh.kv.layers):
+                layer.append_rows(new)
+        self.lengths += fresh.lengths
+        self._crop_to_longest()
 
     @torch.inference_mode()
     def select(self, rows: list[int]) -> None:

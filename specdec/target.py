@@ -30,19 +30,18 @@ class TargetWorker:
         self.rows: list[Hashable] = []  # batch row -> request id
 
     def add(self, joining: list[tuple[Hashable, list[int], SamplingParams, int]]) -> None:
-        """Requests (id, prompt, params, stream) join the batch; their prompts are prefilled in one forward."""
+        """Requests (id, prompt, params, stream) join the batch; their prompts are prefilled in one forward
+        of their own (the running rows are not padded along)."""
         for rid, prompt, _, _ in joining:
             if rid in self.requests:
                 raise RequestExists(f"request {rid!r} is already in the batch")
             if not prompt:
                 raise ValueError(f"request {rid!r}: the prompt is empty")
-        self.lm.add_rows(len(joining))
+        self.lm.join([prompt[:-1] for _, prompt, _, _ in joining])  # the last token is the first tree's root
         for rid, prompt, params, stream in joining:
             gen = make_generator(params.seed, stream, self.lm.device, role="target")
             self.requests[rid] = _Request(list(prompt), params, gen)
             self.rows.append(rid)
-        fresh = {rid: prompt for rid, prompt, _, _ in joining}
-        self.lm.prefill([fresh[rid][:-1] if rid in fresh else [] for rid in self.rows])
 
     def remove(self, leaving: list[Hashable]) -> None:
         gone = set(leaving)

@@ -149,3 +149,36 @@ def test_manual_rollback_of_a_rejected_tree(target):
     lm.forward(tokens, block, positions)
     lm.commit([[start + n for n in tree.path(z)]])
     check_cache(lm, target, [prompt + [33, 21, 22, 7]], lambda s: len(s) - 1, "after deep branch")
+
+
+def _next_logits(lm: CachedLM, rows: list[int], tokens: list[int]) -> torch.Tensor:
+    """Logits of one more token per row [len(rows), V] (no commit); the rows not asked sit it out."""
+    B = len(lm.lengths)
+    toks = torch.zeros(B, 1, dtype=torch.long)
+    toks[rows, 0] = torch.tensor(tokens)
+    positions = torch.tensor(lm.lengths).view(B, 1)
+    logits = lm.forward(toks, torch.ones(B, 1, 1, dtype=torch.bool), positions)[:, -1]
+    lm.commit([[] for _ in range(B)])
+    return logits[rows]
+
+
+@pytest.mark.parametrize("poison", [0.0, float("nan")])
+def test_rows_joining_a_running_batch_see_exactly_their_own_prefix(target, reference, poison):
+    """join() prefills new rows on their own and appends them; the rows already there (shorter, so their
+    unwritten slots become visible to the cache) and the new ones score as in a fresh prefill, even when
+    the buffers' spare room holds NaN (uninitialised memory)."""
+    short, long_, one = reference.prompts[1][:3], reference.prompts[2][:20], [7]
+    lm = CachedLM(target)
+    lm.join([short[:-1]])
+    with torch.inference_mode():
+        for layer in lm.kv.layers:
+            layer.buf_k[:, :, layer.n:] = poison
+            layer.buf_v[:, :, layer.n:] = poison
+    lm.join([long_[:-1], one[:-1]])
+    got = _next_logits(lm, [0, 1, 2], [short[-1], long_[-1], one[-1]])
+    for row, prompt in enumerate((short, long_, one)):
+        alone = CachedLM(target)
+        alone.join([prompt[:-1]])
+        want = _next_logits(alone, [0], [prompt[-1]])[0]
+        assert torch.isfinite(got[row]).all()
+        torch.testing.assert_close(got[row], want, rtol=1e-4, atol=1e-4)

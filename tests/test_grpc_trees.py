@@ -1,12 +1,17 @@
-"""Token trees over a real gRPC channel on loopback: draft loops in their own threads drive requests
-against one TargetService, whose worker verifies concurrent requests' trees in shared forwards."""
+"""The served path's two loops without Ray: the target's scheduler (one forward per iteration for
+every plain row and every tree) behind a real gRPC TargetService on loopback, and draft loops that
+step all their requests together. Output stays exactly plain greedy decoding."""
 
+import queue
+import threading
+import time
 from concurrent import futures
 
 import grpc
 import pytest
 
-from actors.draft_loop import GrpcTarget, run_request
+from actors.draft_loop import DraftLoop, DraftRequest, GrpcTarget
+from actors.scheduler import KvBudget, TargetScheduler
 from actors.target_service import TargetService
 from conftest import NEW_TOKENS
 from protos import specdec_tree_pb2 as tree_pb
@@ -19,34 +24,120 @@ from specdec.target import TargetWorker
 GREEDY = SamplingParams()
 
 
+class Collect:
+    """A sink that keeps a request's steps; wait() -> (token ids, finish reason, error)."""
+
+    def __init__(self):
+        self.steps, self.done = [], threading.Event()
+        self.tokens, self.finish_reason, self.error = [], None, None
+
+    def __call__(self, tokens, out, finished, error):
+        self.steps.append(list(tokens))
+        self.tokens += tokens
+        if finished:
+            self.finish_reason, self.error = out.finish_reason, error
+            self.done.set()
+
+    def wait(self, timeout: float = 120):
+        assert self.done.wait(timeout), "the request never finished"
+        return self.tokens, self.finish_reason, self.error
+
+
+def scheduler_for(target, **budget) -> TargetScheduler:
+    return TargetScheduler(TargetWorker(CachedLM(target)), KvBudget(**budget))
+
+
 @pytest.fixture
 def served(target):
-    service = TargetService(TargetWorker(CachedLM(target)), batch_window_s=0.02)
+    scheduler = scheduler_for(target)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
-    tree_grpc.add_TargetServiceServicer_to_server(service, server)
+    tree_grpc.add_TargetServiceServicer_to_server(TargetService(scheduler), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    yield service, tree_grpc.TargetServiceStub(channel)
+    yield scheduler, tree_grpc.TargetServiceStub(channel)
     channel.close()
     server.stop(grace=None)
-    service.stop()
+    scheduler.stop()
+
+
+def wait_until_empty(scheduler: TargetScheduler, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while scheduler.stats()["open_requests"]:
+        assert time.monotonic() < deadline, scheduler.stats()
+        time.sleep(0.01)
+
+
+def test_plain_requests_share_forwards_and_equal_plain_decoding(target, reference):
+    scheduler = scheduler_for(target)
+    prompts = reference.prompts[:6]
+    sinks = [Collect() for _ in prompts]
+    for i, (prompt, sink) in enumerate(zip(prompts, sinks)):
+        scheduler.decode(f"p{i}", prompt, GREEDY, NEW_TOKENS, set(), sink)
+    assert [s.wait()[0] for s in sinks] == reference.continuations[:6]
+    assert all(s.finish_reason == "length" and len(s.steps) == NEW_TOKENS for s in sinks)  # one token a step
+    stats = scheduler.stats()
+    assert stats["largest_batch"] == len(prompts)  # every plain row in one forward
+    assert stats["forwards"] < len(prompts) * NEW_TOKENS
+    wait_until_empty(scheduler)
+    scheduler.stop()
+
+
+def test_kv_budget_admits_in_arrival_order_and_bounds_rows(target, reference):
+    """Room for two requests at once: the others wait, and every one still gets its exact tokens."""
+    prompts = reference.prompts[:5]
+    longest = max(len(p) for p in prompts) + NEW_TOKENS + 64
+    scheduler = scheduler_for(target, max_rows=2, max_tokens=2 * longest)
+    sinks, most = [Collect() for _ in prompts], 0
+    for i, (prompt, sink) in enumerate(zip(prompts, sinks)):
+        scheduler.decode(f"p{i}", prompt, GREEDY, NEW_TOKENS, set(), sink)
+    while not all(s.done.is_set() for s in sinks):
+        stats = scheduler.stats()
+        most = max(most, stats["open_requests"])
+        assert stats["kv_tokens_reserved"] <= 2 * longest
+        time.sleep(0.002)
+    assert most <= 2 and scheduler.stats()["largest_batch"] <= 2
+    assert [s.wait()[0] for s in sinks] == reference.continuations[:5]
+    with pytest.raises(ValueError, match="over the target's budget"):
+        scheduler.decode("huge", [1] * (3 * longest), GREEDY, 8, set(), Collect())
+    scheduler.stop()
 
 
 @pytest.mark.parametrize("kind, width", [("model", 1), ("model+ngram", 2), ("none", 1)])
-def test_concurrent_requests_over_grpc_equal_plain_decoding(served, draft, reference, kind, width):
-    service, stub = served
+def test_draft_loops_over_grpc_equal_plain_decoding(served, target, draft, reference, kind, width):
+    """Two draft loops (two replicas) and plain rows at once: every tree and every plain row of an
+    iteration go through one forward."""
+    scheduler, stub = served
+    remote = GrpcTarget(stub)
+    loops = [DraftLoop(remote, make_drafter(kind, CachedLM(draft), width)) for _ in range(2)]
     prompts = reference.prompts[:6]
-    with futures.ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-        runs = [pool.submit(run_request, GrpcTarget(stub), make_drafter(kind, CachedLM(draft), width), f"req-{i}", p,
-                            GREEDY, NEW_TOKENS, set(), 3)
-                for i, p in enumerate(prompts)]
-        outs = [r.result(timeout=120) for r in runs]
-    assert [o.token_ids for o in outs] == reference.continuations[:6]
+    sinks = [Collect() for _ in prompts]
+    for i, (prompt, sink) in enumerate(zip(prompts, sinks)):
+        if i == 5:
+            scheduler.decode(f"r{i}", prompt, GREEDY, NEW_TOKENS, set(), sink)
+            continue
+        remote.open(f"r{i}", prompt, GREEDY, 0, NEW_TOKENS)
+        loops[i % 2].join(DraftRequest(f"r{i}", prompt, GREEDY, NEW_TOKENS, set(), 3, sink))
+    assert [s.wait()[0] for s in sinks] == reference.continuations[:6]
     if kind != "none":
-        assert sum(o.stats.accepted for o in outs) > 0
-    assert service.largest_batch >= 2  # concurrent requests shared forwards
-    assert service.worker.rows == []  # every request was closed
+        assert any(len(step) > 1 for s in sinks[:5] for step in s.steps)  # drafts were accepted
+    assert scheduler.stats()["largest_batch"] >= 3  # trees of both loops and the plain row shared forwards
+    wait_until_empty(scheduler)  # every request was closed
+
+
+def test_a_cancelled_request_is_closed_and_the_rest_go_on(served, draft, reference):
+    scheduler, stub = served
+    remote = GrpcTarget(stub)
+    loop = DraftLoop(remote, make_drafter("model", CachedLM(draft), 1))
+    first, second = Collect(), Collect()
+    for rid, sink in (("a", first), ("b", second)):
+        remote.open(rid, reference.prompts[0], GREEDY, 0, 200)
+        loop.join(DraftRequest(rid, reference.prompts[0], GREEDY, 200, set(), 2, sink))
+    loop.cancel("a")
+    tokens, _, error = first.wait()
+    assert error is None and len(tokens) < 200
+    assert len(second.wait()[0]) == 200
+    wait_until_empty(scheduler)
 
 
 def test_errors_come_back_as_status_codes(served):
@@ -57,6 +148,8 @@ def test_errors_come_back_as_status_codes(served):
         (lambda: stub.Open(tree_pb.OpenRequest(request_id="b", prompt=[])), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
         (lambda: stub.Open(tree_pb.OpenRequest(request_id="c", prompt=[1], params=tree_pb.SamplingParams(top_p=2.0))),
          grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+        (lambda: stub.Open(tree_pb.OpenRequest(request_id="d", prompt=[1], max_new_tokens=10**6)),
+         grpc.StatusCode.INVALID_ARGUMENT, "over the target's budget"),
         (lambda: stub.Verify(tree_pb.VerifyRequest(trees=[tree_pb.CandidateTree(
             request_id="zzz", tokens=[3], parents=[-1], proposal_ids=[-1], from_model=[True])])),
          grpc.StatusCode.NOT_FOUND, "not in the batch"),

@@ -1,0 +1,262 @@
+"""The target group's scheduler: one loop that owns every running row, as vLLM's engine core and
+SGLang's scheduler do. Each iteration admits the requests waiting for room (their prompts prefilled
+in one forward), takes every plain row (one token each) and every tree the draft replicas have sent,
+runs one forward, and hands the results out. Requests join and leave between iterations.
+
+A plain request is owned by the loop: it costs no thread and no call per token; its tokens go to a
+sink the caller gives. A speculative request is opened by its draft replica, which then sends trees
+(verify) and gets verdicts back. A KV budget (rows, tokens) bounds memory; beyond it requests wait
+in the admission queue, in arrival order."""
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specdec.acceptance import Verdict
+from specdec.engine import Generation, emit, record_step
+from specdec.errors import RequestExists
+from specdec.sampling import SamplingParams
+from specdec.target import TargetWorker
+from specdec.tree import TokenTree
+
+from .streams import Sink
+
+
+@dataclass(frozen=True)
+class KvBudget:
+    """What the target may hold at once: rows (requests) and KV tokens, each request counted at its
+    most (prompt + max_new_tokens + the largest tree it may send)."""
+
+    max_rows: int = 64
+    max_tokens: int = 65536
+    tree_room: int = 64  # KV slots a request's tree may take beyond its tokens
+
+
+@dataclass
+class _Waiter:
+    """A caller blocked until the loop has served it (admission, a verify, a close)."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    result: object = None
+    error: Exception | None = None
+
+    def finish(self, result=None, error: Exception | None = None) -> None:
+        self.result, self.error = result, error
+        self.done.set()
+
+    def wait(self):
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+@dataclass
+class _Join:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    stream: int
+    tokens: int  # KV tokens it reserves
+    waiter: _Waiter = field(default_factory=_Waiter)
+    plain: "_Plain | None" = None  # set for a plain request the loop decodes itself
+
+
+@dataclass
+class _Plain:
+    """A plain request decoded by the loop; `sink(tokens, generation, finished, error)` gets each step."""
+
+    max_new_tokens: int
+    eos: set[int]
+    sink: Sink
+    seq: list[int]
+    out: Generation = field(default_factory=lambda: Generation([], "length"))
+
+
+
+
+class TargetScheduler:
+    def __init__(self, worker: TargetWorker, budget: KvBudget = KvBudget(),
+                 on_forward: Callable[[float], None] = lambda seconds: None):
+        self.worker, self.budget, self.on_forward = worker, budget, on_forward
+        self.forwards = 0  # forwards run (verify steps, plain rows included)
+        self.largest_batch = 0  # most rows in one forward
+        self.forward_time_s = 0.0
+        self._cv = threading.Condition()
+        self._waiting: collections.deque[_Join] = collections.deque()  # admission queue, in arrival order
+        self._leaving: list[str] = []
+        self._trees: dict[str, tuple[TokenTree, _Waiter]] = {}  # sent by replicas for the next forward
+        self._plain: dict[str, _Plain] = {}
+        self._reserved: dict[str, int] = {}  # admitted request -> KV tokens it holds
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="target-scheduler", daemon=True)
+        self._thread.start()
+
+    # --- what callers do (any thread) ------------------------------------------------------------
+
+    def open(self, rid: str, prompt: list[int], params: SamplingParams, stream: int = 0,
+             max_new_tokens: int = 0) -> None:
+        """A speculative request joins; returns once it is admitted and its prompt prefilled."""
+        self._join(_Join(rid, list(prompt), params, stream, self._cost(prompt, max_new_tokens))).wait()
+
+    def decode(self, rid: str, prompt: list[int], params: SamplingParams, max_new_tokens: int, eos: set[int],
+               sink: Sink, stream: int = 0) -> None:
+        """A plain request, decoded by the loop; `sink` gets every step's tokens, on the loop's thread (it
+        must not block). Returns at once: a request refused at the door (RequestExists, an empty prompt,
+        over the budget) raises here; one that fails later reaches `sink` with the error."""
+        plain = _Plain(max_new_tokens, set(eos), sink, list(prompt))
+        self._join(_Join(rid, list(prompt), params, stream, self._cost(prompt, max_new_tokens), plain=plain))
+
+    def verify(self, trees: dict[str, TokenTree]) -> dict[str, Verdict]:
+        """Verdicts for these requests' trees, from the next forward; a request closed meanwhile has none."""
+        self.worker.check(trees)  # refuse bad trees before they reach the loop
+        waiter = _Waiter()
+        with self._cv:
+            if self._trees.keys() & trees.keys():
+                raise RequestExists(f"a tree of request {next(iter(self._trees.keys() & trees.keys()))!r} is "
+                                    "already waiting for verification")
+            for rid, tree in trees.items():
+                self._trees[rid] = (tree, waiter)
+            self._cv.notify()
+        verdicts = waiter.wait()
+        return {rid: verdicts[rid] for rid in trees if rid in verdicts}
+
+    def close(self, rids: list[str]) -> None:
+        """These requests leave (finished, cancelled, or their client gone) before the next forward;
+        unknown ids are ignored. Returns at once."""
+        with self._cv:
+            self._leaving += rids
+            self._cv.notify()
+
+    def stats(self) -> dict:
+        with self._cv:
+            return {"forwards": self.forwards, "largest_batch": self.largest_batch,
+                    "forward_time_s": self.forward_time_s, "open_requests": len(self._reserved),
+                    "kv_tokens_reserved": sum(self._reserved.values()), "waiting": len(self._waiting)}
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join()
+
+    # --- the loop ----------------------------------------------------------------------------------
+
+    def _join(self, join: _Join) -> _Waiter:
+        if not join.prompt:
+            raise ValueError(f"request {join.rid!r}: the prompt is empty")
+        if join.tokens > self.budget.max_tokens:
+            raise ValueError(f"request {join.rid!r} needs {join.tokens} KV tokens, over the target's budget of "
+                             f"{self.budget.max_tokens} (max_kv_tokens)")
+        with self._cv:
+            if join.rid in self._reserved or any(j.rid == join.rid for j in self._waiting):
+                raise RequestExists(f"request {join.rid!r} is already in the batch")
+            self._waiting.append(join)
+            self._cv.notify()
+        return join.waiter
+
+    def _cost(self, prompt: list[int], max_new_tokens: int) -> int:
+        return len(prompt) + max_new_tokens + self.budget.tree_room
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._stopped or self._leaving or self._trees or self._plain
+                                  or self._admissible())
+                if self._stopped:
+                    return
+                leaving, self._leaving = self._leaving, []
+                joining = self._admit()
+                trees, self._trees = self._trees, {}
+            self._remove(leaving)
+            self._add(joining)
+            self._step(trees)
+
+    def _admissible(self) -> bool:
+        if not self._waiting:
+            return False
+        head = self._waiting[0]
+        return (len(self._reserved) < self.budget.max_rows
+                and sum(self._reserved.values()) + head.tokens <= self.budget.max_tokens)
+
+    def _admit(self) -> list[_Join]:
+        """The waiting requests that fit, in arrival order (the first that does not fit blocks the rest)."""
+        joining = []
+        while self._admissible():
+            join = self._waiting.popleft()
+            self._reserved[join.rid] = join.tokens
+            joining.append(join)
+        return joining
+
+    def _remove(self, leaving: list[str]) -> None:
+        self.worker.remove([rid for rid in set(leaving) if rid in self.worker.requests])
+        with self._cv:
+            for rid in leaving:
+                self._reserved.pop(rid, None)
+                self._plain.pop(rid, None)
+
+    def _add(self, joining: list[_Join]) -> None:
+        if not joining:
+            return
+        try:
+            self.worker.add([(j.rid, j.prompt, j.params, j.stream) for j in joining])
+        except Exception as e:  # noqa: BLE001 - every joiner learns why
+            with self._cv:
+                for j in joining:
+                    self._reserved.pop(j.rid, None)
+            for j in joining:
+                j.waiter.finish(error=e)
+                if j.plain:
+                    j.plain.sink([], j.plain.out, True, e)
+            return
+        for j in joining:
+            if j.plain:
+                self._plain[j.rid] = j.plain
+            j.waiter.finish()
+
+    def _step(self, trees: dict[str, tuple[TokenTree, _Waiter]]) -> None:
+        """One forward: the replicas' trees (of requests still open) and a lone root per plain row."""
+        waiters = list({id(w): w for _, w in trees.values()}.values())
+        batch = {rid: tree for rid, (tree, _) in trees.items() if rid in self.worker.requests}
+        batch |= {rid: TokenTree.root(p.seq[-1]) for rid, p in self._plain.items()}
+        if not batch:
+            for waiter in waiters:
+                waiter.finish({})
+            return
+        t0 = time.perf_counter()
+        try:
+            verdicts, _ = self.worker.verify(batch)
+        except Exception as e:  # noqa: BLE001 - handed to each waiting caller
+            for waiter in waiters:
+                waiter.finish(error=e)
+            for rid in list(self._plain):
+                self._finish_plain(rid, error=e)
+            return
+        elapsed = time.perf_counter() - t0
+        with self._cv:
+            self.forwards += 1
+            self.forward_time_s += elapsed
+            self.largest_batch = max(self.largest_batch, len(batch))
+        self.on_forward(elapsed)
+        for waiter in waiters:
+            waiter.finish(verdicts)
+        for rid, plain in list(self._plain.items()):
+            self._advance_plain(rid, plain, batch[rid], verdicts[rid], elapsed)
+
+    def _advance_plain(self, rid: str, plain: _Plain, tree: TokenTree, verdict: Verdict, elapsed: float) -> None:
+        record_step(plain.out.stats, tree, verdict, (0.0, elapsed))
+        before = len(plain.out.token_ids)
+        more = emit(plain.out, plain.seq, verdict, plain.max_new_tokens, plain.eos)
+        plain.sink(plain.out.token_ids[before:], plain.out, not more, None)
+        if not more:
+            self._finish_plain(rid)
+
+    def _finish_plain(self, rid: str, error: Exception | None = None) -> None:
+        plain = self._plain.pop(rid)
+        if error is not None:
+            plain.sink([], plain.out, True, error)
+        self.worker.remove([rid])
+        with self._cv:
+            self._reserved.pop(rid, None)

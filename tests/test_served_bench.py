@@ -1,0 +1,166 @@
+"""`specdec bench-served` without a Ray cluster: a real gRPC server in this process with a fake
+SpecDecode servicer that streams the tiny target's greedy tokens, an HTTP thread for GET /v1/stats,
+and the real CLI entry. The reference lines run transformers on the same tiny target."""
+
+import json
+import threading
+import time
+from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import grpc
+import pytest
+import torch
+from conftest import served_target
+
+from cluster.commands import main
+from cluster.served_bench import percentile
+from protos import specdec_api_pb2 as api
+from protos import specdec_api_pb2_grpc as api_grpc
+from specdec.loading import load_model, load_tokenizer
+
+NEW_TOKENS = 6
+PROMPTS = [{"prompt": "w5 w17 w3 w9", "task_type": "code"},
+           {"prompt": "w1 w2 w3 w1 w2 w3 w1", "task_type": "code"},
+           {"prompt": "w40 w8", "task_type": "prose"}]
+
+
+class FakeSpecDecode(api_grpc.SpecDecodeServicer):
+    """Streams each prompt's known greedy continuation: one token per chunk with speculation off,
+    three per chunk otherwise; `wrong_in` names a mode whose last token it changes."""
+
+    def __init__(self, outputs: dict[str, list[int]], wrong_in: str | None = None):
+        self.outputs, self.wrong_in = outputs, wrong_in
+        self.forwards = 0
+        self.lock = threading.Lock()
+
+    def GenerateStream(self, request, context):
+        tokens = list(self.outputs[request.prompt][:request.max_new_tokens])
+        mode = api.Speculation.Name(request.speculation)
+        if mode == self.wrong_in:
+            tokens[-1] = (tokens[-1] + 1) % 64
+        size = 1 if mode == "SPECULATION_OFF" else 3
+        chunks = [tokens[i:i + size] for i in range(0, len(tokens), size)]
+        for n, chunk in enumerate(chunks):
+            time.sleep(0.002)  # a step
+            with self.lock:
+                self.forwards += 1
+            last = n == len(chunks) - 1
+            yield api.GenerateResponse(
+                text=" ".join(f"w{t}" for t in chunk), token_ids=chunk, finish_reason="length" if last else "",
+                stats=api.SpeculationStats(speculative=size > 1, steps=len(chunks), drafted=2 * len(tokens),
+                                           accepted=len(tokens) - len(chunks)) if last else None)
+
+
+class Served:
+    """The fake servicer on a real gRPC server, and GET /v1/stats reporting only part of the timing keys."""
+
+    def __init__(self, servicer: FakeSpecDecode):
+        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        api_grpc.add_SpecDecodeServicer_to_server(servicer, self.grpc)
+        self.address = f"127.0.0.1:{self.grpc.add_insecure_port('127.0.0.1:0')}"
+        self.grpc.start()
+
+        class Stats(BaseHTTPRequestHandler):
+            def do_GET(self):
+                body = json.dumps({"timing": {"forwards": servicer.forwards, "forward_s": 0.002 * servicer.forwards}})
+                self.send_response(200 if self.path == "/v1/stats" else 404)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(body.encode())
+
+            def log_message(self, *args):
+                pass
+
+        self.http_server = ThreadingHTTPServer(("127.0.0.1", 0), Stats)
+        self.http = f"http://127.0.0.1:{self.http_server.server_address[1]}"
+        threading.Thread(target=self.http_server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.http_server.shutdown()
+        self.grpc.stop(None)
+
+
+@pytest.fixture(scope="module")
+def bench_setup(model_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench_served")
+    target = served_target(model_dirs, root)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    model, tokenizer = load_model(target), load_tokenizer(target)
+    outputs = {}
+    for row in PROMPTS:
+        ids = torch.tensor([tokenizer(row["prompt"])["input_ids"]])
+        seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                             min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        outputs[row["prompt"]] = seq[0, ids.shape[1]:].tolist()
+    return target, str(prompts), outputs
+
+
+def argv(served: Served, prompts: str, *extra) -> list[str]:
+    return ["bench-served", "--address", served.address, "--http", served.http, "--prompts", prompts,
+            "--clients", "1", "2", "--max-new-tokens", str(NEW_TOKENS), *extra]
+
+
+def test_grid_rows_references_and_plot(bench_setup, capsys, tmp_path):
+    target, prompts, outputs = bench_setup
+    served = Served(FakeSpecDecode(outputs))
+    png = tmp_path / "served.png"
+    try:
+        main(argv(served, prompts, "--target", target, "--json", "--plot", str(png)))
+    finally:
+        served.close()
+    out = capsys.readouterr().out
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    streamed, final = lines[:-1], lines[-1]
+    rows = final["rows"]
+    assert streamed == rows  # one JSON line per cell as it finished, then the summary
+    assert [(r["clients"], r["mode"]) for r in rows] == [(c, m) for c in (1, 2) for m in ("off", "on", "auto")]
+    for r in rows:
+        assert r["requests"] == len(PROMPTS) and r["tokens"] == len(PROMPTS) * NEW_TOKENS
+        assert r["tokens_per_s"] > 0 and r["wall_s"] > 0
+        assert 0 < r["tpot_p50_ms"] <= r["tpot_p95_ms"] and r["ttft_p50_ms"] > 0
+        assert r["speedup"] > 0 and (r["speedup"] == 1.0 if r["mode"] == "off" else r["identical_to_off"] is True)
+        assert r["target_forward_ms"] == pytest.approx(2.0)  # reported by the fake /v1/stats
+        assert r["step_round_trip_ms"] is None and r["draft_ms"] is None  # keys the server does not report
+    on = next(r for r in rows if r["mode"] == "on")
+    assert on["steps"] == len(PROMPTS) * 2 and on["accepted"] == len(PROMPTS) * (NEW_TOKENS - 2)
+    assert " - " in out  # missing server timing printed as "-"
+
+    refs = final["references"]
+    assert set(refs) == {"generate", "generate_batch"}
+    for name, ref in refs.items():
+        assert "skipped" not in ref, f"{name}: {ref}"
+        assert ref["tokens"] == len(PROMPTS) * NEW_TOKENS and ref["tokens_per_s"] > 0
+        assert ref["identical_to_off"] == f"{len(PROMPTS)}/{len(PROMPTS)}"  # the server's tokens are transformers'
+        assert ref["torch_threads"] == torch.get_num_threads() and ref["device"] == "cpu"
+    assert "reference generate_batch:" in out and "torch threads=" in out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_mode_that_changes_the_output_stops_the_run(bench_setup, capsys):
+    _, prompts, outputs = bench_setup
+    served = Served(FakeSpecDecode(outputs, wrong_in="SPECULATION_ON"))
+    try:
+        with pytest.raises(SystemExit) as e:
+            main(argv(served, prompts, "--http", ""))
+    finally:
+        served.close()
+    assert "mode on at 1 clients changed the greedy output of prompt 0" in str(e.value)
+    cells = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(r["clients"], r["mode"]) for r in cells] == [(1, "off")]
+    assert cells[0]["target_forward_ms"] is None  # --http '': no server timing
+
+
+def test_bad_client_count_is_a_one_line_error(bench_setup):
+    _, prompts, _ = bench_setup
+    with pytest.raises(SystemExit) as e:
+        main(["bench-served", "--prompts", prompts, "--clients", "0"])
+    assert "--clients must be >= 1" in str(e.value)
+
+
+def test_percentile():
+    assert percentile([], 50) is None
+    assert percentile([7.0], 95) == 7.0
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert percentile(list(map(float, range(101))), 95) == 95.0
