@@ -43,8 +43,8 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--seed", type=int)
     c.add_argument("--speculation", type=Speculation.parse, choices=list(Speculation), default=Speculation.AUTO,
                    metavar="{auto,on,off}")
-    c.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="end the text where it first contains TEXT (repeat for up to 4)")
+    c.add_argument("--stop", action="append", default=[], metavar="TEXT", type=unescaped,
+                   help="end the text where it first contains TEXT (repeat for up to 4; \\n is a newline)")
     c.add_argument("-n", "--n", type=int, default=1, help="independent samples of the prompt")
     c.add_argument("--logprobs", type=int, metavar="K",
                    help="the target's logprob of each token and of its K likeliest alternatives (with --json)")
@@ -153,6 +153,11 @@ def print_stream(chunks, args) -> None:
             print(chunk.text, end="", flush=True)
     if not args.json and args.n == 1:
         print()
+
+
+def unescaped(text: str) -> str:
+    """A command-line string with its backslash escapes (\\n, \\t, \\\\) read."""
+    return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
 
 
 def generate_request(args) -> api.GenerateRequest:

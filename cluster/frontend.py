@@ -204,7 +204,8 @@ class Frontend:
                     finished = True
                     if offset is None:  # a draft replica's round trips: what the gRPC hop and batching add
                         self._add_timing(part["stats"])
-                    yield _last_chunk(part["finish_reason"], stats, _chunk(part, text, final=True))
+                    chunk = _chunk(part, text, final=True)  # its tokens may complete a stop string
+                    yield _last_chunk("stop" if text.stopped else part["finish_reason"], stats, chunk)
                 elif part["tokens"]:
                     chunk = _chunk(part, text)
                     yield _last_chunk("stop", stats, chunk) if text.stopped else chunk

@@ -314,6 +314,12 @@ def test_specdec_client_flags(server, tokenizer, target, capsys):
         main(["client", "--address", server.grpc, "--prompt", "w1", *["--stop", "x"] * 5])
 
 
+def test_client_stop_flags_read_escapes():
+    from cluster.commands import unescaped
+
+    assert [unescaped(s) for s in (r"\n\n", r"a\tb", r"\\n", "é\\n")] == ["\n\n", "a\tb", "\\n", "é\n"]
+
+
 # --- the README's examples, as written (but the port) -------------------------------------------------
 
 
