@@ -1,10 +1,11 @@
 """The served path's two loops without Ray: the target's scheduler (one forward per iteration for
 every plain row and every tree) behind a real gRPC TargetService on loopback, and draft loops that
-step all their requests together. Output stays exactly plain greedy decoding."""
+step all their requests together. Output stays exactly plain greedy decoding, and sampled output
+keeps the target's distribution."""
 
-import queue
 import threading
 import time
+from collections import Counter
 from concurrent import futures
 
 import grpc
@@ -170,3 +171,29 @@ def test_errors_come_back_as_status_codes(served):
         request_id="a", tokens=[3], parents=[-1], proposal_ids=[-1], from_model=[True])]))
     assert list(reply.results[0].path) == [0] and len(reply.results[0].tokens) == 1
     stub.Close(tree_pb.CloseRequest(request_ids=["a", "never-opened"]))
+
+
+def test_sampling_through_the_loops_keeps_the_targets_distribution(small_target, small_draft):
+    """Seeded samples of one prompt, each on its own random stream, drafted by a DraftLoop (a tree two
+    wide) and verified by the scheduler in shared forwards: the joint distribution of their first
+    tokens is the target's (chi-square against enumeration, as tests/test_sampling.py does)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_sampling import N_TOKENS, P_MIN, PROMPT, chi_square_pvalue, exact_joint
+
+    m, params = 1500, SamplingParams(temperature=1.0, seed=11)
+    scheduler = scheduler_for(small_target, max_rows=m)
+    loop = DraftLoop(scheduler, make_drafter("model", CachedLM(small_draft), 2))
+    sinks = [Collect() for _ in range(m)]
+
+    def start(i: int) -> None:
+        scheduler.open(f"s{i}", PROMPT, params, i, N_TOKENS)
+        loop.join(DraftRequest(f"s{i}", PROMPT, params, N_TOKENS, set(), 2, sinks[i], stream=i))
+
+    with ThreadPoolExecutor(32) as pool:
+        list(pool.map(start, range(m)))
+    outcomes = Counter(tuple(s.wait()[0]) for s in sinks)
+    assert scheduler.stats()["largest_batch"] > 32  # the samples really shared forwards
+    assert sum(len(step) > 1 for s in sinks for step in s.steps) > 0  # and drafts were accepted
+    assert chi_square_pvalue(outcomes, exact_joint(small_target, PROMPT, N_TOKENS, params), m) > P_MIN
+    scheduler.stop()
