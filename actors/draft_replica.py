@@ -18,6 +18,9 @@ from .streams import StepStream
 from .target_rank import device_for_actor, use_assigned_cpus
 
 
+EARLY_CANCELS_KEPT = 4096
+
+
 @ray.remote
 class DraftReplica:
     """Async: a request is a stream fed by its draft model's loop, not a thread."""
@@ -35,6 +38,9 @@ class DraftReplica:
         self.step_timer = StepTimer(name.rsplit("-", 1)[0])  # draft-<i>-<topology tag> -> draft-<i>
         self.loops: dict[str, DraftLoop] = {}  # per draft model: its task type, or "" for the rest
         self.running: dict[str, DraftLoop] = {}  # request id -> its loop
+        # cancelled before their generate call began here (the most recent few: a cancel that raced a
+        # request's normal end would otherwise stay forever)
+        self.cancelled_early: dict[str, None] = {}
 
     def ready(self) -> bool:
         return True
@@ -47,6 +53,9 @@ class DraftReplica:
         """One request, K = depth: opened on the target (it may wait there for room), then stepped with
         the replica's other requests. Yields each step's tokens; the last item has the finish reason.
         `stream` separates the random streams of samples that share a seed."""
+        if request_id in self.cancelled_early:  # its caller gave up before it started: never open it
+            del self.cancelled_early[request_id]
+            return
         loop = self.running[request_id] = self._loop_for(task_type)  # from here on it can be cancelled
         await asyncio.to_thread(self.target.open, request_id, prompt, params, stream, max_new_tokens)
         steps = StepStream()
@@ -61,6 +70,10 @@ class DraftReplica:
         """Stop a request at its next step (its client went away or its deadline passed)."""
         if loop := self.running.get(request_id):
             loop.cancel(request_id)
+        else:
+            self.cancelled_early[request_id] = None
+            if len(self.cancelled_early) > EARLY_CANCELS_KEPT:
+                del self.cancelled_early[next(iter(self.cancelled_early))]
 
     def _loop_for(self, task_type: str) -> DraftLoop:
         key = task_type if task_type in self.models else ""

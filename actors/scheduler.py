@@ -16,12 +16,15 @@ from dataclasses import dataclass, field
 
 from specdec.acceptance import Verdict
 from specdec.engine import Generation, emit, record_step
-from specdec.errors import RequestExists
+from specdec.errors import RequestExists, UnknownRequest
 from specdec.sampling import SamplingParams
 from specdec.target import TargetWorker
 from specdec.tree import TokenTree
 
 from .streams import Sink
+
+
+CLOSED_KEPT = 4096
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,10 @@ class TargetScheduler:
         self.forward_time_s = 0.0
         self._cv = threading.Condition()
         self._waiting: collections.deque[_Join] = collections.deque()  # admission queue, in arrival order
+        # closed before they were opened (a caller that gave up while its Open was on the way): a later
+        # open of one of these is refused, so no row outlives its caller; the most recent few are kept
+        self._closed_early: dict[str, None] = {}
+        self._closed: dict[str, None] = {}  # the most recently closed requests, whose late trees get no verdict
         self._leaving: list[str] = []
         self._trees: dict[str, tuple[TokenTree, _Waiter]] = {}  # sent by replicas for the next forward
         self._plain: dict[str, _Plain] = {}
@@ -110,7 +117,12 @@ class TargetScheduler:
         self._join(_Join(rid, list(prompt), params, stream, self._cost(prompt, max_new_tokens), plain=plain))
 
     def verify(self, trees: dict[str, TokenTree]) -> dict[str, Verdict]:
-        """Verdicts for these requests' trees, from the next forward; a request closed meanwhile has none."""
+        """Verdicts for these requests' trees, from the next forward; a request closed meanwhile (by its
+        client, say, while its replica drafted) has none."""
+        with self._cv:
+            trees = {rid: t for rid, t in trees.items() if rid not in self._closed and rid not in self._leaving}
+        if not trees:
+            return {}
         self.worker.check(trees)  # refuse bad trees before they reach the loop
         waiter = _Waiter()
         with self._cv:
@@ -153,6 +165,9 @@ class TargetScheduler:
         with self._cv:
             if join.rid in self._reserved or any(j.rid == join.rid for j in self._waiting):
                 raise RequestExists(f"request {join.rid!r} is already in the batch")
+            if join.rid in self._closed_early or join.rid in self._leaving:
+                self._closed_early.pop(join.rid, None)
+                raise UnknownRequest(f"request {join.rid!r} was closed before it was opened")
             self._waiting.append(join)
             self._cv.notify()
         return join.waiter
@@ -194,8 +209,25 @@ class TargetScheduler:
         self.worker.remove([rid for rid in set(leaving) if rid in self.worker.requests])
         with self._cv:
             for rid in leaving:
+                if rid not in self._reserved:
+                    self._close_early(rid)
+                else:
+                    self._closed[rid] = None
+                    if len(self._closed) > CLOSED_KEPT:
+                        del self._closed[next(iter(self._closed))]
                 self._reserved.pop(rid, None)
                 self._plain.pop(rid, None)
+
+    def _close_early(self, rid: str) -> None:
+        """A close that came before its open: drop it from the admission queue, or refuse it later."""
+        waiting = [j for j in self._waiting if j.rid == rid]
+        for j in waiting:
+            self._waiting.remove(j)
+            j.waiter.finish(error=UnknownRequest(f"request {rid!r} was closed before it was admitted"))
+        if not waiting:
+            self._closed_early[rid] = None
+            if len(self._closed_early) > CLOSED_KEPT:
+                del self._closed_early[next(iter(self._closed_early))]
 
     def _add(self, joining: list[_Join]) -> None:
         if not joining:
@@ -249,9 +281,9 @@ class TargetScheduler:
         record_step(plain.out.stats, tree, verdict, (0.0, elapsed))
         before = len(plain.out.token_ids)
         more = emit(plain.out, plain.seq, verdict, plain.max_new_tokens, plain.eos)
-        plain.sink(plain.out.token_ids[before:], plain.out, not more, None)
         if not more:
-            self._finish_plain(rid)
+            self._finish_plain(rid)  # before its last step goes out: a finished request holds nothing
+        plain.sink(plain.out.token_ids[before:], plain.out, not more, None)
 
     def _finish_plain(self, rid: str, error: Exception | None = None) -> None:
         plain = self._plain.pop(rid)

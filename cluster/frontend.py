@@ -174,6 +174,7 @@ class Frontend:
                 return
             except _REPLICA_GONE as e:
                 log.warning("draft replica lost during request %s (%s); finishing it on the target", rid, e)
+                self.topology.target.cancel.remote(rid)  # its row on the target: free what it reserved
                 self.served["fallbacks"] += 1
                 meter.event("fallback")
             finally:
@@ -217,6 +218,8 @@ class Frontend:
         finally:
             if not (finished or lost):
                 actor.cancel.remote(rid)
+                if actor is not self.topology.target:  # its row on the target, even if the replica never got to it
+                    self.topology.target.cancel.remote(rid)
                 if not text.stopped:
                     self.served["cancelled"] += 1
 

@@ -197,3 +197,44 @@ def test_sampling_through_the_loops_keeps_the_targets_distribution(small_target,
     assert sum(len(step) > 1 for s in sinks for step in s.steps) > 0  # and drafts were accepted
     assert chi_square_pvalue(outcomes, exact_joint(small_target, PROMPT, N_TOKENS, params), m) > P_MIN
     scheduler.stop()
+
+
+def test_a_close_before_its_open_wins(target, reference):
+    """A caller that gives up while its Open is on the way closes first: the late open is refused
+    (nothing is left holding KV), and one waiting for room leaves the admission queue."""
+    scheduler = scheduler_for(target, max_rows=1)
+    scheduler.close(["late"])
+    wait_until_empty(scheduler)
+    with pytest.raises(KeyError, match="closed before it was opened"):
+        scheduler.open("late", reference.prompts[1], GREEDY, 0, 4)
+    scheduler.open("holder", reference.prompts[1], GREEDY, 0, 4)  # takes the only row
+    waiting = futures.ThreadPoolExecutor(1).submit(scheduler.open, "queued", reference.prompts[2], GREEDY, 0, 4)
+    while not scheduler.stats()["waiting"]:
+        time.sleep(0.005)
+    scheduler.close(["queued"])
+    with pytest.raises(KeyError, match="closed before it was admitted"):
+        waiting.result(timeout=10)
+    scheduler.close(["holder"])
+    wait_until_empty(scheduler)
+    assert scheduler.stats()["waiting"] == 0
+    scheduler.stop()
+
+
+def test_a_request_closed_on_the_target_mid_flight_ends_alone(served, draft, reference):
+    """The ingress closes a request on the target (its client left) while its replica still drafts for
+    it: its later trees get no verdict, it ends without an error, and the replica's other request and
+    its loop go on."""
+    scheduler, stub = served
+    remote = GrpcTarget(stub)
+    loop = DraftLoop(remote, make_drafter("model", CachedLM(draft), 1))
+    gone, stays = Collect(), Collect()
+    for rid, sink in (("gone", gone), ("stays", stays)):
+        remote.open(rid, reference.prompts[0], GREEDY, 0, 200)
+        loop.join(DraftRequest(rid, reference.prompts[0], GREEDY, 200, set(), 2, sink))
+    while not gone.tokens:
+        time.sleep(0.001)
+    remote.close(["gone"])
+    tokens, _, error = gone.wait()
+    assert error is None and len(tokens) < 200
+    assert len(stays.wait()[0]) == 200 and stays.error is None
+    wait_until_empty(scheduler)

@@ -279,7 +279,9 @@ def test_killing_draft_replicas_mid_request_still_completes_it(server, target):
             for replica in replicas:
                 ray.kill(replica, no_restart=False)
     assert got == want
-    assert http(server, "/v1/stats")[1]["requests"]["fallbacks"] == before + 1
+    stats = http(server, "/v1/stats")[1]
+    assert stats["requests"]["fallbacks"] == before + 1
+    assert stats["target"]["open_requests"] == 0  # the lost replica's row on the target was closed too
     for replica in replicas:  # Ray brings them back
         assert ray.get(replica.ready.remote(), timeout=60)
 
