@@ -94,9 +94,11 @@ def serve_main(args) -> None:
     if args.address:
         ray.init(address=args.address)
     else:
-        actors = cfg.placement.tensor_parallel_size + cfg.placement.draft_replicas
-        gpus = args.num_gpus if args.num_gpus is not None else _local_gpus() or actors * cfg.placement.gpus_per_actor
-        ray.init(num_cpus=max(os.cpu_count() or 1, actors + 1), num_gpus=gpus)
+        place = cfg.placement
+        actors = place.tensor_parallel_size + place.draft_replicas
+        gpus = args.num_gpus if args.num_gpus is not None else _local_gpus() or actors * place.gpus_per_actor
+        cpus = place.tensor_parallel_size * place.cpus_per_target_rank + place.draft_replicas * place.cpus_per_draft_replica
+        ray.init(num_cpus=max(os.cpu_count() or 1, cpus + 1), num_gpus=gpus)  # logical CPUs: threads may share cores
     server = cfg.server
     serve.start(http_options={"host": "0.0.0.0", "port": server.http_port},
                 grpc_options={"port": server.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})

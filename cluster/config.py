@@ -46,6 +46,8 @@ class PlacementConfig(_Section):
     tensor_parallel_size: int = Field(1, ge=1)
     draft_replicas: int = Field(1, ge=0)
     gpus_per_actor: float = Field(1.0, gt=0)
+    cpus_per_target_rank: int = Field(1, ge=1)  # CPU threads of each target rank (its torch intra-op threads)
+    cpus_per_draft_replica: int = Field(1, ge=1)
 
 
 class SpeculationConfig(_Section):

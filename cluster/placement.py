@@ -36,8 +36,8 @@ class Topology:
             remove_placement_group(pg)
 
 
-def _bundles(n: int, gpus: float) -> list[dict]:
-    return [{"GPU": gpus, "CPU": 1} for _ in range(n)]
+def _bundles(n: int, gpus: float, cpus: int) -> list[dict]:
+    return [{"GPU": gpus, "CPU": cpus} for _ in range(n)]
 
 
 def _on(pg: PlacementGroup, bundle: int) -> PlacementGroupSchedulingStrategy:
@@ -48,11 +48,12 @@ def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
     """Reserve GPUs, start the target ranks and the draft replicas, and connect them."""
     place, models, spec = cfg.placement, cfg.models, cfg.speculation
     tp = place.tensor_parallel_size
-    target_pg = placement_group(_bundles(tp, place.gpus_per_actor), strategy="STRICT_PACK")
+    target_pg = placement_group(_bundles(tp, place.gpus_per_actor, place.cpus_per_target_rank), strategy="STRICT_PACK")
     groups = [target_pg]
     n_drafts = place.draft_replicas if spec.drafter != "none" else 0
     if n_drafts:
-        groups.append(placement_group(_bundles(n_drafts, place.gpus_per_actor), strategy="PACK"))
+        groups.append(placement_group(_bundles(n_drafts, place.gpus_per_actor, place.cpus_per_draft_replica),
+                                      strategy="PACK"))
     topo, tag = Topology([], [], groups, ""), uuid.uuid4().hex[:8]
     try:
         for pg in groups:
@@ -60,7 +61,8 @@ def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
         rendezvous = ray.get(ray.remote(free_address).options(num_cpus=0, scheduling_strategy=_on(target_pg, 0))
                              .remote()) if tp > 1 else None
         topo.target_ranks = [
-            TargetRank.options(num_gpus=place.gpus_per_actor, num_cpus=1, max_concurrency=ACTOR_CONCURRENCY,
+            TargetRank.options(num_gpus=place.gpus_per_actor, num_cpus=place.cpus_per_target_rank,
+                               max_concurrency=ACTOR_CONCURRENCY,
                                scheduling_strategy=_on(target_pg, r))
             .remote(models.target.path, models.target.dtype, r, tp, rendezvous,
                     KvBudget(cfg.server.max_running_requests, cfg.server.max_kv_tokens))
@@ -68,7 +70,8 @@ def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
         ray.get([rank.ready.remote() for rank in topo.target_ranks], timeout=timeout_s)
         topo.target_address = ray.get(topo.target.address.remote())
         topo.drafts = [
-            DraftReplica.options(num_gpus=place.gpus_per_actor, num_cpus=1, max_concurrency=ACTOR_CONCURRENCY,
+            DraftReplica.options(num_gpus=place.gpus_per_actor, num_cpus=place.cpus_per_draft_replica,
+                                 max_concurrency=ACTOR_CONCURRENCY,
                                  max_restarts=-1, scheduling_strategy=_on(groups[1], i),
                                  name=f"draft-{i}-{tag}", namespace=NAMESPACE)
             .remote(models.drafts(), topo.target_address, spec.drafter, spec.tree_width)

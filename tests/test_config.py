@@ -42,6 +42,7 @@ def test_defaults():
     assert config.models.target.dtype == "float32" and config.models.task_drafts == {}
     p = config.placement
     assert (p.tensor_parallel_size, p.draft_replicas, p.gpus_per_actor) == (1, 1, 1.0)
+    assert (p.cpus_per_target_rank, p.cpus_per_draft_replica) == (1, 1)
     assert config.speculation.drafter == "model+ngram" and config.speculation.num_speculative_tokens == "auto"
     assert (config.speculation.tree_width, config.speculation.max_depth) == (1, 8)
     t = config.routing.default
@@ -70,7 +71,8 @@ def test_defaults():
         (
             with_section("placement", {"zzz": 1}),
             "ops.yaml: placement.zzz: extra key not allowed"
-            " (allowed: tensor_parallel_size, draft_replicas, gpus_per_actor)",
+            " (allowed: tensor_parallel_size, draft_replicas, gpus_per_actor, cpus_per_target_rank,"
+            " cpus_per_draft_replica)",
         ),
         (
             with_section("routing", {"task_types": {"code": {"on_alpha": 0.5, "off_alpha": 0.6}}}),
