@@ -126,14 +126,20 @@ def test_draft_loops_over_grpc_equal_plain_decoding(served, target, draft, refer
     wait_until_empty(scheduler)  # every request was closed
 
 
-def test_a_cancelled_request_is_closed_and_the_rest_go_on(served, draft, reference):
-    scheduler, stub = served
+def two_on_one_loop(stub, draft, prompt: list[int], rids: tuple[str, str]) -> tuple[GrpcTarget, DraftLoop, list]:
+    """Two long greedy requests (200 tokens, K = 2) opened on the target and stepped by one DraftLoop."""
     remote = GrpcTarget(stub)
     loop = DraftLoop(remote, make_drafter("model", CachedLM(draft), 1))
-    first, second = Collect(), Collect()
-    for rid, sink in (("a", first), ("b", second)):
-        remote.open(rid, reference.prompts[0], GREEDY, 0, 200)
-        loop.join(DraftRequest(rid, reference.prompts[0], GREEDY, 200, set(), 2, sink))
+    sinks = [Collect(), Collect()]
+    for rid, sink in zip(rids, sinks):
+        remote.open(rid, prompt, GREEDY, 0, 200)
+        loop.join(DraftRequest(rid, prompt, GREEDY, 200, set(), 2, sink))
+    return remote, loop, sinks
+
+
+def test_a_cancelled_request_is_closed_and_the_rest_go_on(served, draft, reference):
+    scheduler, stub = served
+    _, loop, (first, second) = two_on_one_loop(stub, draft, reference.prompts[0], ("a", "b"))
     loop.cancel("a")
     tokens, _, error = first.wait()
     assert error is None and len(tokens) < 200
@@ -225,12 +231,7 @@ def test_a_request_closed_on_the_target_mid_flight_ends_alone(served, draft, ref
     it: its later trees get no verdict, it ends without an error, and the replica's other request and
     its loop go on."""
     scheduler, stub = served
-    remote = GrpcTarget(stub)
-    loop = DraftLoop(remote, make_drafter("model", CachedLM(draft), 1))
-    gone, stays = Collect(), Collect()
-    for rid, sink in (("gone", gone), ("stays", stays)):
-        remote.open(rid, reference.prompts[0], GREEDY, 0, 200)
-        loop.join(DraftRequest(rid, reference.prompts[0], GREEDY, 200, set(), 2, sink))
+    remote, _, (gone, stays) = two_on_one_loop(stub, draft, reference.prompts[0], ("gone", "stays"))
     while not gone.tokens:
         time.sleep(0.001)
     remote.close(["gone"])
