@@ -1,13 +1,16 @@
 """A draft replica's step loop: one loop over all its running requests (of one drafter). Each
 iteration drafts every request's tree in one batched draft forward per depth, sends all the trees in
 one VerifyRequest, and hands each request its verdict: keep what the target accepted, roll the
-draft's cache back, stream the tokens. Requests join and leave between iterations.
+draft's cache back, stream the tokens. Requests join and leave between iterations. With `overlap`
+(a draft model), the next step's trees are drafted while the target verifies this one
+(specdec.ahead): a request whose assumption held starts its next step with its tree ready.
 
 The target is a Target: GrpcTarget (a target rank's specdec.v1.TargetService over gRPC), or a
 TargetScheduler in the same process (tests)."""
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -16,6 +19,7 @@ import torch
 
 from protos import specdec_tree_pb2 as tree_pb
 from specdec.acceptance import Verdict
+from specdec.ahead import Ahead, draft_ahead, settle
 from specdec.drafters import Drafter, Plan
 from specdec.engine import Generation, emit, record_step
 from specdec.sampling import SamplingParams, make_generator
@@ -65,13 +69,16 @@ class DraftRequest:
     seq: list[int] = field(init=False)
     out: Generation = field(default_factory=lambda: Generation([], "length"))
     gen: torch.Generator = field(init=False)
+    next_tree: TokenTree | None = None  # drafted ahead, while the target verified the last step
 
     def __post_init__(self):
         self.seq = list(self.prompt)
         self.gen = make_generator(self.params.seed, self.stream, role="draft")
 
-    def plan(self) -> Plan:
-        k = min(self.depth, max(0, self.max_new_tokens - len(self.out.token_ids) - 1))  # past the end is waste
+    def plan(self, after: int = 0) -> Plan:
+        """This step's plan, or the one after `after` more tokens are committed."""
+        left = self.max_new_tokens - len(self.out.token_ids) - after
+        k = min(self.depth, max(0, left - 1))  # past the end is waste
         return Plan(k, k)
 
 
@@ -79,8 +86,11 @@ class DraftLoop:
     """The running requests of one drafter, stepped together on a thread of their own."""
 
     def __init__(self, target: Target, drafter: Drafter | None,
-                 on_step: Callable[[float, float], None] = lambda draft_s, verify_s: None):
+                 on_step: Callable[[float, float], None] = lambda draft_s, verify_s: None, overlap: bool = True):
         self.target, self.drafter, self.on_step = target, drafter, on_step
+        # drafting ahead pays only where drafting costs (a draft model): n-gram guesses are free
+        self.overlap = overlap and drafter is not None and drafter.uses_model
+        self._verifier = ThreadPoolExecutor(1, thread_name_prefix="verify") if self.overlap else None
         self.rows: list[DraftRequest] = []  # batch order: the drafter's rows
         self._joining: list[DraftRequest] = []
         self._cancelled: set[str] = set()
@@ -140,17 +150,15 @@ class DraftLoop:
 
     def _step(self) -> None:
         rows = self.rows
-        plans = [r.plan() for r in rows]
         t0 = time.perf_counter()
-        trees = self._draft(rows, plans)
+        ready = [r.next_tree is not None for r in rows]
+        trees = self._trees(rows)
         t1 = time.perf_counter()
-        verdicts = self.target.verify({r.rid: t for r, t in zip(rows, trees)})
-        times = (t1 - t0, time.perf_counter() - t1)
+        verdicts = self._verify(rows, trees)
+        times = (t1 - t0, time.perf_counter() - t1)  # drafting the step waited for, the rest of the step
         self.on_step(*times)
-        # a request closed on the target meanwhile (its client went away) has no verdict
-        paths = [verdicts[r.rid].path if r.rid in verdicts else [0] for r in rows]
-        if self.drafter is not None:
-            self.drafter.commit(paths)
+        for r, was_ready in zip(rows, ready):
+            r.out.stats.drafted_ahead += was_ready
         done = []
         for r, tree in zip(rows, trees):
             if r.rid not in verdicts:
@@ -167,6 +175,36 @@ class DraftLoop:
         if done:
             self.target.close([r.rid for r in done])
         self._drop(done, close=False)
+
+    def _trees(self, rows: list[DraftRequest]) -> list[TokenTree]:
+        """This step's trees: those drafted ahead, the others drafted now (in one batched draft)."""
+        ready = [r.next_tree for r in rows]
+        for r in rows:
+            r.next_tree = None
+        if all(tree is not None for tree in ready):
+            return ready
+        fresh = self._draft(rows, [r.plan() if tree is None else Plan() for r, tree in zip(rows, ready)])
+        return [tree if tree is not None else new for tree, new in zip(ready, fresh)]
+
+    def _verify(self, rows: list[DraftRequest], trees: list[TokenTree]) -> dict[str, Verdict]:
+        """The target's verdicts; meanwhile, with overlap, the next step is drafted ahead. The drafter
+        keeps what the target accepted. A request closed on the target meanwhile has no verdict."""
+        request = {r.rid: t for r, t in zip(rows, trees)}
+        if not self.overlap:
+            verdicts = self.target.verify(request)
+            if self.drafter is not None:
+                self.drafter.commit([verdicts[r.rid].path if r.rid in verdicts else [0] for r in rows])
+            return verdicts
+        pending = self._verifier.submit(self.target.verify, request)
+        ahead = self._draft_ahead(rows, trees)
+        verdicts = pending.result()
+        for r, tree in zip(rows, settle(self.drafter, ahead, [verdicts.get(r.rid) for r in rows])):
+            r.next_tree = tree
+        return verdicts
+
+    def _draft_ahead(self, rows: list[DraftRequest], trees: list[TokenTree]) -> Ahead:
+        return draft_ahead(self.drafter, [r.seq for r in rows], trees, [r.params for r in rows],
+                           [r.gen for r in rows], lambda row, new_tokens: rows[row].plan(after=new_tokens))
 
     def _draft(self, rows: list[DraftRequest], plans: list[Plan]) -> list[TokenTree]:
         if self.drafter is None or not any(p.depth or p.ngram for p in plans):

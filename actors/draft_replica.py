@@ -26,12 +26,13 @@ class DraftReplica:
     """Async: a request is a stream fed by its draft model's loop, not a thread."""
 
     def __init__(self, drafts: dict[str, tuple[str, str]], target_address: str, drafter: str = "model+ngram",
-                 width: int = 1):
-        """drafts: task type -> (model folder, dtype); the "" entry drafts for every other task type."""
+                 width: int = 1, overlap: bool = True):
+        """drafts: task type -> (model folder, dtype); the "" entry drafts for every other task type.
+        overlap: draft each step while the target verifies the one before (actors.draft_loop)."""
         use_assigned_cpus()
         self.models = {task: load_model(path, parse_dtype(dtype), device_for_actor())
                        for task, (path, dtype) in drafts.items()}
-        self.drafter, self.width = drafter, width
+        self.drafter, self.width, self.overlap = drafter, width, overlap
         make_drafter(drafter, CachedLM(self.models[""]) if "" in self.models else None, width)  # fail at start
         self.target = GrpcTarget(tree_grpc.TargetServiceStub(grpc.insecure_channel(target_address)))
         name = ray.get_runtime_context().get_actor_name() or "draft"
@@ -80,5 +81,5 @@ class DraftReplica:
         if key not in self.loops:
             model = self.models.get(key)
             drafter = make_drafter(self.drafter, CachedLM(model) if model is not None else None, self.width)
-            self.loops[key] = DraftLoop(self.target, drafter, on_step=self.step_timer)
+            self.loops[key] = DraftLoop(self.target, drafter, on_step=self.step_timer, overlap=self.overlap)
         return self.loops[key]

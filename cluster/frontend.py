@@ -88,7 +88,8 @@ class Frontend:
         self.topology: Topology = start_topology(cfg)
         self.in_flight = 0
         self.served = {"speculative": 0, "plain": 0, "fallbacks": 0, "cancelled": 0}
-        self.timing = {"steps": 0, "step_round_trip_s": 0.0, "draft_s": 0.0}  # speculative requests' steps
+        # speculative requests' steps; drafted_ahead: those whose tree was ready when the step began
+        self.timing = {"steps": 0, "step_round_trip_s": 0.0, "draft_s": 0.0, "drafted_ahead": 0}
         self._turn = itertools.count()
         threading.Thread(target=self._publish_gauges, name="metrics", daemon=True).start()
 
@@ -236,6 +237,7 @@ class Frontend:
         self.timing["steps"] += stats["steps"]
         self.timing["step_round_trip_s"] += stats["verify_time_s"]
         self.timing["draft_s"] += stats["draft_time_s"]
+        self.timing["drafted_ahead"] += stats["drafted_ahead"]
 
     def shutdown(self) -> None:
         self.topology.shutdown()

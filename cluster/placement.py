@@ -74,7 +74,7 @@ def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
                                  max_concurrency=ACTOR_CONCURRENCY,
                                  max_restarts=-1, scheduling_strategy=_on(groups[1], i),
                                  name=f"draft-{i}-{tag}", namespace=NAMESPACE)
-            .remote(models.drafts(), topo.target_address, spec.drafter, spec.tree_width)
+            .remote(models.drafts(), topo.target_address, spec.drafter, spec.tree_width, spec.overlap)
             for i in range(n_drafts)]
         ray.get([d.ready.remote() for d in topo.drafts], timeout=timeout_s)
     except Exception:

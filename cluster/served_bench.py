@@ -38,7 +38,7 @@ from specdec.prompts import load_prompts
 
 from .router import Speculation
 
-TIMING_KEYS = ("forwards", "forward_s", "steps", "step_round_trip_s", "draft_s")  # read from GET /v1/stats
+TIMING_KEYS = ("forwards", "forward_s", "steps", "step_round_trip_s", "draft_s", "drafted_ahead")  # GET /v1/stats
 REFERENCES = ("generate", "generate_batch")
 
 
@@ -197,6 +197,8 @@ def cell_row(clients: int, mode: Speculation, wall: float, replies: list[Reply],
         "target_forward_ms": per("forward_s", "forwards"),
         "step_round_trip_ms": per("step_round_trip_s", "steps"),
         "draft_ms": per("draft_s", "steps"),
+        "drafted_ahead": round(delta["drafted_ahead"] / delta["steps"], 3)  # share of steps whose tree was ready
+        if "drafted_ahead" in delta and delta.get("steps") else None,
     }
 
 
@@ -322,14 +324,14 @@ def table(rows: list[dict], references: dict, args, n_prompts: int) -> str:
     lines = [f"# specdec bench-served: {args.prompts} ({n_prompts} prompts), max_new_tokens={args.max_new_tokens}, "
              f"greedy, server {args.address}",
              f"{'clients':>7} {'mode':<5} {'tok/s':>7} {'vs off':>7} {'tpot p50':>9} {'tpot p95':>9} {'ttft p50':>9} "
-             f"{'accepted/drafted':>17} {'steps':>6} {'forward':>8} {'round trip':>10} {'draft':>7}  (ms)"]
+             f"{'accepted/drafted':>17} {'steps':>6} {'forward':>8} {'round trip':>10} {'draft':>7}  (ms) {'ahead':>6}"]
     for r in rows:
         acc = f"{r['accepted']}/{r['drafted']}"
         lines.append(
             f"{r['clients']:>7} {r['mode']:<5} {r['tokens_per_s']:>7.1f} {fmt(r['speedup'], '.2f'):>6}x "
             f"{fmt(r['tpot_p50_ms']):>9} {fmt(r['tpot_p95_ms']):>9} {fmt(r['ttft_p50_ms']):>9} "
             f"{acc:>17} {r['steps']:>6} {fmt(r['target_forward_ms']):>8} "
-            f"{fmt(r['step_round_trip_ms']):>10} {fmt(r['draft_ms']):>7}")
+            f"{fmt(r['step_round_trip_ms']):>10} {fmt(r['draft_ms']):>7}       {fmt(r.get('drafted_ahead'), '.2f'):>6}")
     lines.append("every mode token-identical to off" if rows else "no cells")
     for name, ref in references.items():
         if "skipped" in ref:

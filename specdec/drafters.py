@@ -7,7 +7,12 @@ so it can live in another process than the target. Protocol:
   match_length(row, seq)          the n-gram a guess for this row would match now (0: none)
   propose(seqs, plans, ...)       one tree per row, rooted at the row's last token
   commit(paths)                   per row, the accepted node indices (root first)
-  select(rows)                    keep only these rows (the others finished)"""
+  select(rows)                    keep only these rows (the others finished)
+Drafting ahead (specdec.ahead) also uses:
+  assume(paths)                   commit paths as if accepted; returns a checkpoint to go back to
+  next_tokens(seqs)               per row, the drafter's guess of the token after seq (None: none)
+  rollback(checkpoint, kept)      rows with kept[b] set go back to the checkpoint, keeping the
+                                  first kept[b] nodes of the path they assumed"""
 
 import enum
 from dataclasses import dataclass
@@ -45,6 +50,9 @@ class Drafter(Protocol):
     ) -> list[TokenTree]: ...
     def commit(self, paths: list[list[int]]) -> None: ...
     def select(self, rows: list[int]) -> None: ...
+    def assume(self, paths: list[list[int]]) -> object: ...
+    def next_tokens(self, seqs: list[list[int]]) -> list[int | None]: ...
+    def rollback(self, checkpoint: object, kept: list[int | None]) -> None: ...
 
 
 class NgramDrafter:
@@ -85,6 +93,15 @@ class NgramDrafter:
     def select(self, rows: list[int]) -> None:
         self.indexes = [self.indexes[r] for r in rows]
 
+    def assume(self, paths) -> list[NgramIndex]:
+        return [index.copy() for index in self.indexes]  # lookups in the assumed text extend the index
+
+    def next_tokens(self, seqs) -> list[int | None]:
+        return [(self.guess(row, seq, 1) or [None])[0] for row, seq in enumerate(seqs)]
+
+    def rollback(self, checkpoint: list[NgramIndex], kept) -> None:
+        self.indexes = [before if k is not None else now for now, before, k in zip(self.indexes, checkpoint, kept)]
+
 
 class ModelDrafter:
     """A draft LM grows a tree `width` wide, one draft forward per depth.
@@ -118,21 +135,39 @@ class ModelDrafter:
         self.slot_of += [{} for _ in range(n)]
 
     def select(self, rows: list[int]) -> None:
-        self.lm.select(rows)
         self.slot_of = [self.slot_of[r] for r in rows]
+        self._hold_pending()
+        self.lm.select(rows)
 
     def commit(self, paths: list[list[int]]) -> None:
         """Keep the draft's cache entries of the accepted nodes it has run (a prefix of each path)."""
-        keep = []
-        for path, slot_of in zip(paths, self.slot_of):
-            slots = []
-            for node in path[1:]:
-                if node not in slot_of:
-                    break
-                slots.append(slot_of[node])
-            keep.append(slots)
-        self.lm.commit(keep)
+        keep = [_cached_prefix(path, slot_of) for path, slot_of in zip(paths, self.slot_of)]
         self.slot_of = [{} for _ in paths]
+        self._hold_pending()
+        self.lm.commit(keep)
+
+    def assume(self, paths: list[list[int]]) -> "_Assumed":
+        lengths = list(self.lm.lengths)
+        cached = [len(_cached_prefix(path, slot_of)) for path, slot_of in zip(paths, self.slot_of)]
+        self.commit(paths)
+        return _Assumed(lengths, cached)
+
+    @torch.inference_mode()
+    def next_tokens(self, seqs: list[list[int]]) -> list[int]:
+        """The draft's argmax after each seq, running what it has not seen (at least the last token)."""
+        self.lm.truncate([len(seq) - 1 for seq in seqs])
+        logits = self.lm.prefill([seq[n:] for seq, n in zip(seqs, self.lm.lengths)])  # [B, V]
+        return logits.argmax(-1).tolist()
+
+    def rollback(self, checkpoint: "_Assumed", kept: list[int | None]) -> None:
+        self.slot_of = [{} if k is not None else slots for slots, k in zip(self.slot_of, kept)]
+        self._hold_pending()
+        self.lm.truncate([n + min(k, c) if k is not None else now
+                          for n, c, k, now in zip(checkpoint.lengths, checkpoint.cached, kept, self.lm.lengths)])
+
+    def _hold_pending(self) -> None:
+        """Keep the slots of trees still waiting for their verdict (drafted ahead) through crops."""
+        self.lm.held = 1 + max((slot for slots in self.slot_of for slot in slots.values()), default=-1)
 
     @torch.inference_mode()
     def propose(self, seqs, plans, params, gens) -> list[TokenTree]:
@@ -141,6 +176,7 @@ class ModelDrafter:
         trees = [TokenTree.root(seq[-1]) for seq in seqs]
         if D == 0:
             return trees  # the draft catches up with these tokens next time
+        self._hold_pending()  # rows given no depth may hold a tree drafted ahead
         # run what the draft has not seen yet; its last token is the root
         logits = self.lm.prefill([seq[n:] for seq, n in zip(seqs, self.lm.lengths)])  # [B, V]
         base = self.lm.size  # first slot of this tree's nodes
@@ -207,6 +243,24 @@ class ModelDrafter:
         return parent_col, tokens, new_cum
 
 
+def _cached_prefix(path: list[int], slot_of: dict[int, int]) -> list[int]:
+    """The cache slots of the path's nodes (after the root) that the draft ran, up to the first it did not."""
+    slots = []
+    for node in path[1:]:
+        if node not in slot_of:
+            break
+        slots.append(slot_of[node])
+    return slots
+
+
+@dataclass(frozen=True)
+class _Assumed:
+    """Where ModelDrafter.assume began: each row's committed length, and how many nodes it committed."""
+
+    lengths: list[int]
+    cached: list[int]
+
+
 class MergedDrafter:
     """The draft model's tree with the n-gram guess grafted onto it: one tree, one verify."""
 
@@ -233,6 +287,16 @@ class MergedDrafter:
 
     def commit(self, paths) -> None:
         self.model.commit(paths)
+
+    def assume(self, paths) -> tuple:
+        return self.model.assume(paths), self.ngram.assume(paths)
+
+    def next_tokens(self, seqs) -> list[int]:
+        return self.model.next_tokens(seqs)
+
+    def rollback(self, checkpoint: tuple, kept) -> None:
+        self.model.rollback(checkpoint[0], kept)
+        self.ngram.rollback(checkpoint[1], kept)
 
     def match_length(self, row: int, seq: list[int]) -> int:
         return self.ngram.match_length(row, seq)

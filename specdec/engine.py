@@ -29,6 +29,7 @@ class RequestStats:
     verify_time_s: float = 0.0
     prefill_time_s: float = 0.0
     new_tokens: int = 0
+    drafted_ahead: int = 0  # steps whose tree was drafted while the previous step was verified
 
     @property
     def alpha(self) -> float | None:

@@ -115,6 +115,7 @@ class CachedLM:
     def reset(self, batch_size: int) -> None:
         self.kv = Cache(layer_class_to_replicate=GrowingLayer)
         self.lengths = [0] * batch_size
+        self.held = 0  # slots [0, held) outlive every crop: a drafter's pending tree, beyond the rows' lengths
 
     @property
     def size(self) -> int:
@@ -216,9 +217,14 @@ class CachedLM:
         self.lengths = [self.lengths[r] for r in rows]
         self._crop_to_longest()
 
+    def truncate(self, lengths: list[int]) -> None:
+        """Row b keeps only its first lengths[b] committed tokens (never more than it has)."""
+        self.lengths = [min(n, keep) for n, keep in zip(self.lengths, lengths)]
+        self._crop_to_longest()
+
     def _crop_to_longest(self) -> None:
-        """Drop the slots past the longest row's committed tokens."""
-        excess = self.size - max(self.lengths, default=0)
+        """Drop the slots past the longest row's committed tokens (and past those held)."""
+        excess = self.size - max(max(self.lengths, default=0), self.held)
         if excess > 0:
             self.kv.crop(-excess)
 

@@ -28,6 +28,12 @@ class NgramIndex:
         n, end = self.match(tokens)
         return self._copy(tokens, end, num_tokens) if n else []
 
+    def copy(self) -> "NgramIndex":
+        """An independent copy (to look up in a text that may yet be taken back)."""
+        twin = NgramIndex(self.max_ngram, self.min_ngram)
+        twin.last_end, twin.indexed = dict(self.last_end), self.indexed
+        return twin
+
     @staticmethod
     def _copy(tokens: list[int], end: int, num_tokens: int) -> list[int]:
         """What followed the match, read on into the guess itself where the text runs out, so that

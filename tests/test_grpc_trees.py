@@ -36,7 +36,7 @@ class Collect:
         self.steps.append(list(tokens))
         self.tokens += tokens
         if finished:
-            self.finish_reason, self.error = out.finish_reason, error
+            self.finish_reason, self.error, self.stats = out.finish_reason, error, out.stats.to_dict()
             self.done.set()
 
     def wait(self, timeout: float = 120):
@@ -126,6 +126,32 @@ def test_draft_loops_over_grpc_equal_plain_decoding(served, target, draft, refer
     wait_until_empty(scheduler)  # every request was closed
 
 
+@pytest.mark.parametrize("kind, width, self_draft", [("model", 1, True), ("model+ngram", 2, True),
+                                                       ("model", 1, False), ("model+ngram", 1, False)])
+def test_drafting_ahead_keeps_greedy_output_exact(served, target, draft, reference, kind, width, self_draft):
+    """The next step drafted while the target verifies: with the target as its own draft every
+    assumption holds (the next tree is ready); with the small draft most fail and roll back. Requests
+    join one after another, so steps mix rows with a ready tree and rows drafted now."""
+    scheduler, stub = served
+    remote = GrpcTarget(stub)
+    loop = DraftLoop(remote, make_drafter(kind, CachedLM(target if self_draft else draft), width), overlap=True)
+    assert loop.overlap
+    prompts = reference.prompts[:5]
+    sinks = [Collect() for _ in prompts]
+    for i, (prompt, sink) in enumerate(zip(prompts, sinks)):
+        remote.open(f"a{i}", prompt, GREEDY, 0, NEW_TOKENS)
+        loop.join(DraftRequest(f"a{i}", prompt, GREEDY, NEW_TOKENS, set(), 3, sink))
+        time.sleep(0.05 * i)
+    assert [s.wait()[0] for s in sinks] == reference.continuations[:5]
+    ahead = [s.stats["drafted_ahead"] for s in sinks]
+    steps = [s.stats["steps"] for s in sinks]
+    if self_draft:  # only a request's first step (and one after another joined) is drafted in the open
+        assert all(a >= n / 2 for a, n in zip(ahead, steps)), (ahead, steps)
+    else:
+        assert sum(ahead) < sum(steps) / 2, (ahead, steps)
+    wait_until_empty(scheduler)
+
+
 def two_on_one_loop(stub, draft, prompt: list[int], rids: tuple[str, str]) -> tuple[GrpcTarget, DraftLoop, list]:
     """Two long greedy requests (200 tokens, K = 2) opened on the target and stepped by one DraftLoop."""
     remote = GrpcTarget(stub)
@@ -179,29 +205,35 @@ def test_errors_come_back_as_status_codes(served):
     stub.Close(tree_pb.CloseRequest(request_ids=["a", "never-opened"]))
 
 
-def test_sampling_through_the_loops_keeps_the_targets_distribution(small_target, small_draft):
+@pytest.mark.parametrize("overlap, self_draft", [(False, False), (True, False), (True, True)])
+def test_sampling_through_the_loops_keeps_the_targets_distribution(small_target, small_draft, overlap, self_draft):
     """Seeded samples of one prompt, each on its own random stream, drafted by a DraftLoop (a tree two
-    wide) and verified by the scheduler in shared forwards: the joint distribution of their first
-    tokens is the target's (chi-square against enumeration, as tests/test_sampling.py does)."""
+    wide, K = 1) and verified by the scheduler in shared forwards: the joint distribution of their
+    first 4 tokens is the target's (chi-square against enumeration, as tests/test_sampling.py does).
+    With overlap the next step is drafted ahead: only trees drafted on an assumption that held are
+    sent (with the target as its own draft, most of them)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from test_sampling import N_TOKENS, P_MIN, PROMPT, chi_square_pvalue, exact_joint
+    from test_sampling import P_MIN, PROMPT, chi_square_pvalue, exact_joint
 
-    m, params = 1500, SamplingParams(temperature=1.0, seed=11)
+    m, n_tokens, params = 1500, 4, SamplingParams(temperature=1.0, seed=11)
     scheduler = scheduler_for(small_target, max_rows=m)
-    loop = DraftLoop(scheduler, make_drafter("model", CachedLM(small_draft), 2))
+    loop = DraftLoop(scheduler, make_drafter("model", CachedLM(small_target if self_draft else small_draft), 2),
+                     overlap=overlap)
     sinks = [Collect() for _ in range(m)]
 
     def start(i: int) -> None:
-        scheduler.open(f"s{i}", PROMPT, params, i, N_TOKENS)
-        loop.join(DraftRequest(f"s{i}", PROMPT, params, N_TOKENS, set(), 2, sinks[i], stream=i))
+        scheduler.open(f"s{i}", PROMPT, params, i, n_tokens)
+        loop.join(DraftRequest(f"s{i}", PROMPT, params, n_tokens, set(), 1, sinks[i], stream=i))
 
     with ThreadPoolExecutor(32) as pool:
         list(pool.map(start, range(m)))
     outcomes = Counter(tuple(s.wait()[0]) for s in sinks)
     assert scheduler.stats()["largest_batch"] > 32  # the samples really shared forwards
     assert sum(len(step) > 1 for s in sinks for step in s.steps) > 0  # and drafts were accepted
-    assert chi_square_pvalue(outcomes, exact_joint(small_target, PROMPT, N_TOKENS, params), m) > P_MIN
+    ahead = sum(s.stats["drafted_ahead"] for s in sinks)
+    assert (ahead > 0) == overlap, ahead
+    assert chi_square_pvalue(outcomes, exact_joint(small_target, PROMPT, n_tokens, params), m) > P_MIN
     scheduler.stop()
 
 
