@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdec.acceptance import Verdict
+from specdec.adaptive import Costs, Load
 from specdec.engine import Generation, emit, record_step
 from specdec.errors import RequestExists, UnknownRequest
 from specdec.sampling import SamplingParams
@@ -25,6 +26,7 @@ from .streams import Sink
 
 
 CLOSED_KEPT = 4096
+LOAD_SMOOTHING = 0.2  # weight of each forward in the batch's moving average
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ class TargetScheduler:
         self.forwards = 0  # forwards run (verify steps, plain rows included)
         self.largest_batch = 0  # most rows in one forward
         self.forward_time_s = 0.0
+        self.costs = Costs()  # the forward's seconds by the tokens in its batch, measured (the router's table)
+        self._load = Load()  # tokens per forward run and committed, smoothed
         self._cv = threading.Condition()
         self._waiting: collections.deque[_Join] = collections.deque()  # admission queue, in arrival order
         # closed before they were opened (a caller that gave up while its Open was on the way): a later
@@ -144,9 +148,12 @@ class TargetScheduler:
 
     def stats(self) -> dict:
         with self._cv:
+            load = self._load if self._reserved else Load()  # an idle target has no batch
             return {"forwards": self.forwards, "largest_batch": self.largest_batch,
                     "forward_time_s": self.forward_time_s, "open_requests": len(self._reserved),
-                    "kv_tokens_reserved": sum(self._reserved.values()), "waiting": len(self._waiting)}
+                    "kv_tokens_reserved": sum(self._reserved.values()), "waiting": len(self._waiting),
+                    "forward_costs": dict(self.costs.verify_table), "batch_tokens": load.batch_tokens,
+                    "committed_per_forward": load.committed}
 
     def stop(self) -> None:
         with self._cv:
@@ -271,11 +278,17 @@ class TargetScheduler:
             self.forwards += 1
             self.forward_time_s += elapsed
             self.largest_batch = max(self.largest_batch, len(batch))
+            self._observe(elapsed, sum(map(len, batch.values())), sum(len(v.tokens) for v in verdicts.values()))
         self.on_forward(elapsed)
         for waiter in waiters:
             waiter.finish(verdicts)
         for rid, plain in list(self._plain.items()):
             self._advance_plain(rid, plain, batch[rid], verdicts[rid], elapsed)
+
+    def _observe(self, seconds: float, tokens: int, committed: int) -> None:
+        self.costs.observe_verify(seconds, tokens)
+        old, a = self._load, LOAD_SMOOTHING
+        self._load = Load(old.batch_tokens + a * (tokens - old.batch_tokens), old.committed + a * (committed - old.committed))
 
     def _advance_plain(self, rid: str, plain: _Plain, tree: TokenTree, verdict: Verdict, elapsed: float) -> None:
         record_step(plain.out.stats, tree, verdict, (0.0, elapsed))

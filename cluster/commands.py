@@ -190,6 +190,7 @@ def stats_dict(stats: api.SpeculationStats) -> dict:
 def task_stats(stub) -> dict:
     reply = stub.GetStats(api.GetStatsRequest())
     return {t.task_type: {"alpha": t.alpha if t.HasField("alpha") else None, "decision": t.decision, "k": t.k,
+                          "reason": t.reason, "goodput": dict(t.goodput) or None,
                           "samples": t.samples, "requests": dict(t.requests)} for t in reply.task_types}
 
 

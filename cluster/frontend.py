@@ -17,6 +17,7 @@ import ray
 from transformers import AutoConfig, GenerationConfig
 
 from specdec.acceptance import acceptance_rate
+from specdec.adaptive import Costs, Load
 from specdec.errors import InvalidArgument
 from specdec.loading import eos_ids, load_tokenizer
 from specdec.logprobs import TokenLogprob
@@ -26,7 +27,7 @@ from . import metrics
 from .config import RoutingConfig, ServeConfig
 from .detokenizer import Detokenizer, check_stop
 from .placement import Topology, start_topology
-from .router import Router, Speculation
+from .router import Router, Speculation, TargetView
 
 log = logging.getLogger(__name__)
 GAUGES_EVERY_S = 1.0  # Ray stops exporting a gauge that is not set again for ~20 s
@@ -248,8 +249,23 @@ class Frontend:
 
     def _publish_gauges(self) -> None:
         while True:
+            self._observe_target()
             metrics.publish_gauges(self.in_flight, self.router.stats())
             time.sleep(GAUGES_EVERY_S)
+
+    def _observe_target(self) -> None:
+        """Hand the router the target's forward costs and batch, and what a speculative step costs
+        beyond its forward (the round trip's rest) and how much drafting was hidden."""
+        try:
+            target = ray.get(self.topology.target.stats.remote(), timeout=5 * GAUGES_EVERY_S)
+        except ray.exceptions.RayError:
+            return  # the target is away: the router keeps what it last knew
+        steps, forwards = self.timing["steps"], target["forwards"]
+        forward_s = target["forward_time_s"] / forwards if forwards else 0.0
+        hop_s = max(0.0, self.timing["step_round_trip_s"] / steps - forward_s) if steps else 0.0
+        self.router.observe_target(TargetView(
+            Costs(verify_table=target["forward_costs"]), Load(target["batch_tokens"], target["committed_per_forward"]),
+            hop_s, self.timing["drafted_ahead"] / steps if steps else 0.0))
 
 
 def _chunk(part: dict, text: Detokenizer, final: bool = False) -> Chunk:

@@ -19,6 +19,9 @@ output_tokens = LazyMetric(Counter, "output_tokens", "Tokens sent to clients (ea
 alpha = LazyMetric(Gauge, "alpha", "The router's moving average of per-depth acceptance", ("task_type",))
 speculation_on = LazyMetric(Gauge, "speculation_on", "The router's decision for AUTO requests: 1 on, 0 off",
                        ("task_type",))
+router_goodput = LazyMetric(Gauge, "router_goodput_tokens_per_second", "The router's estimate of the tokens per "
+                            "second the target would commit with one more AUTO row, plain or speculating at its "
+                            "best K (set once the target has reported its forward costs)", ("task_type", "mode"))
 queue_depth = LazyMetric(Gauge, "queue_depth", "Requests admitted and unfinished in this ingress replica")
 time_to_first_token = seconds_histogram("time_to_first_token_seconds", "From admission to the first token sent",
                                ("task_type", "mode"))
@@ -38,6 +41,8 @@ def publish_gauges(in_flight: int, routing: dict[str, dict]) -> None:
         tags = {"task_type": task_type}
         alpha().set(stats["alpha"], tags)  # None: not set
         speculation_on().set(int(stats["decision"] == "on"), tags)
+        for mode, value in (stats.get("goodput") or {}).items():
+            router_goodput().set(value, {**tags, "mode": mode})
 
 
 class RequestMeter:

@@ -1,10 +1,14 @@
-"""Alpha-driven routing: per task type, whether to speculate and how many tokens to draft.
+"""Goodput routing: per task type, whether to speculate and how many tokens to draft.
 
 Every speculative request reports its acceptance (accepted / tried depths). Per task type the router
-keeps a moving average of it, turns speculation off below `off_alpha` and back on at `on_alpha` once
-`min_samples` reports have come in (between the two it keeps its decision), and while off still runs
-a `probe_fraction` of requests speculatively so that the average stays live. K maximises expected
-tokens per unit of target time, expected_tokens(alpha, K) / (1 + K * draft_cost_ratio)."""
+keeps a moving average of it (alpha). Alpha bounds the decision: below `off_alpha` speculation is
+off, and it comes back at `on_alpha` once `min_samples` reports have come in (between the two it
+keeps its decision). Within those bounds, the router speculates, and picks K, to maximise the tokens
+the target commits per second at its current load (specdec.adaptive.goodput): the target reports its
+forward cost by batch tokens and its batch, so speculation turns off when the batch is big and comes
+back as it drains. Before the target has reported, K maximises expected_tokens(alpha, K) /
+(1 + K * draft_cost_ratio). While off, a `probe_fraction` of requests still speculates so that alpha
+stays live. A task type's `speculation: on | off` forces the decision."""
 
 import enum
 import threading
@@ -13,7 +17,7 @@ from typing import Literal, get_args
 
 from cluster.config import RoutingConfig, Thresholds
 from specdec.acceptance import acceptance_rate
-from specdec.adaptive import expected_tokens
+from specdec.adaptive import Costs, Load, StepCosts, expected_tokens, goodput
 
 
 
@@ -48,11 +52,39 @@ class Decision:
     k: int  # tokens to draft; 0 for plain decoding
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What AUTO requests of a task type get now, and why."""
+
+    speculative: bool
+    k: int  # 0 when not speculating
+    reason: str
+    goodput: dict[str, float] | None = None  # tokens/s the target would commit: "plain", "speculative"
+
+
+@dataclass(frozen=True)
+class TargetView:
+    """What the router knows of the target group, as measured: its forward's cost by batch tokens,
+    its batch now, a speculative step's round trip beyond the forward (hop_s), and the share of
+    speculative steps whose tree was drafted ahead (their drafting hidden behind verification)."""
+
+    costs: Costs
+    load: Load = Load()
+    hop_s: float = 0.0
+    drafted_ahead: float = 0.0
+
+    def step_costs(self, draft_cost_ratio: float) -> StepCosts:
+        """A draft forward costs draft_cost_ratio of a one-token target forward (the routing key),
+        except where it was hidden."""
+        draft = draft_cost_ratio * self.costs.verify(1) * (1 - self.drafted_ahead)
+        return StepCosts(self.costs, draft, self.hop_s)
+
+
 @dataclass
 class _TaskState:
     alpha: float | None = None  # moving average of reported alphas; None before the first report
     samples: int = 0  # reports seen
-    speculating: bool = True  # optimistic until reports say otherwise
+    speculating: bool = True  # within the alpha bounds (hysteresis); optimistic until reports say otherwise
     probe_credit: float = 0.0  # probe_fraction accumulated per request while off; a probe at 1
     requests: dict[Mode, int] = field(default_factory=lambda: dict.fromkeys(get_args(Mode), 0))
 
@@ -71,18 +103,27 @@ class Router:
     def __init__(self, routing: RoutingConfig):
         self._routing = routing
         self._tasks: dict[str, _TaskState] = {}
+        self._target: TargetView | None = None  # unknown until the target reports
         self._lock = threading.Lock()
+
+    def observe_target(self, view: "TargetView") -> None:
+        """The target's measured forward costs and current batch, and the step overheads (the ingress
+        polls them)."""
+        with self._lock:
+            self._target = view
 
     def route(self, task_type: str, requested: Speculation = Speculation.AUTO) -> Decision:
         if requested not in Speculation.__members__:
             raise ValueError(f"requested must be one of {', '.join(Speculation.__members__)}, got {requested!r}")
         with self._lock:
             state, thresholds = self._state(task_type), self._routing.thresholds(task_type)
-            mode = _choose_mode(state, thresholds, requested)
+            plan = self._plan(state, thresholds)
+            mode = _choose_mode(state, thresholds, requested, plan)
             state.requests[mode] += 1
             if mode == "plain":
                 return Decision(speculative=False, probe=False, k=0)
-            return Decision(speculative=True, probe=mode == "probe", k=_k(state, thresholds))
+            k = plan.k if plan.speculative else _k_from_alpha(state, thresholds)
+            return Decision(speculative=True, probe=mode == "probe", k=k)
 
     def report(self, task_type: str, accepted: int, tried: int) -> None:
         """One finished speculative request's acceptance; a request that tried nothing is ignored."""
@@ -105,28 +146,61 @@ class Router:
                 _decide(state, routing.thresholds(task_type))
 
     def stats(self) -> dict[str, dict]:
-        """Per task type: alpha, decision ("on"/"off"), k (what AUTO requests get), samples, requests by mode."""
+        """Per task type: alpha, decision ("on"/"off") and k for AUTO requests, the reason, the goodput
+        estimates behind it (None before the target reports), samples, requests by mode."""
         with self._lock:
             return {task_type: self._task_stats(task_type, state) for task_type, state in self._tasks.items()}
 
     def _task_stats(self, task_type: str, state: _TaskState) -> dict:
+        plan = self._plan(state, self._routing.thresholds(task_type))
         return {
             "alpha": state.alpha,
-            "decision": "on" if state.speculating else "off",
-            "k": _k(state, self._routing.thresholds(task_type)) if state.speculating else 0,
+            "decision": "on" if plan.speculative else "off",
+            "k": plan.k,
+            "reason": plan.reason,
+            "goodput": plan.goodput,
             "samples": state.samples,
             "requests": dict(state.requests),
         }
+
+    def _plan(self, state: _TaskState, thresholds: Thresholds) -> Plan:
+        """What AUTO requests get: forced by the config, off below the alpha bounds, else the K (or
+        plain decoding) of the highest goodput at the target's current load."""
+        if thresholds.speculation != "auto":
+            on = thresholds.speculation == "on"
+            return Plan(on, _k_from_alpha(state, thresholds) if on else 0, f"forced {thresholds.speculation} by routing")
+        if not state.speculating:
+            return Plan(False, 0, f"alpha {state.alpha:.2f} fell below off_alpha {thresholds.off_alpha} "
+                                  f"(back on at on_alpha {thresholds.on_alpha})")
+        alpha = thresholds.on_alpha if state.alpha is None else state.alpha
+        known = "alpha not measured yet, on_alpha assumed" if state.alpha is None else f"alpha {alpha:.2f}"
+        if self._target is None or not self._target.costs.verify_table:
+            return Plan(True, _k_from_alpha(state, thresholds), f"{known}; no target step costs yet")
+        costs, load = self._target.step_costs(thresholds.draft_cost_ratio), self._target.load
+        gains = {k: goodput(costs, load, alpha, k) for k in range(thresholds.max_k + 1)}
+        k = max(range(1, thresholds.max_k + 1), key=gains.get)
+        rates = {"plain": round(gains[0], 1), "speculative": round(gains[k], 1)}
+        at = f"at {load.batch_tokens:.0f} batch tokens"
+        if state.samples < thresholds.min_samples:  # speculate to measure alpha before trusting it
+            return Plan(True, k, f"{known}; measuring alpha ({state.samples} of min_samples "
+                                 f"{thresholds.min_samples} reports), K={k} by goodput {at}", rates)
+        if gains[k] <= gains[0]:
+            return Plan(False, 0, f"{known}; plain decoding commits more ({rates['plain']} vs "
+                                  f"{rates['speculative']} tokens/s with K={k}) {at}", rates)
+        return Plan(True, k, f"{known}; K={k} commits the most ({rates['speculative']} vs "
+                             f"{rates['plain']} tokens/s plain) {at}", rates)
 
     def _state(self, task_type: str) -> _TaskState:
         return self._tasks.setdefault(task_type, _TaskState())
 
 
-def _choose_mode(state: _TaskState, thresholds: Thresholds, requested: Speculation) -> Mode:
+def _choose_mode(state: _TaskState, thresholds: Thresholds, requested: Speculation, plan: Plan) -> Mode:
     if requested != Speculation.AUTO:
         return "speculative" if requested == Speculation.ON else "plain"
-    if state.speculating:
+    if plan.speculative:
         return "speculative"
+    if thresholds.speculation == "off":
+        return "plain"
     state.probe_credit += thresholds.probe_fraction
     if state.probe_credit >= 1 - _ROUNDING:
         state.probe_credit -= 1
@@ -144,5 +218,5 @@ def _decide(state: _TaskState, thresholds: Thresholds) -> None:
         state.speculating = True
 
 
-def _k(state: _TaskState, thresholds: Thresholds) -> int:
+def _k_from_alpha(state: _TaskState, thresholds: Thresholds) -> int:
     return best_k(thresholds.on_alpha if state.alpha is None else state.alpha, thresholds)

@@ -78,7 +78,8 @@ class SpecDecodeIngress:
     async def GetStats(self, request: api.GetStatsRequest, grpc_context) -> api.GetStatsResponse:
         return api.GetStatsResponse(task_types=[
             api.TaskTypeStats(task_type=name, alpha=s["alpha"], decision=s["decision"], k=s["k"],
-                              samples=s["samples"], requests=s["requests"])
+                              samples=s["samples"], requests=s["requests"], reason=s["reason"],
+                              goodput=s["goodput"] or {})
             for name, s in self.frontend.router.stats().items()])
 
     def _admit_grpc(self, request: api.GenerateRequest, grpc_context) -> Admitted:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/specdec_api.proto\x12\nspecdec.v1\"\x95\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x11\n\ttask_type\x18\x02 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12,\n\x0bspeculation\x18\x08 \x01(\x0e\x32\x17.specdec.v1.Speculation\x12\x0c\n\x04stop\x18\t \x03(\t\x12\t\n\x01n\x18\n \x01(\x05\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x02\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"w\n\x10SpeculationStats\x12\x13\n\x0bspeculative\x18\x01 \x01(\x08\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x05\x12\r\n\x05steps\x18\x04 \x01(\x05\x12\x12\n\x05\x61lpha\x18\x05 \x01(\x01H\x00\x88\x01\x01\x42\x08\n\x06_alpha\"\xe6\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12+\n\x05stats\x18\x04 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12\r\n\x05index\x18\x05 \x01(\x05\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12\x32\n\x0cmore_samples\x18\x07 \x03(\x0b\x32\x1c.specdec.v1.GenerateResponse\"\x11\n\x0fGetStatsRequest\"\xda\x01\n\rTaskTypeStats\x12\x11\n\ttask_type\x18\x01 \x01(\t\x12\x12\n\x05\x61lpha\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x08\x64\x65\x63ision\x18\x03 \x01(\t\x12\t\n\x01k\x18\x04 \x01(\x05\x12\x0f\n\x07samples\x18\x05 \x01(\x03\x12\x39\n\x08requests\x18\x06 \x03(\x0b\x32\'.specdec.v1.TaskTypeStats.RequestsEntry\x1a/\n\rRequestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x42\x08\n\x06_alpha\"A\n\x10GetStatsResponse\x12-\n\ntask_types\x18\x01 \x03(\x0b\x32\x19.specdec.v1.TaskTypeStats*L\n\x0bSpeculation\x12\x14\n\x10SPECULATION_AUTO\x10\x00\x12\x12\n\x0eSPECULATION_ON\x10\x01\x12\x13\n\x0fSPECULATION_OFF\x10\x02\x32\xe9\x01\n\nSpecDecode\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12M\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12\x45\n\x08GetStats\x12\x1b.specdec.v1.GetStatsRequest\x1a\x1c.specdec.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/specdec_api.proto\x12\nspecdec.v1\"\x95\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x11\n\ttask_type\x18\x02 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12,\n\x0bspeculation\x18\x08 \x01(\x0e\x32\x17.specdec.v1.Speculation\x12\x0c\n\x04stop\x18\t \x03(\t\x12\t\n\x01n\x18\n \x01(\x05\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x02\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"w\n\x10SpeculationStats\x12\x13\n\x0bspeculative\x18\x01 \x01(\x08\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x05\x12\r\n\x05steps\x18\x04 \x01(\x05\x12\x12\n\x05\x61lpha\x18\x05 \x01(\x01H\x00\x88\x01\x01\x42\x08\n\x06_alpha\"\xe6\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12+\n\x05stats\x18\x04 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12\r\n\x05index\x18\x05 \x01(\x05\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12\x32\n\x0cmore_samples\x18\x07 \x03(\x0b\x32\x1c.specdec.v1.GenerateResponse\"\x11\n\x0fGetStatsRequest\"\xd3\x02\n\rTaskTypeStats\x12\x11\n\ttask_type\x18\x01 \x01(\t\x12\x12\n\x05\x61lpha\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x08\x64\x65\x63ision\x18\x03 \x01(\t\x12\t\n\x01k\x18\x04 \x01(\x05\x12\x0f\n\x07samples\x18\x05 \x01(\x03\x12\x39\n\x08requests\x18\x06 \x03(\x0b\x32\'.specdec.v1.TaskTypeStats.RequestsEntry\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x37\n\x07goodput\x18\x08 \x03(\x0b\x32&.specdec.v1.TaskTypeStats.GoodputEntry\x1a/\n\rRequestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a.\n\x0cGoodputEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06_alpha\"A\n\x10GetStatsResponse\x12-\n\ntask_types\x18\x01 \x03(\x0b\x32\x19.specdec.v1.TaskTypeStats*L\n\x0bSpeculation\x12\x14\n\x10SPECULATION_AUTO\x10\x00\x12\x12\n\x0eSPECULATION_ON\x10\x01\x12\x13\n\x0fSPECULATION_OFF\x10\x02\x32\xe9\x01\n\nSpecDecode\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12M\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12\x45\n\x08GetStats\x12\x1b.specdec.v1.GetStatsRequest\x1a\x1c.specdec.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TASKTYPESTATS_REQUESTSENTRY']._loaded_options = None
   _globals['_TASKTYPESTATS_REQUESTSENTRY']._serialized_options = b'8\001'
-  _globals['_SPECULATION']._serialized_start=1086
-  _globals['_SPECULATION']._serialized_end=1162
+  _globals['_TASKTYPESTATS_GOODPUTENTRY']._loaded_options = None
+  _globals['_TASKTYPESTATS_GOODPUTENTRY']._serialized_options = b'8\001'
+  _globals['_SPECULATION']._serialized_start=1207
+  _globals['_SPECULATION']._serialized_end=1283
   _globals['_GENERATEREQUEST']._serialized_start=41
   _globals['_GENERATEREQUEST']._serialized_end=318
   _globals['_TOKENLOGPROB']._serialized_start=320
@@ -46,11 +48,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATSREQUEST']._serialized_start=779
   _globals['_GETSTATSREQUEST']._serialized_end=796
   _globals['_TASKTYPESTATS']._serialized_start=799
-  _globals['_TASKTYPESTATS']._serialized_end=1017
-  _globals['_TASKTYPESTATS_REQUESTSENTRY']._serialized_start=960
-  _globals['_TASKTYPESTATS_REQUESTSENTRY']._serialized_end=1007
-  _globals['_GETSTATSRESPONSE']._serialized_start=1019
-  _globals['_GETSTATSRESPONSE']._serialized_end=1084
-  _globals['_SPECDECODE']._serialized_start=1165
-  _globals['_SPECDECODE']._serialized_end=1398
+  _globals['_TASKTYPESTATS']._serialized_end=1138
+  _globals['_TASKTYPESTATS_REQUESTSENTRY']._serialized_start=1033
+  _globals['_TASKTYPESTATS_REQUESTSENTRY']._serialized_end=1080
+  _globals['_TASKTYPESTATS_GOODPUTENTRY']._serialized_start=1082
+  _globals['_TASKTYPESTATS_GOODPUTENTRY']._serialized_end=1128
+  _globals['_GETSTATSRESPONSE']._serialized_start=1140
+  _globals['_GETSTATSRESPONSE']._serialized_end=1205
+  _globals['_SPECDECODE']._serialized_start=1286
+  _globals['_SPECDECODE']._serialized_end=1519
 # @@protoc_insertion_point(module_scope)

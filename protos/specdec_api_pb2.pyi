@@ -91,7 +91,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TaskTypeStats(_message.Message):
-    __slots__ = ("task_type", "alpha", "decision", "k", "samples", "requests")
+    __slots__ = ("task_type", "alpha", "decision", "k", "samples", "requests", "reason", "goodput")
     class RequestsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -99,19 +99,30 @@ class TaskTypeStats(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class GoodputEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     TASK_TYPE_FIELD_NUMBER: _ClassVar[int]
     ALPHA_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    GOODPUT_FIELD_NUMBER: _ClassVar[int]
     task_type: str
     alpha: float
     decision: str
     k: int
     samples: int
     requests: _containers.ScalarMap[str, int]
-    def __init__(self, task_type: _Optional[str] = ..., alpha: _Optional[float] = ..., decision: _Optional[str] = ..., k: _Optional[int] = ..., samples: _Optional[int] = ..., requests: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    reason: str
+    goodput: _containers.ScalarMap[str, float]
+    def __init__(self, task_type: _Optional[str] = ..., alpha: _Optional[float] = ..., decision: _Optional[str] = ..., k: _Optional[int] = ..., samples: _Optional[int] = ..., requests: _Optional[_Mapping[str, int]] = ..., reason: _Optional[str] = ..., goodput: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("task_types",)

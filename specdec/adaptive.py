@@ -73,6 +73,8 @@ class Costs:
         i = bisect.bisect_left(sizes, tokens)
         if i < len(sizes) and sizes[i] == tokens:
             return self.verify_table[tokens]
+        if len(sizes) == 1:  # one size measured: the best guess for any other
+            return self.verify_table[sizes[0]]
         if i == 0 or i == len(sizes):  # outside the measured sizes: extend the nearest segment
             i = 1 if i == 0 else len(sizes) - 1
         (a, b), (ta, tb) = sizes[i - 1 : i + 1], (self.verify_table[sizes[i - 1]], self.verify_table[sizes[i]])
@@ -245,3 +247,33 @@ def time_forward(lm: CachedLM, token: int, n: int, repeats: int) -> float:
         times.append(clock(lm.device) - t)
         lm.commit([[]])
     return statistics.median(times)
+
+
+@dataclass(frozen=True)
+class Load:
+    """The target's batch as a router sees it, per forward: tokens run and tokens committed by the
+    rows running now (smoothed over recent forwards)."""
+
+    batch_tokens: float = 0.0
+    committed: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What one more row costs: the target's forward by batch tokens (measured), a draft forward, and
+    a speculative step's overhead beyond its forward (the hop to the target and back, the drafting
+    not hidden by drafting ahead), in seconds."""
+
+    target: Costs
+    draft_forward: float
+    hop: float = 0.0
+
+
+def goodput(costs: StepCosts, load: Load, alpha: float, k: int) -> float:
+    """Tokens per second the target commits if one more row joins its batch, drafting K deep (0:
+    plain decoding), as TurboSpec (arXiv 2406.14066) weighs speculation against batch size: the row's
+    K + 1 tokens make every forward dearer, so the rows already running commit less per second, and
+    the row itself commits E[tokens | alpha, K] per step of a forward plus its draft and hop."""
+    forward = costs.target.verify(round(load.batch_tokens) + k + 1)
+    step = forward + (k * costs.draft_forward + costs.hop if k else 0.0)
+    return (load.committed + expected_tokens(alpha, k) * forward / step) / forward

@@ -112,7 +112,10 @@ def test_metrics_are_exported_per_task_type_and_replica(cluster):
     assert set(m["drafted_tokens_total"]) == {(("task_type", "code"),)}  # prose never speculated
     assert 0 <= value(m, "alpha", task_type="code") <= 1  # and equal to GetStats's, or exported() would wait
     assert value(m, "speculation_on", task_type="code") == (code.decision == "on")
-    assert value(m, "speculation_on", task_type="prose") == 1  # no reports yet: optimistic
+    goodput = {(t, mode): value(m, "router_goodput_tokens_per_second", task_type=t, mode=mode)
+               for t in ("code", "prose") for mode in ("plain", "speculative")}
+    assert all(v > 0 for v in goodput.values()), goodput  # the target's forward costs reached the router
+    assert value(m, "speculation_on", task_type="prose") == 1  # no reports yet: on, to measure alpha
 
     for name, replicas in STEPS.items():
         assert {dict(labels)["replica"] for labels in m[f"{name}_count"]} == set(replicas)

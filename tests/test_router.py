@@ -5,7 +5,8 @@ import threading
 import pytest
 
 from cluster.config import RoutingConfig, Thresholds
-from cluster.router import Decision, Router, best_k
+from cluster.router import Decision, Router, TargetView, best_k
+from specdec.adaptive import Costs, Load
 
 MIN_SAMPLES = 20
 
@@ -170,6 +171,8 @@ def test_stats_shape():
             "alpha": pytest.approx(0.8),
             "decision": "on",
             "k": best_k(0.8, Thresholds()),
+            "reason": "alpha 0.80; no target step costs yet",
+            "goodput": None,
             "samples": 1,
             "requests": {"speculative": 1, "plain": 0, "probe": 0},
         }
@@ -195,3 +198,66 @@ def test_concurrent_requests_are_all_counted():
     stats = router.stats()["prose"]
     assert stats["requests"] == {"speculative": 0, "plain": 1000, "probe": 1000}
     assert stats["samples"] == MIN_SAMPLES + 1000
+
+
+# a CPU-like target: one token costs 13 ms, 8 cost 32 ms, and beyond that every token costs ~2.8 ms
+CPU_TARGET = Costs(verify_table={1: 0.013, 8: 0.032, 64: 0.19})
+
+
+def cpu(load: float) -> TargetView:
+    return TargetView(CPU_TARGET, Load(batch_tokens=load, committed=load), hop_s=0.003)
+
+
+def test_goodput_turns_speculation_off_under_load_and_back_on_as_it_drains():
+    router = Router(routing())
+    report_alpha(router, "code", 0.8, times=MIN_SAMPLES)
+    router.observe_target(cpu(0))
+    idle = router.route("code")
+    assert idle.speculative and idle.k >= 2
+    assert "commits the most" in router.stats()["code"]["reason"]
+    router.observe_target(cpu(40))  # 40 plain rows
+    busy = router.route("code")
+    assert not busy.speculative or busy.probe
+    stats = router.stats()["code"]
+    assert stats["decision"] == "off" and "plain decoding commits more" in stats["reason"]
+    assert stats["goodput"]["plain"] > stats["goodput"]["speculative"]
+    assert stats["alpha"] == pytest.approx(0.8)  # alpha is not what turned it off
+    router.observe_target(cpu(0))  # drained
+    assert router.route("code") == idle
+
+
+def test_goodput_k_shrinks_as_the_batch_grows_and_with_dear_drafts():
+    router = Router(routing(max_k=8, draft_cost_ratio=0.02))
+    report_alpha(router, "code", 0.9, times=MIN_SAMPLES)
+    ks = []
+    for load in (0, 4, 16):
+        router.observe_target(cpu(load))
+        ks.append(router.stats()["code"]["k"])
+    assert ks[0] > ks[-1] >= 0 and ks == sorted(ks, reverse=True), ks
+    flat = Costs(verify_table={1: 0.02, 64: 0.021})  # a GPU: batching is free
+    router.observe_target(TargetView(flat, Load(16, 16)))
+    assert router.route("code").k == 8  # free verification: draft as deep as allowed
+    router.update_routing(routing(max_k=8, draft_cost_ratio=0.5))
+    assert router.route("code").k < 8
+    router.observe_target(TargetView(flat, Load(16, 16), drafted_ahead=1.0))  # drafting fully hidden
+    assert router.route("code").k == 8
+
+
+def test_forced_decisions_per_task_type():
+    router = Router(RoutingConfig(default=Thresholds(min_samples=1),
+                                  task_types={"chat": Thresholds(speculation="off", probe_fraction=1.0),
+                                              "code": Thresholds(speculation="on", min_samples=1)}))
+    report_alpha(router, "code", 0.01)  # far below off_alpha: forced on anyway
+    router.observe_target(cpu(40))  # and a load where goodput says plain
+    assert router.route("code").speculative
+    assert [router.route("chat").speculative for _ in range(5)] == [False] * 5  # no probes either
+    assert router.stats()["chat"]["reason"] == "forced off by routing"
+    assert router.route("chat", "ON").speculative  # a request's own wish still wins
+    report_alpha(router, "prose", 0.01)
+    assert router.stats()["prose"]["reason"].startswith("alpha 0.01 fell below off_alpha")
+
+
+def test_a_target_that_has_run_one_batch_size_is_enough_to_plan():
+    router = Router(routing())
+    router.observe_target(TargetView(Costs(verify_table={3: 0.01}), Load(2, 2)))
+    assert router.route("code").k >= 1 and router.stats()["code"]["goodput"]["plain"] > 0
