@@ -123,6 +123,9 @@ class InternalTls(_Section):
 
 
 class SecurityConfig(_Section):
+    # The public API's keys (gRPC and HTTP), one per line; without it (and without SPECDEC_API_KEYS,
+    # which wins when set) no key is asked for. cluster/auth.py reads it when the ingress starts.
+    api_keys_file: NonEmpty | None = None
     internal_tls: InternalTls | None = None  # without it the link is plaintext, still with the secret
 
     def check_internal_tls_files(self) -> None:

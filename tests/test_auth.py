@@ -1,16 +1,31 @@
-"""Authentication, over real gRPC on loopback.
+"""Authentication, over real gRPC and HTTP on loopback.
 
 Internal: the target's specdec.v1.TargetService answers only calls that carry the topology's secret
-(and, with TLS files, a certificate from the CA); a refused call changes nothing."""
+(and, with TLS files, a certificate from the CA); a refused call changes nothing. Public: with API
+keys set, the ingress refuses a missing or wrong key on gRPC (UNAUTHENTICATED) and HTTP (401, also
+as the openai client sees it), and /healthz stays open."""
 
 import datetime
+import json
+import urllib.error
+import urllib.request
 
 import grpc
+import openai
 import pytest
+import ray
+import yaml
+from ray import serve
 
 from actors.scheduler import KvBudget, TargetScheduler
 from actors.security import MAX_MESSAGE_BYTES, BearerKeys, LinkSecurity, TlsFiles, bearer, serve_target, target_channel
 from actors.target_service import TargetService
+from cluster.auth import API_KEYS_ENV, Unauthenticated, api_channel, authorize, load_api_keys
+from cluster.config import ConfigError
+from cluster.serve_app import GRPC_SERVICER, build_app
+from conftest import free_port, served_target
+from protos import specdec_api_pb2 as api
+from protos import specdec_api_pb2_grpc as api_grpc
 from protos import specdec_tree_pb2 as tree_pb
 from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.kvcache import CachedLM
@@ -37,6 +52,33 @@ def test_bearer_keys_accept_only_their_keys():
     for bad in ([], [""], ["two words"], [" padded"]):
         with pytest.raises(ValueError):
             BearerKeys(bad)
+
+
+def test_api_keys_come_from_the_environment_else_the_file(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("#not-a-key\nfile-key-1\n\n  file-key-2  \n")
+    from_file = load_api_keys(str(path), {})
+    assert len(from_file) == 2 and from_file.allows("Bearer file-key-2") and not from_file.allows("Bearer #not-a-key")
+    from_env = load_api_keys(str(path), {API_KEYS_ENV: " env-1, env-2 ,"})  # the variable wins over the file
+    assert len(from_env) == 2 and from_env.allows("Bearer env-2") and not from_env.allows("Bearer file-key-1")
+    assert load_api_keys(None, {}) is None and load_api_keys(None, {API_KEYS_ENV: " "}) is None  # off
+    authorize(None, None)  # no keys: nothing is asked
+    with pytest.raises(Unauthenticated, match="missing or wrong API key"):
+        authorize(from_file, "Bearer env-1")
+
+
+def test_unusable_api_keys_stop_the_start_naming_where_they_came_from(tmp_path):
+    missing = tmp_path / "absent"
+    with pytest.raises(ConfigError, match=f"^security.api_keys_file: cannot read {missing} \\(No such file"):
+        load_api_keys(str(missing), {})
+    empty = tmp_path / "empty"
+    empty.write_text("# nothing yet\n\n")
+    with pytest.raises(ConfigError, match=f"^security.api_keys_file: {empty}: holds no keys"):
+        load_api_keys(str(empty), {})
+    with pytest.raises(ConfigError, match=f"^{API_KEYS_ENV}: holds no keys"):
+        load_api_keys(None, {API_KEYS_ENV: ",,"})
+    with pytest.raises(ConfigError, match=f"^{API_KEYS_ENV}: a key must be non-empty and contain no whitespace"):
+        load_api_keys(None, {API_KEYS_ENV: "a b"})
 
 
 # --- the internal link: TargetService over real gRPC ---------------------------------------------------------
@@ -174,3 +216,102 @@ def test_mutual_tls_needs_a_certificate_from_the_ca_and_the_secret(scheduler, tm
 def test_unreadable_tls_files_are_named():
     with pytest.raises(FileNotFoundError, match="internal TLS private key /nowhere/key.pem: cannot read it"):
         TlsFiles(__file__, "/nowhere/key.pem", __file__, "specdec-target").read()
+
+
+# --- the public API: build_app on a local Ray cluster with keys ----------------------------------------------
+
+KEYS = ["key-one", "key-two"]
+
+
+@pytest.fixture(scope="module")
+def keyed_server(model_dirs, tmp_path_factory):
+    """The smallest serving topology (one target rank, no drafts) with API keys from a file."""
+    root = tmp_path_factory.mktemp("auth")
+    keys_file = root / "api-keys"
+    keys_file.write_text("# one per line\n" + "\n".join(KEYS) + "\n")
+    config = {"models": {"target": {"path": served_target(model_dirs, root)}},
+              "speculation": {"drafter": "none"},
+              "server": {"grpc_port": free_port(), "http_port": free_port()},
+              "security": {"api_keys_file": str(keys_file)}}
+    path = root / "specdec.yaml"
+    path.write_text(yaml.safe_dump(config))
+    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    ports = config["server"]
+    serve.start(http_options={"host": "127.0.0.1", "port": ports["http_port"]},
+                grpc_options={"port": ports["grpc_port"], "grpc_servicer_functions": [GRPC_SERVICER]})
+    serve.run(build_app({"config": str(path)}), name="specdec", route_prefix="/")
+    yield f"http://127.0.0.1:{ports['http_port']}", f"127.0.0.1:{ports['grpc_port']}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def http(url: str, body: dict | None = None, key: str | None = None) -> tuple[int, dict, object]:
+    headers = {"Content-Type": "application/json"} | ({"Authorization": bearer(key)} if key else {})
+    data = json.dumps(body).encode() if body is not None else None
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers), timeout=60) as r:
+            return r.status, json.loads(r.read()), r.headers
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), e.headers
+
+
+def test_http_needs_a_key_except_healthz(keyed_server):
+    root, _ = keyed_server
+    completion = {"prompt": "w5 w17 w3", "max_tokens": 4, "temperature": 0}
+    for path, body in [("/v1/completions", completion), ("/v1/models", None), ("/v1/stats", None), ("/docs", None),
+                       ("/v1/nowhere", None)]:
+        for key in (None, "key-three", "key-one-"):
+            status, reply, headers = http(root + path, body, key)
+            assert status == 401, (path, key, reply)
+            assert reply["error"]["code"] == "invalid_api_key" and "API key" in reply["error"]["message"]
+            assert headers["WWW-Authenticate"] == "Bearer"
+    assert http(root + "/healthz")[:2] == (200, {"status": "ok"})
+    for key in KEYS:
+        status, reply, _ = http(root + "/v1/completions", completion, key)
+        assert status == 200 and len(reply["choices"][0]["token_ids"]) == 4
+    assert http(root + "/v1/models", key=KEYS[1])[0] == 200
+
+
+def test_the_openai_client_needs_a_right_api_key(keyed_server):
+    root, _ = keyed_server
+    for wrong in ("unused", "key-one " + "x"):
+        client = openai.OpenAI(base_url=f"{root}/v1", api_key=wrong, max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as e:
+            client.completions.create(model="target", prompt="w5 w17", max_tokens=2)
+        assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    client = openai.OpenAI(base_url=f"{root}/v1", api_key=KEYS[0], max_retries=0)
+    reply = client.completions.create(model="target", prompt="w5 w17", max_tokens=2, temperature=0)
+    assert reply.usage.completion_tokens == 2
+
+
+def test_grpc_needs_a_key(keyed_server):
+    _, address = keyed_server
+    request = api.GenerateRequest(prompt="w5 w17 w3", max_new_tokens=3)
+    calls = [lambda stub: stub.Generate(request, timeout=60),
+             lambda stub: list(stub.GenerateStream(request, timeout=60)),
+             lambda stub: stub.GetStats(api.GetStatsRequest(), timeout=60)]
+    for key in (None, "key-three"):
+        with api_channel(address, key) as channel:
+            for make_call in calls:
+                with pytest.raises(grpc.RpcError) as e:
+                    make_call(api_grpc.SpecDecodeStub(channel))
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "API key" in e.value.details()
+    with api_channel(address, KEYS[1]) as channel:
+        stub = api_grpc.SpecDecodeStub(channel)
+        assert len(stub.Generate(request, timeout=60).token_ids) == 3
+        assert [t for chunk in stub.GenerateStream(request, timeout=60) for t in chunk.token_ids]
+        assert stub.GetStats(api.GetStatsRequest(), timeout=60).task_types is not None
+
+
+def test_specdec_client_sends_its_api_key(keyed_server, capsys, monkeypatch):
+    from cluster.commands import main
+
+    _, address = keyed_server
+    base = ["client", "--address", address, "--prompt", "w5 w17", "--max-new-tokens", "2", "--json"]
+    with pytest.raises(SystemExit, match="UNAUTHENTICATED: missing or wrong API key"):
+        main(base)
+    main(base + ["--api-key", KEYS[0]])
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 2
+    monkeypatch.setenv("SPECDEC_API_KEY", KEYS[1])
+    main(base)  # the key from the environment
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 2

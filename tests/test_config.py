@@ -52,7 +52,7 @@ def test_defaults():
     s = config.server
     assert (s.grpc_port, s.http_port) == (9000, 8000)
     assert (s.max_prompt_tokens, s.max_new_tokens, s.max_queued_requests) == (4096, 1024, 256)
-    assert config.security.internal_tls is None
+    assert config.security.api_keys_file is None and config.security.internal_tls is None  # both off
     fixed = parse_config(with_section("speculation", {"num_speculative_tokens": 4}))
     assert fixed.speculation.num_speculative_tokens == 4
 
@@ -108,7 +108,8 @@ def test_defaults():
          "ops.yaml: security.internal_tls.key: required key missing"),
         (with_section("security", {"internal_tls": {"cert": "c.pem", "key": "k.pem", "ca": "ca.pem", "server_name": ""}}),
          "ops.yaml: security.internal_tls.server_name: String should have at least 1 character (got '')"),
-
+        (with_section("security", {"api_key_file": "keys"}),
+         "ops.yaml: security.api_key_file: extra key not allowed (did you mean 'api_keys_file'?)"),
         (with_section("routing", {"default": [0.5]}), "ops.yaml: routing.default: must be a mapping (got [0.5])"),
     ],
 )
