@@ -62,7 +62,12 @@ def authorize(keys: BearerKeys | None, authorization: str | None) -> None:
         raise Unauthenticated(REFUSAL)
 
 
-def api_channel(address: str, api_key: str | None) -> grpc.Channel:
-    """A channel to specdec.v1.SpecDecode at host:port that presents `api_key` on every call (if given)."""
-    channel = grpc.insecure_channel(address)
+def api_channel(address: str, api_key: str | None, tls: bool = False, ca_file: str | None = None) -> grpc.Channel:
+    """A channel to specdec.v1.SpecDecode at host:port that presents `api_key` on every call (if given);
+    over TLS with `tls` or a `ca_file` (the CA certificates to trust; default: the system's)."""
+    if tls or ca_file:
+        roots = Path(ca_file).read_bytes() if ca_file else None
+        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(roots))
+    else:
+        channel = grpc.insecure_channel(address)
     return with_bearer(channel, api_key) if api_key else channel

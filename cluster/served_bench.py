@@ -67,7 +67,7 @@ def bench_main(args) -> None:
         print(f"bench-served: {len(rows)} prompts: cells with more clients than that run at most {len(rows)} "
               f"requests at once", flush=True)
     results, off_outputs = [], None
-    with api_channel(args.address, args.api_key) as channel:
+    with api_channel(args.address, args.api_key, args.tls, args.tls_ca) as channel:
         stub = api_grpc.SpecDecodeStub(channel)
         for mode in modes:  # warm-up (loads, first-call costs), not timed
             stream_one(stub, rows[0], mode, min(4, args.max_new_tokens), args.timeout)

@@ -6,9 +6,11 @@ keys set, the ingress refuses a missing or wrong key on gRPC (UNAUTHENTICATED) a
 as the openai client sees it), and /healthz stays open."""
 
 import datetime
+import ipaddress
 import json
 import urllib.error
 import urllib.request
+from concurrent import futures
 
 import grpc
 import openai
@@ -164,8 +166,9 @@ def _pem_pair(common_name: str, issuer=None, server_name: str | None = None):
                .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
                .not_valid_after(now + datetime.timedelta(hours=1))
                .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True))
-    if server_name:
-        builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(server_name)]), critical=False)
+    if server_name:  # and loopback's address, for clients that connect to 127.0.0.1 by address
+        names = [x509.DNSName(server_name), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
     cert = builder.sign(signer_key, hashes.SHA256())
     key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                 serialization.NoEncryption())
@@ -315,3 +318,35 @@ def test_specdec_client_sends_its_api_key(keyed_server, capsys, monkeypatch):
     monkeypatch.setenv("SPECDEC_API_KEY", KEYS[1])
     main(base)  # the key from the environment
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 2
+
+
+class RecordingSpecDecode(api_grpc.SpecDecodeServicer):
+    """GetStats only, remembering each call's authorization metadata."""
+
+    def __init__(self):
+        self.authorizations = []
+
+    def GetStats(self, request, context):
+        self.authorizations.append(dict(context.invocation_metadata()).get("authorization"))
+        return api.GetStatsResponse(task_types=[api.TaskTypeStats(task_type="code", decision="on", k=3)])
+
+
+def test_specdec_client_speaks_tls_with_a_given_ca(tmp_path, capsys):
+    """As through the TLS Ingress: the client trusts the CA in --tls-ca and still sends its key."""
+    from cluster.commands import main
+
+    tls = tls_files(tmp_path, "edge")
+    servicer, server = RecordingSpecDecode(), grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    api_grpc.add_SpecDecodeServicer_to_server(servicer, server)
+    credentials = grpc.ssl_server_credentials([(open(tls.key, "rb").read(), open(tls.cert, "rb").read())])
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    server.start()
+    try:
+        main(["client", "--address", f"127.0.0.1:{port}", "--tls-ca", tls.ca, "--api-key", "k1", "--stats"])
+        assert json.loads(capsys.readouterr().out)["code"]["k"] == 3
+        with pytest.raises(SystemExit, match="UNAVAILABLE"):  # plaintext to a TLS port
+            main(["client", "--address", f"127.0.0.1:{port}", "--stats"])
+    finally:
+        server.stop(grace=None)
+    assert servicer.authorizations == ["Bearer k1"]
+
