@@ -78,7 +78,7 @@ def _read_pem(path: str, what: str) -> bytes:
     try:
         return Path(path).read_bytes()
     except OSError as e:
-        raise FileNotFoundError(f"internal TLS {what} {path}: cannot read it ({e.strerror or e})") from None
+        raise OSError(f"internal TLS {what} {path}: cannot read it ({e.strerror or e})") from None
 
 
 @dataclass(frozen=True)
@@ -90,10 +90,10 @@ class LinkSecurity:
     tls: TlsFiles | None = None
 
 
-def serve_target(servicer, add_servicer, host: str, security: LinkSecurity, max_workers: int = 64) -> tuple[grpc.Server, int]:
+def serve_target(servicer, add_servicer, host: str, security: LinkSecurity) -> tuple[grpc.Server, int]:
     """Start a gRPC server for `servicer` (added by its generated add_*_to_server function) on `host`,
     a free port, refusing callers without the secret. -> (server, port)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=MESSAGE_LIMITS,
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), options=MESSAGE_LIMITS,
                          interceptors=[_RequireBearer(BearerKeys([security.secret]))])
     add_servicer(servicer, server)
     address = f"{_host(host)}:0"

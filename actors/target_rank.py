@@ -59,8 +59,8 @@ class TargetRank:
             worker = LockstepWorker(worker, group)
         self.scheduler = TargetScheduler(worker, budget, on_forward=metrics.observe_forward)
         self.host = ray.util.get_node_ip_address()
-        self.server, self.port = serve_target(TargetService(self.scheduler), tree_grpc.add_TargetServiceServicer_to_server,
-                                              self.host, security)
+        self.server, self.port = serve_target(TargetService(self.scheduler),
+                                              tree_grpc.add_TargetServiceServicer_to_server, self.host, security)
 
     def ready(self) -> bool:
         return True

@@ -217,7 +217,7 @@ def test_mutual_tls_needs_a_certificate_from_the_ca_and_the_secret(scheduler, tm
 
 
 def test_unreadable_tls_files_are_named():
-    with pytest.raises(FileNotFoundError, match="internal TLS private key /nowhere/key.pem: cannot read it"):
+    with pytest.raises(OSError, match="internal TLS private key /nowhere/key.pem: cannot read it"):
         TlsFiles(__file__, "/nowhere/key.pem", __file__, "specdec-target").read()
 
 

@@ -106,7 +106,7 @@ def test_defaults():
         ({"placement": {}}, "ops.yaml: models: required key missing"),
         (with_section("security", {"internal_tls": {"cert": "c.pem", "ca": "ca.pem"}}),
          "ops.yaml: security.internal_tls.key: required key missing"),
-        (with_section("security", {"internal_tls": {"cert": "c.pem", "key": "k.pem", "ca": "ca.pem", "server_name": ""}}),
+        (with_section("security", {"internal_tls": {"cert": "c", "key": "k", "ca": "ca", "server_name": ""}}),
          "ops.yaml: security.internal_tls.server_name: String should have at least 1 character (got '')"),
         (with_section("security", {"api_key_file": "keys"}),
          "ops.yaml: security.api_key_file: extra key not allowed (did you mean 'api_keys_file'?)"),
@@ -162,7 +162,8 @@ def test_internal_tls_files_are_checked_at_start_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match=f"^security.internal_tls.key: cannot read {tmp_path}/absent.pem "
                                           f"\\(No such file or directory\\)$"):
         config.security.check_internal_tls_files()
-    parse_config(with_section("security", {"internal_tls": {**tls, "key": str(pem)}})).security.check_internal_tls_files()
+    readable = parse_config(with_section("security", {"internal_tls": {**tls, "key": str(pem)}}))
+    readable.security.check_internal_tls_files()  # raises nothing
 
 
 def test_a_model_drafter_needs_a_draft_model():

@@ -271,7 +271,8 @@ def test_tls_ingress_routes_to_the_serve_ports():
         (tls,) = ingress["spec"]["tls"]
         assert tls["hosts"] == [rule["host"]] and tls["secretName"] == "specdec-tls"
         (path,) = rule["http"]["paths"]
-        protocol = ingress["metadata"].get("annotations", {}).get("nginx.ingress.kubernetes.io/backend-protocol", "HTTP")
+        annotations = ingress["metadata"].get("annotations", {})
+        protocol = annotations.get("nginx.ingress.kubernetes.io/backend-protocol", "HTTP")
         backends[protocol] = (path["backend"]["service"]["name"], path["backend"]["service"]["port"]["name"])
     assert backends == {"HTTP": (f"{name}-serve-svc", "serve"), "GRPC": (f"{name}-head-svc", "serve-grpc")}
     assert head_ports["serve"] == serve["http_options"]["port"]
