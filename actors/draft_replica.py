@@ -3,7 +3,6 @@ requests it is given, sending all their token trees to the target group in one m
 
 import asyncio
 
-import grpc
 import ray
 
 from protos import specdec_tree_pb2_grpc as tree_grpc
@@ -14,6 +13,7 @@ from specdec.sampling import SamplingParams
 
 from .draft_loop import DraftLoop, DraftRequest, GrpcTarget
 from .metrics import StepTimer
+from .security import LinkSecurity, target_channel
 from .streams import StepStream
 from .target_rank import device_for_actor, use_assigned_cpus
 
@@ -26,15 +26,16 @@ class DraftReplica:
     """Async: a request is a stream fed by its draft model's loop, not a thread."""
 
     def __init__(self, drafts: dict[str, tuple[str, str]], target_address: str, drafter: str = "model+ngram",
-                 width: int = 1, overlap: bool = True):
+                 width: int = 1, overlap: bool = True, *, security: LinkSecurity):
         """drafts: task type -> (model folder, dtype); the "" entry drafts for every other task type.
-        overlap: draft each step while the target verifies the one before (actors.draft_loop)."""
+        overlap: draft each step while the target verifies the one before (actors.draft_loop).
+        security: the topology's secret (sent on every call to the target) and TLS files, if any."""
         use_assigned_cpus()
         self.models = {task: load_model(path, parse_dtype(dtype), device_for_actor())
                        for task, (path, dtype) in drafts.items()}
         self.drafter, self.width, self.overlap = drafter, width, overlap
         make_drafter(drafter, CachedLM(self.models[""]) if "" in self.models else None, width)  # fail at start
-        self.target = GrpcTarget(tree_grpc.TargetServiceStub(grpc.insecure_channel(target_address)))
+        self.target = GrpcTarget(tree_grpc.TargetServiceStub(target_channel(target_address, security)))
         name = ray.get_runtime_context().get_actor_name() or "draft"
         self.step_timer = StepTimer(name.rsplit("-", 1)[0])  # draft-<i>-<topology tag> -> draft-<i>
         self.loops: dict[str, DraftLoop] = {}  # per draft model: its task type, or "" for the rest

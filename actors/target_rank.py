@@ -5,9 +5,7 @@ draft replicas send over gRPC (specdec.v1.TargetService); ranks > 0 mirror rank 
 
 import os
 import threading
-from concurrent import futures
 
-import grpc
 import ray
 import torch
 import torch.distributed as dist
@@ -21,6 +19,7 @@ from specdec.target import TargetWorker
 from . import metrics
 from .lockstep import LockstepWorker, follow
 from .scheduler import KvBudget, TargetScheduler
+from .security import LinkSecurity, host_port, serve_target
 from .streams import StepStream
 from .target_service import TargetService
 
@@ -38,10 +37,12 @@ def use_assigned_cpus() -> None:
 @ray.remote
 class TargetRank:
     """Async: plain requests are streams fed by the scheduler's loop, not threads. Rank 0 runs the
-    scheduler and the gRPC service; ranks > 0 follow it."""
+    scheduler and the gRPC service; ranks > 0 follow it. The service listens on this node's address
+    and answers only callers with the topology's secret (and, with TLS files, a certificate from
+    its CA): actors/security.py."""
 
     def __init__(self, model_path: str, dtype: str = "float32", rank: int = 0, world_size: int = 1,
-                 dist_address: str | None = None, budget: KvBudget = KvBudget()):
+                 dist_address: str | None = None, budget: KvBudget = KvBudget(), *, security: LinkSecurity):
         use_assigned_cpus()
         self.rank, self.scheduler = rank, None
         self.streams: dict[str, StepStream] = {}
@@ -57,16 +58,15 @@ class TargetRank:
                 return
             worker = LockstepWorker(worker, group)
         self.scheduler = TargetScheduler(worker, budget, on_forward=metrics.observe_forward)
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
-        tree_grpc.add_TargetServiceServicer_to_server(TargetService(self.scheduler), self.server)
-        self.port = self.server.add_insecure_port("0.0.0.0:0")
-        self.server.start()
+        self.host = ray.util.get_node_ip_address()
+        self.server, self.port = serve_target(TargetService(self.scheduler),
+                                              tree_grpc.add_TargetServiceServicer_to_server, self.host, security)
 
     def ready(self) -> bool:
         return True
 
     def address(self) -> str:
-        return f"{ray.util.get_node_ip_address()}:{self.port}"
+        return host_port(self.host, self.port)
 
     def gpu_ids(self) -> list:
         return ray.get_gpu_ids()

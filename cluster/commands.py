@@ -15,6 +15,7 @@ from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
 from specdec import cli
 
+from .auth import API_KEY_ENV, api_channel
 from .config import OVERRIDES, app_config
 from .router import Speculation
 
@@ -34,6 +35,7 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
 
     c = sub.add_parser("client", help="call a running server's gRPC API")
     c.add_argument("--address", default="localhost:9000", help="host:port of specdec.v1.SpecDecode")
+    add_connection_arguments(c)
     c.add_argument("--prompt")
     c.add_argument("--task-type", default="", help="e.g. code, chat, prose (routing per task type)")
     c.add_argument("--max-new-tokens", type=int, default=64)
@@ -56,6 +58,7 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
     sb = sub.add_parser("bench-served", help="a running server's tokens/s and time per output token: clients x "
                                              "speculation off/on/auto, with transformers as reference lines")
     sb.add_argument("--address", default="localhost:9000", help="host:port of specdec.v1.SpecDecode")
+    add_connection_arguments(sb)
     sb.add_argument("--http", default="http://localhost:8000",
                     help="the server's HTTP root, for its step timing in GET /v1/stats ('' to skip it)")
     sb.add_argument("--prompts", required=True, help="JSONL rows with 'prompt' and 'task_type'")
@@ -72,6 +75,20 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
     sb.add_argument("--json", action="store_true", help='end with one JSON line {"rows": [...], "references": {...}}')
     sb.add_argument("--plot", metavar="PNG", help="write tokens/s against clients, one line per mode, "
                                                   "the references as horizontal lines")
+
+
+def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                        help=f"one of the server's API keys, sent as 'authorization: Bearer <key>' "
+                             f"(default: ${API_KEY_ENV}; none when unset)")
+    parser.add_argument("--tls", action="store_true",
+                        help="gRPC over TLS (e.g. through the TLS Ingress), trusting the system's CAs")
+    parser.add_argument("--tls-ca", metavar="PEM", help="gRPC over TLS, trusting the CA certificates in this file")
+
+
+def open_channel(args) -> grpc.Channel:
+    """The gRPC channel that --address, --api-key, --tls and --tls-ca describe."""
+    return api_channel(args.address, args.api_key, args.tls, args.tls_ca)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -119,7 +136,7 @@ def serve_main(args) -> None:
 
 
 def client_main(args) -> None:
-    with grpc.insecure_channel(args.address) as channel:
+    with open_channel(args) as channel:
         stub = api_grpc.SpecDecodeStub(channel)
         try:
             if args.stats:

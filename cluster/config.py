@@ -16,6 +16,7 @@ from specdec.drafters import DrafterKind
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Port = Annotated[int, Field(ge=1, le=65535)]
+NonEmpty = Annotated[str, Field(min_length=1)]
 
 
 class ConfigError(ValueError):
@@ -114,12 +115,44 @@ class ServerConfig(_Section):
         return http_port
 
 
+class InternalTls(_Section):
+    """Mutual TLS on the draft -> target link (PEM files, at these paths on every node)."""
+
+    cert: NonEmpty  # this pod's certificate: the target serves with it, a draft replica presents it
+    key: NonEmpty  # its private key
+    ca: NonEmpty  # the CA that signs every peer's certificate
+    server_name: NonEmpty = "specdec-target"  # a name in the target's certificate (replicas check it, not the IP)
+
+
+class SecurityConfig(_Section):
+    # The public API's keys (gRPC and HTTP), one per line; without it (and without SPECDEC_API_KEYS,
+    # which wins when set) no key is asked for. cluster/auth.py reads it when the ingress starts.
+    api_keys_file: NonEmpty | None = None
+    internal_tls: InternalTls | None = None  # without it the link is plaintext, still with the secret
+
+    def check_internal_tls_files(self) -> None:
+        """At start, before any actor is placed: every internal TLS file is readable here."""
+        if self.internal_tls is not None:
+            for name in ("cert", "key", "ca"):
+                check_readable(getattr(self.internal_tls, name), f"security.internal_tls.{name}")
+
+
+def check_readable(path: str, key: str) -> None:
+    """ConfigError naming the key when the file it names cannot be read."""
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot read {path} ({e.strerror or e})") from None
+
+
 class ServeConfig(_Section):
     models: ModelsConfig
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     speculation: SpeculationConfig = Field(default_factory=SpeculationConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
 
     @model_validator(mode="after")
     def _draft_for_model_drafters(self) -> "ServeConfig":

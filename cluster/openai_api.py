@@ -34,13 +34,14 @@ UNSUPPORTED = {
 class HttpError(Exception):
     """An error response in OpenAI's shape."""
 
-    def __init__(self, status: int, message: str, param: str | None, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, param: str | None, kind: str = "invalid_request_error",
+                 code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
 
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}},
-                            status_code=self.status)
+        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
 
 
 # --- request bodies ---------------------------------------------------------------------------------

@@ -1,6 +1,9 @@
 """Where the actors go: the target group's ranks packed in one placement group (one GPU bundle each)
-and every draft replica on a bundle of its own, so drafts never share the target's GPUs."""
+and every draft replica on a bundle of its own, so drafts never share the target's GPUs. Each
+topology makes a secret of its own, which its draft replicas send on every call to its target
+(actors/security.py); nothing outside the topology is given it."""
 
+import secrets
 import uuid
 from dataclasses import dataclass
 
@@ -10,9 +13,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.draft_replica import DraftReplica
 from actors.scheduler import KvBudget
+from actors.security import LinkSecurity, TlsFiles
 from actors.target_rank import TargetRank, free_address
 
-from .config import ServeConfig
+from .config import SecurityConfig, ServeConfig
 
 NAMESPACE = "specdec"  # draft replicas are named here (draft-<i>-<topology tag>), for operators and tests
 ACTOR_CONCURRENCY = 1024  # requests an actor streams at once (async: streams, not threads)
@@ -44,8 +48,17 @@ def _on(pg: PlacementGroup, bundle: int) -> PlacementGroupSchedulingStrategy:
     return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
 
 
+def link_security(cfg: SecurityConfig) -> LinkSecurity:
+    """A new secret for one topology's draft -> target link, and the TLS files if the config has them."""
+    tls = cfg.internal_tls
+    return LinkSecurity(secrets.token_urlsafe(32),
+                        TlsFiles(tls.cert, tls.key, tls.ca, tls.server_name) if tls is not None else None)
+
+
 def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
     """Reserve GPUs, start the target ranks and the draft replicas, and connect them."""
+    cfg.security.check_internal_tls_files()
+    security = link_security(cfg.security)
     place, models, spec = cfg.placement, cfg.models, cfg.speculation
     tp = place.tensor_parallel_size
     target_pg = placement_group(_bundles(tp, place.gpus_per_actor, place.cpus_per_target_rank), strategy="STRICT_PACK")
@@ -65,7 +78,7 @@ def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
                                max_concurrency=ACTOR_CONCURRENCY,
                                scheduling_strategy=_on(target_pg, r))
             .remote(models.target.path, models.target.dtype, r, tp, rendezvous,
-                    KvBudget(cfg.server.max_running_requests, cfg.server.max_kv_tokens))
+                    KvBudget(cfg.server.max_running_requests, cfg.server.max_kv_tokens), security=security)
             for r in range(tp)]
         ray.get([rank.ready.remote() for rank in topo.target_ranks], timeout=timeout_s)
         topo.target_address = ray.get(topo.target.address.remote())
@@ -74,7 +87,8 @@ def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
                                  max_concurrency=ACTOR_CONCURRENCY,
                                  max_restarts=-1, scheduling_strategy=_on(groups[1], i),
                                  name=f"draft-{i}-{tag}", namespace=NAMESPACE)
-            .remote(models.drafts(), topo.target_address, spec.drafter, spec.tree_width, spec.overlap)
+            .remote(models.drafts(), topo.target_address, spec.drafter, spec.tree_width, spec.overlap,
+                    security=security)
             for i in range(n_drafts)]
         ray.get([d.ready.remote() for d in topo.drafts], timeout=timeout_s)
     except Exception:

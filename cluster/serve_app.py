@@ -1,8 +1,10 @@
 """The Ray Serve application: one ingress deployment answering gRPC (specdec.v1.SpecDecode) and
 OpenAI-style HTTP, over the Frontend. `build_app` is what `specdec serve` runs and what a Serve
-config (KubeRay's serveConfigV2) names by import path: `cluster.serve_app:build_app`."""
+config (KubeRay's serveConfigV2) names by import path: `cluster.serve_app:build_app`. With API keys
+configured (cluster/auth.py) every call but GET /healthz must carry one."""
 
 import logging
+import os
 from pathlib import Path
 
 import grpc
@@ -14,6 +16,7 @@ from protos import specdec_api_pb2 as api
 from specdec.errors import InvalidArgument
 from specdec.logprobs import TokenLogprob
 
+from . import auth
 from .config import ConfigError, ServeConfig, app_config, parse_live_config
 from .detokenizer import token_text
 from .frontend import Admitted, Frontend, QueueFull, Request
@@ -32,14 +35,48 @@ def _stats_proto(stats: dict) -> api.SpeculationStats:
                                 accepted=stats["accepted"], steps=stats["steps"], alpha=stats["alpha"])
 
 
+def _header(scope, name: bytes) -> str | None:
+    value = dict(scope["headers"]).get(name)  # ASGI gives header names lower-cased
+    return value.decode("latin-1") if value is not None else None
+
+
+class RequireApiKey:
+    """ASGI middleware: with API keys configured, an HTTP request to any path but auth.OPEN_PATHS
+    (/healthz) must carry one (`Authorization: Bearer <key>`), else it gets 401 with an OpenAI-style
+    error and reaches no route. A middleware rather than a per-route check, so a route added later
+    (or FastAPI's own /docs) is covered too. `keys()` -> the ingress's keys, or None: none asked."""
+
+    def __init__(self, app, keys):
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in auth.OPEN_PATHS:
+            try:
+                auth.authorize(self.keys(), _header(scope, b"authorization"))
+            except auth.Unauthenticated as e:
+                response = HttpError(401, str(e), None, code="invalid_api_key").response()
+                response.headers["WWW-Authenticate"] = "Bearer"
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _ingress_api_keys():
+    """The keys of the ingress replica this runs in (its process serves one ingress)."""
+    return serve.get_replica_context().servable_object.api_keys
+
+
 http_app = FastAPI(title="specdec", summary="Speculative decoding, OpenAI-compatible")
+http_app.add_middleware(RequireApiKey, keys=_ingress_api_keys)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, health_check_period_s=10)
 @serve.ingress(http_app)
 class SpecDecodeIngress:
     def __init__(self, config: dict):
-        self.frontend = Frontend(ServeConfig.model_validate(config))
+        cfg = ServeConfig.model_validate(config)
+        self.api_keys = auth.load_api_keys(cfg.security.api_keys_file, os.environ)  # before the slow start
+        self.frontend = Frontend(cfg)
         self.openai = OpenAIServer(self.frontend, Path(self.frontend.cfg.models.target.path).name)
 
     def reconfigure(self, user_config: dict) -> None:
@@ -62,12 +99,14 @@ class SpecDecodeIngress:
 
     async def Generate(self, request: api.GenerateRequest, grpc_context) -> api.GenerateResponse:
         """Sample 0 in the response's own fields, samples 1..n-1 in more_samples."""
+        self._authorize_grpc(grpc_context)
         job = self._admit_grpc(request, grpc_context)
         first, *more = [self._sample_proto(s) for s in await gather_samples(self.frontend, job)]
         first.more_samples.extend(more)
         return first
 
     async def GenerateStream(self, request: api.GenerateRequest, grpc_context):
+        self._authorize_grpc(grpc_context)
         job = self._admit_grpc(request, grpc_context)
         async for index, chunk in run_samples(self.frontend, job):
             yield api.GenerateResponse(index=index, text=chunk.text, token_ids=chunk.token_ids,
@@ -76,11 +115,22 @@ class SpecDecodeIngress:
                                        logprobs=self._logprobs_proto(chunk.logprobs))
 
     async def GetStats(self, request: api.GetStatsRequest, grpc_context) -> api.GetStatsResponse:
+        self._authorize_grpc(grpc_context)
         return api.GetStatsResponse(task_types=[
             api.TaskTypeStats(task_type=name, alpha=s["alpha"], decision=s["decision"], k=s["k"],
                               samples=s["samples"], requests=s["requests"], reason=s["reason"],
                               goodput=s["goodput"] or {})
             for name, s in self.frontend.router.stats().items()])
+
+    def _authorize_grpc(self, grpc_context) -> None:
+        """The call's `authorization` metadata carries one of the API keys (if any are set); else
+        UNAUTHENTICATED, before anything else is looked at."""
+        try:
+            auth.authorize(self.api_keys, dict(grpc_context.invocation_metadata()).get("authorization"))
+        except auth.Unauthenticated as e:
+            grpc_context.set_code(grpc.StatusCode.UNAUTHENTICATED)
+            grpc_context.set_details(str(e))
+            raise
 
     def _admit_grpc(self, request: api.GenerateRequest, grpc_context) -> Admitted:
         req = Request(prompt=request.prompt, task_type=request.task_type, max_new_tokens=request.max_new_tokens,

@@ -32,10 +32,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from actors.security import bearer
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
 from specdec.prompts import load_prompts
 
+from .auth import api_channel
 from .router import Speculation
 
 TIMING_KEYS = ("forwards", "forward_s", "steps", "step_round_trip_s", "draft_s", "drafted_ahead")  # GET /v1/stats
@@ -65,11 +67,11 @@ def bench_main(args) -> None:
         print(f"bench-served: {len(rows)} prompts: cells with more clients than that run at most {len(rows)} "
               f"requests at once", flush=True)
     results, off_outputs = [], None
-    with grpc.insecure_channel(args.address) as channel:
+    with api_channel(args.address, args.api_key, args.tls, args.tls_ca) as channel:
         stub = api_grpc.SpecDecodeStub(channel)
         for mode in modes:  # warm-up (loads, first-call costs), not timed
             stream_one(stub, rows[0], mode, min(4, args.max_new_tokens), args.timeout)
-        stats = _StatsReader(args.http)
+        stats = _StatsReader(args.http, args.api_key)
         for clients in args.clients:
             off = None
             for mode in modes:
@@ -206,15 +208,17 @@ class _StatsReader:
     """The server's cumulative step timing (GET /v1/stats "timing"), read defensively: an unreachable
     server, or a key it does not report, gives no value (noted once), never a crash."""
 
-    def __init__(self, http: str):
+    def __init__(self, http: str, api_key: str | None = None):
         self.http = (http or "").rstrip("/")
+        self.headers = {"Authorization": bearer(api_key)} if api_key else {}
         self.noted = not self.http
 
     def read(self) -> dict:
         if not self.http:
             return {}
         try:
-            with urllib.request.urlopen(f"{self.http}/v1/stats", timeout=30) as r:
+            request = urllib.request.Request(f"{self.http}/v1/stats", headers=self.headers)
+            with urllib.request.urlopen(request, timeout=30) as r:
                 body = json.loads(r.read())
         except (OSError, ValueError) as e:  # URLError, timeouts, bad JSON
             return self._note(f"GET {self.http}/v1/stats failed ({e})")

@@ -52,6 +52,7 @@ def test_defaults():
     s = config.server
     assert (s.grpc_port, s.http_port) == (9000, 8000)
     assert (s.max_prompt_tokens, s.max_new_tokens, s.max_queued_requests) == (4096, 1024, 256)
+    assert config.security.api_keys_file is None and config.security.internal_tls is None  # both off
     fixed = parse_config(with_section("speculation", {"num_speculative_tokens": 4}))
     assert fixed.speculation.num_speculative_tokens == 4
 
@@ -103,6 +104,12 @@ def test_defaults():
             "ops.yaml: speculation.num_speculative_tokens: must be an integer >= 0 or 'auto' (got -1)",
         ),
         ({"placement": {}}, "ops.yaml: models: required key missing"),
+        (with_section("security", {"internal_tls": {"cert": "c.pem", "ca": "ca.pem"}}),
+         "ops.yaml: security.internal_tls.key: required key missing"),
+        (with_section("security", {"internal_tls": {"cert": "c", "key": "k", "ca": "ca", "server_name": ""}}),
+         "ops.yaml: security.internal_tls.server_name: String should have at least 1 character (got '')"),
+        (with_section("security", {"api_key_file": "keys"}),
+         "ops.yaml: security.api_key_file: extra key not allowed (did you mean 'api_keys_file'?)"),
         (with_section("routing", {"default": [0.5]}), "ops.yaml: routing.default: must be a mapping (got [0.5])"),
     ],
 )
@@ -115,7 +122,7 @@ def test_every_problem_gets_a_line():
     assert message.splitlines() == [
         "ops.yaml: routing.default.ema: must be greater than 0 (got 0)",
         "ops.yaml: server.grpc_port: must be greater than or equal to 1 (got 0)",
-        "ops.yaml: extra: extra key not allowed (allowed: models, placement, speculation, routing, server)",
+        "ops.yaml: extra: extra key not allowed (allowed: models, placement, speculation, routing, server, security)",
     ]
 
 
@@ -144,6 +151,19 @@ def test_load_config_names_the_file(tmp_path):
     path.write_text("models: {target: {path: t, dtype: int8}}\n")
     with pytest.raises(ConfigError, match=f"^{path}: models.target.dtype: "):
         load_config(path)
+
+
+def test_internal_tls_files_are_checked_at_start_naming_the_key(tmp_path):
+    pem = tmp_path / "cert.pem"
+    pem.write_text("-----BEGIN CERTIFICATE-----\n")
+    tls = {"cert": str(pem), "key": str(tmp_path / "absent.pem"), "ca": str(pem)}
+    config = parse_config(with_section("security", {"internal_tls": tls}))
+    assert config.security.internal_tls.server_name == "specdec-target"
+    with pytest.raises(ConfigError, match=f"^security.internal_tls.key: cannot read {tmp_path}/absent.pem "
+                                          f"\\(No such file or directory\\)$"):
+        config.security.check_internal_tls_files()
+    readable = parse_config(with_section("security", {"internal_tls": {**tls, "key": str(pem)}}))
+    readable.security.check_internal_tls_files()  # raises nothing
 
 
 def test_a_model_drafter_needs_a_draft_model():

@@ -228,3 +228,53 @@ def test_worker_gpus_fit_placement(profile):
     assert target["replicas"] == 1
     assert gpus_per_pod(target) == math.ceil(placement.tensor_parallel_size * placement.gpus_per_actor)
     assert draft["replicas"] * gpus_per_pod(draft) == math.ceil(placement.draft_replicas * placement.gpus_per_actor)
+
+
+def secret_mounts(group: dict) -> dict[str, tuple[str, bool]]:
+    """A pod's Secret volumes: mount folder -> (Secret name, optional)."""
+    pod = group["template"]["spec"]
+    secrets = {volume["name"]: volume["secret"] for volume in pod["volumes"] if "secret" in volume}
+    (container,) = pod["containers"]
+    return {mount["mountPath"]: (secrets[mount["name"]]["secretName"], secrets[mount["name"]].get("optional", False))
+            for mount in container["volumeMounts"] if mount["name"] in secrets and not mount.get("subPath")}
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_security_files_come_from_secrets_in_every_pod(profile):
+    """Every file the operator YAML's security section names is in a Secret mounted, as a folder, in
+    every pod (the ingress and the actors may land on any of them): the API keys in specdec-api-keys,
+    the internal TLS files in specdec-internal-tls. The GPU profile asks for API keys and internal
+    mTLS; the CPU profile (to try it) for neither."""
+    security = operator_config(profile).security
+    files = {"specdec-api-keys": [security.api_keys_file]} if security.api_keys_file else {}
+    if tls := security.internal_tls:
+        files["specdec-internal-tls"] = [tls.cert, tls.key, tls.ca]
+    assert set(files) == (set() if profile == "overlays/cpu" else {"specdec-api-keys", "specdec-internal-tls"})
+    for group in pod_groups(rayservice(profile)):
+        mounts = secret_mounts(group)
+        for secret, paths in files.items():
+            for path in paths:
+                assert mounts.get(posixpath.dirname(path), (None,))[0] == secret, (group["groupName"], path)
+
+
+def test_tls_ingress_routes_to_the_serve_ports():
+    """The GPU profile terminates TLS at an Ingress: HTTPS to the serve Service's `serve` port, gRPC
+    (backend protocol GRPC) to the head Service's port that Serve's gRPC proxy listens on."""
+    service = rayservice("overlays/gpu")
+    serve, _ = serve_app(service)
+    head = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    head_ports = {port["name"]: port["containerPort"] for port in head["ports"]}
+    name = service["metadata"]["name"]
+    backends = {}
+    for ingress in rendered("overlays/gpu", "Ingress"):
+        (rule,) = ingress["spec"]["rules"]
+        (tls,) = ingress["spec"]["tls"]
+        assert tls["hosts"] == [rule["host"]] and tls["secretName"] == "specdec-tls"
+        (path,) = rule["http"]["paths"]
+        annotations = ingress["metadata"].get("annotations", {})
+        protocol = annotations.get("nginx.ingress.kubernetes.io/backend-protocol", "HTTP")
+        backends[protocol] = (path["backend"]["service"]["name"], path["backend"]["service"]["port"]["name"])
+    assert backends == {"HTTP": (f"{name}-serve-svc", "serve"), "GRPC": (f"{name}-head-svc", "serve-grpc")}
+    assert head_ports["serve"] == serve["http_options"]["port"]
+    assert head_ports["serve-grpc"] == serve["grpc_options"]["port"]
+    assert not rendered("overlays/cpu", "Ingress")

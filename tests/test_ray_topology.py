@@ -3,12 +3,15 @@ draft replica -> gRPC token trees -> the target rank."""
 
 import time
 
+import grpc
 import pytest
 import ray
 
 from cluster.config import parse_config
 from cluster.placement import start_topology
 from conftest import NEW_TOKENS
+from protos import specdec_tree_pb2 as tree_pb
+from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.sampling import SamplingParams
 
 GREEDY = SamplingParams()
@@ -47,8 +50,27 @@ def test_every_actor_gets_its_own_gpu_and_requests_equal_plain_decoding(cluster,
         assert sum(o["stats"]["accepted"] for o in outs) > 0
         stats = ray.get(topo.target_ranks[0].stats.remote())
         assert stats["open_requests"] == 0 and stats["forwards"] > 0
+        assert_refuses_strangers(topo)
     finally:
         topo.shutdown()
+
+
+def assert_refuses_strangers(topo) -> None:
+    """The replicas above reached the target with the topology's secret; a caller without it is
+    refused, and the service listens on the node's address only (not on every interface)."""
+    host, port = topo.target_address.rsplit(":", 1)
+    assert host == ray.util.get_node_ip_address() != "0.0.0.0"
+    open_request = tree_pb.OpenRequest(request_id="stranger", prompt=[1, 2], params=tree_pb.SamplingParams())
+    with grpc.insecure_channel(topo.target_address) as channel:
+        with pytest.raises(grpc.RpcError) as e:
+            tree_grpc.TargetServiceStub(channel).Open(open_request, timeout=30)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert ray.get(topo.target.stats.remote())["open_requests"] == 0
+    if host != "127.0.0.1":
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.RpcError) as e:
+                tree_grpc.TargetServiceStub(channel).Open(open_request, timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE  # nothing listens on loopback
 
 
 @pytest.mark.parametrize("replicas", [0, 1])

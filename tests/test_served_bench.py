@@ -33,8 +33,10 @@ class FakeSpecDecode(api_grpc.SpecDecodeServicer):
         self.outputs, self.wrong_in = outputs, wrong_in
         self.forwards = 0
         self.lock = threading.Lock()
+        self.authorizations = []  # each call's authorization metadata
 
     def GenerateStream(self, request, context):
+        self.authorizations.append(dict(context.invocation_metadata()).get("authorization"))
         tokens = list(self.outputs[request.prompt][:request.max_new_tokens])
         mode = api.Speculation.Name(request.speculation)
         if mode == self.wrong_in:
@@ -60,9 +62,11 @@ class Served:
         api_grpc.add_SpecDecodeServicer_to_server(servicer, self.grpc)
         self.address = f"127.0.0.1:{self.grpc.add_insecure_port('127.0.0.1:0')}"
         self.grpc.start()
+        seen = self.stats_authorizations = []  # each GET's Authorization header
 
         class Stats(BaseHTTPRequestHandler):
             def do_GET(self):
+                seen.append(self.headers.get("Authorization"))
                 body = json.dumps({"timing": {"forwards": servicer.forwards, "forward_s": 0.002 * servicer.forwards}})
                 self.send_response(200 if self.path == "/v1/stats" else 404)
                 self.send_header("Content-Type", "application/json")
@@ -150,6 +154,18 @@ def test_a_mode_that_changes_the_output_stops_the_run(bench_setup, capsys):
     cells = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [(r["clients"], r["mode"]) for r in cells] == [(1, "off")]
     assert cells[0]["target_forward_ms"] is None  # --http '': no server timing
+
+
+def test_the_api_key_goes_with_every_call(bench_setup, capsys):
+    _, prompts, outputs = bench_setup
+    servicer = FakeSpecDecode(outputs)
+    served = Served(servicer)
+    try:
+        main(argv(served, prompts, "--modes", "off", "--api-key", "k1"))
+    finally:
+        served.close()
+    assert len(servicer.authorizations) > len(PROMPTS) and set(servicer.authorizations) == {"Bearer k1"}
+    assert served.stats_authorizations and set(served.stats_authorizations) == {"Bearer k1"}
 
 
 def test_bad_client_count_is_a_one_line_error(bench_setup):

@@ -1,0 +1,352 @@
+"""Authentication, over real gRPC and HTTP on loopback.
+
+Internal: the target's specdec.v1.TargetService answers only calls that carry the topology's secret
+(and, with TLS files, a certificate from the CA); a refused call changes nothing. Public: with API
+keys set, the ingress refuses a missing or wrong key on gRPC (UNAUTHENTICATED) and HTTP (401, also
+as the openai client sees it), and /healthz stays open."""
+
+import datetime
+import ipaddress
+import json
+import urllib.error
+import urllib.request
+from concurrent import futures
+
+import grpc
+import openai
+import pytest
+import ray
+import yaml
+from ray import serve
+
+from actors.scheduler import KvBudget, TargetScheduler
+from actors.security import MAX_MESSAGE_BYTES, BearerKeys, LinkSecurity, TlsFiles, bearer, serve_target, target_channel
+from actors.target_service import TargetService
+from cluster.auth import API_KEYS_ENV, Unauthenticated, api_channel, authorize, load_api_keys
+from cluster.config import ConfigError
+from cluster.serve_app import GRPC_SERVICER, build_app
+from conftest import free_port, served_target
+from protos import specdec_api_pb2 as api
+from protos import specdec_api_pb2_grpc as api_grpc
+from protos import specdec_tree_pb2 as tree_pb
+from protos import specdec_tree_pb2_grpc as tree_grpc
+from specdec.kvcache import CachedLM
+from specdec.target import TargetWorker
+
+SECRET = "the-topology-secret"
+OPEN = tree_pb.OpenRequest(request_id="r", prompt=[1, 2, 3], params=tree_pb.SamplingParams(), max_new_tokens=4)
+REFUSED_INTERNAL = [
+    ("Open", OPEN),
+    ("Verify", tree_pb.VerifyRequest(trees=[tree_pb.CandidateTree(request_id="r", tokens=[3], parents=[-1],
+                                                                  proposal_ids=[-1], from_model=[True])])),
+    ("Close", tree_pb.CloseRequest(request_ids=["r"])),
+]
+
+
+# --- bearer keys ---------------------------------------------------------------------------------------------
+
+
+def test_bearer_keys_accept_only_their_keys():
+    keys = BearerKeys(["k1", "k2-longer"])
+    assert keys.allows("Bearer k1") and keys.allows("bearer k2-longer") and keys.allows("Bearer  k1 ")
+    for header in (None, "", "k1", "Bearer", "Bearer ", "Bearer k3", "Bearer k1x", "Basic k1", "Bearer k2"):
+        assert not keys.allows(header), header
+    for bad in ([], [""], ["two words"], [" padded"]):
+        with pytest.raises(ValueError):
+            BearerKeys(bad)
+
+
+def test_api_keys_come_from_the_environment_else_the_file(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("#not-a-key\nfile-key-1\n\n  file-key-2  \n")
+    from_file = load_api_keys(str(path), {})
+    assert len(from_file) == 2 and from_file.allows("Bearer file-key-2") and not from_file.allows("Bearer #not-a-key")
+    from_env = load_api_keys(str(path), {API_KEYS_ENV: " env-1, env-2 ,"})  # the variable wins over the file
+    assert len(from_env) == 2 and from_env.allows("Bearer env-2") and not from_env.allows("Bearer file-key-1")
+    assert load_api_keys(None, {}) is None and load_api_keys(None, {API_KEYS_ENV: " "}) is None  # off
+    authorize(None, None)  # no keys: nothing is asked
+    with pytest.raises(Unauthenticated, match="missing or wrong API key"):
+        authorize(from_file, "Bearer env-1")
+
+
+def test_unusable_api_keys_stop_the_start_naming_where_they_came_from(tmp_path):
+    missing = tmp_path / "absent"
+    with pytest.raises(ConfigError, match=f"^security.api_keys_file: cannot read {missing} \\(No such file"):
+        load_api_keys(str(missing), {})
+    empty = tmp_path / "empty"
+    empty.write_text("# nothing yet\n\n")
+    with pytest.raises(ConfigError, match=f"^security.api_keys_file: {empty}: holds no keys"):
+        load_api_keys(str(empty), {})
+    with pytest.raises(ConfigError, match=f"^{API_KEYS_ENV}: holds no keys"):
+        load_api_keys(None, {API_KEYS_ENV: ",,"})
+    with pytest.raises(ConfigError, match=f"^{API_KEYS_ENV}: a key must be non-empty and contain no whitespace"):
+        load_api_keys(None, {API_KEYS_ENV: "a b"})
+
+
+# --- the internal link: TargetService over real gRPC ---------------------------------------------------------
+
+
+@pytest.fixture
+def scheduler(target):
+    scheduler = TargetScheduler(TargetWorker(CachedLM(target)), KvBudget())
+    yield scheduler
+    scheduler.stop()
+
+
+def start_target(scheduler, security: LinkSecurity) -> tuple[grpc.Server, str]:
+    server, port = serve_target(TargetService(scheduler), tree_grpc.add_TargetServiceServicer_to_server, "127.0.0.1",
+                                security)
+    return server, f"127.0.0.1:{port}"
+
+
+def held(scheduler) -> tuple[int, int]:
+    stats = scheduler.stats()
+    return stats["open_requests"], stats["waiting"]
+
+
+def call(channel: grpc.Channel, method: str, request):
+    with channel:
+        return getattr(tree_grpc.TargetServiceStub(channel), method)(request, timeout=10)
+
+
+def test_calls_without_the_topology_secret_are_refused_and_change_nothing(scheduler):
+    server, address = start_target(scheduler, LinkSecurity(SECRET))
+    try:
+        call(target_channel(address, LinkSecurity(SECRET)), "Open", tree_pb.OpenRequest(
+            request_id="kept", prompt=[4, 5], params=tree_pb.SamplingParams(), max_new_tokens=4))
+        strangers = [lambda: grpc.insecure_channel(address),  # no credential at all
+                     lambda: target_channel(address, LinkSecurity("a-guessed-secret")),
+                     lambda: target_channel(address, LinkSecurity(SECRET + "x"))]
+        for make_channel in strangers:
+            for method, request in REFUSED_INTERNAL + [("Close", tree_pb.CloseRequest(request_ids=["kept"]))]:
+                with pytest.raises(grpc.RpcError) as e:
+                    call(make_channel(), method, request)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, (method, e.value)
+                assert "topology's secret" in e.value.details()
+        assert held(scheduler) == (1, 0)  # nothing opened by them, and "kept" was not closed
+        call(target_channel(address, LinkSecurity(SECRET)), "Open", OPEN)  # the secret opens it
+        assert held(scheduler) == (2, 0)
+        call(target_channel(address, LinkSecurity(SECRET)), "Close", tree_pb.CloseRequest(request_ids=["r", "kept"]))
+    finally:
+        server.stop(grace=None)
+
+
+def test_messages_over_the_limit_are_refused_at_both_ends(scheduler):
+    server, address = start_target(scheduler, LinkSecurity(SECRET))
+    huge = tree_pb.OpenRequest(request_id="x" * (MAX_MESSAGE_BYTES + 1), prompt=[1])
+    try:
+        with pytest.raises(grpc.RpcError) as sent:  # our channel will not send it
+            call(target_channel(address, LinkSecurity(SECRET)), "Open", huge)
+        unlimited = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", -1)])
+        with pytest.raises(grpc.RpcError) as received:  # and the server will not take it, even with the secret
+            with unlimited:
+                tree_grpc.TargetServiceStub(unlimited).Open(huge, metadata=[("authorization", bearer(SECRET))],
+                                                            timeout=30)
+    finally:
+        server.stop(grace=None)
+    assert sent.value.code() == received.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert held(scheduler) == (0, 0)
+
+
+# --- mutual TLS on the internal link --------------------------------------------------------------------------
+
+
+def _pem_pair(common_name: str, issuer=None, server_name: str | None = None):
+    """A key and certificate: self-signed CA (issuer None) or signed by issuer = (key, cert)."""
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    signer_key, signer_name = (key, name) if issuer is None else (issuer[0], issuer[1].subject)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(name).issuer_name(signer_name).public_key(key.public_key())
+               .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+               .not_valid_after(now + datetime.timedelta(hours=1))
+               .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True))
+    if server_name:  # and loopback's address, for clients that connect to 127.0.0.1 by address
+        names = [x509.DNSName(server_name), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+    cert = builder.sign(signer_key, hashes.SHA256())
+    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    return key, cert, key_pem, cert.public_bytes(serialization.Encoding.PEM)
+
+
+def tls_files(tmp_path, name: str, server_name: str = "specdec-target") -> TlsFiles:
+    """A CA and a certificate it signed for `server_name` (used as server and client certificate)."""
+    ca_key, ca_cert, _, ca_pem = _pem_pair(f"{name} CA")
+    _, _, key_pem, cert_pem = _pem_pair(server_name, issuer=(ca_key, ca_cert), server_name=server_name)
+    paths = {}
+    for kind, pem in (("cert", cert_pem), ("key", key_pem), ("ca", ca_pem)):
+        paths[kind] = tmp_path / f"{name}-{kind}.pem"
+        paths[kind].write_bytes(pem)
+    return TlsFiles(str(paths["cert"]), str(paths["key"]), str(paths["ca"]), server_name)
+
+
+def test_mutual_tls_needs_a_certificate_from_the_ca_and_the_secret(scheduler, tmp_path):
+    tls, rogue = tls_files(tmp_path, "ours"), tls_files(tmp_path, "rogue")
+    server, address = start_target(scheduler, LinkSecurity(SECRET, tls))
+    ca = open(tls.ca, "rb").read()
+    try:
+        refused = {
+            "plaintext": grpc.insecure_channel(address),
+            "no client certificate": grpc.secure_channel(address, grpc.ssl_channel_credentials(ca), options=[
+                ("grpc.ssl_target_name_override", tls.server_name)]),
+            "a certificate from another CA": target_channel(address, LinkSecurity(SECRET, TlsFiles(
+                rogue.cert, rogue.key, tls.ca, tls.server_name))),
+        }
+        for why, channel in refused.items():
+            with pytest.raises(grpc.RpcError) as e:
+                call(channel, "Open", OPEN)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE, why  # the TLS handshake fails
+        with pytest.raises(grpc.RpcError) as e:  # a good certificate is not enough without the secret
+            call(target_channel(address, LinkSecurity("wrong", tls)), "Open", OPEN)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert held(scheduler) == (0, 0)
+        call(target_channel(address, LinkSecurity(SECRET, tls)), "Open", OPEN)
+        assert held(scheduler) == (1, 0)
+        with pytest.raises(grpc.RpcError) as e:  # a target whose certificate lacks the expected name
+            call(target_channel(address, LinkSecurity(SECRET, TlsFiles(tls.cert, tls.key, tls.ca, "elsewhere"))),
+                 "Close", tree_pb.CloseRequest(request_ids=["r"]))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and held(scheduler) == (1, 0)
+    finally:
+        server.stop(grace=None)
+
+
+def test_unreadable_tls_files_are_named():
+    with pytest.raises(OSError, match="internal TLS private key /nowhere/key.pem: cannot read it"):
+        TlsFiles(__file__, "/nowhere/key.pem", __file__, "specdec-target").read()
+
+
+# --- the public API: build_app on a local Ray cluster with keys ----------------------------------------------
+
+KEYS = ["key-one", "key-two"]
+
+
+@pytest.fixture(scope="module")
+def keyed_server(model_dirs, tmp_path_factory):
+    """The smallest serving topology (one target rank, no drafts) with API keys from a file."""
+    root = tmp_path_factory.mktemp("auth")
+    keys_file = root / "api-keys"
+    keys_file.write_text("# one per line\n" + "\n".join(KEYS) + "\n")
+    config = {"models": {"target": {"path": served_target(model_dirs, root)}},
+              "speculation": {"drafter": "none"},
+              "server": {"grpc_port": free_port(), "http_port": free_port()},
+              "security": {"api_keys_file": str(keys_file)}}
+    path = root / "specdec.yaml"
+    path.write_text(yaml.safe_dump(config))
+    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    ports = config["server"]
+    serve.start(http_options={"host": "127.0.0.1", "port": ports["http_port"]},
+                grpc_options={"port": ports["grpc_port"], "grpc_servicer_functions": [GRPC_SERVICER]})
+    serve.run(build_app({"config": str(path)}), name="specdec", route_prefix="/")
+    yield f"http://127.0.0.1:{ports['http_port']}", f"127.0.0.1:{ports['grpc_port']}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def http(url: str, body: dict | None = None, key: str | None = None) -> tuple[int, dict, object]:
+    headers = {"Content-Type": "application/json"} | ({"Authorization": bearer(key)} if key else {})
+    data = json.dumps(body).encode() if body is not None else None
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers), timeout=60) as r:
+            return r.status, json.loads(r.read()), r.headers
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), e.headers
+
+
+def test_http_needs_a_key_except_healthz(keyed_server):
+    root, _ = keyed_server
+    completion = {"prompt": "w5 w17 w3", "max_tokens": 4, "temperature": 0}
+    for path, body in [("/v1/completions", completion), ("/v1/models", None), ("/v1/stats", None), ("/docs", None),
+                       ("/v1/nowhere", None)]:
+        for key in (None, "key-three", "key-one-"):
+            status, reply, headers = http(root + path, body, key)
+            assert status == 401, (path, key, reply)
+            assert reply["error"]["code"] == "invalid_api_key" and "API key" in reply["error"]["message"]
+            assert headers["WWW-Authenticate"] == "Bearer"
+    assert http(root + "/healthz")[:2] == (200, {"status": "ok"})
+    for key in KEYS:
+        status, reply, _ = http(root + "/v1/completions", completion, key)
+        assert status == 200 and len(reply["choices"][0]["token_ids"]) == 4
+    assert http(root + "/v1/models", key=KEYS[1])[0] == 200
+
+
+def test_the_openai_client_needs_a_right_api_key(keyed_server):
+    root, _ = keyed_server
+    for wrong in ("unused", "key-one " + "x"):
+        client = openai.OpenAI(base_url=f"{root}/v1", api_key=wrong, max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as e:
+            client.completions.create(model="target", prompt="w5 w17", max_tokens=2)
+        assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    client = openai.OpenAI(base_url=f"{root}/v1", api_key=KEYS[0], max_retries=0)
+    reply = client.completions.create(model="target", prompt="w5 w17", max_tokens=2, temperature=0)
+    assert reply.usage.completion_tokens == 2
+
+
+def test_grpc_needs_a_key(keyed_server):
+    _, address = keyed_server
+    request = api.GenerateRequest(prompt="w5 w17 w3", max_new_tokens=3)
+    calls = [lambda stub: stub.Generate(request, timeout=60),
+             lambda stub: list(stub.GenerateStream(request, timeout=60)),
+             lambda stub: stub.GetStats(api.GetStatsRequest(), timeout=60)]
+    for key in (None, "key-three"):
+        with api_channel(address, key) as channel:
+            for make_call in calls:
+                with pytest.raises(grpc.RpcError) as e:
+                    make_call(api_grpc.SpecDecodeStub(channel))
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "API key" in e.value.details()
+    with api_channel(address, KEYS[1]) as channel:
+        stub = api_grpc.SpecDecodeStub(channel)
+        assert len(stub.Generate(request, timeout=60).token_ids) == 3
+        assert [t for chunk in stub.GenerateStream(request, timeout=60) for t in chunk.token_ids]
+        assert stub.GetStats(api.GetStatsRequest(), timeout=60).task_types is not None
+
+
+def test_specdec_client_sends_its_api_key(keyed_server, capsys, monkeypatch):
+    from cluster.commands import main
+
+    _, address = keyed_server
+    base = ["client", "--address", address, "--prompt", "w5 w17", "--max-new-tokens", "2", "--json"]
+    with pytest.raises(SystemExit, match="UNAUTHENTICATED: missing or wrong API key"):
+        main(base)
+    main(base + ["--api-key", KEYS[0]])
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 2
+    monkeypatch.setenv("SPECDEC_API_KEY", KEYS[1])
+    main(base)  # the key from the environment
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 2
+
+
+class RecordingSpecDecode(api_grpc.SpecDecodeServicer):
+    """GetStats only, remembering each call's authorization metadata."""
+
+    def __init__(self):
+        self.authorizations = []
+
+    def GetStats(self, request, context):
+        self.authorizations.append(dict(context.invocation_metadata()).get("authorization"))
+        return api.GetStatsResponse(task_types=[api.TaskTypeStats(task_type="code", decision="on", k=3)])
+
+
+def test_specdec_client_speaks_tls_with_a_given_ca(tmp_path, capsys):
+    """As through the TLS Ingress: the client trusts the CA in --tls-ca and still sends its key."""
+    from cluster.commands import main
+
+    tls = tls_files(tmp_path, "edge")
+    servicer, server = RecordingSpecDecode(), grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    api_grpc.add_SpecDecodeServicer_to_server(servicer, server)
+    credentials = grpc.ssl_server_credentials([(open(tls.key, "rb").read(), open(tls.cert, "rb").read())])
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    server.start()
+    try:
+        main(["client", "--address", f"127.0.0.1:{port}", "--tls-ca", tls.ca, "--api-key", "k1", "--stats"])
+        assert json.loads(capsys.readouterr().out)["code"]["k"] == 3
+        with pytest.raises(SystemExit, match="UNAVAILABLE"):  # plaintext to a TLS port
+            main(["client", "--address", f"127.0.0.1:{port}", "--stats"])
+    finally:
+        server.stop(grace=None)
+    assert servicer.authorizations == ["Bearer k1"]
+
