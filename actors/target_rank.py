@@ -3,6 +3,7 @@ scheduler loop (actors/scheduler.py), which decodes plain requests and verifies 
 draft replicas send over gRPC (specdec.v1.TargetService); ranks > 0 mirror rank 0's calls
 (actors/lockstep.py)."""
 
+import asyncio
 import os
 import threading
 from concurrent import futures
@@ -41,7 +42,7 @@ class TargetRank:
     scheduler and the gRPC service; ranks > 0 follow it."""
 
     def __init__(self, model_path: str, dtype: str = "float32", rank: int = 0, world_size: int = 1,
-                 dist_address: str | None = None, budget: KvBudget = KvBudget()):
+                 dist_address: str | None = None, budget: KvBudget = KvBudget(), idle_timeout_s: float = 30.0):
         use_assigned_cpus()
         self.rank, self.scheduler = rank, None
         self.streams: dict[str, StepStream] = {}
@@ -56,7 +57,10 @@ class TargetRank:
                 threading.Thread(target=follow, args=(worker, group), name="lockstep", daemon=True).start()
                 return
             worker = LockstepWorker(worker, group)
-        self.scheduler = TargetScheduler(worker, budget, on_forward=metrics.observe_forward)
+        self.scheduler = TargetScheduler(worker, budget, on_forward=metrics.observe_forward,
+                                         idle_timeout_s=idle_timeout_s)
+        threading.Thread(target=metrics.publish_target, args=(self.scheduler.stats,), name="metrics",
+                         daemon=True).start()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
         tree_grpc.add_TargetServiceServicer_to_server(TargetService(self.scheduler), self.server)
         self.port = self.server.add_insecure_port("0.0.0.0:0")
@@ -64,6 +68,10 @@ class TargetRank:
 
     def ready(self) -> bool:
         return True
+
+    async def watch(self) -> None:
+        """Never returns: the ingress awaits it on every rank to learn at once that one has died."""
+        await asyncio.Event().wait()
 
     def address(self) -> str:
         return f"{ray.util.get_node_ip_address()}:{self.port}"

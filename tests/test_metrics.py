@@ -87,7 +87,7 @@ def exported(url: str, code_alpha: float) -> dict:
         if (all(value(m, f"{h}_count", task_type=t, mode=mode) == n for h in LATENCIES for (t, mode), n in SENT.items())
                 and all(value(m, f"{name}_count", replica=r) for name, replicas in STEPS.items() for r in replicas)
                 and value(m, "alpha", task_type="code") == pytest.approx(code_alpha)
-                and value(m, "queue_depth") == 0):
+                and value(m, "queue_depth") == 0 and value(m, "target_open_requests") == 0):
             return m
         assert time.monotonic() < deadline, f"metrics not exported in time: {dict(m)}"
         time.sleep(1)
@@ -113,6 +113,9 @@ def test_metrics_are_exported_per_task_type_and_replica(cluster):
     assert 0 <= value(m, "alpha", task_type="code") <= 1  # and equal to GetStats's, or exported() would wait
     assert value(m, "speculation_on", task_type="code") == (code.decision == "on")
     assert value(m, "speculation_on", task_type="prose") == 1  # no reports yet: optimistic
+
+    assert value(m, "target_up") == 1  # the target group serves, holding nothing now
+    assert value(m, "target_waiting_requests") == 0 == value(m, "target_kv_tokens_reserved")
 
     for name, replicas in STEPS.items():
         assert {dict(labels)["replica"] for labels in m[f"{name}_count"]} == set(replicas)
