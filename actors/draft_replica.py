@@ -64,13 +64,13 @@ class DraftReplica:
         if target_address is not None and target_address != self.target_address:
             self._connect(target_address)
         loop = self.running[request_id] = self._loop_for(task_type)  # from here on it can be cancelled
-        await asyncio.to_thread(self.target.open, request_id, prompt, params, stream, max_new_tokens)
-        steps = StepStream()
-        loop.join(DraftRequest(request_id, prompt, params, max_new_tokens, set(eos), depth, steps, stream))
         try:
+            await asyncio.to_thread(self.target.open, request_id, prompt, params, stream, max_new_tokens)
+            steps = StepStream()
+            loop.join(DraftRequest(request_id, prompt, params, max_new_tokens, set(eos), depth, steps, stream))
             async for item in steps.items():
                 yield item
-        finally:
+        finally:  # an open refused (the target full or gone) leaves nothing behind either
             self.running.pop(request_id, None)
 
     def cancel(self, request_id: str) -> None:

@@ -185,10 +185,10 @@ class TargetScheduler:
                 raise UnknownRequest(f"request {join.rid!r} was closed before it was opened")
             if self._left_waiting([*self._waiting, join]) > self.budget.max_waiting:
                 raise ResourceExhausted(
-                    f"the target is full: {len(self._reserved)} requests hold {sum(self._reserved.values())} KV "
-                    f"tokens (max_running_requests {self.budget.max_rows}, max_kv_tokens {self.budget.max_tokens}) "
-                    f"and {self._left_waiting(self._waiting)} wait for room (max_waiting_requests "
-                    f"{self.budget.max_waiting}); retry later")
+                    f"the target is full: running {len(self._reserved)} of max_running_requests "
+                    f"{self.budget.max_rows}, {sum(self._reserved.values())} of max_kv_tokens "
+                    f"{self.budget.max_tokens} reserved, waiting {self._left_waiting(self._waiting)} of "
+                    f"max_waiting_requests {self.budget.max_waiting}; retry later")
             self._waiting.append(join)
             self._cv.notify()
         return join.waiter

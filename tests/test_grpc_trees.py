@@ -278,10 +278,12 @@ def test_open_beyond_the_bound_is_refused_with_resource_exhausted(target, refere
         with pytest.raises(grpc.RpcError) as e:
             stub.Open(open_request("refused", prompt), timeout=10)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "max_running_requests 1" in e.value.details() and "1 wait for room (max_waiting_requests 1)" in \
-            e.value.details(), e.value.details()
+        assert "running 1 of max_running_requests 1" in e.value.details(), e.value.details()
+        assert "waiting 1 of max_waiting_requests 1" in e.value.details(), e.value.details()
         with pytest.raises(ResourceExhausted, match="the target is full"):
             scheduler.decode("plain", prompt, GREEDY, 8, set(), Collect())
+        with pytest.raises(ResourceExhausted, match="the target is full"):  # as a draft replica sees it
+            GrpcTarget(stub).open("refused too", prompt, GREEDY, 0, 8)
         stub.Close(tree_pb.CloseRequest(request_ids=["running"]))
         waiting.result(timeout=10)
         third = futures.ThreadPoolExecutor(1).submit(stub.Open, open_request("third", prompt))

@@ -11,7 +11,7 @@ from cluster.config import parse_config
 from cluster.frontend import Frontend, Request
 from cluster.placement import start_topology
 from conftest import NEW_TOKENS, hf_greedy, served_target
-from specdec.errors import Unavailable
+from specdec.errors import ResourceExhausted, Unavailable
 from specdec.sampling import SamplingParams
 
 GREEDY = SamplingParams()
@@ -92,12 +92,14 @@ def test_failed_start_releases_the_gpus(cluster, model_dirs):
 
 
 def test_a_tensor_parallel_group_that_loses_a_rank_is_rebuilt(cluster, model_dirs, target, tmp_path):
-    """Rank 1 of two dies mid-request: the request fails at once with Unavailable naming it, the
-    ingress's frontend kills rank 0 and starts both ranks again on their placement group, and plain
-    decoding is exact again, with no restart by hand."""
+    """The ingress's frontend over a group of two ranks that holds one request and lets none wait: a
+    second request is refused (ResourceExhausted, from the target). Then rank 1 dies mid-request: the
+    request fails at once with Unavailable naming it, the frontend kills rank 0 and starts both ranks
+    again on their placement group, and plain decoding is exact again, with no restart by hand."""
     cfg = parse_config({"models": {"target": {"path": served_target(model_dirs, tmp_path)}},
                         "placement": {"tensor_parallel_size": 2, "draft_replicas": 0},
-                        "speculation": {"drafter": "none"}})
+                        "speculation": {"drafter": "none"},
+                        "server": {"max_running_requests": 1, "max_waiting_requests": 0}})
     frontend = Frontend(cfg)
     try:
         prompt = "w5 w17 w3"
@@ -107,6 +109,8 @@ def test_a_tensor_parallel_group_that_loses_a_rank_is_rebuilt(cluster, model_dir
         async def killed_mid_request() -> float:
             chunks = frontend.generate(frontend.admit(Request(prompt=prompt, max_new_tokens=200)))
             await anext(chunks)
+            with pytest.raises(ResourceExhausted, match="waiting 0 of max_waiting_requests 0"):
+                await complete(frontend, prompt, 4)
             ray.kill(frontend.topology.target_ranks[1])
             killed = time.monotonic()
             with pytest.raises(Unavailable, match="target rank 1 died"):
