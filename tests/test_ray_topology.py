@@ -11,7 +11,7 @@ from cluster.config import parse_config
 from cluster.frontend import Frontend, Request
 from cluster.placement import start_topology
 from conftest import NEW_TOKENS, hf_greedy, served_target
-from specdec.errors import ResourceExhausted, Unavailable
+from specdec.errors import InvalidArgument, ResourceExhausted, Unavailable
 from specdec.sampling import SamplingParams
 
 GREEDY = SamplingParams()
@@ -93,18 +93,21 @@ def test_failed_start_releases_the_gpus(cluster, model_dirs):
 
 def test_a_tensor_parallel_group_that_loses_a_rank_is_rebuilt(cluster, model_dirs, target, tmp_path):
     """The ingress's frontend over a group of two ranks that holds one request and lets none wait: a
-    second request is refused (ResourceExhausted, from the target). Then rank 1 dies mid-request: the
+    request that could never fit its KV tokens is refused at once, naming them, and a second request
+    while one runs is refused by the target (ResourceExhausted). Then rank 1 dies mid-request: the
     request fails at once with Unavailable naming it, the frontend kills rank 0 and starts both ranks
     again on their placement group, and plain decoding is exact again, with no restart by hand."""
     cfg = parse_config({"models": {"target": {"path": served_target(model_dirs, tmp_path)}},
                         "placement": {"tensor_parallel_size": 2, "draft_replicas": 0},
                         "speculation": {"drafter": "none"},
-                        "server": {"max_running_requests": 1, "max_waiting_requests": 0}})
+                        "server": {"max_running_requests": 1, "max_waiting_requests": 0, "max_kv_tokens": 300}})
     frontend = Frontend(cfg)
     try:
         prompt = "w5 w17 w3"
         want = hf_greedy(target, frontend.tokenizer(prompt)["input_ids"], NEW_TOKENS)[0]
         assert asyncio.run(complete(frontend, prompt, NEW_TOKENS)) == want
+        with pytest.raises(InvalidArgument, match=r"max_new_tokens: .* = 317 KV tokens, over .* max_kv_tokens 300"):
+            frontend.admit(Request(prompt=prompt, max_new_tokens=250))  # 3 + 250 + 64: it could never fit
 
         async def killed_mid_request() -> float:
             chunks = frontend.generate(frontend.admit(Request(prompt=prompt, max_new_tokens=200)))
