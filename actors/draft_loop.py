@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import grpc
 import torch
 
 from protos import specdec_tree_pb2 as tree_pb
@@ -22,6 +23,7 @@ from specdec.acceptance import Verdict
 from specdec.ahead import Ahead, draft_ahead, settle
 from specdec.drafters import Drafter, Plan
 from specdec.engine import Generation, emit, record_step
+from specdec.errors import ResourceExhausted, Unavailable
 from specdec.sampling import SamplingParams, make_generator
 from specdec.tree import TokenTree
 
@@ -38,22 +40,36 @@ class Target(Protocol):
 
 
 class GrpcTarget:
-    """A remote target's specdec.v1.TargetService as a Target."""
+    """A remote target's specdec.v1.TargetService as a Target. A full target (RESOURCE_EXHAUSTED) and an
+    unreachable one (UNAVAILABLE) raise the core's ResourceExhausted and Unavailable."""
 
     def __init__(self, stub):  # specdec_tree_pb2_grpc.TargetServiceStub
         self.stub = stub
 
     def open(self, rid: str, prompt: list[int], params: SamplingParams, stream: int = 0,
              max_new_tokens: int = 0) -> None:
-        self.stub.Open(tree_pb.OpenRequest(request_id=rid, prompt=prompt, params=wire.sampling_to_proto(params),
-                                           stream=stream, max_new_tokens=max_new_tokens))
+        self._call(self.stub.Open, tree_pb.OpenRequest(request_id=rid, prompt=prompt, stream=stream,
+                                                       params=wire.sampling_to_proto(params),
+                                                       max_new_tokens=max_new_tokens))
 
     def verify(self, trees: dict[str, TokenTree]) -> dict[str, Verdict]:
-        reply = self.stub.Verify(tree_pb.VerifyRequest(trees=[wire.tree_to_proto(rid, t) for rid, t in trees.items()]))
+        reply = self._call(self.stub.Verify,
+                           tree_pb.VerifyRequest(trees=[wire.tree_to_proto(rid, t) for rid, t in trees.items()]))
         return dict(wire.verdict_from_proto(r) for r in reply.results)
 
-    def close(self, rids: list[str]) -> None:
-        self.stub.Close(tree_pb.CloseRequest(request_ids=rids))  # returns at once: the target closes them later
+    def close(self, rids: list[str]) -> None:  # returns at once: the target closes them later
+        self._call(self.stub.Close, tree_pb.CloseRequest(request_ids=rids))
+
+    @staticmethod
+    def _call(method, request):
+        try:
+            return method(request)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise ResourceExhausted(e.details()) from None
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                raise Unavailable(f"the target group is unreachable: {e.details()}") from None
+            raise
 
 
 @dataclass
@@ -94,6 +110,7 @@ class DraftLoop:
         self.rows: list[DraftRequest] = []  # batch order: the drafter's rows
         self._joining: list[DraftRequest] = []
         self._cancelled: set[str] = set()
+        self._failure: Exception | None = None  # every request in the loop ends with it before the next step
         self._cv = threading.Condition()
         if drafter is not None:
             drafter.start(0)
@@ -111,13 +128,25 @@ class DraftLoop:
             self._cancelled.add(rid)
             self._cv.notify()
 
+    def fail_all(self, error: Exception) -> None:
+        """Every request now in the loop, joining or running, ends with `error` (their target group is
+        gone); requests that join later are stepped as usual."""
+        with self._cv:
+            joining, self._joining = self._joining, []
+            self._failure = error
+        for r in joining:
+            r.sink([], r.out, True, error)
+
     def _loop(self) -> None:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self.rows or self._joining)
                 joining, self._joining = self._joining, []
+                failure, self._failure = self._failure, None
                 cancelled = set(self._cancelled)
             try:
+                if failure is not None:
+                    self._fail(failure)
                 self._add(joining)
                 stopped = [r for r in self.rows if r.rid in cancelled]
                 with self._cv:  # a cancel may come before its request joins: kept until it is seen

@@ -7,6 +7,7 @@ import ray
 
 from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.drafters import make_drafter
+from specdec.errors import Unavailable
 from specdec.kvcache import CachedLM
 from specdec.loading import load_model, parse_dtype
 from specdec.sampling import SamplingParams
@@ -35,7 +36,9 @@ class DraftReplica:
                        for task, (path, dtype) in drafts.items()}
         self.drafter, self.width, self.overlap = drafter, width, overlap
         make_drafter(drafter, CachedLM(self.models[""]) if "" in self.models else None, width)  # fail at start
-        self.target = GrpcTarget(tree_grpc.TargetServiceStub(target_channel(target_address, security)))
+        self.security, self.target_address = security, target_address
+        self.channel = target_channel(target_address, security)
+        self.target = GrpcTarget(tree_grpc.TargetServiceStub(self.channel))  # shared by the loops
         name = ray.get_runtime_context().get_actor_name() or "draft"
         self.step_timer = StepTimer(name.rsplit("-", 1)[0])  # draft-<i>-<topology tag> -> draft-<i>
         self.loops: dict[str, DraftLoop] = {}  # per draft model: its task type, or "" for the rest
@@ -51,21 +54,26 @@ class DraftReplica:
         return ray.get_gpu_ids()
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, max_new_tokens: int,
-                       eos: list[int] = (), depth: int = 4, task_type: str = "", stream: int = 0):
+                       eos: list[int] = (), depth: int = 4, task_type: str = "", stream: int = 0,
+                       target_address: str | None = None):
         """One request, K = depth: opened on the target (it may wait there for room), then stepped with
         the replica's other requests. Yields each step's tokens; the last item has the finish reason.
-        `stream` separates the random streams of samples that share a seed."""
+        `stream` separates the random streams of samples that share a seed. `target_address`: the
+        target group's TargetService as the caller knows it (None: the one this replica has); a new one
+        (the group was rebuilt) is connected to first."""
         if request_id in self.cancelled_early:  # its caller gave up before it started: never open it
             del self.cancelled_early[request_id]
             return
+        if target_address is not None and target_address != self.target_address:
+            self._connect(target_address)
         loop = self.running[request_id] = self._loop_for(task_type)  # from here on it can be cancelled
-        await asyncio.to_thread(self.target.open, request_id, prompt, params, stream, max_new_tokens)
-        steps = StepStream()
-        loop.join(DraftRequest(request_id, prompt, params, max_new_tokens, set(eos), depth, steps, stream))
         try:
+            await asyncio.to_thread(self.target.open, request_id, prompt, params, stream, max_new_tokens)
+            steps = StepStream()
+            loop.join(DraftRequest(request_id, prompt, params, max_new_tokens, set(eos), depth, steps, stream))
             async for item in steps.items():
                 yield item
-        finally:
+        finally:  # an open refused (the target full or gone) leaves nothing behind either
             self.running.pop(request_id, None)
 
     def cancel(self, request_id: str) -> None:
@@ -76,6 +84,15 @@ class DraftReplica:
             self.cancelled_early[request_id] = None
             if len(self.cancelled_early) > EARLY_CANCELS_KEPT:
                 del self.cancelled_early[next(iter(self.cancelled_early))]
+
+    def _connect(self, address: str) -> None:
+        """Send trees to the target group at `address` from now on (a rebuilt group: a Ray restart of this
+        replica also starts from its first address); the requests of the old group end with Unavailable."""
+        old, self.channel = self.channel, target_channel(address, self.security)
+        self.target.stub, self.target_address = tree_grpc.TargetServiceStub(self.channel), address
+        for loop in self.loops.values():
+            loop.fail_all(Unavailable(f"the target group was rebuilt at {address}"))
+        old.close()
 
     def _loop_for(self, task_type: str) -> DraftLoop:
         key = task_type if task_type in self.models else ""

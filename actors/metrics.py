@@ -1,13 +1,16 @@
 """Per-actor Prometheus metrics through Ray's metrics API (ray.util.metrics, what ray.serve.metrics
-builds on): draft and verify step latency per replica. Each process records its own; every node's
-metrics agent exports them, as ray_<name> (and counters with a _total suffix): docs/metrics.md lists
-them. A Ray metric belongs to the process that makes it, so each one is made on first use, in the
-process that uses it (LazyMetric)."""
+builds on): draft and verify step latency per replica, and what the target holds. Each process
+records its own; every node's metrics agent exports them, as ray_<name> (and counters with a _total
+suffix): docs/metrics.md lists them. A Ray metric belongs to the process that makes it, so each one is
+made on first use, in the process that uses it (LazyMetric)."""
 
 import functools
+import time
+from collections.abc import Callable
 
-from ray.util.metrics import Counter, Histogram
+from ray.util.metrics import Counter, Gauge, Histogram
 
+GAUGES_EVERY_S = 1.0  # Ray stops exporting a gauge that is not set again for ~20 s
 SECONDS_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 
 
@@ -43,6 +46,14 @@ draft_step = seconds_histogram("draft_step_seconds", "Drafting one step's tree",
 verify_step = seconds_histogram("verify_step_seconds", "Verifying one step: the round trip from a draft replica, "
                                 "the forward on the target", ("replica",))
 
+target_open_requests = LazyMetric(Gauge, "target_open_requests", "Requests holding KV rows on the target (running)")
+target_waiting_requests = LazyMetric(Gauge, "target_waiting_requests", "Requests in the target's admission queue, "
+                                     "waiting for room")
+target_kv_tokens_reserved = LazyMetric(Gauge, "target_kv_tokens_reserved", "KV tokens the target's open requests "
+                                       "reserve (each at prompt + max_new_tokens + room for a tree)")
+target_idle_rows_closed = LazyMetric(Counter, "target_idle_rows_closed", "Speculative rows the target closed "
+                                     "because no tree came for idle_row_timeout_s (their replica or client was gone)")
+
 
 class StepTimer:
     """A draft replica's per-step times, as its DraftLoop reports them: (draft seconds, verify round trip)."""
@@ -58,3 +69,18 @@ class StepTimer:
 def observe_forward(seconds: float) -> None:
     """One verify forward on the target (rank 0)."""
     verify_step().observe(seconds, {"replica": "target"})
+
+
+def publish_target(stats: Callable[[], dict]) -> None:
+    """The target's gauges from its scheduler's stats(), every GAUGES_EVERY_S, for as long as the process
+    lives (rank 0 runs it on a thread of its own)."""
+    closed = 0
+    while True:
+        now = stats()
+        target_open_requests().set(now["open_requests"])
+        target_waiting_requests().set(now["waiting"])
+        target_kv_tokens_reserved().set(now["kv_tokens_reserved"])
+        if now["idle_rows_closed"] > closed:
+            target_idle_rows_closed().inc(now["idle_rows_closed"] - closed)
+            closed = now["idle_rows_closed"]
+        time.sleep(GAUGES_EVERY_S)

@@ -6,9 +6,12 @@ runs one forward, and hands the results out. Requests join and leave between ite
 A plain request is owned by the loop: it costs no thread and no call per token; its tokens go to a
 sink the caller gives. A speculative request is opened by its draft replica, which then sends trees
 (verify) and gets verdicts back. A KV budget (rows, tokens) bounds memory; beyond it requests wait
-in the admission queue, in arrival order."""
+in the admission queue, in arrival order, and beyond the queue's own bound they are refused
+(ResourceExhausted). A speculative row that gets no tree for `idle_timeout_s` (its replica or its
+client is gone) is closed by the loop."""
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -17,14 +20,14 @@ from dataclasses import dataclass, field
 from specdec.acceptance import Verdict
 from specdec.adaptive import Costs, Load
 from specdec.engine import Generation, emit, record_step
-from specdec.errors import RequestExists, UnknownRequest
+from specdec.errors import RequestExists, ResourceExhausted, UnknownRequest
 from specdec.sampling import SamplingParams
 from specdec.target import TargetWorker
 from specdec.tree import TokenTree
 
 from .streams import Sink
 
-
+log = logging.getLogger(__name__)
 CLOSED_KEPT = 4096
 LOAD_SMOOTHING = 0.2  # weight of each forward in the batch's moving average
 
@@ -32,11 +35,17 @@ LOAD_SMOOTHING = 0.2  # weight of each forward in the batch's moving average
 @dataclass(frozen=True)
 class KvBudget:
     """What the target may hold at once: rows (requests) and KV tokens, each request counted at its
-    most (prompt + max_new_tokens + the largest tree it may send)."""
+    most (prompt + max_new_tokens + the largest tree it may send); and how many requests may wait for
+    room in the admission queue."""
 
     max_rows: int = 64
     max_tokens: int = 65536
+    max_waiting: int = 256
     tree_room: int = 64  # KV slots a request's tree may take beyond its tokens
+
+    def cost(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """The KV tokens a request reserves."""
+        return prompt_tokens + max_new_tokens + self.tree_room
 
 
 @dataclass
@@ -84,13 +93,15 @@ class _Plain:
 
 class TargetScheduler:
     def __init__(self, worker: TargetWorker, budget: KvBudget = KvBudget(),
-                 on_forward: Callable[[float], None] = lambda seconds: None):
+                 on_forward: Callable[[float], None] = lambda seconds: None, idle_timeout_s: float = 30.0):
         self.worker, self.budget, self.on_forward = worker, budget, on_forward
+        self.idle_timeout_s = idle_timeout_s
         self.forwards = 0  # forwards run (verify steps, plain rows included)
         self.largest_batch = 0  # most rows in one forward
         self.forward_time_s = 0.0
         self.costs = Costs()  # the forward's seconds by the tokens in its batch, measured (the router's table)
         self._load = Load()  # tokens per forward run and committed, smoothed
+        self.idle_rows_closed = 0
         self._cv = threading.Condition()
         self._waiting: collections.deque[_Join] = collections.deque()  # admission queue, in arrival order
         # closed before they were opened (a caller that gave up while its Open was on the way): a later
@@ -101,6 +112,7 @@ class TargetScheduler:
         self._trees: dict[str, tuple[TokenTree, _Waiter]] = {}  # sent by replicas for the next forward
         self._plain: dict[str, _Plain] = {}
         self._reserved: dict[str, int] = {}  # admitted request -> KV tokens it holds
+        self._last_tree: dict[str, float] = {}  # open speculative row -> when its last tree came, oldest first
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="target-scheduler", daemon=True)
         self._thread.start()
@@ -110,7 +122,7 @@ class TargetScheduler:
     def open(self, rid: str, prompt: list[int], params: SamplingParams, stream: int = 0,
              max_new_tokens: int = 0) -> None:
         """A speculative request joins; returns once it is admitted and its prompt prefilled."""
-        self._join(_Join(rid, list(prompt), params, stream, self._cost(prompt, max_new_tokens))).wait()
+        self._join(_Join(rid, list(prompt), params, stream, self.budget.cost(len(prompt), max_new_tokens))).wait()
 
     def decode(self, rid: str, prompt: list[int], params: SamplingParams, max_new_tokens: int, eos: set[int],
                sink: Sink, stream: int = 0) -> None:
@@ -118,7 +130,8 @@ class TargetScheduler:
         must not block). Returns at once: a request refused at the door (RequestExists, an empty prompt,
         over the budget) raises here; one that fails later reaches `sink` with the error."""
         plain = _Plain(max_new_tokens, set(eos), sink, list(prompt))
-        self._join(_Join(rid, list(prompt), params, stream, self._cost(prompt, max_new_tokens), plain=plain))
+        self._join(_Join(rid, list(prompt), params, stream, self.budget.cost(len(prompt), max_new_tokens),
+                         plain=plain))
 
     def verify(self, trees: dict[str, TokenTree]) -> dict[str, Verdict]:
         """Verdicts for these requests' trees, from the next forward; a request closed meanwhile (by its
@@ -135,6 +148,7 @@ class TargetScheduler:
                                     "already waiting for verification")
             for rid, tree in trees.items():
                 self._trees[rid] = (tree, waiter)
+                self._heard_from(rid)
             self._cv.notify()
         verdicts = waiter.wait()
         return {rid: verdicts[rid] for rid in trees if rid in verdicts}
@@ -153,7 +167,8 @@ class TargetScheduler:
                     "forward_time_s": self.forward_time_s, "open_requests": len(self._reserved),
                     "kv_tokens_reserved": sum(self._reserved.values()), "waiting": len(self._waiting),
                     "forward_costs": dict(self.costs.verify_table), "batch_tokens": load.batch_tokens,
-                    "committed_per_forward": load.committed}
+                    "committed_per_forward": load.committed,
+                    "idle_rows_closed": self.idle_rows_closed}
 
     def stop(self) -> None:
         with self._cv:
@@ -175,26 +190,62 @@ class TargetScheduler:
             if join.rid in self._closed_early or join.rid in self._leaving:
                 self._closed_early.pop(join.rid, None)
                 raise UnknownRequest(f"request {join.rid!r} was closed before it was opened")
+            if self._left_waiting([*self._waiting, join]) > self.budget.max_waiting:
+                raise ResourceExhausted(
+                    f"the target is full: running {len(self._reserved)} of max_running_requests "
+                    f"{self.budget.max_rows}, {sum(self._reserved.values())} of max_kv_tokens "
+                    f"{self.budget.max_tokens} reserved, waiting {self._left_waiting(self._waiting)} of "
+                    f"max_waiting_requests {self.budget.max_waiting}; retry later")
             self._waiting.append(join)
             self._cv.notify()
         return join.waiter
 
-    def _cost(self, prompt: list[int], max_new_tokens: int) -> int:
-        return len(prompt) + max_new_tokens + self.budget.tree_room
+    def _left_waiting(self, queue) -> int:
+        """How many of these queued requests would still wait once the free budget is filled from the head."""
+        rows, tokens = len(self._reserved), sum(self._reserved.values())
+        for i, join in enumerate(queue):
+            rows, tokens = rows + 1, tokens + join.tokens
+            if rows > self.budget.max_rows or tokens > self.budget.max_tokens:
+                return len(queue) - i
+        return 0
 
     def _loop(self) -> None:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._stopped or self._leaving or self._trees or self._plain
-                                  or self._admissible())
+                                  or self._admissible(), timeout=self._until_idle())
                 if self._stopped:
                     return
-                leaving, self._leaving = self._leaving, []
+                leaving, self._leaving = self._leaving + self._idle(), []
                 joining = self._admit()
                 trees, self._trees = self._trees, {}
             self._remove(leaving)
             self._add(joining)
             self._step(trees)
+
+    def _until_idle(self) -> float | None:
+        """Seconds until the row heard from longest ago goes idle; None while there is none."""
+        if not self._last_tree:
+            return None
+        return max(0.0, next(iter(self._last_tree.values())) + self.idle_timeout_s - time.monotonic())
+
+    def _heard_from(self, rid: str) -> None:
+        """A speculative row's replica is alive: it opened the row or sent a tree (under the lock)."""
+        self._last_tree.pop(rid, None)
+        self._last_tree[rid] = time.monotonic()
+
+    def _idle(self) -> list[str]:
+        """The speculative rows that got no tree for idle_timeout_s: their replica or client is gone."""
+        now, idle = time.monotonic(), []
+        for rid, heard in self._last_tree.items():
+            if now - heard < self.idle_timeout_s:
+                break
+            idle.append(rid)
+        for rid in idle:
+            log.warning("closing request %s: no tree for %.1f s (idle_row_timeout_s %s), its replica or client "
+                        "is gone", rid, now - self._last_tree.pop(rid), self.idle_timeout_s)
+        self.idle_rows_closed += len(idle)
+        return idle
 
     def _admissible(self) -> bool:
         if not self._waiting:
@@ -209,6 +260,8 @@ class TargetScheduler:
         while self._admissible():
             join = self._waiting.popleft()
             self._reserved[join.rid] = join.tokens
+            if join.plain is None:
+                self._heard_from(join.rid)
             joining.append(join)
         return joining
 
@@ -223,6 +276,7 @@ class TargetScheduler:
                     if len(self._closed) > CLOSED_KEPT:
                         del self._closed[next(iter(self._closed))]
                 self._reserved.pop(rid, None)
+                self._last_tree.pop(rid, None)
                 self._plain.pop(rid, None)
 
     def _close_early(self, rid: str) -> None:
@@ -245,6 +299,7 @@ class TargetScheduler:
             with self._cv:
                 for j in joining:
                     self._reserved.pop(j.rid, None)
+                    self._last_tree.pop(j.rid, None)
             for j in joining:
                 j.waiter.finish(error=e)
                 if j.plain:

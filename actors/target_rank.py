@@ -3,6 +3,7 @@ scheduler loop (actors/scheduler.py), which decodes plain requests and verifies 
 draft replicas send over gRPC (specdec.v1.TargetService); ranks > 0 mirror rank 0's calls
 (actors/lockstep.py)."""
 
+import asyncio
 import os
 import threading
 
@@ -42,7 +43,8 @@ class TargetRank:
     its CA): actors/security.py."""
 
     def __init__(self, model_path: str, dtype: str = "float32", rank: int = 0, world_size: int = 1,
-                 dist_address: str | None = None, budget: KvBudget = KvBudget(), *, security: LinkSecurity):
+                 dist_address: str | None = None, budget: KvBudget = KvBudget(), idle_timeout_s: float = 30.0,
+                 *, security: LinkSecurity):
         use_assigned_cpus()
         self.rank, self.scheduler = rank, None
         self.streams: dict[str, StepStream] = {}
@@ -57,13 +59,20 @@ class TargetRank:
                 threading.Thread(target=follow, args=(worker, group), name="lockstep", daemon=True).start()
                 return
             worker = LockstepWorker(worker, group)
-        self.scheduler = TargetScheduler(worker, budget, on_forward=metrics.observe_forward)
+        self.scheduler = TargetScheduler(worker, budget, on_forward=metrics.observe_forward,
+                                         idle_timeout_s=idle_timeout_s)
+        threading.Thread(target=metrics.publish_target, args=(self.scheduler.stats,), name="metrics",
+                         daemon=True).start()
         self.host = ray.util.get_node_ip_address()
         self.server, self.port = serve_target(TargetService(self.scheduler),
                                               tree_grpc.add_TargetServiceServicer_to_server, self.host, security)
 
     def ready(self) -> bool:
         return True
+
+    async def watch(self) -> None:
+        """Never returns: the ingress awaits it on every rank to learn at once that one has died."""
+        await asyncio.Event().wait()
 
     def address(self) -> str:
         return host_port(self.host, self.port)

@@ -7,7 +7,7 @@ import grpc
 
 from protos import specdec_tree_pb2 as tree_pb
 from protos import specdec_tree_pb2_grpc as tree_grpc
-from specdec.errors import RequestExists, UnknownRequest
+from specdec.errors import RequestExists, ResourceExhausted, UnknownRequest
 
 from . import wire
 from .scheduler import TargetScheduler
@@ -37,6 +37,7 @@ class TargetService(tree_grpc.TargetServiceServicer):
 
 
 _CODES = [(UnknownRequest, grpc.StatusCode.NOT_FOUND), (RequestExists, grpc.StatusCode.ALREADY_EXISTS),
+          (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
           (ValueError, grpc.StatusCode.INVALID_ARGUMENT)]  # by type, most specific first
 
 

@@ -100,11 +100,14 @@ class ServerConfig(_Section):
     http_port: Port = Field(8000, validate_default=True)
     max_prompt_tokens: int = Field(4096, ge=1)
     max_new_tokens: int = Field(1024, ge=1)
-    max_queued_requests: int = Field(256, ge=1)
+    max_queued_requests: int = Field(256, ge=1)  # per ingress replica: admitted and unfinished requests
     # the target's KV budget: requests it holds at once, and KV tokens (each request counted at its most:
-    # prompt + max_new_tokens + room for a tree); beyond either, requests wait for room in arrival order
+    # prompt + max_new_tokens + room for a tree); beyond either, requests wait for room in arrival order,
+    # and beyond max_waiting_requests waiting the target refuses them (RESOURCE_EXHAUSTED)
     max_running_requests: int = Field(64, ge=1)
     max_kv_tokens: int = Field(65536, ge=1)
+    max_waiting_requests: int = Field(256, ge=0)
+    idle_row_timeout_s: float = Field(30.0, gt=0)  # a speculative row with no tree for this long is closed
     max_n: int = Field(8, ge=1)  # most samples one request may ask for (OpenAI's n)
 
     @field_validator("http_port")

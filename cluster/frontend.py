@@ -3,8 +3,10 @@ under the queue limit, ask the router whether to speculate and how far, run it o
 (or, plain, on the target group), stream its tokens back, and report its acceptance to the router.
 
 A draft replica that dies mid-request costs speed, not the request: the request goes on from the
-tokens already streamed, decoded plain on the target. Ray restarts the replica."""
+tokens already streamed, decoded plain on the target. Ray restarts the replica. A lost target group
+is rebuilt in place (cluster/supervisor.py); meanwhile requests fail fast with Unavailable."""
 
+import asyncio
 import itertools
 import logging
 import threading
@@ -18,24 +20,29 @@ from transformers import AutoConfig, GenerationConfig
 
 from specdec.acceptance import acceptance_rate
 from specdec.adaptive import Costs, Load
-from specdec.errors import InvalidArgument
+from specdec.errors import InvalidArgument, ResourceExhausted, Unavailable
 from specdec.loading import eos_ids, load_tokenizer
 from specdec.logprobs import TokenLogprob
 from specdec.sampling import SamplingParams
+
+from actors.metrics import GAUGES_EVERY_S
+from actors.scheduler import KvBudget
 
 from . import metrics
 from .config import RoutingConfig, ServeConfig
 from .detokenizer import Detokenizer, check_stop
 from .placement import Topology, start_topology
 from .router import Router, Speculation, TargetView
+from .supervisor import TargetSupervisor
 
 log = logging.getLogger(__name__)
-GAUGES_EVERY_S = 1.0  # Ray stops exporting a gauge that is not set again for ~20 s
-_REPLICA_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+_ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+TARGET_STATS_TIMEOUT_S = 5.0
+TARGET_HELD = ("open_requests", "kv_tokens_reserved", "waiting", "largest_batch", "idle_rows_closed")
 
 
-class QueueFull(RuntimeError):
-    """Too many requests admitted and unfinished (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
+class QueueFull(ResourceExhausted):
+    """Too many requests admitted and unfinished in this ingress replica (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
 
 
 @dataclass(frozen=True)
@@ -86,22 +93,28 @@ class Frontend:
         self.eos = sorted(eos_ids(_generation_config(target), self.tokenizer))
         self.context = getattr(AutoConfig.from_pretrained(target), "max_position_embeddings", None)
         self.router = Router(cfg.routing)
+        server = cfg.server
+        self.budget = KvBudget(server.max_running_requests, server.max_kv_tokens, server.max_waiting_requests)
         self.topology: Topology = start_topology(cfg)
+        self.supervisor = TargetSupervisor(cfg, self.topology)
         self.in_flight = 0
         self.served = {"speculative": 0, "plain": 0, "fallbacks": 0, "cancelled": 0}
         # speculative requests' steps; drafted_ahead: those whose tree was ready when the step began
         self.timing = {"steps": 0, "step_round_trip_s": 0.0, "draft_s": 0.0, "drafted_ahead": 0}
         self._turn = itertools.count()
+        self._stopped = threading.Event()
         threading.Thread(target=self._publish_gauges, name="metrics", daemon=True).start()
 
     # --- checking -------------------------------------------------------------------------------
 
     def admit(self, req: Request) -> Admitted:
-        """Check every field (InvalidArgument names the first bad one) and take a queue place (QueueFull)."""
+        """Check every field (InvalidArgument names the first bad one), that the target group is up
+        (Unavailable), and take a queue place (QueueFull)."""
         try:
             job = self._admit(req)
-        except (InvalidArgument, QueueFull) as e:
-            reason = "refused_invalid" if isinstance(e, InvalidArgument) else "refused_queue_full"
+        except (InvalidArgument, Unavailable, QueueFull) as e:
+            reason = ("refused_invalid" if isinstance(e, InvalidArgument) else
+                      "unavailable" if isinstance(e, Unavailable) else "refused_queue_full")
             metrics.count_event(req.task_type or "default", reason)
             raise
         return job
@@ -128,6 +141,12 @@ class Frontend:
         if self.context and len(ids) + max_new_tokens > self.context:
             raise InvalidArgument("prompt", f"{len(ids)} prompt tokens + max_new_tokens {max_new_tokens} exceed "
                                            f"the model's context of {self.context} tokens")
+        if (cost := self.budget.cost(len(ids), max_new_tokens)) > self.budget.max_tokens:
+            raise InvalidArgument("max_new_tokens" if req.max_new_tokens else "prompt",
+                                  f"{len(ids)} prompt tokens + max_new_tokens {max_new_tokens} + "
+                                  f"{self.budget.tree_room} for a tree = {cost} KV tokens, over the target's "
+                                  f"max_kv_tokens {self.budget.max_tokens}")
+        self.supervisor.check()
         if self.in_flight + req.n > limits.max_queued_requests:
             raise QueueFull(f"{self.in_flight} requests are queued or running (max_queued_requests "
                             f"{limits.max_queued_requests}, a request of n samples takes n); retry later")
@@ -135,24 +154,46 @@ class Frontend:
         return Admitted(replace(req, max_new_tokens=max_new_tokens), ids, params, req.task_type)
 
     def _room(self, prompt_tokens: int) -> int:
-        """The most new tokens a request may ask for after this prompt (at least 1)."""
+        """The most new tokens a request may ask for after this prompt: within the model's context and the
+        target's KV budget (at least 1)."""
         room = self.context - prompt_tokens if self.context else self.cfg.server.max_new_tokens
-        return max(1, min(room, self.cfg.server.max_new_tokens))
+        kv_room = self.budget.max_tokens - self.budget.cost(prompt_tokens, 0)
+        return max(1, min(room, kv_room, self.cfg.server.max_new_tokens))
 
     # --- running --------------------------------------------------------------------------------
 
     async def generate(self, job: Admitted, sample: int = 0) -> AsyncIterator[Chunk]:
         """Sample `sample` of the request (its random stream): its tokens as they are committed; the
         last chunk has finish_reason and stats. Closing the iterator early (client gone, deadline
-        passed) stops it on the actors. Each of a request's n samples is generated by its own call."""
+        passed) stops it on the actors. Each of a request's n samples is generated by its own call.
+        A full target raises ResourceExhausted; a target group lost meanwhile, Unavailable."""
         meter = metrics.RequestMeter(job.task_type or "default", job.admitted_at)
+        epoch = self.supervisor.epoch
         try:
             async for chunk in self._run(job, meter, sample):
                 meter.sent(len(chunk.token_ids), chunk.finish_reason is not None)
                 yield chunk
+        except Exception as e:  # noqa: BLE001 - re-raised, as the typed error it amounts to where there is one
+            error = await self._typed(e, epoch)
+            if isinstance(error, (Unavailable, ResourceExhausted)):
+                meter.event("unavailable" if isinstance(error, Unavailable) else "refused_target_full")
+            if error is e:
+                raise
+            raise error from e
         finally:
             self.in_flight -= 1
             meter.end()
+
+    async def _typed(self, error: Exception, epoch: int) -> Exception:
+        """What a request's error amounts to: the target's refusal (ResourceExhausted, raised in an actor),
+        or Unavailable when it came from a target group lost meanwhile; else the error itself."""
+        cause = error.cause if isinstance(error, ray.exceptions.RayTaskError) else error
+        if isinstance(cause, ResourceExhausted):
+            return cause
+        gone = isinstance(cause, (Unavailable, *_ACTOR_GONE))  # the group's loss as the request saw it
+        if await self.supervisor.lost_since(epoch) or gone:  # waits (briefly) for the supervisor to see it too
+            return self.supervisor.unavailable(epoch)
+        return error
 
     async def _run(self, job: Admitted, meter: metrics.RequestMeter, sample: int) -> AsyncIterator[Chunk]:
         req, rid, task_type = job.request, uuid.uuid4().hex, meter.task_type
@@ -166,7 +207,8 @@ class Frontend:
         if stats["speculative"]:
             replica = drafts[next(self._turn) % len(drafts)]
             stream = replica.generate.options(num_returns="streaming").remote(
-                rid, job.prompt_ids, job.params, req.max_new_tokens, self.eos, decision.k, job.task_type, stream=sample)
+                rid, job.prompt_ids, job.params, req.max_new_tokens, self.eos, decision.k, job.task_type, stream=sample,
+                target_address=self.topology.target_address)
             try:
                 async for chunk in self._relay(replica, rid, stream, text, done, stats):
                     yield chunk
@@ -174,9 +216,9 @@ class Frontend:
                     self.router.report(task_type, stats["accepted"], stats["tried_depths"])
                 self.served["speculative"] += 1
                 return
-            except _REPLICA_GONE as e:
+            except _ACTOR_GONE as e:
                 log.warning("draft replica lost during request %s (%s); finishing it on the target", rid, e)
-                self.topology.target.cancel.remote(rid)  # its row on the target: free what it reserved
+                self._cancel_on_target(rid)  # its row on the target: free what it reserved
                 self.served["fallbacks"] += 1
                 meter.event("fallback")
             finally:
@@ -214,25 +256,40 @@ class Frontend:
                     yield _last_chunk("stop", stats, chunk) if text.stopped else chunk
                     if text.stopped:
                         return  # a stop string ended the request: it is stopped on the actor below
-        except _REPLICA_GONE:
+        except _ACTOR_GONE:
             lost = True
             raise
         finally:
             if not (finished or lost):
                 actor.cancel.remote(rid)
                 if actor is not self.topology.target:  # its row on the target, even if the replica never got to it
-                    self.topology.target.cancel.remote(rid)
+                    self._cancel_on_target(rid)
                 if not text.stopped:
                     self.served["cancelled"] += 1
 
     # --- the rest -------------------------------------------------------------------------------
 
+    def _cancel_on_target(self, rid: str) -> None:
+        """Close a request's row on the target group, unless the group is down (its rows are gone with it)."""
+        if self.supervisor.outage is None:
+            self.topology.target.cancel.remote(rid)
+
     async def stats(self) -> dict:
-        target = await self.topology.target.stats.remote()
-        timing = {"forwards": target["forwards"], "forward_s": target["forward_time_s"], **self.timing}
-        held = {key: target[key] for key in ("open_requests", "kv_tokens_reserved", "waiting", "largest_batch")}
+        """The router's view, this ingress's requests and step timing, and the target group: up or down
+        (why, rebuilds, the last recovery's seconds) and what it holds (None while unreachable)."""
+        target = await self._target_stats()
+        timing = {"forwards": target.get("forwards"), "forward_s": target.get("forward_time_s"), **self.timing}
+        held = {key: target.get(key) for key in TARGET_HELD}
         return {"task_types": self.router.stats(), "requests": dict(self.served), "in_flight": self.in_flight,
-                "timing": timing, "target": held}
+                "timing": timing, "target": self.supervisor.stats() | held}
+
+    async def _target_stats(self) -> dict:
+        if self.supervisor.outage is not None:
+            return {}
+        try:
+            return await asyncio.wait_for(self.topology.target.stats.remote(), TARGET_STATS_TIMEOUT_S)
+        except (*_ACTOR_GONE, asyncio.TimeoutError):
+            return {}
 
     def _add_timing(self, stats: dict) -> None:
         self.timing["steps"] += stats["steps"]
@@ -241,6 +298,8 @@ class Frontend:
         self.timing["drafted_ahead"] += stats["drafted_ahead"]
 
     def shutdown(self) -> None:
+        self._stopped.set()
+        self.supervisor.stop()
         self.topology.shutdown()
 
     def reconfigure(self, routing: RoutingConfig) -> None:
@@ -248,14 +307,15 @@ class Frontend:
         self.router.update_routing(routing)
 
     def _publish_gauges(self) -> None:
-        while True:
+        while not self._stopped.wait(GAUGES_EVERY_S):
             self._observe_target()
-            metrics.publish_gauges(self.in_flight, self.router.stats())
-            time.sleep(GAUGES_EVERY_S)
+            metrics.publish_gauges(self.in_flight, self.router.stats(), self.supervisor.outage is None)
 
     def _observe_target(self) -> None:
         """Hand the router the target's forward costs and batch, and what a speculative step costs
         beyond its forward (the round trip's rest) and how much drafting was hidden."""
+        if self.supervisor.outage is not None:
+            return  # the group is being rebuilt: the router keeps what it last knew
         try:
             target = ray.get(self.topology.target.stats.remote(), timeout=5 * GAUGES_EVERY_S)
         except ray.exceptions.RayError:

@@ -1,17 +1,20 @@
 """The ingress's Prometheus metrics (requests, acceptance, routing decisions, queue depth, TTFT and
-TPOT) through Ray's metrics API; the actors' own step latencies are in actors/metrics.py, and
-docs/metrics.md lists them all."""
+TPOT, the target group's availability and recoveries) through Ray's metrics API; the actors' own
+(step latencies, what the target holds) are in actors/metrics.py, and docs/metrics.md lists them all."""
 
 import time
 
-from ray.util.metrics import Counter, Gauge
+from ray.util.metrics import Counter, Gauge, Histogram
 
 from actors.metrics import LazyMetric, seconds_histogram
 
+RECOVERY_BUCKETS = [1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600]  # seconds: loading a model takes a while
+
 requests = LazyMetric(Counter, "requests", "Requests started, by the mode they ran in", ("task_type", "mode"))
-request_events = LazyMetric(Counter, "request_events", "Requests refused (refused_invalid, refused_queue_full), "
-                       "finished on the target after their draft replica died (fallback), or ended unfinished "
-                       "(cancelled)", ("task_type", "event"))
+request_events = LazyMetric(Counter, "request_events", "Requests refused (refused_invalid, refused_queue_full, "
+                       "refused_target_full), failed because the target group was down (unavailable), finished on "
+                       "the target after their draft replica died (fallback), or ended unfinished (cancelled)",
+                       ("task_type", "event"))
 drafted_tokens = LazyMetric(Counter, "drafted_tokens", "Tokens drafted (tree nodes) for speculative requests",
                        ("task_type",))
 accepted_tokens = LazyMetric(Counter, "accepted_tokens", "Drafted tokens the target accepted", ("task_type",))
@@ -23,6 +26,10 @@ router_goodput = LazyMetric(Gauge, "router_goodput_tokens_per_second", "The rout
                             "second the target would commit with one more AUTO row, plain or speculating at its "
                             "best K (set once the target has reported its forward costs)", ("task_type", "mode"))
 queue_depth = LazyMetric(Gauge, "queue_depth", "Requests admitted and unfinished in this ingress replica")
+target_up = LazyMetric(Gauge, "target_up", "The target group as this ingress replica sees it: 1 serving, 0 down "
+                       "(lost, being rebuilt)")
+target_recovery = LazyMetric(Histogram, "target_recovery_seconds", "From a lost target group's detection to the "
+                             "rebuilt group serving", boundaries=RECOVERY_BUCKETS)
 time_to_first_token = seconds_histogram("time_to_first_token_seconds", "From admission to the first token sent",
                                ("task_type", "mode"))
 time_per_output_token = seconds_histogram("time_per_output_token_seconds", "From the first token to the last, per "
@@ -33,10 +40,11 @@ def count_event(task_type: str, event: str) -> None:
     request_events().inc(tags={"task_type": task_type, "event": event})
 
 
-def publish_gauges(in_flight: int, routing: dict[str, dict]) -> None:
-    """The ingress's gauges: its queue depth, and per task type of Router.stats() the alpha (once
-    measured) and the decision."""
+def publish_gauges(in_flight: int, routing: dict[str, dict], target_serving: bool) -> None:
+    """The ingress's gauges: its queue depth, the target group's availability, and per task type of
+    Router.stats() the alpha (once measured) and the decision."""
     queue_depth().set(in_flight)
+    target_up().set(int(target_serving))
     for task_type, stats in routing.items():
         tags = {"task_type": task_type}
         alpha().set(stats["alpha"], tags)  # None: not set

@@ -15,11 +15,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from specdec.errors import InvalidArgument
+from specdec.errors import InvalidArgument, ResourceExhausted, Unavailable
 from specdec.logprobs import TokenLogprob
 
 from .detokenizer import token_text
-from .frontend import Admitted, Chunk, Frontend, QueueFull, Request
+from .frontend import Admitted, Chunk, Frontend, Request
 from .router import Speculation
 from .samples import Sample, gather_samples, run_samples
 
@@ -219,6 +219,14 @@ class _Chat:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
+def _refusal(e: ResourceExhausted | Unavailable) -> HttpError:
+    """The target's or the ingress's refusal: 503 while the target group is down, else 429 (too many
+    requests); OpenAI's clients retry both."""
+    if isinstance(e, Unavailable):
+        return HttpError(503, str(e), None, "service_unavailable")
+    return HttpError(429, str(e), None, "rate_limit_exceeded")
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -285,8 +293,8 @@ class OpenAIServer:
         except InvalidArgument as e:
             name = names.get(e.field, e.field)
             raise HttpError(400, f"{name}: {e.reason}", name) from None
-        except QueueFull as e:
-            raise HttpError(429, str(e), None, "rate_limit_exceeded") from None
+        except (ResourceExhausted, Unavailable) as e:
+            raise _refusal(e) from None
 
     def _piece(self, token: int) -> str:
         return token_text(self.frontend.tokenizer, token)
@@ -296,20 +304,42 @@ class OpenAIServer:
                 "model": body.model or self.model_name}
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._events(job, shape, head, usage), media_type="text/event-stream")
-        samples = await gather_samples(self.frontend, job)
+            chunks = run_samples(self.frontend, job)
+            try:  # a refusal before the first token still gets its status (429, 503)
+                first = await anext(chunks, None)
+            except (ResourceExhausted, Unavailable) as e:
+                return _refusal(e).response()
+            return StreamingResponse(self._events(first, chunks, job, shape, head, usage),
+                                     media_type="text/event-stream")
+        try:
+            samples = await gather_samples(self.frontend, job)
+        except (ResourceExhausted, Unavailable) as e:
+            return _refusal(e).response()
         return {**head, "object": shape.object, "choices": [shape.choice(s) for s in samples],
                 "usage": _usage(len(job.prompt_ids), sum(len(s.token_ids) for s in samples)),
                 "speculation": samples[0].stats}
 
-    async def _events(self, job: Admitted, shape: _Completions | _Chat, head: dict, usage: bool) -> AsyncIterator[str]:
+    async def _events(self, first: tuple[int, Chunk] | None, chunks: AsyncIterator[tuple[int, Chunk]], job: Admitted,
+                      shape: _Completions | _Chat, head: dict, usage: bool) -> AsyncIterator[str]:
+        """The stream's events from its first chunk on; a refusal after the first (the target group lost
+        mid-stream) ends it with an error event in OpenAI's shape, as the status has been sent."""
         head = {**head, "object": shape.chunk_object}
-        completion_tokens = 0
-        async for index, chunk in run_samples(self.frontend, job):
-            completion_tokens += len(chunk.token_ids)
-            event = {**head, "choices": [shape.chunk_choice(index, chunk)]}
-            event |= {"usage": None} if usage else {}
-            yield _sse(event | ({"speculation": chunk.stats} if chunk.finish_reason else {}))
+        completion_tokens, item = 0, first
+        try:
+            while item is not None:
+                index, chunk = item
+                completion_tokens += len(chunk.token_ids)
+                event = {**head, "choices": [shape.chunk_choice(index, chunk)]}
+                event |= {"usage": None} if usage else {}
+                yield _sse(event | ({"speculation": chunk.stats} if chunk.finish_reason else {}))
+                item = await anext(chunks, None)
+        except (ResourceExhausted, Unavailable) as e:
+            refusal = _refusal(e)
+            yield _sse({"error": {"message": refusal.message, "type": refusal.kind, "param": None,
+                                  "code": refusal.status}})
+            return
+        finally:
+            await chunks.aclose()
         if usage:
             yield _sse({**head, "choices": [], "usage": _usage(len(job.prompt_ids), completion_tokens)})
         yield _sse("[DONE]")

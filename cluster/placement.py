@@ -1,7 +1,8 @@
 """Where the actors go: the target group's ranks packed in one placement group (one GPU bundle each)
 and every draft replica on a bundle of its own, so drafts never share the target's GPUs. Each
 topology makes a secret of its own, which its draft replicas send on every call to its target
-(actors/security.py); nothing outside the topology is given it."""
+(actors/security.py); nothing outside the topology is given it. A lost target group is started again
+on its own placement group, with the same secret (start_target_ranks; cluster/supervisor.py)."""
 
 import secrets
 import uuid
@@ -18,7 +19,8 @@ from actors.target_rank import TargetRank, free_address
 
 from .config import SecurityConfig, ServeConfig
 
-NAMESPACE = "specdec"  # draft replicas are named here (draft-<i>-<topology tag>), for operators and tests
+NAMESPACE = "specdec"  # actors are named here, for operators and tests: draft-<i>-<topology tag>, and
+# target-<rank>-<topology tag>, or target-<rank>-<topology tag>.<n> once the group was started again (n-th try)
 ACTOR_CONCURRENCY = 1024  # requests an actor streams at once (async: streams, not threads)
 
 
@@ -26,16 +28,21 @@ ACTOR_CONCURRENCY = 1024  # requests an actor streams at once (async: streams, n
 class Topology:
     target_ranks: list  # TargetRank handles, rank order; rank 0 serves
     drafts: list  # DraftReplica handles
-    groups: list[PlacementGroup]
+    groups: list[PlacementGroup]  # the target group's first, then the draft replicas'
     target_address: str  # rank 0's TargetService, host:port
+    tag: str  # in the actors' names
+    security: LinkSecurity  # the draft -> target link's secret (and TLS files), the same for a rebuilt group
 
     @property
     def target(self):
         return self.target_ranks[0]
 
+    @property
+    def target_pg(self) -> PlacementGroup:
+        return self.groups[0]
+
     def shutdown(self) -> None:
-        for actor in self.target_ranks + self.drafts:
-            ray.kill(actor, no_restart=True)
+        kill(self.target_ranks + self.drafts)
         for pg in self.groups:
             remove_placement_group(pg)
 
@@ -60,33 +67,23 @@ def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
     cfg.security.check_internal_tls_files()
     security = link_security(cfg.security)
     place, models, spec = cfg.placement, cfg.models, cfg.speculation
-    tp = place.tensor_parallel_size
-    target_pg = placement_group(_bundles(tp, place.gpus_per_actor, place.cpus_per_target_rank), strategy="STRICT_PACK")
+    target_pg = placement_group(_bundles(place.tensor_parallel_size, place.gpus_per_actor, place.cpus_per_target_rank),
+                                strategy="STRICT_PACK")
     groups = [target_pg]
     n_drafts = place.draft_replicas if spec.drafter != "none" else 0
     if n_drafts:
         groups.append(placement_group(_bundles(n_drafts, place.gpus_per_actor, place.cpus_per_draft_replica),
                                       strategy="PACK"))
-    topo, tag = Topology([], [], groups, ""), uuid.uuid4().hex[:8]
+    topo = Topology([], [], groups, "", tag=uuid.uuid4().hex[:8], security=security)
     try:
         for pg in groups:
             ray.get(pg.ready(), timeout=timeout_s)  # fails, naming the wait, when the cluster lacks the GPUs
-        rendezvous = ray.get(ray.remote(free_address).options(num_cpus=0, scheduling_strategy=_on(target_pg, 0))
-                             .remote()) if tp > 1 else None
-        topo.target_ranks = [
-            TargetRank.options(num_gpus=place.gpus_per_actor, num_cpus=place.cpus_per_target_rank,
-                               max_concurrency=ACTOR_CONCURRENCY,
-                               scheduling_strategy=_on(target_pg, r))
-            .remote(models.target.path, models.target.dtype, r, tp, rendezvous,
-                    KvBudget(cfg.server.max_running_requests, cfg.server.max_kv_tokens), security=security)
-            for r in range(tp)]
-        ray.get([rank.ready.remote() for rank in topo.target_ranks], timeout=timeout_s)
-        topo.target_address = ray.get(topo.target.address.remote())
+        topo.target_ranks, topo.target_address = start_target_ranks(cfg, target_pg, topo.tag, security, timeout_s)
         topo.drafts = [
             DraftReplica.options(num_gpus=place.gpus_per_actor, num_cpus=place.cpus_per_draft_replica,
                                  max_concurrency=ACTOR_CONCURRENCY,
                                  max_restarts=-1, scheduling_strategy=_on(groups[1], i),
-                                 name=f"draft-{i}-{tag}", namespace=NAMESPACE)
+                                 name=f"draft-{i}-{topo.tag}", namespace=NAMESPACE)
             .remote(models.drafts(), topo.target_address, spec.drafter, spec.tree_width, spec.overlap,
                     security=security)
             for i in range(n_drafts)]
@@ -95,3 +92,31 @@ def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
         topo.shutdown()  # release what was reserved, then report why
         raise
     return topo
+
+
+def start_target_ranks(cfg: ServeConfig, pg: PlacementGroup, tag: str, security: LinkSecurity,
+                       timeout_s: float = 300) -> tuple[list, str]:
+    """The target group's ranks (target-<rank>-<tag>), one on each bundle of `pg`, loaded and joined ->
+    (the ranks in rank order, rank 0's TargetService address). Ranks that started are killed if the
+    group fails to start."""
+    place, server, tp = cfg.placement, cfg.server, cfg.placement.tensor_parallel_size
+    rendezvous = ray.get(ray.remote(free_address).options(num_cpus=0, scheduling_strategy=_on(pg, 0))
+                         .remote()) if tp > 1 else None
+    budget = KvBudget(server.max_running_requests, server.max_kv_tokens, server.max_waiting_requests)
+    ranks = [TargetRank.options(num_gpus=place.gpus_per_actor, num_cpus=place.cpus_per_target_rank,
+                                max_concurrency=ACTOR_CONCURRENCY, scheduling_strategy=_on(pg, r),
+                                name=f"target-{r}-{tag}", namespace=NAMESPACE)
+             .remote(cfg.models.target.path, cfg.models.target.dtype, r, tp, rendezvous, budget,
+                     server.idle_row_timeout_s, security=security)
+             for r in range(tp)]
+    try:
+        ray.get([rank.ready.remote() for rank in ranks], timeout=timeout_s)
+        return ranks, ray.get(ranks[0].address.remote())
+    except Exception:
+        kill(ranks)
+        raise
+
+
+def kill(actors: list) -> None:
+    for actor in actors:
+        ray.kill(actor, no_restart=True)

@@ -3,6 +3,7 @@ OpenAI-style HTTP, over the Frontend. `build_app` is what `specdec serve` runs a
 config (KubeRay's serveConfigV2) names by import path: `cluster.serve_app:build_app`. With API keys
 configured (cluster/auth.py) every call but GET /healthz must carry one."""
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -13,13 +14,13 @@ from fastapi.responses import JSONResponse
 from ray import serve
 
 from protos import specdec_api_pb2 as api
-from specdec.errors import InvalidArgument
+from specdec.errors import InvalidArgument, ResourceExhausted, Unavailable
 from specdec.logprobs import TokenLogprob
 
 from . import auth
 from .config import ConfigError, ServeConfig, app_config, parse_live_config
 from .detokenizer import token_text
-from .frontend import Admitted, Frontend, QueueFull, Request
+from .frontend import Admitted, Frontend, Request
 from .openai_api import HttpError, OpenAIServer
 from .router import Speculation
 from .samples import Sample, gather_samples, run_samples
@@ -66,6 +67,29 @@ def _ingress_api_keys():
     return serve.get_replica_context().servable_object.api_keys
 
 
+def _target_proto(target: dict) -> api.TargetStats:
+    """/v1/stats's target section as GetStats's TargetStats (unknown counts, while it is down, left unset)."""
+    return api.TargetStats(**{key: value for key, value in target.items() if value is not None})
+
+
+_CODES = [(InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT), (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+          (Unavailable, grpc.StatusCode.UNAVAILABLE)]  # the frontend's refusals (QueueFull is a ResourceExhausted)
+
+
+@contextlib.contextmanager
+def _status(grpc_context):
+    """The frontend's typed refusals as gRPC status codes, their message as the details: Serve's proxy
+    answers with a code set before the handler raises (anything else is INTERNAL). What is raised is a
+    builtin RuntimeError: the proxy unpickles it, and one of specdec's own types would make the proxy
+    import specdec, torch and transformers first, holding up every request it serves for seconds."""
+    try:
+        yield
+    except tuple(kind for kind, _ in _CODES) as e:
+        grpc_context.set_code(next(code for kind, code in _CODES if isinstance(e, kind)))
+        grpc_context.set_details(str(e))
+        raise RuntimeError(str(e)) from None
+
+
 http_app = FastAPI(title="specdec", summary="Speculative decoding, OpenAI-compatible")
 http_app.add_middleware(RequireApiKey, keys=_ingress_api_keys)
 
@@ -93,34 +117,42 @@ class SpecDecodeIngress:
         log.info("routing updated")
 
     async def check_health(self) -> None:
-        await self.frontend.topology.target.ready.remote()  # raises when the target group is gone
+        """Serve's health check fails only when the ingress itself is broken (Serve then restarts it): a lost
+        target group is rebuilt in place by the frontend's supervisor, so its loss is not a failure here
+        unless it stays down (cluster/supervisor.py)."""
+        if problem := self.frontend.supervisor.broken():
+            raise RuntimeError(problem)
 
     # --- gRPC: specdec.v1.SpecDecode ---------------------------------------------------------------
 
     async def Generate(self, request: api.GenerateRequest, grpc_context) -> api.GenerateResponse:
         """Sample 0 in the response's own fields, samples 1..n-1 in more_samples."""
         self._authorize_grpc(grpc_context)
-        job = self._admit_grpc(request, grpc_context)
-        first, *more = [self._sample_proto(s) for s in await gather_samples(self.frontend, job)]
+        with _status(grpc_context):
+            job = self._admit_grpc(request)
+            first, *more = [self._sample_proto(s) for s in await gather_samples(self.frontend, job)]
         first.more_samples.extend(more)
         return first
 
     async def GenerateStream(self, request: api.GenerateRequest, grpc_context):
         self._authorize_grpc(grpc_context)
-        job = self._admit_grpc(request, grpc_context)
-        async for index, chunk in run_samples(self.frontend, job):
-            yield api.GenerateResponse(index=index, text=chunk.text, token_ids=chunk.token_ids,
-                                       finish_reason=chunk.finish_reason or "",
-                                       stats=_stats_proto(chunk.stats) if chunk.finish_reason else None,
-                                       logprobs=self._logprobs_proto(chunk.logprobs))
+        with _status(grpc_context):
+            job = self._admit_grpc(request)
+            async for index, chunk in run_samples(self.frontend, job):
+                yield api.GenerateResponse(index=index, text=chunk.text, token_ids=chunk.token_ids,
+                                           finish_reason=chunk.finish_reason or "",
+                                           stats=_stats_proto(chunk.stats) if chunk.finish_reason else None,
+                                           logprobs=self._logprobs_proto(chunk.logprobs))
 
     async def GetStats(self, request: api.GetStatsRequest, grpc_context) -> api.GetStatsResponse:
         self._authorize_grpc(grpc_context)
+        stats = await self.frontend.stats()
         return api.GetStatsResponse(task_types=[
             api.TaskTypeStats(task_type=name, alpha=s["alpha"], decision=s["decision"], k=s["k"],
                               samples=s["samples"], requests=s["requests"], reason=s["reason"],
                               goodput=s["goodput"] or {})
-            for name, s in self.frontend.router.stats().items()])
+            for name, s in stats["task_types"].items()], target=_target_proto(stats["target"]),
+            in_flight=stats["in_flight"])
 
     def _authorize_grpc(self, grpc_context) -> None:
         """The call's `authorization` metadata carries one of the API keys (if any are set); else
@@ -132,7 +164,7 @@ class SpecDecodeIngress:
             grpc_context.set_details(str(e))
             raise
 
-    def _admit_grpc(self, request: api.GenerateRequest, grpc_context) -> Admitted:
+    def _admit_grpc(self, request: api.GenerateRequest) -> Admitted:
         req = Request(prompt=request.prompt, task_type=request.task_type, max_new_tokens=request.max_new_tokens,
                       temperature=request.temperature, top_k=request.top_k,
                       top_p=request.top_p if request.HasField("top_p") else 1.0,
@@ -140,13 +172,7 @@ class SpecDecodeIngress:
                       speculation=Speculation.parse(api.Speculation.Name(request.speculation)),
                       stop=tuple(request.stop), n=request.n or 1,
                       logprobs=request.logprobs if request.HasField("logprobs") else None)
-        try:
-            return self.frontend.admit(req)
-        except (InvalidArgument, QueueFull) as e:
-            code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, InvalidArgument) else grpc.StatusCode.RESOURCE_EXHAUSTED
-            grpc_context.set_code(code)
-            grpc_context.set_details(str(e))
-            raise
+        return self.frontend.admit(req)
 
     def _sample_proto(self, s: Sample) -> api.GenerateResponse:
         return api.GenerateResponse(index=s.index, text=s.text, token_ids=s.token_ids, finish_reason=s.finish_reason,
@@ -186,10 +212,14 @@ class SpecDecodeIngress:
 
     @http_app.get("/healthz")
     async def healthz(self):
+        """200 while the target group serves; 503 with the reason while it is down (being rebuilt), or
+        the ingress is broken, or rank 0 does not answer."""
         try:
             await self.check_health()
-        except Exception as e:  # noqa: BLE001 - any failure reaching the target means not healthy
-            return JSONResponse({"status": "unhealthy", "reason": repr(e)}, status_code=503)
+            self.frontend.supervisor.check()
+            await self.frontend.topology.target.ready.remote()
+        except Exception as e:  # noqa: BLE001 - any of these means not serving, for the reason it gives
+            return JSONResponse({"status": "unavailable", "reason": str(e)}, status_code=503)
         return {"status": "ok"}
 
 

@@ -124,8 +124,34 @@ class TaskTypeStats(_message.Message):
     goodput: _containers.ScalarMap[str, float]
     def __init__(self, task_type: _Optional[str] = ..., alpha: _Optional[float] = ..., decision: _Optional[str] = ..., k: _Optional[int] = ..., samples: _Optional[int] = ..., requests: _Optional[_Mapping[str, int]] = ..., reason: _Optional[str] = ..., goodput: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
+class TargetStats(_message.Message):
+    __slots__ = ("state", "reason", "rebuilds", "last_recovery_s", "open_requests", "kv_tokens_reserved", "waiting", "largest_batch", "idle_rows_closed")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REBUILDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_RECOVERY_S_FIELD_NUMBER: _ClassVar[int]
+    OPEN_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    LARGEST_BATCH_FIELD_NUMBER: _ClassVar[int]
+    IDLE_ROWS_CLOSED_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    reason: str
+    rebuilds: int
+    last_recovery_s: float
+    open_requests: int
+    kv_tokens_reserved: int
+    waiting: int
+    largest_batch: int
+    idle_rows_closed: int
+    def __init__(self, state: _Optional[str] = ..., reason: _Optional[str] = ..., rebuilds: _Optional[int] = ..., last_recovery_s: _Optional[float] = ..., open_requests: _Optional[int] = ..., kv_tokens_reserved: _Optional[int] = ..., waiting: _Optional[int] = ..., largest_batch: _Optional[int] = ..., idle_rows_closed: _Optional[int] = ...) -> None: ...
+
 class GetStatsResponse(_message.Message):
-    __slots__ = ("task_types",)
+    __slots__ = ("task_types", "target", "in_flight")
     TASK_TYPES_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     task_types: _containers.RepeatedCompositeFieldContainer[TaskTypeStats]
-    def __init__(self, task_types: _Optional[_Iterable[_Union[TaskTypeStats, _Mapping]]] = ...) -> None: ...
+    target: TargetStats
+    in_flight: int
+    def __init__(self, task_types: _Optional[_Iterable[_Union[TaskTypeStats, _Mapping]]] = ..., target: _Optional[_Union[TargetStats, _Mapping]] = ..., in_flight: _Optional[int] = ...) -> None: ...

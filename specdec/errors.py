@@ -21,3 +21,11 @@ class UnknownRequest(KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class ResourceExhausted(RuntimeError):
+    """The target holds as many requests as its bounds allow (gRPC RESOURCE_EXHAUSTED, HTTP 429): retry later."""
+
+
+class Unavailable(RuntimeError):
+    """The target group is down, lost and being rebuilt (gRPC UNAVAILABLE, HTTP 503): retry shortly."""

@@ -53,6 +53,8 @@ def test_defaults():
     assert (s.grpc_port, s.http_port) == (9000, 8000)
     assert (s.max_prompt_tokens, s.max_new_tokens, s.max_queued_requests) == (4096, 1024, 256)
     assert config.security.api_keys_file is None and config.security.internal_tls is None  # both off
+    assert (s.max_running_requests, s.max_kv_tokens, s.max_waiting_requests, s.idle_row_timeout_s) == (
+        64, 65536, 256, 30.0)
     fixed = parse_config(with_section("speculation", {"num_speculative_tokens": 4}))
     assert fixed.speculation.num_speculative_tokens == 4
 
@@ -98,6 +100,14 @@ def test_defaults():
         (
             with_section("server", {"grpc_port": 8000}),  # the default http_port
             "ops.yaml: server.http_port: must differ from grpc_port (both are 8000)",
+        ),
+        (
+            with_section("server", {"idle_row_timeout_s": 0}),
+            "ops.yaml: server.idle_row_timeout_s: must be greater than 0 (got 0)",
+        ),
+        (
+            with_section("server", {"max_waiting_requests": -1}),
+            "ops.yaml: server.max_waiting_requests: must be greater than or equal to 0 (got -1)",
         ),
         (
             with_section("speculation", {"num_speculative_tokens": -1}),

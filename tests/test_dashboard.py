@@ -18,6 +18,9 @@ ASKED = {  # what issue 12 asks the dashboard to show
     "TTFT": "ray_specdec_time_to_first_token_seconds_bucket", "TPOT": "ray_specdec_time_per_output_token_seconds_bucket",
     "queue depth": "ray_specdec_queue_depth", "draft steps": "ray_specdec_draft_step_seconds_bucket",
     "verify steps": "ray_specdec_verify_step_seconds_bucket",
+    # and issue 11: what the target holds, and whether its group is up
+    "target open rows": "ray_specdec_target_open_requests", "target waiting": "ray_specdec_target_waiting_requests",
+    "target KV tokens": "ray_specdec_target_kv_tokens_reserved", "target up": "ray_specdec_target_up",
 }
 
 

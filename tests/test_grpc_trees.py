@@ -3,6 +3,7 @@ every plain row and every tree) behind a real gRPC TargetService on loopback, an
 step all their requests together. Output stays exactly plain greedy decoding, and sampled output
 keeps the target's distribution."""
 
+import contextlib
 import threading
 import time
 from collections import Counter
@@ -18,6 +19,7 @@ from conftest import NEW_TOKENS
 from protos import specdec_tree_pb2 as tree_pb
 from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.drafters import make_drafter
+from specdec.errors import ResourceExhausted
 from specdec.kvcache import CachedLM
 from specdec.sampling import SamplingParams
 from specdec.target import TargetWorker
@@ -44,22 +46,31 @@ class Collect:
         return self.tokens, self.finish_reason, self.error
 
 
-def scheduler_for(target, **budget) -> TargetScheduler:
-    return TargetScheduler(TargetWorker(CachedLM(target)), KvBudget(**budget))
+def scheduler_for(target, idle_timeout_s: float = 30.0, **budget) -> TargetScheduler:
+    return TargetScheduler(TargetWorker(CachedLM(target)), KvBudget(**budget), idle_timeout_s=idle_timeout_s)
 
 
-@pytest.fixture
-def served(target):
-    scheduler = scheduler_for(target)
+@contextlib.contextmanager
+def serving(scheduler: TargetScheduler):
+    """The scheduler behind a real TargetService on loopback -> a stub of it."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
     tree_grpc.add_TargetServiceServicer_to_server(TargetService(scheduler), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    yield scheduler, tree_grpc.TargetServiceStub(channel)
-    channel.close()
-    server.stop(grace=None)
-    scheduler.stop()
+    try:
+        yield tree_grpc.TargetServiceStub(channel)
+    finally:
+        channel.close()
+        server.stop(grace=None)
+        scheduler.stop()
+
+
+@pytest.fixture
+def served(target):
+    scheduler = scheduler_for(target)
+    with serving(scheduler) as stub:
+        yield scheduler, stub
 
 
 def wait_until_empty(scheduler: TargetScheduler, timeout: float = 10) -> None:
@@ -152,11 +163,11 @@ def test_drafting_ahead_keeps_greedy_output_exact(served, target, draft, referen
     wait_until_empty(scheduler)
 
 
-def two_on_one_loop(stub, draft, prompt: list[int], rids: tuple[str, str]) -> tuple[GrpcTarget, DraftLoop, list]:
-    """Two long greedy requests (200 tokens, K = 2) opened on the target and stepped by one DraftLoop."""
+def on_one_loop(stub, draft, prompt: list[int], rids: tuple[str, ...]) -> tuple[GrpcTarget, DraftLoop, list]:
+    """Long greedy requests (200 tokens, K = 2) opened on the target and stepped by one DraftLoop."""
     remote = GrpcTarget(stub)
     loop = DraftLoop(remote, make_drafter("model", CachedLM(draft), 1))
-    sinks = [Collect(), Collect()]
+    sinks = [Collect() for _ in rids]
     for rid, sink in zip(rids, sinks):
         remote.open(rid, prompt, GREEDY, 0, 200)
         loop.join(DraftRequest(rid, prompt, GREEDY, 200, set(), 2, sink))
@@ -165,7 +176,7 @@ def two_on_one_loop(stub, draft, prompt: list[int], rids: tuple[str, str]) -> tu
 
 def test_a_cancelled_request_is_closed_and_the_rest_go_on(served, draft, reference):
     scheduler, stub = served
-    _, loop, (first, second) = two_on_one_loop(stub, draft, reference.prompts[0], ("a", "b"))
+    _, loop, (first, second) = on_one_loop(stub, draft, reference.prompts[0], ("a", "b"))
     loop.cancel("a")
     tokens, _, error = first.wait()
     assert error is None and len(tokens) < 200
@@ -263,7 +274,7 @@ def test_a_request_closed_on_the_target_mid_flight_ends_alone(served, draft, ref
     it: its later trees get no verdict, it ends without an error, and the replica's other request and
     its loop go on."""
     scheduler, stub = served
-    remote, _, (gone, stays) = two_on_one_loop(stub, draft, reference.prompts[0], ("gone", "stays"))
+    remote, _, (gone, stays) = on_one_loop(stub, draft, reference.prompts[0], ("gone", "stays"))
     while not gone.tokens:
         time.sleep(0.001)
     remote.close(["gone"])
@@ -271,3 +282,64 @@ def test_a_request_closed_on_the_target_mid_flight_ends_alone(served, draft, ref
     assert error is None and len(tokens) < 200
     assert len(stays.wait()[0]) == 200 and stays.error is None
     wait_until_empty(scheduler)
+
+
+
+def open_request(rid: str, prompt: list[int], max_new_tokens: int = 8) -> tree_pb.OpenRequest:
+    return tree_pb.OpenRequest(request_id=rid, prompt=prompt, params=tree_pb.SamplingParams(),
+                               max_new_tokens=max_new_tokens)
+
+
+def root_tree(rid: str, token: int) -> tree_pb.VerifyRequest:
+    """A tree of the row's last token alone (a plain step)."""
+    return tree_pb.VerifyRequest(trees=[tree_pb.CandidateTree(request_id=rid, tokens=[token], parents=[-1],
+                                                              proposal_ids=[-1], from_model=[True])])
+
+
+def test_open_beyond_the_bound_is_refused_with_resource_exhausted(target, reference):
+    """One request runs and one waits for room (max_waiting 1): the next Open is refused at once with
+    RESOURCE_EXHAUSTED naming the bounds, and so is a plain request; once the running one closes, the
+    waiting one is admitted and a third may wait again."""
+    prompt = reference.prompts[1]
+    scheduler = scheduler_for(target, max_rows=1, max_waiting=1)
+    with serving(scheduler) as stub:
+        stub.Open(open_request("running", prompt))
+        waiting = futures.ThreadPoolExecutor(1).submit(stub.Open, open_request("waiting", prompt))
+        while not scheduler.stats()["waiting"]:
+            time.sleep(0.005)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Open(open_request("refused", prompt), timeout=10)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "running 1 of max_running_requests 1" in e.value.details(), e.value.details()
+        assert "waiting 1 of max_waiting_requests 1" in e.value.details(), e.value.details()
+        with pytest.raises(ResourceExhausted, match="the target is full"):
+            scheduler.decode("plain", prompt, GREEDY, 8, set(), Collect())
+        with pytest.raises(ResourceExhausted, match="the target is full"):  # as a draft replica sees it
+            GrpcTarget(stub).open("refused too", prompt, GREEDY, 0, 8)
+        stub.Close(tree_pb.CloseRequest(request_ids=["running"]))
+        waiting.result(timeout=10)
+        third = futures.ThreadPoolExecutor(1).submit(stub.Open, open_request("third", prompt))
+        while not scheduler.stats()["waiting"]:
+            time.sleep(0.005)
+        stub.Close(tree_pb.CloseRequest(request_ids=["waiting"]))
+        third.result(timeout=10)
+        stub.Close(tree_pb.CloseRequest(request_ids=["third"]))
+        wait_until_empty(scheduler)
+
+
+def test_a_row_without_trees_is_closed_after_the_idle_timeout(target, draft, reference):
+    """A replica that opens a row and goes away (it never sends a tree) leaves nothing held: the row is
+    closed after idle_timeout_s and its KV tokens freed, and a tree that comes later gets no verdict.
+    A row whose replica keeps stepping it runs to its end, longer than the timeout (about 0.5 s)."""
+    scheduler = scheduler_for(target, idle_timeout_s=0.2)
+    prompt = reference.prompts[0]
+    with serving(scheduler) as stub:
+        stub.Open(open_request("abandoned", prompt))
+        _, _, (busy,) = on_one_loop(stub, draft, prompt, ("busy",))
+        assert scheduler.stats()["open_requests"] == 2
+        tokens, _, error = busy.wait()
+        assert error is None and len(tokens) == 200
+        assert scheduler.stats()["idle_rows_closed"] == 1  # while the busy one ran
+        wait_until_empty(scheduler)
+        assert scheduler.stats()["kv_tokens_reserved"] == 0
+        assert not stub.Verify(root_tree("abandoned", prompt[-1])).results

@@ -87,7 +87,7 @@ def exported(url: str, code_alpha: float) -> dict:
         if (all(value(m, f"{h}_count", task_type=t, mode=mode) == n for h in LATENCIES for (t, mode), n in SENT.items())
                 and all(value(m, f"{name}_count", replica=r) for name, replicas in STEPS.items() for r in replicas)
                 and value(m, "alpha", task_type="code") == pytest.approx(code_alpha)
-                and value(m, "queue_depth") == 0):
+                and value(m, "queue_depth") == 0 and value(m, "target_open_requests") == 0):
             return m
         assert time.monotonic() < deadline, f"metrics not exported in time: {dict(m)}"
         time.sleep(1)
@@ -116,6 +116,9 @@ def test_metrics_are_exported_per_task_type_and_replica(cluster):
                for t in ("code", "prose") for mode in ("plain", "speculative")}
     assert all(v > 0 for v in goodput.values()), goodput  # the target's forward costs reached the router
     assert value(m, "speculation_on", task_type="prose") == 1  # no reports yet: on, to measure alpha
+
+    assert value(m, "target_up") == 1  # the target group serves, holding nothing now
+    assert value(m, "target_waiting_requests") == 0 == value(m, "target_kv_tokens_reserved")
 
     for name, replicas in STEPS.items():
         assert {dict(labels)["replica"] for labels in m[f"{name}_count"]} == set(replicas)

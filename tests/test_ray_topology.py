@@ -1,6 +1,7 @@
 """The actors on a local Ray cluster with logical GPUs: placement, and requests end to end through a
 draft replica -> gRPC token trees -> the target rank."""
 
+import asyncio
 import time
 
 import grpc
@@ -8,10 +9,12 @@ import pytest
 import ray
 
 from cluster.config import parse_config
+from cluster.frontend import Frontend, Request
 from cluster.placement import start_topology
-from conftest import NEW_TOKENS
+from conftest import NEW_TOKENS, hf_greedy, served_target
 from protos import specdec_tree_pb2 as tree_pb
 from protos import specdec_tree_pb2_grpc as tree_grpc
+from specdec.errors import InvalidArgument, ResourceExhausted, Unavailable
 from specdec.sampling import SamplingParams
 
 GREEDY = SamplingParams()
@@ -108,6 +111,55 @@ def test_failed_start_releases_the_gpus(cluster, model_dirs):
     while ray.available_resources().get("GPU") != 4 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("GPU") == 4  # its reservation was released
+
+
+def test_a_tensor_parallel_group_that_loses_a_rank_is_rebuilt(cluster, model_dirs, target, tmp_path):
+    """The ingress's frontend over a group of two ranks that holds one request and lets none wait: a
+    request that could never fit its KV tokens is refused at once, naming them, and a second request
+    while one runs is refused by the target (ResourceExhausted). Then rank 1 dies mid-request: the
+    request fails at once with Unavailable naming it, the frontend kills rank 0 and starts both ranks
+    again on their placement group, and plain decoding is exact again, with no restart by hand."""
+    cfg = parse_config({"models": {"target": {"path": served_target(model_dirs, tmp_path)}},
+                        "placement": {"tensor_parallel_size": 2, "draft_replicas": 0},
+                        "speculation": {"drafter": "none"},
+                        "server": {"max_running_requests": 1, "max_waiting_requests": 0, "max_kv_tokens": 300}})
+    frontend = Frontend(cfg)
+    try:
+        prompt = "w5 w17 w3"
+        want = hf_greedy(target, frontend.tokenizer(prompt)["input_ids"], NEW_TOKENS)[0]
+        assert asyncio.run(complete(frontend, prompt, NEW_TOKENS)) == want
+        with pytest.raises(InvalidArgument, match=r"max_new_tokens: .* = 317 KV tokens, over .* max_kv_tokens 300"):
+            frontend.admit(Request(prompt=prompt, max_new_tokens=250))  # 3 + 250 + 64: it could never fit
+
+        async def killed_mid_request() -> float:
+            chunks = frontend.generate(frontend.admit(Request(prompt=prompt, max_new_tokens=200)))
+            await anext(chunks)
+            with pytest.raises(ResourceExhausted, match="waiting 0 of max_waiting_requests 0"):
+                await complete(frontend, prompt, 4)
+            ray.kill(frontend.topology.target_ranks[1])
+            killed = time.monotonic()
+            with pytest.raises(Unavailable, match="target rank 1 died"):
+                async for _ in chunks:
+                    pass
+            return time.monotonic() - killed
+
+        assert asyncio.run(killed_mid_request()) < 5
+        deadline = time.monotonic() + 90
+        while frontend.supervisor.stats()["state"] != "serving":
+            assert time.monotonic() < deadline, frontend.supervisor.stats()
+            time.sleep(0.1)
+        assert asyncio.run(complete(frontend, prompt, NEW_TOKENS)) == want
+        stats = frontend.supervisor.stats()
+        assert stats["rebuilds"] == 1 and stats["last_recovery_s"] > 0
+        print(f"\ntensor-parallel group (2 ranks) rebuilt in {stats['last_recovery_s']:.1f} s")
+    finally:
+        frontend.shutdown()
+
+
+async def complete(frontend: Frontend, prompt: str, max_new_tokens: int) -> list[int]:
+    """A greedy request through the frontend, as the ingress runs it -> its tokens."""
+    job = frontend.admit(Request(prompt=prompt, max_new_tokens=max_new_tokens))
+    return [token async for chunk in frontend.generate(job) for token in chunk.token_ids]
 
 
 def collect(stream) -> dict:

@@ -8,8 +8,10 @@ import concurrent.futures
 import json
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
+from http.client import HTTPConnection, HTTPResponse
 
 import grpc
 import pytest
@@ -291,7 +293,15 @@ def test_killing_draft_replicas_mid_request_still_completes_it(server, target):
     assert stats["requests"]["fallbacks"] == before + 1
     assert stats["target"]["open_requests"] == 0  # the lost replica's row on the target was closed too
     for replica in replicas:  # Ray brings them back
-        assert ray.get(replica.ready.remote(), timeout=60)
+        wait_for(lambda: answers(replica), "the replica restarted", timeout=60)
+
+
+def answers(actor) -> bool:
+    """Whether the actor answers (a call to one that Ray is restarting fails at once)."""
+    try:
+        return ray.get(actor.ready.remote(), timeout=60)
+    except ray.exceptions.ActorUnavailableError:
+        return False
 
 
 def _replicas():
@@ -312,3 +322,112 @@ def test_specdec_client_command(server, target, capsys):
     assert "requests" in next(iter(json.loads(capsys.readouterr().out).values()))
     with pytest.raises(SystemExit, match="INVALID_ARGUMENT: top_p"):
         main(["client", "--address", address, "--prompt", "w1", "--top-p", "2"])
+
+
+def test_abandoned_streams_leave_no_rows_on_the_target(server):
+    """Clients that close their stream after its first chunk (gRPC and HTTP, speculative and plain),
+    20 of them, leave nothing on the target: its open rows, waiting requests and reserved KV tokens
+    return to 0, as /v1/stats and GetStats show."""
+    held = []
+    for _ in range(5):  # four at a time: max_queued_requests is 4
+        streams = [server.stub.GenerateStream(long_request(speculation), timeout=60)
+                   for speculation in (api.SPECULATION_ON, api.SPECULATION_OFF)]
+        for stream in streams:
+            next(stream)
+        connections = [http_stream(server, long_body(speculation))[0] for speculation in ("on", "off")]
+        held.append(http(server, "/v1/stats")[1]["target"]["open_requests"])
+        for stream in streams:
+            stream.cancel()
+        for connection in connections:
+            connection.close()
+        wait_for(lambda: http(server, "/v1/stats")[1]["in_flight"] == 0, "the ingress let go of the requests")
+    assert max(held) >= 1  # the target did hold their rows
+    empty = {"open_requests": 0, "waiting": 0, "kv_tokens_reserved": 0}
+    wait_for(lambda: {key: http(server, "/v1/stats")[1]["target"][key] for key in empty} == empty,
+             "the target closed every row")
+    target = server.stub.GetStats(api.GetStatsRequest()).target
+    assert (target.open_requests, target.waiting, target.kv_tokens_reserved) == (0, 0, 0)
+    assert target.HasField("open_requests") and target.state == "serving"
+
+
+def test_a_killed_target_rank_fails_fast_and_the_group_is_rebuilt(server, target):
+    """Killing the target's rank mid-request: the requests in flight fail within seconds with
+    UNAVAILABLE (gRPC), 503 (HTTP) or, in an HTTP stream already under way, an error event, saying
+    why; /healthz says why while the group is down, and new requests are refused the same way; then
+    the ingress has rebuilt the group by itself, and both plain and speculative requests (the draft
+    replicas reconnected) equal plain decoding again."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        whole = pool.submit(http, server, "/v1/completions", {"prompt": "w3 w4", "max_tokens": 190, "temperature": 0,
+                                                              "task_type": "noise", "speculation": "off", "n": 2})
+        stream = server.stub.GenerateStream(long_request(api.SPECULATION_ON), timeout=60)
+        next(stream)
+        _, events = http_stream(server, long_body("on"))
+        wait_for(lambda: http(server, "/v1/stats")[1]["in_flight"] == 4, "the requests in flight", timeout=5)
+        ray.kill(live_actor("target-0-"))
+        killed = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            list(stream)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "target group" in e.value.details()
+        status, reply = whole.result(timeout=10)
+        assert status == 503 and "target group" in reply["error"]["message"], reply
+        last = [line for line in events.read().decode().splitlines() if line.startswith("data: ")][-1]
+        error = json.loads(last.removeprefix("data: "))["error"]
+        assert error["code"] == 503 and "target group" in error["message"], error
+        failed_after = time.monotonic() - killed
+    reasons = []
+    while (health := http(server, "/healthz"))[0] != 200:
+        assert health[0] == 503 and time.monotonic() - killed < 90, health
+        if not reasons:
+            with pytest.raises(grpc.RpcError) as e:
+                server.stub.Generate(api.GenerateRequest(prompt="w3", max_new_tokens=4), timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "being rebuilt" in e.value.details()
+        reasons.append(health[1]["reason"])
+        time.sleep(0.05)
+    back_after = time.monotonic() - killed
+    print(f"\nin-flight requests failed {failed_after:.2f} s after the kill; healthy again after {back_after:.1f} s")
+    assert failed_after < 5
+    assert any("target rank 0 died" in reason and "being rebuilt" in reason for reason in reasons), reasons
+    prompt = PROMPTS[1]
+    want = expected(server, target, prompt, 20)
+    for speculation in (api.SPECULATION_OFF, api.SPECULATION_ON, api.SPECULATION_ON):  # each replica in turn
+        reply = server.stub.Generate(api.GenerateRequest(prompt=prompt, max_new_tokens=20, speculation=speculation),
+                                     timeout=60)
+        assert list(reply.token_ids) == want and reply.stats.speculative == (speculation == api.SPECULATION_ON)
+    stats = http(server, "/v1/stats")[1]["target"]
+    assert stats["state"] == "serving" and stats["rebuilds"] == 1 and 0 < stats["last_recovery_s"] < back_after
+    assert server.stub.GetStats(api.GetStatsRequest()).target.rebuilds == 1
+
+
+def long_request(speculation) -> api.GenerateRequest:
+    """About 1.5 s speculative (the noise draft is rejected at every step), less plain."""
+    return api.GenerateRequest(prompt="w3 w4", task_type="noise", max_new_tokens=190, speculation=speculation)
+
+
+def long_body(speculation: str) -> dict:
+    """long_request's HTTP twin, streamed."""
+    return {"prompt": "w3 w4", "max_tokens": 190, "task_type": "noise", "speculation": speculation, "stream": True}
+
+
+def http_stream(server: Server, body: dict) -> tuple[HTTPConnection, HTTPResponse]:
+    """A streamed completion, read up to its first event; closing the connection abandons it."""
+    url = urllib.parse.urlsplit(server.http)
+    connection = HTTPConnection(url.hostname, url.port, timeout=30)
+    connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")
+    return connection, response
+
+
+def live_actor(prefix: str):
+    """The one live actor of the server's whose name starts with this (target-0-, say)."""
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == NAMESPACE and a["name"].startswith(prefix)]
+    assert len(names) == 1, names
+    return ray.get_actor(names[0], namespace=NAMESPACE)
+
+
+def wait_for(condition, what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting: {what}"
+        time.sleep(0.05)
