@@ -56,7 +56,7 @@ class SpeculationConfig(_Section):
     num_speculative_tokens: int | Literal["auto"] = "auto"
     tree_width: int = Field(1, ge=1)
     max_depth: int = Field(8, ge=1)
-    overlap: bool = True  # draft the next step while the target verifies this one (draft models only)
+    overlap: bool = False  # draft the next step while the target verifies this one (draft models only)
 
     @field_validator("num_speculative_tokens", mode="before")
     @classmethod

@@ -274,6 +274,7 @@ def goodput(costs: StepCosts, load: Load, alpha: float, k: int) -> float:
     plain decoding), as TurboSpec (arXiv 2406.14066) weighs speculation against batch size: the row's
     K + 1 tokens make every forward dearer, so the rows already running commit less per second, and
     the row itself commits E[tokens | alpha, K] per step of a forward plus its draft and hop."""
-    forward = costs.target.verify(round(load.batch_tokens) + k + 1)
+    # a table measured in noise can extrapolate to nothing: a forward costs at least the cheapest seen
+    forward = max(costs.target.verify(round(load.batch_tokens) + k + 1), min(costs.target.verify_table.values()))
     step = forward + (k * costs.draft_forward + costs.hop if k else 0.0)
     return (load.committed + expected_tokens(alpha, k) * forward / step) / forward

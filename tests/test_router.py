@@ -261,3 +261,11 @@ def test_a_target_that_has_run_one_batch_size_is_enough_to_plan():
     router = Router(routing())
     router.observe_target(TargetView(Costs(verify_table={3: 0.01}), Load(2, 2)))
     assert router.route("code").k >= 1 and router.stats()["code"]["goodput"]["plain"] > 0
+
+
+def test_a_noisy_cost_table_that_extrapolates_to_nothing_still_plans():
+    """Measured in noise, 16 tokens can look cheaper than 8: extrapolated to 100 tokens that is 0 s."""
+    router = Router(routing())
+    router.observe_target(TargetView(Costs(verify_table={8: 0.01, 16: 0.001}), Load(100, 100)))
+    router.route("code")
+    assert router.stats()["code"]["goodput"]["plain"] > 0
