@@ -26,12 +26,11 @@ from specdec.logprobs import TokenLogprob
 from specdec.sampling import SamplingParams
 
 from actors.metrics import GAUGES_EVERY_S
-from actors.scheduler import KvBudget
 
 from . import metrics
 from .config import RoutingConfig, ServeConfig
 from .detokenizer import Detokenizer, check_stop
-from .placement import Topology, start_topology
+from .placement import Topology, kv_budget, start_topology
 from .router import Router, Speculation, TargetView
 from .supervisor import TargetSupervisor
 
@@ -93,8 +92,7 @@ class Frontend:
         self.eos = sorted(eos_ids(_generation_config(target), self.tokenizer))
         self.context = getattr(AutoConfig.from_pretrained(target), "max_position_embeddings", None)
         self.router = Router(cfg.routing)
-        server = cfg.server
-        self.budget = KvBudget(server.max_running_requests, server.max_kv_tokens, server.max_waiting_requests)
+        self.budget = kv_budget(cfg)  # as the target counts: a request that could never fit is refused here
         self.topology: Topology = start_topology(cfg)
         self.supervisor = TargetSupervisor(cfg, self.topology)
         self.in_flight = 0

@@ -102,11 +102,10 @@ def start_target_ranks(cfg: ServeConfig, pg: PlacementGroup, tag: str, security:
     place, server, tp = cfg.placement, cfg.server, cfg.placement.tensor_parallel_size
     rendezvous = ray.get(ray.remote(free_address).options(num_cpus=0, scheduling_strategy=_on(pg, 0))
                          .remote()) if tp > 1 else None
-    budget = KvBudget(server.max_running_requests, server.max_kv_tokens, server.max_waiting_requests)
     ranks = [TargetRank.options(num_gpus=place.gpus_per_actor, num_cpus=place.cpus_per_target_rank,
                                 max_concurrency=ACTOR_CONCURRENCY, scheduling_strategy=_on(pg, r),
                                 name=f"target-{r}-{tag}", namespace=NAMESPACE)
-             .remote(cfg.models.target.path, cfg.models.target.dtype, r, tp, rendezvous, budget,
+             .remote(cfg.models.target.path, cfg.models.target.dtype, r, tp, rendezvous, kv_budget(cfg),
                      server.idle_row_timeout_s, security=security)
              for r in range(tp)]
     try:
@@ -115,6 +114,11 @@ def start_target_ranks(cfg: ServeConfig, pg: PlacementGroup, tag: str, security:
     except Exception:
         kill(ranks)
         raise
+
+
+def kv_budget(cfg: ServeConfig) -> KvBudget:
+    """The target's bounds, from server.*."""
+    return KvBudget(cfg.server.max_running_requests, cfg.server.max_kv_tokens, cfg.server.max_waiting_requests)
 
 
 def kill(actors: list) -> None:

@@ -59,7 +59,7 @@ class TargetSupervisor:
 
     async def lost_since(self, epoch: int) -> bool:
         """Whether the group of generation `epoch` is lost (down, or rebuilt since). A request's error may
-        come just before the watch sees the loss (a rank > 0 dies: rank 0's next collective fails at once),
+        come just before the watch sees the loss (a rank > 0 dies: rank 0's next collective may fail first),
         so this waits up to LOSS_GRACE_S for it."""
         deadline = time.monotonic() + LOSS_GRACE_S
         while self.outage is None and self.epoch == epoch:

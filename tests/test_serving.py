@@ -351,14 +351,15 @@ def test_abandoned_streams_leave_no_rows_on_the_target(server):
 
 
 def test_a_killed_target_rank_fails_fast_and_the_group_is_rebuilt(server, target):
-    """Killing the target's rank mid-request: the requests in flight fail within seconds with
+    """Killing the target's rank mid-request (speculative ones here, which outlast the test's setup; the
+    plain path is killed in test_ray_topology.py): the requests in flight fail within seconds with
     UNAVAILABLE (gRPC), 503 (HTTP) or, in an HTTP stream already under way, an error event, saying
     why; /healthz says why while the group is down, and new requests are refused the same way; then
     the ingress has rebuilt the group by itself, and both plain and speculative requests (the draft
     replicas reconnected) equal plain decoding again."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         whole = pool.submit(http, server, "/v1/completions", {"prompt": "w3 w4", "max_tokens": 190, "temperature": 0,
-                                                              "task_type": "noise", "speculation": "off", "n": 2})
+                                                              "task_type": "noise", "speculation": "on", "n": 2})
         stream = server.stub.GenerateStream(long_request(api.SPECULATION_ON), timeout=60)
         next(stream)
         _, events = http_stream(server, long_body("on"))
