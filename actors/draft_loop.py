@@ -188,21 +188,20 @@ class DraftLoop:
         self.on_step(*times)
         for r, was_ready in zip(rows, ready):
             r.out.stats.drafted_ahead += was_ready
-        done = []
+        steps = []  # (request, its new tokens, whether it goes on)
         for r, tree in zip(rows, trees):
-            if r.rid not in verdicts:
-                done.append(r)
-                r.sink([], r.out, True, None)
+            if r.rid not in verdicts:  # closed on the target meanwhile
+                steps.append((r, [], False))
                 continue
-            v = verdicts[r.rid]
-            record_step(r.out.stats, tree, v, times)
+            record_step(r.out.stats, tree, verdicts[r.rid], times)
             before = len(r.out.token_ids)
-            more = emit(r.out, r.seq, v, r.max_new_tokens, r.eos)
-            r.sink(r.out.token_ids[before:], r.out, not more, None)
-            if not more:
-                done.append(r)
-        if done:
+            more = emit(r.out, r.seq, verdicts[r.rid], r.max_new_tokens, r.eos)
+            steps.append((r, r.out.token_ids[before:], more))
+        done = [r for r, _, more in steps if not more]
+        if done:  # before their last step goes out: a finished request holds nothing on the target
             self.target.close([r.rid for r in done])
+        for r, tokens, more in steps:
+            r.sink(tokens, r.out, not more, None)
         self._drop(done, close=False)
 
     def _trees(self, rows: list[DraftRequest]) -> list[TokenTree]:

@@ -162,10 +162,12 @@ class TargetScheduler:
 
     def stats(self) -> dict:
         with self._cv:
-            load = self._load if self._reserved else Load()  # an idle target has no batch
+            # a closed request holds nothing: its row goes before the next forward
+            held = {rid: tokens for rid, tokens in self._reserved.items() if rid not in self._leaving}
+            load = self._load if held else Load()  # an idle target has no batch
             return {"forwards": self.forwards, "largest_batch": self.largest_batch,
-                    "forward_time_s": self.forward_time_s, "open_requests": len(self._reserved),
-                    "kv_tokens_reserved": sum(self._reserved.values()), "waiting": len(self._waiting),
+                    "forward_time_s": self.forward_time_s, "open_requests": len(held),
+                    "kv_tokens_reserved": sum(held.values()), "waiting": len(self._waiting),
                     "forward_costs": dict(self.costs.verify_table), "batch_tokens": load.batch_tokens,
                     "committed_per_forward": load.committed,
                     "idle_rows_closed": self.idle_rows_closed}
