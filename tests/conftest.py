@@ -97,6 +97,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_serving(config: dict, root, num_cpus: int, num_gpus: int):
+    """Write `config` to root/specdec.yaml, start a local Ray cluster with logical GPUs and Serve on
+    the config's ports (loopback). -> the config file's path, for build_app or a Serve config."""
+    import ray
+    import yaml
+    from ray import serve
+
+    from cluster.serve_app import GRPC_SERVICER
+
+    path = root / "specdec.yaml"
+    path.write_text(yaml.safe_dump(config))
+    ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False)
+    ports = config["server"]
+    serve.start(http_options={"host": "127.0.0.1", "port": ports["http_port"]},
+                grpc_options={"port": ports["grpc_port"], "grpc_servicer_functions": [GRPC_SERVICER]})
+    return path
+
+
 @dataclass(frozen=True)
 class ModelDirs:
     target: str

@@ -16,7 +16,6 @@ import grpc
 import openai
 import pytest
 import ray
-import yaml
 from ray import serve
 
 from actors.scheduler import KvBudget, TargetScheduler
@@ -24,8 +23,8 @@ from actors.security import MAX_MESSAGE_BYTES, BearerKeys, LinkSecurity, TlsFile
 from actors.target_service import TargetService
 from cluster.auth import API_KEYS_ENV, Unauthenticated, api_channel, authorize, load_api_keys
 from cluster.config import ConfigError
-from cluster.serve_app import GRPC_SERVICER, build_app
-from conftest import free_port, served_target
+from cluster.serve_app import build_app
+from conftest import free_port, served_target, start_serving
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
 from protos import specdec_tree_pb2 as tree_pb
@@ -236,12 +235,8 @@ def keyed_server(model_dirs, tmp_path_factory):
               "speculation": {"drafter": "none"},
               "server": {"grpc_port": free_port(), "http_port": free_port()},
               "security": {"api_keys_file": str(keys_file)}}
-    path = root / "specdec.yaml"
-    path.write_text(yaml.safe_dump(config))
-    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    path = start_serving(config, root, num_cpus=2, num_gpus=1)
     ports = config["server"]
-    serve.start(http_options={"host": "127.0.0.1", "port": ports["http_port"]},
-                grpc_options={"port": ports["grpc_port"], "grpc_servicer_functions": [GRPC_SERVICER]})
     serve.run(build_app({"config": str(path)}), name="specdec", route_prefix="/")
     yield f"http://127.0.0.1:{ports['http_port']}", f"127.0.0.1:{ports['grpc_port']}"
     serve.shutdown()

@@ -17,12 +17,11 @@ import openai
 import pytest
 import ray
 import torch
-import yaml
 from ray import serve
 
 from cluster.openai_api import OpenAIServer
-from cluster.serve_app import GRPC_SERVICER, build_app
-from conftest import CHAT_ROLES, SERVED_WORDS, free_port, hf_greedy, save_tokenizer, served_target
+from cluster.serve_app import build_app
+from conftest import CHAT_ROLES, SERVED_WORDS, free_port, hf_greedy, save_tokenizer, served_target, start_serving
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
 from specdec.loading import load_tokenizer
@@ -50,12 +49,8 @@ def server(model_dirs, tmp_path_factory):
               "placement": {"tensor_parallel_size": 1, "draft_replicas": 1},
               "speculation": {"drafter": "model"},
               "server": {"max_new_tokens": 64, "max_n": MAX_N, "grpc_port": free_port(), "http_port": free_port()}}
-    path = root / "specdec.yaml"
-    path.write_text(yaml.safe_dump(config))
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    path = start_serving(config, root, num_cpus=4, num_gpus=2)
     ports = config["server"]
-    serve.start(http_options={"host": "127.0.0.1", "port": ports["http_port"]},
-                grpc_options={"port": ports["grpc_port"], "grpc_servicer_functions": [GRPC_SERVICER]})
     serve.run(build_app({"config": str(path)}), name="specdec", route_prefix="/")
     http, address = f"http://127.0.0.1:{ports['http_port']}", f"127.0.0.1:{ports['grpc_port']}"
     channel = grpc.insecure_channel(address)

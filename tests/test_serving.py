@@ -17,14 +17,12 @@ import grpc
 import pytest
 import ray
 import torch
-import yaml
 from ray import serve
 from ray.serve.schema import ServeDeploySchema
 from transformers import LlamaForCausalLM
 
 from cluster.placement import NAMESPACE
-from cluster.serve_app import GRPC_SERVICER
-from conftest import VOCAB, _llama_config, free_port, hf_greedy, served_target
+from conftest import VOCAB, _llama_config, free_port, hf_greedy, served_target, start_serving
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
 
@@ -66,12 +64,8 @@ def server(model_dirs, tmp_path_factory):
         "server": {"max_prompt_tokens": 64, "max_new_tokens": 200, "max_queued_requests": 4,
                    "grpc_port": free_port(), "http_port": free_port()},
     }
-    path = root / "specdec.yaml"
-    path.write_text(yaml.safe_dump(config))
-    ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    path = start_serving(config, root, num_cpus=8, num_gpus=4)
     server = config["server"]
-    serve.start(http_options={"host": "127.0.0.1", "port": server["http_port"]},
-                grpc_options={"port": server["grpc_port"], "grpc_servicer_functions": [GRPC_SERVICER]})
     channel = grpc.insecure_channel(f"127.0.0.1:{server['grpc_port']}")
     from specdec.loading import load_tokenizer
     served = Server(api_grpc.SpecDecodeStub(channel), f"http://127.0.0.1:{server['http_port']}", path, config,
