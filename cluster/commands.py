@@ -1,6 +1,7 @@
 """The `specdec` command (the console script): the core's commands (specdec/cli.py) plus the ones
 that start or call a cluster: `specdec serve` brings up the Serve application on a local (or
-existing) Ray cluster, `specdec client` calls its gRPC API, `specdec bench-served` measures it."""
+existing) Ray cluster, `specdec client` calls its gRPC API, `specdec bench-served` measures it,
+`specdec soak` puts a cluster of its own under mixed traffic and faults."""
 
 import argparse
 import json
@@ -76,6 +77,19 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
     sb.add_argument("--plot", metavar="PNG", help="write tokens/s against clients, one line per mode, "
                                                   "the references as horizontal lines")
 
+    so = sub.add_parser("soak", help="mixed traffic and faults (a draft replica, then a target rank, killed) for a "
+                                     "bounded time on a local cluster of its own (loopback); checks and reports")
+    so.add_argument("--config", help="operator YAML (see configs/default.yaml); default: the embedded default pair")
+    so.add_argument("--minutes", type=float, default=10.0, help="how long the traffic runs (default 10)")
+    so.add_argument("--max-requests", type=int, default=1_000_000, help="stop after this many requests")
+    so.add_argument("--clients", type=int, default=4, help="concurrent clients (default 4)")
+    so.add_argument("--max-new-tokens", type=int, default=32, help="each request asks for 4..N tokens (default 32)")
+    so.add_argument("--prompts", help="JSONL rows with 'prompt' and 'task_type' (default: a few built-in code and "
+                                      "prose prompts)")
+    so.add_argument("--seed", type=int, default=0, help="seeds the traffic's random mix")
+    so.add_argument("--no-kills", action="store_true", help="traffic only: kill nothing")
+    so.add_argument("--json", action="store_true", help="end with the report as one JSON line")
+
 
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
@@ -93,10 +107,12 @@ def open_channel(args) -> grpc.Channel:
 
 def main(argv: list[str] | None = None) -> None:
     from .served_bench import bench_main
+    from .soak import soak_main
 
     parser, sub = cli.build_parser()
     add_serving_commands(sub)
-    commands = cli.COMMANDS | {"serve": serve_main, "client": client_main, "bench-served": bench_main}
+    commands = cli.COMMANDS | {"serve": serve_main, "client": client_main, "bench-served": bench_main,
+                               "soak": soak_main}
     cli.main(argv, parser, commands)
 
 

@@ -270,18 +270,21 @@ def measure_references(target: str, rows: list[dict], max_new_tokens: int, off_o
     return out
 
 
-def _generate_one_by_one(model, prompts: list[list[int]], max_new_tokens: int, eos: list[int]) -> dict:
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: list[int]) -> list[int]:
+    """transformers generate(), greedy, on one prompt -> its new tokens (plain decoding: the reference
+    every served greedy output must equal)."""
     import torch
 
-    def run(prompt, n):
-        ids = torch.tensor([prompt], device=model.device)
-        seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                             eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0)
-        return seq[0, len(prompt):].tolist()
+    ids = torch.tensor([prompt], device=model.device)
+    seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0)
+    return seq[0, len(prompt):].tolist()
 
-    run(prompts[0], min(4, max_new_tokens))  # warm-up, not timed
+
+def _generate_one_by_one(model, prompts: list[list[int]], max_new_tokens: int, eos: list[int]) -> dict:
+    hf_greedy(model, prompts[0], min(4, max_new_tokens), eos)  # warm-up, not timed
     t0 = time.perf_counter()
-    outputs = [run(p, max_new_tokens) for p in prompts]
+    outputs = [hf_greedy(model, p, max_new_tokens, eos) for p in prompts]
     return {"outputs": outputs, "seconds": round(time.perf_counter() - t0, 3)}
 
 

@@ -13,48 +13,24 @@ machine's load average (other work slows a rebuild down: it starts a process and
 import argparse
 import json
 import os
-import socket
 import time
-import urllib.error
-import urllib.request
 
 import grpc
 import ray
 from ray import serve
 
-from cluster.config import load_config
 from cluster.placement import NAMESPACE
-from cluster.serve_app import GRPC_SERVICER, build_app
+from cluster.soak import free_port, get_json as get, named_actors, serve_locally
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
 
 PROMPT = "def parse_header(line):\n    "
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get(url: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def rank0():
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == NAMESPACE and a["name"].startswith("target-0-")]
-    return ray.get_actor(names[0], namespace=NAMESPACE)
-
-
 def one_run(stub, http: str, want: list[int], request: api.GenerateRequest) -> dict:
     stream = stub.GenerateStream(request, timeout=120)
     next(stream)
-    ray.kill(rank0())
+    ray.kill(next(iter(named_actors(NAMESPACE, "target-0-").values())))
     killed = time.monotonic()
     try:
         list(stream)
@@ -78,18 +54,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     args = parser.parse_args()
-    cfg = load_config(args.config)
-    place, grpc_port, http_port = cfg.placement, free_port(), free_port()  # the config's may be taken here
-    actors = place.tensor_parallel_size + place.draft_replicas
-    ray.init(num_cpus=place.tensor_parallel_size * place.cpus_per_target_rank
-             + place.draft_replicas * place.cpus_per_draft_replica + 1,
-             num_gpus=actors * place.gpus_per_actor, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": http_port},
-                grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})
-    serve.run(build_app({"config": args.config, "grpc_port": grpc_port, "http_port": http_port}), name="specdec",
-              route_prefix="/")
-    stub = api_grpc.SpecDecodeStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
-    http = f"http://127.0.0.1:{http_port}"
+    endpoints = serve_locally({"config": args.config, "grpc_port": free_port(), "http_port": free_port()})
+    stub = api_grpc.SpecDecodeStub(grpc.insecure_channel(endpoints.grpc))
+    http = endpoints.http
     request = api.GenerateRequest(prompt=PROMPT, task_type="code", max_new_tokens=args.max_new_tokens,
                                   speculation=api.SPECULATION_ON)
     want = list(stub.Generate(request, timeout=120).token_ids)
