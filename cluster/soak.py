@@ -234,10 +234,17 @@ class Sender:
                            "speculation": shot.speculation}).encode()
 
     def _http(self, shot: Shot, out: Outcome) -> None:
-        conn = http.client.HTTPConnection(self.http_host, self.http_port, timeout=300)
+        hang_up = shot.fault == "cancel" and not shot.stream  # a unary call: the client hangs up after `after` s
+        conn = http.client.HTTPConnection(self.http_host, self.http_port, timeout=shot.after if hang_up else 300)
         try:
             conn.request("POST", "/v1/completions", self._http_body(shot), {"Content-Type": "application/json"})
-            response = conn.getresponse()
+            try:
+                response = conn.getresponse()
+            except TimeoutError:
+                if not hang_up:
+                    raise
+                out.status = "CANCELLED"
+                return
             if response.status != 200:
                 out.status, out.detail = f"HTTP {response.status}", _error_message(response.read())
             elif shot.stream:
