@@ -75,7 +75,7 @@ class Thresholds(_Section):
     probe_fraction: float = Field(0.05, ge=0, le=1)  # share of requests still speculative while off
     ema: float = Field(0.1, gt=0, le=1)  # weight of a new report in the alpha moving average
     max_k: int = Field(8, ge=1)
-    draft_cost_ratio: float = Field(0.15, gt=0, lt=1)  # a draft forward's cost / a target step's
+    draft_cost_ratio: float = Field(0.15, gt=0, lt=1)  # a drafted token's cost / a target step's, until measured
     speculation: Literal["auto", "on", "off"] = "auto"  # on/off: forced for AUTO requests of this task type
 
     @field_validator("off_alpha")

@@ -37,7 +37,40 @@ from .supervisor import TargetSupervisor
 log = logging.getLogger(__name__)
 _ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 TARGET_STATS_TIMEOUT_S = 5.0
+STEP_SMOOTHING = 0.3  # weight of each poll's step measurements in RecentSteps (polled every GAUGES_EVERY_S)
 TARGET_HELD = ("open_requests", "kv_tokens_reserved", "waiting", "largest_batch", "idle_rows_closed")
+
+
+@dataclass(frozen=True)
+class RecentSteps:
+    """What a speculative step costs beyond its forward, as measured over the last seconds (the router
+    must see the load now, not the average since start): the hop (the replica's round trip less the
+    target's mean forward), the draft replicas' seconds per drafted token, and the share of steps
+    drafted ahead. Each poll adds the interval's measurements with weight STEP_SMOOTHING (the first
+    is taken whole); an interval without speculative steps changes nothing."""
+
+    hop_s: float = 0.0
+    draft_s_per_token: float | None = None
+    drafted_ahead: float = 0.0
+    timing: dict | None = None  # the ingress's cumulative timing at the last poll
+    forwards: tuple[int, float] = (0, 0.0)  # the target's (forwards, forward_time_s) at the last poll
+
+    def observe(self, timing: dict, forwards: int, forward_time_s: float) -> "RecentSteps":
+        seen = replace(self, timing=timing, forwards=(forwards, forward_time_s))
+        if self.timing is None or forwards < self.forwards[0]:  # the first poll, or a rebuilt target
+            return seen
+        d = {key: timing[key] - self.timing[key] for key in timing}
+        d_forwards = forwards - self.forwards[0]
+        if d["steps"] <= 0 or d_forwards <= 0 or d["drafted"] <= 0:
+            return seen
+        forward_s = (forward_time_s - self.forwards[1]) / d_forwards
+        now = {"hop_s": max(0.0, d["step_round_trip_s"] / d["steps"] - forward_s),
+               "draft_s_per_token": d["draft_s"] / d["drafted"], "drafted_ahead": d["drafted_ahead"] / d["steps"]}
+        if self.draft_s_per_token is None:  # the first measurement: nothing to smooth with yet
+            return replace(seen, **now)
+        a, old = STEP_SMOOTHING, {"hop_s": self.hop_s, "draft_s_per_token": self.draft_s_per_token,
+                                  "drafted_ahead": self.drafted_ahead}
+        return replace(seen, **{key: old[key] + a * (now[key] - old[key]) for key in now})
 
 
 class QueueFull(ResourceExhausted):
@@ -98,7 +131,8 @@ class Frontend:
         self.in_flight = 0
         self.served = {"speculative": 0, "plain": 0, "fallbacks": 0, "cancelled": 0}
         # speculative requests' steps; drafted_ahead: those whose tree was ready when the step began
-        self.timing = {"steps": 0, "step_round_trip_s": 0.0, "draft_s": 0.0, "drafted_ahead": 0}
+        self.timing = {"steps": 0, "step_round_trip_s": 0.0, "draft_s": 0.0, "drafted_ahead": 0, "drafted": 0}
+        self.recent = RecentSteps()  # the router's view of a speculative step: smoothed over recent seconds
         self._turn = itertools.count()
         self._stopped = threading.Event()
         threading.Thread(target=self._publish_gauges, name="metrics", daemon=True).start()
@@ -294,6 +328,7 @@ class Frontend:
         self.timing["step_round_trip_s"] += stats["verify_time_s"]
         self.timing["draft_s"] += stats["draft_time_s"]
         self.timing["drafted_ahead"] += stats["drafted_ahead"]
+        self.timing["drafted"] += stats["drafted"]
 
     def shutdown(self) -> None:
         self._stopped.set()
@@ -318,12 +353,10 @@ class Frontend:
             target = ray.get(self.topology.target.stats.remote(), timeout=5 * GAUGES_EVERY_S)
         except ray.exceptions.RayError:
             return  # the target is away: the router keeps what it last knew
-        steps, forwards = self.timing["steps"], target["forwards"]
-        forward_s = target["forward_time_s"] / forwards if forwards else 0.0
-        hop_s = max(0.0, self.timing["step_round_trip_s"] / steps - forward_s) if steps else 0.0
+        self.recent = self.recent.observe(dict(self.timing), target["forwards"], target["forward_time_s"])
         self.router.observe_target(TargetView(
             Costs(verify_table=target["forward_costs"]), Load(target["batch_tokens"], target["committed_per_forward"]),
-            hop_s, self.timing["drafted_ahead"] / steps if steps else 0.0))
+            self.recent.hop_s, self.recent.drafted_ahead, self.recent.draft_s_per_token))
 
 
 def _chunk(part: dict, text: Detokenizer, final: bool = False) -> Chunk:

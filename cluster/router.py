@@ -72,12 +72,14 @@ class TargetView:
     load: Load = Load()
     hop_s: float = 0.0
     drafted_ahead: float = 0.0
+    draft_s_per_token: float | None = None  # measured on the draft replicas; None until they have drafted
 
     def step_costs(self, draft_cost_ratio: float) -> StepCosts:
-        """A draft forward costs draft_cost_ratio of a one-token target forward (the routing key),
-        except where it was hidden."""
-        draft = draft_cost_ratio * self.costs.verify(1) * (1 - self.drafted_ahead)
-        return StepCosts(self.costs, draft, self.hop_s)
+        """A drafted token costs what the replicas measured, or, until they have, draft_cost_ratio of a
+        one-token target forward (the routing key); drafting hidden behind verification costs nothing."""
+        per_token = (self.draft_s_per_token if self.draft_s_per_token is not None
+                     else draft_cost_ratio * self.costs.verify(1))
+        return StepCosts(self.costs, per_token * (1 - self.drafted_ahead), self.hop_s)
 
 
 @dataclass

@@ -269,3 +269,34 @@ def test_a_noisy_cost_table_that_extrapolates_to_nothing_still_plans():
     router.observe_target(TargetView(Costs(verify_table={8: 0.01, 16: 0.001}), Load(100, 100)))
     router.route("code")
     assert router.stats()["code"]["goodput"]["plain"] > 0
+
+
+def test_the_router_sees_step_costs_of_the_last_seconds_not_since_start():
+    """Speculative steps measured cheap at one client, then dear under load: the view follows the load,
+    and a measured draft cost replaces draft_cost_ratio."""
+    from cluster.frontend import RecentSteps
+
+    timing = {"steps": 0, "step_round_trip_s": 0.0, "draft_s": 0.0, "drafted_ahead": 0, "drafted": 0}
+    recent = RecentSteps().observe(dict(timing), 0, 0.0)
+    forwards, forward_s = 0, 0.0
+    for _ in range(20):  # idle: 10 steps a second, 25 ms round trips on 20 ms forwards, 4 drafted tokens at 3 ms
+        timing = timing | {"steps": timing["steps"] + 10, "step_round_trip_s": timing["step_round_trip_s"] + 0.25,
+                           "draft_s": timing["draft_s"] + 0.12, "drafted": timing["drafted"] + 40}
+        forwards, forward_s = forwards + 10, forward_s + 0.2
+        recent = recent.observe(dict(timing), forwards, forward_s)
+    assert recent.hop_s == pytest.approx(0.005) and recent.draft_s_per_token == pytest.approx(0.003)
+    for _ in range(20):  # loaded: 120 ms round trips on 40 ms forwards, drafting at 10 ms a token
+        timing = timing | {"steps": timing["steps"] + 10, "step_round_trip_s": timing["step_round_trip_s"] + 1.2,
+                           "draft_s": timing["draft_s"] + 0.4, "drafted": timing["drafted"] + 40}
+        forwards, forward_s = forwards + 10, forward_s + 0.4
+        recent = recent.observe(dict(timing), forwards, forward_s)
+    assert recent.hop_s == pytest.approx(0.08, rel=0.01) and recent.draft_s_per_token == pytest.approx(0.01, rel=0.01)
+    assert RecentSteps().observe(dict(timing), 5, 0.1).observe(dict(timing), 1, 0.01).hop_s == 0  # rebuilt target
+    view = TargetView(CPU_TARGET, Load(1, 1), recent.hop_s, 0.0, recent.draft_s_per_token)
+    assert view.step_costs(draft_cost_ratio=0.15).draft_forward == pytest.approx(0.01, rel=0.01)
+    router = Router(routing())
+    report_alpha(router, "code", 0.8, times=MIN_SAMPLES)
+    router.observe_target(TargetView(CPU_TARGET, Load(1, 1), hop_s=0.005))
+    assert router.route("code").speculative  # cheap steps, as configured: speculating pays beside one row
+    router.observe_target(view)
+    assert router.stats()["code"]["decision"] == "off"  # as measured under load, it does not
