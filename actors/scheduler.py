@@ -169,7 +169,7 @@ class TargetScheduler:
                     "forward_time_s": self.forward_time_s, "open_requests": len(held),
                     "kv_tokens_reserved": sum(held.values()), "waiting": len(self._waiting),
                     "forward_costs": dict(self.costs.verify_table), "batch_tokens": load.batch_tokens,
-                    "committed_per_forward": load.committed,
+                    "committed_per_forward": load.committed, "batch_rows": load.rows,
                     "idle_rows_closed": self.idle_rows_closed}
 
     def stop(self) -> None:
@@ -335,17 +335,19 @@ class TargetScheduler:
             self.forwards += 1
             self.forward_time_s += elapsed
             self.largest_batch = max(self.largest_batch, len(batch))
-            self._observe(elapsed, sum(map(len, batch.values())), sum(len(v.tokens) for v in verdicts.values()))
+            self._observe(elapsed, len(batch), sum(map(len, batch.values())),
+                          sum(len(v.tokens) for v in verdicts.values()))
         self.on_forward(elapsed)
         for waiter in waiters:
             waiter.finish(verdicts)
         for rid, plain in list(self._plain.items()):
             self._advance_plain(rid, plain, batch[rid], verdicts[rid], elapsed)
 
-    def _observe(self, seconds: float, tokens: int, committed: int) -> None:
+    def _observe(self, seconds: float, rows: int, tokens: int, committed: int) -> None:
         self.costs.observe_verify(seconds, tokens)
         old, a = self._load, LOAD_SMOOTHING
-        self._load = Load(old.batch_tokens + a * (tokens - old.batch_tokens), old.committed + a * (committed - old.committed))
+        self._load = Load(old.batch_tokens + a * (tokens - old.batch_tokens), old.committed + a * (committed - old.committed),
+                          old.rows + a * (rows - old.rows))
 
     def _advance_plain(self, rid: str, plain: _Plain, tree: TokenTree, verdict: Verdict, elapsed: float) -> None:
         record_step(plain.out.stats, tree, verdict, (0.0, elapsed))

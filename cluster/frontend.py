@@ -355,7 +355,7 @@ class Frontend:
             return  # the target is away: the router keeps what it last knew
         self.recent = self.recent.observe(dict(self.timing), target["forwards"], target["forward_time_s"])
         self.router.observe_target(TargetView(
-            Costs(verify_table=target["forward_costs"]), Load(target["batch_tokens"], target["committed_per_forward"]),
+            Costs(verify_table=target["forward_costs"]), Load(target["batch_tokens"], target["committed_per_forward"], target["batch_rows"]),
             self.recent.hop_s, self.recent.drafted_ahead, self.recent.draft_s_per_token))
 
 

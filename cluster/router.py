@@ -182,7 +182,7 @@ class Router:
         gains = {k: goodput(costs, load, alpha, k) for k in range(thresholds.max_k + 1)}
         k = max(range(1, thresholds.max_k + 1), key=gains.get)
         rates = {"plain": round(gains[0], 1), "speculative": round(gains[k], 1)}
-        at = f"at {load.batch_tokens:.0f} batch tokens"
+        at = f"at {load.rows:.1f} rows, {load.batch_tokens:.0f} batch tokens"
         if state.samples < thresholds.min_samples:  # speculate to measure alpha before trusting it
             return Plan(True, k, f"{known}; measuring alpha ({state.samples} of min_samples "
                                  f"{thresholds.min_samples} reports), K={k} by goodput {at}", rates)

@@ -256,6 +256,7 @@ class Load:
 
     batch_tokens: float = 0.0
     committed: float = 0.0
+    rows: float = 0.0  # requests in a forward
 
 
 @dataclass(frozen=True)
@@ -270,11 +271,14 @@ class StepCosts:
 
 
 def goodput(costs: StepCosts, load: Load, alpha: float, k: int) -> float:
-    """Tokens per second the target commits if one more row joins its batch, drafting K deep (0:
-    plain decoding), as TurboSpec (arXiv 2406.14066) weighs speculation against batch size: the row's
-    K + 1 tokens make every forward dearer, so the rows already running commit less per second, and
-    the row itself commits E[tokens | alpha, K] per step of a forward plus its draft and hop."""
+    """Tokens per second the target commits if its whole batch (the rows running now and one more)
+    decodes plain (K = 0) or speculates K deep, as TurboSpec (arXiv 2406.14066) weighs speculation
+    against batch size: R rows commit R tokens per forward of R tokens plain, and R * E[tokens | alpha,
+    K] per step of a forward of R(K + 1) tokens plus its draft and hop. The batch as a whole, not one
+    row added to it as it is: with every row already speculating the forward is dear, and one more
+    row's K tokens would look cheap beside it, so speculation would keep itself on."""
+    rows = load.rows + 1
     # a table measured in noise can extrapolate to nothing: a forward costs at least the cheapest seen
-    forward = max(costs.target.verify(round(load.batch_tokens) + k + 1), min(costs.target.verify_table.values()))
+    forward = max(costs.target.verify(round(rows * (k + 1))), min(costs.target.verify_table.values()))
     step = forward + (k * costs.draft_forward + costs.hop if k else 0.0)
-    return (load.committed + expected_tokens(alpha, k) * forward / step) / forward
+    return rows * expected_tokens(alpha, k) / step

@@ -205,7 +205,7 @@ CPU_TARGET = Costs(verify_table={1: 0.013, 8: 0.032, 64: 0.19})
 
 
 def cpu(load: float) -> TargetView:
-    return TargetView(CPU_TARGET, Load(batch_tokens=load, committed=load), hop_s=0.003)
+    return TargetView(CPU_TARGET, Load(batch_tokens=load, committed=load, rows=load), hop_s=0.003)
 
 
 def test_goodput_turns_speculation_off_under_load_and_back_on_as_it_drains():
@@ -235,11 +235,11 @@ def test_goodput_k_shrinks_as_the_batch_grows_and_with_dear_drafts():
         ks.append(router.stats()["code"]["k"])
     assert ks[0] > ks[-1] >= 0 and ks == sorted(ks, reverse=True), ks
     flat = Costs(verify_table={1: 0.02, 64: 0.021})  # a GPU: batching is free
-    router.observe_target(TargetView(flat, Load(16, 16)))
+    router.observe_target(TargetView(flat, Load(16, 16, 16)))
     assert router.route("code").k == 8  # free verification: draft as deep as allowed
     router.update_routing(routing(max_k=8, draft_cost_ratio=0.5))
     assert router.route("code").k < 8
-    router.observe_target(TargetView(flat, Load(16, 16), drafted_ahead=1.0))  # drafting fully hidden
+    router.observe_target(TargetView(flat, Load(16, 16, 16), drafted_ahead=1.0))  # drafting fully hidden
     assert router.route("code").k == 8
 
 
@@ -259,14 +259,14 @@ def test_forced_decisions_per_task_type():
 
 def test_a_target_that_has_run_one_batch_size_is_enough_to_plan():
     router = Router(routing())
-    router.observe_target(TargetView(Costs(verify_table={3: 0.01}), Load(2, 2)))
+    router.observe_target(TargetView(Costs(verify_table={3: 0.01}), Load(2, 2, 2)))
     assert router.route("code").k >= 1 and router.stats()["code"]["goodput"]["plain"] > 0
 
 
 def test_a_noisy_cost_table_that_extrapolates_to_nothing_still_plans():
     """Measured in noise, 16 tokens can look cheaper than 8: extrapolated to 100 tokens that is 0 s."""
     router = Router(routing())
-    router.observe_target(TargetView(Costs(verify_table={8: 0.01, 16: 0.001}), Load(100, 100)))
+    router.observe_target(TargetView(Costs(verify_table={8: 0.01, 16: 0.001}), Load(100, 100, 100)))
     router.route("code")
     assert router.stats()["code"]["goodput"]["plain"] > 0
 
@@ -292,11 +292,25 @@ def test_the_router_sees_step_costs_of_the_last_seconds_not_since_start():
         recent = recent.observe(dict(timing), forwards, forward_s)
     assert recent.hop_s == pytest.approx(0.08, rel=0.01) and recent.draft_s_per_token == pytest.approx(0.01, rel=0.01)
     assert RecentSteps().observe(dict(timing), 5, 0.1).observe(dict(timing), 1, 0.01).hop_s == 0  # rebuilt target
-    view = TargetView(CPU_TARGET, Load(1, 1), recent.hop_s, 0.0, recent.draft_s_per_token)
+    view = TargetView(CPU_TARGET, Load(1, 1, 1), recent.hop_s, 0.0, recent.draft_s_per_token)
     assert view.step_costs(draft_cost_ratio=0.15).draft_forward == pytest.approx(0.01, rel=0.01)
     router = Router(routing())
     report_alpha(router, "code", 0.8, times=MIN_SAMPLES)
-    router.observe_target(TargetView(CPU_TARGET, Load(1, 1), hop_s=0.005))
+    router.observe_target(TargetView(CPU_TARGET, Load(1, 1, 1), hop_s=0.005))
     assert router.route("code").speculative  # cheap steps, as configured: speculating pays beside one row
     router.observe_target(view)
     assert router.stats()["code"]["decision"] == "off"  # as measured under load, it does not
+
+
+def test_speculation_does_not_keep_itself_on_when_the_batch_is_already_speculating():
+    """The same 8 rows, all plain or all speculating 8 deep: the batch's tokens differ ninefold, the
+    choice must not (a row added to an already dear forward would make speculation look cheap)."""
+    router = Router(routing(max_k=8))
+    report_alpha(router, "code", 0.8, times=MIN_SAMPLES)
+    decisions = []
+    for load in (Load(batch_tokens=8, committed=8, rows=8), Load(batch_tokens=72, committed=32, rows=8)):
+        router.observe_target(TargetView(CPU_TARGET, load, hop_s=0.003))
+        stats = router.stats()["code"]
+        decisions.append((stats["decision"], stats["k"], stats["goodput"]))
+    assert decisions[0] == decisions[1]
+    assert decisions[0][0] == "off"  # 9 rows on this CPU-like target: plain commits more
