@@ -261,9 +261,8 @@ class Load:
 
 @dataclass(frozen=True)
 class StepCosts:
-    """What one more row costs: the target's forward by batch tokens (measured), a draft forward, and
-    a speculative step's overhead beyond its forward (the hop to the target and back, the drafting
-    not hidden by drafting ahead), in seconds."""
+    """What a speculative step costs: the target's forward by batch tokens (measured), a drafted token,
+    and the step's overhead beyond its forward (the hop to the target and back), in seconds."""
 
     target: Costs
     draft_forward: float
