@@ -91,8 +91,10 @@ def test_a_short_soak_under_faults_keeps_every_promise(model_dirs, tmp_path):
                           "--minutes", "0.42", "--clients", "3", "--max-new-tokens", "16",
                           "--prompts", str(tmp_path / "prompts.jsonl"), "--json"],
                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
-    assert run.stdout.strip(), run.stderr[-3000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
+    lines = run.stdout.strip().splitlines()
+    assert lines and lines[-1].startswith("{"), \
+        f"the soak exited {run.returncode} without its report:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
+    report = json.loads(lines[-1])
     assert run.returncode == (0 if report["passed"] else 1)
     assert report["passed"], run.stdout[-4000:]
     assert report["requests"] >= 40 and report["greedy_completed"] >= 10
