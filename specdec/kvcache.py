@@ -5,9 +5,80 @@ T slots to all rows; `commit` then moves the slots a row keeps (the accepted pat
 a prompt without its padding) to the end of that row's committed region and crops what no row
 needs. Slots past a row's length are never seen by it, so rolling back is just not committing."""
 
+import contextlib
+import contextvars
+import functools
+import sys
+from dataclasses import dataclass
+
 import torch
-from transformers import PreTrainedModel
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+@dataclass(frozen=True)
+class Ragged:
+    """A block of T slots per row of which only some hold real tokens (row b's first sizes[b]); the rest
+    is padding. A ragged forward runs only the N real tokens, packed into one sequence [1, N], as vLLM
+    flattens its batch: the linear layers (most of the cost) see no padding. The cache still appends T
+    slots to every row (the padding's left zero), and each row's attention runs on its own slots."""
+
+    index: torch.Tensor  # [N] each real token's place in the block, row * T + slot
+    batch: int  # B
+    width: int  # T
+
+    def pad(self, packed: torch.Tensor) -> torch.Tensor:
+        """[1, H, N, D] -> [B, H, T, D], zeros at the padding."""
+        _, H, _, D = packed.shape
+        out = packed.new_zeros(self.batch * self.width, H, D).index_copy_(0, self.index, packed[0].transpose(0, 1))
+        return out.view(self.batch, self.width, H, D).transpose(1, 2)
+
+    def pack(self, out: torch.Tensor) -> torch.Tensor:
+        """[B, T, H, D] -> [1, N, H, D]."""
+        return out.reshape(self.batch * self.width, *out.shape[2:]).index_select(0, self.index).unsqueeze(0)
+
+
+_BLOCK: contextvars.ContextVar[Ragged | None] = contextvars.ContextVar("specdec_ragged_block", default=None)
+INNER_ATTENTION = ("sdpa", "eager")  # the attention a CachedLM's model may come with
+
+
+def ragged_attention(module, query, key, value, attention_mask, inner: str, **kwargs):
+    """The model's own attention (`inner`), which a CachedLM's model runs under: as it is, except in a
+    ragged forward (this thread's), where the packed queries [1, H, N, D] are padded out to [B, H, T, D]
+    against the rows' keys and values [B, H, S, D] and the output packed again -> [1, N, H, D]."""
+    own_eager = sys.modules[type(module).__module__].eager_attention_forward  # each model file defines its own
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(inner, own_eager)
+    if (block := _BLOCK.get()) is None:
+        return attend(module, query, key, value, attention_mask, **kwargs)
+    out, weights = attend(module, block.pad(query), key, value, attention_mask, **kwargs)  # [B, T, H, D]
+    return block.pack(out), weights
+
+
+for _inner in INNER_ATTENTION:  # registered as attention and mask: transformers' own paths (generate) still work
+    AttentionInterface.register(f"specdec_ragged_{_inner}", functools.partial(ragged_attention, inner=_inner))
+    AttentionMaskInterface.register(f"specdec_ragged_{_inner}", ALL_MASK_ATTENTION_FUNCTIONS[_inner])
+
+
+def run_ragged_capable(model: PreTrainedModel) -> str:
+    """Switch the model's attention to its ragged-capable wrapper (once) -> its own attention (sdpa, eager)."""
+    name = model.config._attn_implementation
+    inner = name.removeprefix("specdec_ragged_")
+    if inner not in INNER_ATTENTION:
+        raise ValueError(f"the model runs {name!r} attention; specdec runs models with {' or '.join(INNER_ATTENTION)} "
+                         "attention (attn_implementation when loading)")
+    model.config._attn_implementation = f"specdec_ragged_{inner}"
+    return inner
+
+
+@contextlib.contextmanager
+def _running_ragged(block: Ragged):
+    """This thread's forward is ragged: the cache and the attention see `block`."""
+    token = _BLOCK.set(block)
+    try:
+        yield
+    finally:
+        _BLOCK.reset(token)
 
 
 class GrowingLayer(CacheLayerMixin):
@@ -28,8 +99,11 @@ class GrowingLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key_states [B, H, T, D], or packed [1, H, N, D] in a ragged forward -> keys, values [B, H, S, D]."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if (block := _BLOCK.get()) is not None:  # zeros at the padding: a masked slot's weight is 0, and 0 * garbage may be NaN
+            key_states, value_states = block.pad(key_states), block.pad(value_states)
         B, H, T, D = key_states.shape
         if self.buf_k is None or self.n + T > self.buf_k.shape[2]:
             cap = max(2 * (self.n + T), 256)
@@ -109,7 +183,7 @@ class CachedLM:
     def __init__(self, model: PreTrainedModel):
         self.model = model
         self.device = model.device
-        self.eager = model.config._attn_implementation == "eager"
+        self.eager = run_ragged_capable(model) == "eager"
         self.reset(0)
 
     def reset(self, batch_size: int) -> None:
@@ -145,10 +219,31 @@ class CachedLM:
         block_mask: torch.Tensor,  # [B, T, T]
         positions: torch.Tensor,  # [B, T]
         extra_visible: torch.Tensor | None = None,  # [B, T, S]
-        logits_to_keep: int = 0,
+        sizes: list[int] | None = None,
+        keep: list[int] | None = None,
     ) -> torch.Tensor:
-        """Run one block through the model, appending its T slots to every row. -> logits [B, T', V]"""
+        """Run one block through the model, appending its T slots to every row. -> logits [B, T, V]
+
+        With `sizes`, row b's real tokens are its first sizes[b] (0: the row sits the forward out) and
+        the rest is padding, which is not run (see Ragged) -> logits [N, V] of the real tokens, row after
+        row; with `keep` too, only those of these indices into them."""
         mask = self.attention_mask(block_mask, extra_visible)
+        if sizes is None:
+            return self._run(tokens, mask, positions, 0)
+        B, T = tokens.shape
+        if all(n == T for n in sizes):  # no padding: the block runs as it is
+            last = keep is not None and keep == [b * T + T - 1 for b in range(B)]
+            logits = self._run(tokens, mask, positions, 1 if last else 0)
+            logits = logits.reshape(-1, logits.shape[-1])  # [B * T', V]
+            return logits if keep is None or last else logits[keep]
+        real = torch.arange(T).unsqueeze(0) < torch.tensor(sizes).unsqueeze(1)  # [B, T]
+        index = real.flatten().nonzero().squeeze(1)  # [N]
+        block = Ragged(index.to(self.device), B, T)
+        keep_t = torch.tensor(keep, dtype=torch.long, device=self.device) if keep is not None else 0
+        with _running_ragged(block):
+            return self._run(tokens.flatten()[index].unsqueeze(0), mask, positions.flatten()[index].unsqueeze(0), keep_t)[0]
+
+    def _run(self, tokens, mask, positions, logits_to_keep) -> torch.Tensor:
         out = self.model(
             input_ids=tokens.to(self.device),
             attention_mask=mask,
@@ -229,23 +324,25 @@ class CachedLM:
             self.kv.crop(-excess)
 
     def prefill(self, chunks: list[list[int]]) -> torch.Tensor | None:
-        """Append each row's tokens (any number, possibly none) and commit them. Chunks are right-aligned
-        in the block, so the returned logits [B, V] are those of each row's last token."""
+        """Append each row's tokens (any number, possibly none) and commit them, in one ragged forward.
+        -> logits [B, V] of each row's last token (zeros for a row given none)."""
         B, T = len(chunks), max(len(c) for c in chunks)
         if T == 0:
             return None
+        sizes = [len(c) for c in chunks]
         tokens = torch.zeros(B, T, dtype=torch.long)
         positions = torch.zeros(B, T, dtype=torch.long)
         block = torch.eye(T, dtype=torch.bool).repeat(B, 1, 1)
-        start = self.size
-        slots = []
-        for b, chunk in enumerate(chunks):
-            n, pad = len(chunk), T - len(chunk)
+        for b, (chunk, n) in enumerate(zip(chunks, sizes)):
             if n:
-                tokens[b, pad:] = torch.tensor(chunk)
-                positions[b, pad:] = torch.arange(self.lengths[b], self.lengths[b] + n)
-                block[b, pad:, pad:] = torch.ones(n, n, dtype=torch.bool).tril()
-            slots.append(list(range(start + pad, start + T)))
-        logits = self.forward(tokens, block, positions, logits_to_keep=1)[:, -1]
-        self.commit(slots)
+                tokens[b, :n] = torch.tensor(chunk)
+                positions[b, :n] = torch.arange(self.lengths[b], self.lengths[b] + n)
+                block[b, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+        start = self.size
+        ends = torch.tensor(sizes).cumsum(0) - 1  # [B] each row's last token among the packed ones
+        full = [b for b, n in enumerate(sizes) if n]
+        last = self.forward(tokens, block, positions, sizes=sizes, keep=ends[full].tolist())  # [len(full), V]
+        self.commit([list(range(start, start + n)) for n in sizes])
+        logits = last.new_zeros(B, last.shape[-1])
+        logits[full] = last
         return logits

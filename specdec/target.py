@@ -71,22 +71,24 @@ class TargetWorker:
         if not trees:
             return {}, 0
         row_trees = [trees.get(rid) or TokenTree.root(self.requests[rid].seq[-1]) for rid in self.rows]
+        sizes = [len(trees[rid]) if rid in trees else 0 for rid in self.rows]  # rows not given a tree sit out
         start = self.lm.size
         tokens, block, positions = layout(row_trees, self.lm.lengths)
-        logits = self.lm.forward(tokens, block, positions)  # [B, T, V]
+        logits = self.lm.forward(tokens, block, positions, sizes=sizes)  # [N, V]: the trees' nodes, row after row
         argmax = logits.argmax(-1).tolist()
-        verdicts, keep = {}, []
-        for row, (rid, tree) in enumerate(zip(self.rows, row_trees)):
+        verdicts, keep, offset = {}, [], 0
+        for rid, tree, row_logits, size in zip(self.rows, row_trees, logits.split(sizes), sizes):
+            row_argmax, offset = argmax[offset : offset + size], offset + size
             if rid not in trees:
                 keep.append([])  # sat this step out: nothing committed
                 continue
             req = self.requests[rid]
-            v = accept_greedy(tree, argmax[row]) if req.params.greedy else \
-                accept_sampling(tree, logits[row], req.params, req.generator)
+            v = accept_greedy(tree, row_argmax) if req.params.greedy else \
+                accept_sampling(tree, row_logits, req.params, req.generator)
             if req.params.logprobs is not None:
-                v.logprobs = committed_logprobs(logits[row], v.path, v.tokens, req.params.logprobs)
+                v.logprobs = committed_logprobs(row_logits, v.path, v.tokens, req.params.logprobs)
             req.seq += v.tokens
             verdicts[rid] = v
             keep.append([start + n for n in v.path])
         self.lm.commit(keep)
-        return verdicts, tokens.numel()
+        return verdicts, sum(sizes)

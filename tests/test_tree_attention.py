@@ -147,3 +147,45 @@ def test_prefill_appends_to_existing_rows(model):
     out = lm.forward(tokens, block, positions)
     for b, prefix in enumerate([[1, 2, 3, 4, 8, 9], [5], [6, 7, 10, 11, 12, 13]]):
         check_tree_logits(model, out[b], prefix, tree)
+
+
+def test_ragged_forward_runs_only_real_tokens_and_matches_plain_logits(model):
+    """Trees of different sizes (and a row that sits out) in one forward with `sizes`: the padding is
+    not run (N real tokens in, N logits out, row after row), every node's logits are exact, and the
+    rows go on correctly after their paths are committed (the padding's slots never leak)."""
+    prompts = [[3, 1, 4, 1, 5, 9, 2], [6, 5], [3, 5, 8, 9, 7], [9, 3, 2, 3]]
+    lm = CachedLM(model)
+    lm.reset(4)
+    lm.prefill([p[:-1] for p in prompts])
+    chain = TokenTree.root(prompts[2][-1])
+    chain.add(chain.add(0, 11), 12)
+    trees = [branchy_tree(prompts[0][-1], seed=5), TokenTree.root(prompts[1][-1]), chain, TokenTree.root(prompts[3][-1])]
+    sizes = [len(trees[0]), 1, len(chain), 0]  # row 3 sits out
+    tokens, block, positions = layout(trees, lm.lengths)
+    start = lm.size
+    logits = lm.forward(tokens, block, positions, sizes=sizes)
+    assert logits.shape[0] == sum(sizes) < tokens.numel()
+    rows = logits.split(sizes)
+    for b in range(3):
+        check_tree_logits(model, rows[b], prompts[b][:-1], trees[b])
+    path0 = trees[0].path(len(trees[0]) - 1)
+    lm.commit([[start + n for n in path0], [start], [start, start + 1], []])
+    prefixes = [prompts[0][:-1] + [trees[0].tokens[n] for n in path0], prompts[1], prompts[2] + [11], prompts[3][:-1]]
+    follow = [TokenTree.root(t) for t in (40, 41, 12, prompts[3][-1])]
+    follow[3].add(0, 42)
+    tokens, block, positions = layout(follow, lm.lengths)
+    logits = lm.forward(tokens, block, positions, sizes=[1, 1, 1, 2]).split([1, 1, 1, 2])
+    for b in range(4):
+        check_tree_logits(model, logits[b], prefixes[b], follow[b])
+
+
+def test_a_wrapped_model_still_generates_as_before(model):
+    """CachedLM runs the model's attention through its ragged-capable wrapper; transformers' generate()
+    on the same model gives what it gave before (thread-local ragged state, the same mask)."""
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    inner = "eager" if CachedLM(model).eager else "sdpa"
+    fresh = AutoModelForCausalLM.from_config(model.config, attn_implementation=inner)  # its own attention, unwrapped
+    fresh.load_state_dict(model.state_dict())
+    assert fresh.config._attn_implementation == inner
+    want = fresh.eval().generate(prompt, max_new_tokens=12, do_sample=False)
+    assert torch.equal(model.generate(prompt, max_new_tokens=12, do_sample=False), want)
