@@ -199,10 +199,13 @@ class ModelDrafter:
             block = torch.eye(W, dtype=torch.bool).expand(B, W, W)
             start = self.lm.size
             for b in range(B):
-                if depths[b] > depth:  # rows that stop here run padding, never committed
+                if depths[b] > depth:
                     for col, node in enumerate(frontier[b]):
                         self.slot_of[b][node] = start + col
-            logits = self.lm.forward(tokens, block, positions, torch.cat([committed, seen], dim=-1))  # [B, W, V]
+            sizes = [W if d > depth else 0 for d in depths]  # rows that stop here sit the forward out
+            packed = self.lm.forward(tokens, block, positions, torch.cat([committed, seen], dim=-1), sizes=sizes)  # [N, V]
+            logits = packed.new_zeros(B, W, packed.shape[-1])  # [B, W, V]
+            logits[[b for b, n in enumerate(sizes) if n]] = packed.view(-1, W, packed.shape[-1])
         return trees
 
     def _grow(self, logits, cum, trees, frontier, depths, depth, params, gens):
@@ -223,6 +226,8 @@ class ModelDrafter:
             tokens[greedy_rows] = top_tok.view(len(greedy_rows), F * W).gather(1, flat)
             new_cum[greedy_rows] = best
         for b in range(B):
+            if depths[b] < depth:
+                continue  # this row's tree stopped a depth ago (it sat the last forward out)
             if not params[b].greedy:
                 q = warp(logits[b], params[b])  # [F, V]
                 if depth == 1:
@@ -233,8 +238,6 @@ class ModelDrafter:
                     parent_col[b] = torch.arange(W)
                 tokens[b] = drawn
                 qs = [trees[b].add_proposal(q[f]) for f in range(F)]
-            if depths[b] < depth:
-                continue
             pcols, toks = parent_col[b].tolist(), tokens[b].tolist()
             frontier[b] = [
                 trees[b].add(frontier[b][pc], tok, -1 if params[b].greedy else qs[pc], from_model=True)
