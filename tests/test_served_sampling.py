@@ -1,0 +1,48 @@
+"""Sampling through the whole served path: gRPC into Ray Serve's ingress, the router, a draft replica's
+loop (a tree two wide) and the target's scheduler, in Ray actors. The joint distribution of the first 4
+sampled tokens must be the target's (chi-square against enumeration, as tests/test_sampling.py does)."""
+
+import shutil
+from collections import Counter
+
+import grpc
+import ray
+from ray import serve
+
+from cluster.serve_app import build_app
+from conftest import SMALL_VOCAB, free_port, save_tokenizer, start_serving
+from protos import specdec_api_pb2 as api
+from protos import specdec_api_pb2_grpc as api_grpc
+from specdec.sampling import SamplingParams
+from test_sampling import P_MIN, PROMPT, chi_square_pvalue, exact_joint
+
+WORDS = [f"v{i}" for i in range(1, SMALL_VOCAB)]  # "v<i>" is token i
+
+
+def test_sampled_output_through_serve_keeps_the_targets_distribution(model_dirs, small_target, tmp_path):
+    target = save_tokenizer(shutil.copytree(model_dirs.small_target, tmp_path / "target"), WORDS)
+    config = {"models": {"target": {"path": target}, "draft": {"path": model_dirs.small_draft}},
+              "placement": {"tensor_parallel_size": 1, "draft_replicas": 1},
+              "speculation": {"drafter": "model", "tree_width": 2},
+              "server": {"max_prompt_tokens": 16, "max_new_tokens": 8, "max_n": 100,
+                         "grpc_port": free_port(), "http_port": free_port()}}
+    path = start_serving(config, tmp_path, num_cpus=4, num_gpus=2)
+    try:
+        serve.run(build_app({"config": str(path)}), name="specdec", route_prefix="/")
+        stub = api_grpc.SpecDecodeStub(grpc.insecure_channel(f"127.0.0.1:{config['server']['grpc_port']}"))
+        prompt, n_tokens, requests, n = " ".join(f"v{t}" for t in PROMPT), 4, 15, 100
+        outcomes, speculative = Counter(), 0
+        for r in range(requests):  # each sample its own random stream: (seed, sample index)
+            reply = stub.Generate(api.GenerateRequest(prompt=prompt, max_new_tokens=n_tokens, temperature=1.0,
+                                                      seed=1000 + r, n=n, speculation=api.SPECULATION_ON),
+                                  timeout=120)
+            for sample in [reply, *reply.more_samples]:
+                outcomes[tuple(sample.token_ids)] += 1
+                speculative += sample.stats.speculative and sample.stats.accepted > 0
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    m = requests * n
+    assert sum(outcomes.values()) == m and speculative > m // 2  # drafts were proposed and kept
+    want = exact_joint(small_target, PROMPT, n_tokens, SamplingParams(temperature=1.0))
+    assert chi_square_pvalue(outcomes, want, m) > P_MIN
