@@ -1,11 +1,15 @@
 """Sampling through the whole served path: gRPC into Ray Serve's ingress, the router, a draft replica's
-loop (a tree two wide) and the target's scheduler, in Ray actors. The joint distribution of the first 4
-sampled tokens must be the target's (chi-square against enumeration, as tests/test_sampling.py does)."""
+loop (a tree two wide; drafting ahead of verification, or not) and the target's scheduler, in Ray
+actors. The joint distribution of the first 4 sampled tokens must be the target's (chi-square against
+enumeration, as tests/test_sampling.py does)."""
 
+import json
 import shutil
+import urllib.request
 from collections import Counter
 
 import grpc
+import pytest
 import ray
 from ray import serve
 
@@ -19,11 +23,12 @@ from test_sampling import P_MIN, PROMPT, chi_square_pvalue, exact_joint
 WORDS = [f"v{i}" for i in range(1, SMALL_VOCAB)]  # "v<i>" is token i
 
 
-def test_sampled_output_through_serve_keeps_the_targets_distribution(model_dirs, small_target, tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_sampled_output_through_serve_keeps_the_targets_distribution(model_dirs, small_target, tmp_path, overlap):
     target = save_tokenizer(shutil.copytree(model_dirs.small_target, tmp_path / "target"), WORDS)
     config = {"models": {"target": {"path": target}, "draft": {"path": model_dirs.small_draft}},
               "placement": {"tensor_parallel_size": 1, "draft_replicas": 1},
-              "speculation": {"drafter": "model", "tree_width": 2},
+              "speculation": {"drafter": "model", "tree_width": 2, "overlap": overlap},
               "server": {"max_prompt_tokens": 16, "max_new_tokens": 8, "max_n": 100,
                          "grpc_port": free_port(), "http_port": free_port()}}
     path = start_serving(config, tmp_path, num_cpus=4, num_gpus=2)
@@ -39,10 +44,13 @@ def test_sampled_output_through_serve_keeps_the_targets_distribution(model_dirs,
             for sample in [reply, *reply.more_samples]:
                 outcomes[tuple(sample.token_ids)] += 1
                 speculative += sample.stats.speculative and sample.stats.accepted > 0
+        with urllib.request.urlopen(f"http://127.0.0.1:{config['server']['http_port']}/v1/stats", timeout=30) as r:
+            drafted_ahead = json.load(r)["timing"]["drafted_ahead"]
     finally:
         serve.shutdown()
         ray.shutdown()
     m = requests * n
     assert sum(outcomes.values()) == m and speculative > m // 2  # drafts were proposed and kept
+    assert (drafted_ahead > 0) == overlap, drafted_ahead  # with overlap, some steps' trees were drafted ahead
     want = exact_joint(small_target, PROMPT, n_tokens, SamplingParams(temperature=1.0))
     assert chi_square_pvalue(outcomes, want, m) > P_MIN
