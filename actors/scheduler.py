@@ -30,7 +30,6 @@ from .streams import Sink
 log = logging.getLogger(__name__)
 CLOSED_KEPT = 4096
 LOAD_SMOOTHING = 0.2  # weight of each forward in the batch's moving average
-PREFILLS_KEPT = 8  # the loop's most recent prefills, against which a waiting tree's wait is measured
 
 
 @dataclass(frozen=True)
@@ -56,7 +55,6 @@ class _Waiter:
     done: threading.Event = field(default_factory=threading.Event)
     result: object = None
     error: Exception | None = None
-    arrived: float = field(default_factory=time.perf_counter)
 
     def finish(self, result=None, error: Exception | None = None) -> None:
         self.result, self.error = result, error
@@ -104,10 +102,6 @@ class TargetScheduler:
         self.costs = Costs()  # the forward's seconds by the tokens in its batch, measured (the router's table)
         self._load = Load()  # tokens per forward run and committed, smoothed
         self.idle_rows_closed = 0
-        # trees verified, and the seconds they waited while the loop prefilled joining requests: a stall
-        # plain rows share, which the router must not charge to speculation alone
-        self.trees_verified, self.tree_prefill_wait_s = 0, 0.0
-        self._prefills: collections.deque[tuple[float, float]] = collections.deque(maxlen=PREFILLS_KEPT)  # (start, end)
         self._cv = threading.Condition()
         self._waiting: collections.deque[_Join] = collections.deque()  # admission queue, in arrival order
         # closed before they were opened (a caller that gave up while its Open was on the way): a later
@@ -176,8 +170,7 @@ class TargetScheduler:
                     "kv_tokens_reserved": sum(held.values()), "waiting": len(self._waiting),
                     "forward_costs": dict(self.costs.verify_table), "batch_tokens": load.batch_tokens,
                     "committed_per_forward": load.committed, "batch_rows": load.rows,
-                    "idle_rows_closed": self.idle_rows_closed, "trees_verified": self.trees_verified,
-                    "tree_prefill_wait_s": self.tree_prefill_wait_s}
+                    "idle_rows_closed": self.idle_rows_closed}
 
     def stop(self) -> None:
         with self._cv:
@@ -229,10 +222,7 @@ class TargetScheduler:
                 joining = self._admit()
                 trees, self._trees = self._trees, {}
             self._remove(leaving)
-            t0 = time.perf_counter()
             self._add(joining)
-            if joining:
-                self._prefills.append((t0, time.perf_counter()))
             self._step(trees)
 
     def _until_idle(self) -> float | None:
@@ -344,8 +334,6 @@ class TargetScheduler:
         with self._cv:
             self.forwards += 1
             self.forward_time_s += elapsed
-            self.trees_verified += len(trees)
-            self.tree_prefill_wait_s += sum(self._prefill_wait(w.arrived, t0) for _, w in trees.values())
             self.largest_batch = max(self.largest_batch, len(batch))
             self._observe(elapsed, len(batch), sum(map(len, batch.values())),
                           sum(len(v.tokens) for v in verdicts.values()))
@@ -354,10 +342,6 @@ class TargetScheduler:
             waiter.finish(verdicts)
         for rid, plain in list(self._plain.items()):
             self._advance_plain(rid, plain, batch[rid], verdicts[rid], elapsed)
-
-    def _prefill_wait(self, arrived: float, started: float) -> float:
-        """Seconds of [arrived, started] (a tree's wait for its forward) the loop spent prefilling."""
-        return sum(max(0.0, min(end, started) - max(begin, arrived)) for begin, end in self._prefills)
 
     def _observe(self, seconds: float, rows: int, tokens: int, committed: int) -> None:
         self.costs.observe_verify(seconds, tokens)

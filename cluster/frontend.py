@@ -39,36 +39,32 @@ _ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableErro
 TARGET_STATS_TIMEOUT_S = 5.0
 STEP_SMOOTHING = 0.3  # weight of each poll's step measurements in RecentSteps (polled every GAUGES_EVERY_S)
 TARGET_HELD = ("open_requests", "kv_tokens_reserved", "waiting", "largest_batch", "idle_rows_closed")
-TARGET_COUNTS = ("forwards", "forward_time_s", "trees_verified", "tree_prefill_wait_s")  # cumulative, for RecentSteps
 
 
 @dataclass(frozen=True)
 class RecentSteps:
     """What a speculative step costs beyond its forward, as measured over the last seconds (the router
     must see the load now, not the average since start): the hop (the replica's round trip less the
-    target's mean forward and less the time its tree waited while the target prefilled joining
-    requests, a stall plain rows share), the draft replicas' seconds per drafted token, and the share
-    of steps drafted ahead. Each poll adds the interval's measurements with weight STEP_SMOOTHING (the
-    first is taken whole); an interval without speculative steps changes nothing."""
+    target's mean forward), the draft replicas' seconds per drafted token, and the share of steps
+    drafted ahead. Each poll adds the interval's measurements with weight STEP_SMOOTHING (the first
+    is taken whole); an interval without speculative steps changes nothing."""
 
     hop_s: float = 0.0
     draft_s_per_token: float | None = None
     drafted_ahead: float = 0.0
     timing: dict | None = None  # the ingress's cumulative timing at the last poll
-    target: dict | None = None  # the target's cumulative counts (TARGET_COUNTS) at the last poll
+    forwards: tuple[int, float] = (0, 0.0)  # the target's (forwards, forward_time_s) at the last poll
 
-    def observe(self, timing: dict, target: dict) -> "RecentSteps":
-        target = {key: target.get(key, 0) for key in TARGET_COUNTS}
-        seen = replace(self, timing=timing, target=target)
-        if self.timing is None or target["forwards"] < self.target["forwards"]:  # the first poll, or a rebuilt target
+    def observe(self, timing: dict, forwards: int, forward_time_s: float) -> "RecentSteps":
+        seen = replace(self, timing=timing, forwards=(forwards, forward_time_s))
+        if self.timing is None or forwards < self.forwards[0]:  # the first poll, or a rebuilt target
             return seen
         d = {key: timing[key] - self.timing[key] for key in timing}
-        t = {key: target[key] - self.target[key] for key in target}
-        if d["steps"] <= 0 or t["forwards"] <= 0 or d["drafted"] <= 0:
+        d_forwards = forwards - self.forwards[0]
+        if d["steps"] <= 0 or d_forwards <= 0 or d["drafted"] <= 0:
             return seen
-        forward_s = t["forward_time_s"] / t["forwards"]
-        prefill_wait_s = t["tree_prefill_wait_s"] / t["trees_verified"] if t["trees_verified"] > 0 else 0.0
-        now = {"hop_s": max(0.0, d["step_round_trip_s"] / d["steps"] - forward_s - prefill_wait_s),
+        forward_s = (forward_time_s - self.forwards[1]) / d_forwards
+        now = {"hop_s": max(0.0, d["step_round_trip_s"] / d["steps"] - forward_s),
                "draft_s_per_token": d["draft_s"] / d["drafted"], "drafted_ahead": d["drafted_ahead"] / d["steps"]}
         if self.draft_s_per_token is None:  # the first measurement: nothing to smooth with yet
             return replace(seen, **now)
@@ -314,9 +310,7 @@ class Frontend:
         """The router's view, this ingress's requests and step timing, and the target group: up or down
         (why, rebuilds, the last recovery's seconds) and what it holds (None while unreachable)."""
         target = await self._target_stats()
-        timing = {"forwards": target.get("forwards"), "forward_s": target.get("forward_time_s"),
-                  "trees_verified": target.get("trees_verified"), "tree_prefill_wait_s": target.get("tree_prefill_wait_s"),
-                  **self.timing}
+        timing = {"forwards": target.get("forwards"), "forward_s": target.get("forward_time_s"), **self.timing}
         held = {key: target.get(key) for key in TARGET_HELD}
         return {"task_types": self.router.stats(), "requests": dict(self.served), "in_flight": self.in_flight,
                 "timing": timing, "target": self.supervisor.stats() | held}
@@ -359,7 +353,7 @@ class Frontend:
             target = ray.get(self.topology.target.stats.remote(), timeout=5 * GAUGES_EVERY_S)
         except ray.exceptions.RayError:
             return  # the target is away: the router keeps what it last knew
-        self.recent = self.recent.observe(dict(self.timing), target)
+        self.recent = self.recent.observe(dict(self.timing), target["forwards"], target["forward_time_s"])
         self.router.observe_target(TargetView(
             Costs(verify_table=target["forward_costs"]), Load(target["batch_tokens"], target["committed_per_forward"], target["batch_rows"]),
             self.recent.hop_s, self.recent.drafted_ahead, self.recent.draft_s_per_token))

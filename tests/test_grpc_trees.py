@@ -23,7 +23,6 @@ from specdec.errors import ResourceExhausted
 from specdec.kvcache import CachedLM
 from specdec.sampling import SamplingParams
 from specdec.target import TargetWorker
-from specdec.tree import TokenTree
 
 GREEDY = SamplingParams()
 
@@ -113,33 +112,6 @@ def test_kv_budget_admits_in_arrival_order_and_bounds_rows(target, reference):
     assert [s.wait()[0] for s in sinks] == reference.continuations[:5]
     with pytest.raises(ValueError, match="over the target's budget"):
         scheduler.decode("huge", [1] * (3 * longest), GREEDY, 8, set(), Collect())
-    scheduler.stop()
-
-
-class SlowPrefill(TargetWorker):
-    """A worker whose prefill takes 0.4 s more: long enough for a tree to arrive while it runs."""
-
-    def add(self, joining):
-        time.sleep(0.4)
-        super().add(joining)
-
-
-def test_the_scheduler_counts_what_trees_waited_through_prefill(target, reference):
-    """The router charges a speculative step its hop, not the stall of other requests' prefill (which
-    plain rows share): the scheduler reports how long trees waited while it prefilled."""
-    scheduler = TargetScheduler(SlowPrefill(CachedLM(target)), KvBudget())
-    prompt = reference.prompts[0]
-    scheduler.open("s", prompt, GREEDY, 0, NEW_TOKENS)
-    plain = Collect()
-    scheduler.decode("p", reference.prompts[1], GREEDY, NEW_TOKENS, set(), plain)  # its prefill starts now
-    time.sleep(0.05)
-    scheduler.verify({"s": TokenTree.root(prompt[-1])})  # waits for the prefill, then its forward
-    stats = scheduler.stats()
-    assert stats["trees_verified"] == 1 and 0.25 <= stats["tree_prefill_wait_s"] <= 0.45, stats
-    plain.wait()
-    verdict = scheduler.verify({"s": TokenTree.root(reference.continuations[0][0])})  # no prefill now
-    assert verdict["s"].tokens == [reference.continuations[0][1]]
-    assert scheduler.stats()["tree_prefill_wait_s"] == pytest.approx(stats["tree_prefill_wait_s"])
     scheduler.stop()
 
 
