@@ -17,6 +17,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+
 @dataclass(frozen=True)
 class Ragged:
     """A block of T slots per row of which only some hold real tokens (row b's first sizes[b]); the rest
@@ -47,8 +48,10 @@ def ragged_attention(module, query, key, value, attention_mask, inner: str, **kw
     """The model's own attention (`inner`), which a CachedLM's model runs under: as it is, except in a
     ragged forward (this thread's), where the packed queries [1, H, N, D] are padded out to [B, H, T, D]
     against the rows' keys and values [B, H, S, D] and the output packed again -> [1, N, H, D]."""
-    own_eager = sys.modules[type(module).__module__].eager_attention_forward  # each model file defines its own
-    attend = ALL_ATTENTION_FUNCTIONS.get_interface(inner, own_eager)
+    if inner == "eager":  # each model file defines its own eager attention
+        attend = sys.modules[type(module).__module__].eager_attention_forward
+    else:
+        attend = ALL_ATTENTION_FUNCTIONS[inner]
     if (block := _BLOCK.get()) is None:
         return attend(module, query, key, value, attention_mask, **kwargs)
     out, weights = attend(module, block.pad(query), key, value, attention_mask, **kwargs)  # [B, T, H, D]
