@@ -9,7 +9,7 @@ from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.drafters import make_drafter
 from specdec.errors import Unavailable
 from specdec.kvcache import CachedLM
-from specdec.loading import load_model, parse_dtype
+from specdec.loading import load_served_model, parse_dtype
 from specdec.sampling import SamplingParams
 
 from .draft_loop import DraftLoop, DraftRequest, GrpcTarget
@@ -32,7 +32,7 @@ class DraftReplica:
         overlap: draft each step while the target verifies the one before (actors.draft_loop).
         security: the topology's secret (sent on every call to the target) and TLS files, if any."""
         use_assigned_cpus()
-        self.models = {task: load_model(path, parse_dtype(dtype), device_for_actor())
+        self.models = {task: load_served_model(path, parse_dtype(dtype), device_for_actor())
                        for task, (path, dtype) in drafts.items()}
         self.drafter, self.width, self.overlap = drafter, width, overlap
         make_drafter(drafter, CachedLM(self.models[""]) if "" in self.models else None, width)  # fail at start

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.kvcache import CachedLM
-from specdec.loading import load_model, load_sharded_model, parse_dtype
+from specdec.loading import load_served_model, load_sharded_model, parse_dtype
 from specdec.sampling import SamplingParams
 from specdec.target import TargetWorker
 
@@ -49,7 +49,7 @@ class TargetRank:
         self.rank, self.scheduler = rank, None
         self.streams: dict[str, StepStream] = {}
         if world_size == 1:
-            worker = TargetWorker(CachedLM(load_model(model_path, parse_dtype(dtype), device_for_actor())))
+            worker = TargetWorker(CachedLM(load_served_model(model_path, parse_dtype(dtype), device_for_actor())))
             self.weights_held = _local_numel(worker.lm.model)
         else:
             group = _join_tensor_parallel_group(rank, world_size, dist_address)

@@ -449,15 +449,15 @@ def drain(http: str, timeout_s: float) -> dict:
 
 
 def greedy_references(target_dir: str, prompts: list[dict], max_new_tokens: int) -> list[list[int]]:
-    """Plain decoding of every prompt: transformers generate(), greedy, on the served target, encoded as
-    the ingress encodes."""
+    """Plain decoding of every prompt: transformers generate(), greedy, on the target as it is served
+    (specdec.loading.load_served_model), encoded as the ingress encodes."""
     import torch
 
-    from specdec.loading import eos_ids, load_model, load_tokenizer
+    from specdec.loading import eos_ids, load_served_model, load_tokenizer
 
     from .served_bench import hf_greedy
 
-    tokenizer, model = load_tokenizer(target_dir), load_model(target_dir)
+    tokenizer, model = load_tokenizer(target_dir), load_served_model(target_dir)
     eos = sorted(eos_ids(model.generation_config, tokenizer))
     with torch.inference_mode():
         return [hf_greedy(model, tokenizer(p["prompt"])["input_ids"], max_new_tokens, eos) for p in prompts]

@@ -141,7 +141,7 @@ def cmd_generate(args) -> None:
     from .drafters import make_drafter
     from .engine import SpeculativeEngine
     from .kvcache import CachedLM
-    from .loading import check_same_vocabulary, eos_ids, load_model, load_tokenizer, parse_dtype
+    from .loading import check_same_vocabulary, eos_ids, load_served_model, load_tokenizer, parse_dtype
 
     if args.num_samples < 1:
         raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
@@ -151,11 +151,11 @@ def cmd_generate(args) -> None:
     drafter_name = args.drafter or ("model+ngram" if args.draft else "ngram")
     dtype = parse_dtype(args.dtype)
     tokenizer = load_tokenizer(args.target)
-    target = load_model(args.target, dtype, args.device)
+    target = load_served_model(args.target, dtype, args.device)
     draft = None
     if args.draft and drafter_name in ("model", "model+ngram"):
         check_same_vocabulary(tokenizer, load_tokenizer(args.draft))
-        draft = CachedLM(load_model(args.draft, dtype, args.device))
+        draft = CachedLM(load_served_model(args.draft, dtype, args.device))
     engine = SpeculativeEngine(CachedLM(target), make_drafter(drafter_name, draft, config.width), config,
                                eos_ids(target.generation_config, tokenizer))
     prompt = tokenizer(args.prompt)["input_ids"]

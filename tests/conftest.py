@@ -6,7 +6,9 @@ No model can be downloaded, so the tests make their own:
   * `draft`   a copy of the target with Gaussian noise on every weight: it agrees with the target
               often but not always (per-depth acceptance around one half);
   * `small_target` / `small_draft`  vocab 8, for tests that enumerate exact output distributions.
-All are saved with save_pretrained and read back through specdec.loading.load_model."""
+All are saved with save_pretrained and read back the real way: `target` and `draft` as the server
+loads them (specdec.loading.load_served_model: linear layers packed for oneDNN), the small pair through
+specdec.loading.load_model (plain nn.Linear), so the engine's tests cover both."""
 
 import copy
 import random
@@ -21,7 +23,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from specdec.loading import load_model
+from specdec.loading import load_model, load_served_model
 
 VOCAB = 64
 NEW_TOKENS = 24  # tokens generated in the greedy equality tests
@@ -146,12 +148,12 @@ def model_dirs(tmp_path_factory) -> ModelDirs:
 
 @pytest.fixture(scope="session")
 def target(model_dirs):
-    return load_model(model_dirs.target)
+    return load_served_model(model_dirs.target)  # as served: linear layers packed (specdec.cpu_linear)
 
 
 @pytest.fixture(scope="session")
 def draft(model_dirs):
-    return load_model(model_dirs.draft)
+    return load_served_model(model_dirs.draft)
 
 
 @pytest.fixture(scope="session")

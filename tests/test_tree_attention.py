@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specdec import CachedLM, TokenTree
+from specdec.cpu_linear import pack_linears
 from specdec.tree import layout
 
 ATOL = 1e-4
@@ -47,7 +48,7 @@ def check_tree_logits(model, logits_row: torch.Tensor, prefix: list[int], tree: 
 def model(request, model_dirs, target):
     if request.param == "sdpa":
         return target
-    return AutoModelForCausalLM.from_pretrained(model_dirs.target, dtype=torch.float32, attn_implementation="eager").eval()
+    return pack_linears(AutoModelForCausalLM.from_pretrained(model_dirs.target, attn_implementation="eager").eval())
 
 
 @pytest.mark.parametrize("prompt_len", [1, 2, 9, 30])
@@ -179,13 +180,13 @@ def test_ragged_forward_runs_only_real_tokens_and_matches_plain_logits(model):
         check_tree_logits(model, logits[b], prefixes[b], follow[b])
 
 
-def test_a_wrapped_model_still_generates_as_before(model):
+def test_a_wrapped_model_still_generates_as_before(model, model_dirs):
     """CachedLM runs the model's attention through its ragged-capable wrapper; transformers' generate()
     on the same model gives what it gave before (thread-local ragged state, the same mask)."""
     prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     inner = "eager" if CachedLM(model).eager else "sdpa"
-    fresh = AutoModelForCausalLM.from_config(model.config, attn_implementation=inner)  # its own attention, unwrapped
-    fresh.load_state_dict(model.state_dict())
+    fresh = AutoModelForCausalLM.from_pretrained(model_dirs.target, attn_implementation=inner)  # its own attention
+    fresh = pack_linears(fresh.eval())
     assert fresh.config._attn_implementation == inner
     want = fresh.eval().generate(prompt, max_new_tokens=12, do_sample=False)
     assert torch.equal(model.generate(prompt, max_new_tokens=12, do_sample=False), want)

@@ -1,0 +1,47 @@
+"""Linear layers packed for oneDNN (specdec.cpu_linear) compute what nn.Linear computes, up to float
+rounding, and the server's loader uses them on a CPU."""
+
+import pytest
+import torch
+from torch import nn
+
+from specdec.cpu_linear import PackedLinear, can_pack, pack_linears
+from specdec.loading import load_model, load_served_model
+
+from conftest import NEW_TOKENS, hf_greedy
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 9, 40])
+def test_packed_linear_matches_nn_linear(bias, rows):
+    torch.manual_seed(rows)
+    linear = nn.Linear(48, 80, bias=bias)
+    x = torch.randn(2, rows, 48)  # [B, T, in]
+    with torch.inference_mode():
+        want, got = linear(x), PackedLinear(linear)(x)
+    assert got.shape == want.shape == (2, rows, 80)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_served_loader_packs_every_linear_and_keeps_the_logits(model_dirs):
+    plain, served = load_model(model_dirs.target), load_served_model(model_dirs.target)
+    assert not any(type(m) is nn.Linear for m in served.modules())
+    packed = [m for m in served.modules() if isinstance(m, PackedLinear)]
+    assert len(packed) == sum(type(m) is nn.Linear for m in plain.modules()) > 0
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    with torch.inference_mode():
+        torch.testing.assert_close(served(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_served_target_decodes_greedy_as_the_plain_one(model_dirs, reference):
+    """The reference prompts have no near-tie on their greedy path, so rounding cannot flip a token."""
+    plain = load_model(model_dirs.target)
+    for prompt, want in zip(reference.prompts, reference.continuations):  # `reference` runs the served target
+        assert hf_greedy(plain, prompt, NEW_TOKENS)[0] == want, prompt
+
+
+def test_models_oneDNN_cannot_run_are_left_as_they_are(model_dirs):
+    half = load_model(model_dirs.small_target, dtype=torch.float16)
+    assert not can_pack(half)
+    assert pack_linears(half) is half
+    assert any(type(m) is nn.Linear for m in half.modules())
