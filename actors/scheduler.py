@@ -102,6 +102,10 @@ class TargetScheduler:
         self.costs = Costs()  # the forward's seconds by the tokens in its batch, measured (the router's table)
         self._load = Load()  # tokens per forward run and committed, smoothed
         self.idle_rows_closed = 0
+        # seconds the loop spent between forwards prefilling joining requests and dropping leaving ones:
+        # a stall every running row waits through, plain or speculating (the router charges it to both)
+        self.stall_time_s = 0.0
+        self.committed_tokens = 0  # tokens the forwards committed, all rows
         self._cv = threading.Condition()
         self._waiting: collections.deque[_Join] = collections.deque()  # admission queue, in arrival order
         # closed before they were opened (a caller that gave up while its Open was on the way): a later
@@ -170,7 +174,8 @@ class TargetScheduler:
                     "kv_tokens_reserved": sum(held.values()), "waiting": len(self._waiting),
                     "forward_costs": dict(self.costs.verify_table), "batch_tokens": load.batch_tokens,
                     "committed_per_forward": load.committed, "batch_rows": load.rows,
-                    "idle_rows_closed": self.idle_rows_closed}
+                    "idle_rows_closed": self.idle_rows_closed, "stall_time_s": self.stall_time_s,
+                    "committed_tokens": self.committed_tokens}
 
     def stop(self) -> None:
         with self._cv:
@@ -221,8 +226,11 @@ class TargetScheduler:
                 leaving, self._leaving = self._leaving + self._idle(), []
                 joining = self._admit()
                 trees, self._trees = self._trees, {}
+            t0 = time.perf_counter()
             self._remove(leaving)
             self._add(joining)
+            if leaving or joining:
+                self.stall_time_s += time.perf_counter() - t0
             self._step(trees)
 
     def _until_idle(self) -> float | None:
@@ -334,6 +342,7 @@ class TargetScheduler:
         with self._cv:
             self.forwards += 1
             self.forward_time_s += elapsed
+            self.committed_tokens += sum(len(v.tokens) for v in verdicts.values())
             self.largest_batch = max(self.largest_batch, len(batch))
             self._observe(elapsed, len(batch), sum(map(len, batch.values())),
                           sum(len(v.tokens) for v in verdicts.values()))

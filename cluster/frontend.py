@@ -38,39 +38,52 @@ log = logging.getLogger(__name__)
 _ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 TARGET_STATS_TIMEOUT_S = 5.0
 STEP_SMOOTHING = 0.3  # weight of each poll's step measurements in RecentSteps (polled every GAUGES_EVERY_S)
+TARGET_COUNTS = ("forwards", "forward_time_s", "stall_time_s", "committed_tokens")  # cumulative: RecentSteps
 TARGET_HELD = ("open_requests", "kv_tokens_reserved", "waiting", "largest_batch", "idle_rows_closed")
 
 
 @dataclass(frozen=True)
 class RecentSteps:
-    """What a speculative step costs beyond its forward, as measured over the last seconds (the router
-    must see the load now, not the average since start): the hop (the replica's round trip less the
-    target's mean forward), the draft replicas' seconds per drafted token, and the share of steps
-    drafted ahead. Each poll adds the interval's measurements with weight STEP_SMOOTHING (the first
-    is taken whole); an interval without speculative steps changes nothing."""
+    """What a step costs beyond its forward, as measured over the last seconds (the router must see the
+    load now, not the average since start): the target loop's stall per token committed (prefilling
+    joining requests, which plain and speculating rows wait through alike), a speculative step's hop
+    (the replica's round trip less the target's mean forward and its stall per forward), the draft
+    replicas' seconds per drafted token, and the share of steps drafted ahead. Each poll adds the interval's
+    measurements with weight STEP_SMOOTHING (the first is taken whole); an interval without forwards
+    changes nothing, one without speculative steps only the stall."""
 
     hop_s: float = 0.0
     draft_s_per_token: float | None = None
     drafted_ahead: float = 0.0
+    stall_s_per_token: float | None = None
     timing: dict | None = None  # the ingress's cumulative timing at the last poll
-    forwards: tuple[int, float] = (0, 0.0)  # the target's (forwards, forward_time_s) at the last poll
+    target: tuple[int, float, float, int] = (0, 0.0, 0.0, 0)  # the target's TARGET_COUNTS at the last poll
 
-    def observe(self, timing: dict, forwards: int, forward_time_s: float) -> "RecentSteps":
-        seen = replace(self, timing=timing, forwards=(forwards, forward_time_s))
-        if self.timing is None or forwards < self.forwards[0]:  # the first poll, or a rebuilt target
+    def observe(self, timing: dict, target: dict) -> "RecentSteps":
+        counts = tuple(target.get(key, 0) for key in TARGET_COUNTS)
+        seen = replace(self, timing=timing, target=counts)
+        forwards, forward_time_s, stall_time_s, committed = counts
+        if self.timing is None or forwards < self.target[0]:  # the first poll, or a rebuilt target
             return seen
         d = {key: timing[key] - self.timing[key] for key in timing}
-        d_forwards = forwards - self.forwards[0]
-        if d["steps"] <= 0 or d_forwards <= 0 or d["drafted"] <= 0:
+        d_forwards, d_stall, d_committed = forwards - self.target[0], stall_time_s - self.target[2], committed - self.target[3]
+        if d_forwards <= 0 or d_committed <= 0:
             return seen
-        forward_s = (forward_time_s - self.forwards[1]) / d_forwards
-        now = {"hop_s": max(0.0, d["step_round_trip_s"] / d["steps"] - forward_s),
+        forward_s = (forward_time_s - self.target[1]) / d_forwards
+        stall_now = d_stall / d_forwards  # per forward
+        seen = replace(seen, stall_s_per_token=_smoothed(self.stall_s_per_token, d_stall / d_committed))
+        if d["steps"] <= 0 or d["drafted"] <= 0:
+            return seen
+        now = {"hop_s": max(0.0, d["step_round_trip_s"] / d["steps"] - forward_s - stall_now),
                "draft_s_per_token": d["draft_s"] / d["drafted"], "drafted_ahead": d["drafted_ahead"] / d["steps"]}
         if self.draft_s_per_token is None:  # the first measurement: nothing to smooth with yet
             return replace(seen, **now)
-        a, old = STEP_SMOOTHING, {"hop_s": self.hop_s, "draft_s_per_token": self.draft_s_per_token,
-                                  "drafted_ahead": self.drafted_ahead}
-        return replace(seen, **{key: old[key] + a * (now[key] - old[key]) for key in now})
+        old = {"hop_s": self.hop_s, "draft_s_per_token": self.draft_s_per_token, "drafted_ahead": self.drafted_ahead}
+        return replace(seen, **{key: _smoothed(old[key], now[key]) for key in now})
+
+
+def _smoothed(old: float | None, now: float) -> float:
+    return now if old is None else old + STEP_SMOOTHING * (now - old)
 
 
 class QueueFull(ResourceExhausted):
@@ -310,7 +323,8 @@ class Frontend:
         """The router's view, this ingress's requests and step timing, and the target group: up or down
         (why, rebuilds, the last recovery's seconds) and what it holds (None while unreachable)."""
         target = await self._target_stats()
-        timing = {"forwards": target.get("forwards"), "forward_s": target.get("forward_time_s"), **self.timing}
+        timing = {"forwards": target.get("forwards"), "forward_s": target.get("forward_time_s"),
+                  "stall_s": target.get("stall_time_s"), **self.timing}
         held = {key: target.get(key) for key in TARGET_HELD}
         return {"task_types": self.router.stats(), "requests": dict(self.served), "in_flight": self.in_flight,
                 "timing": timing, "target": self.supervisor.stats() | held}
@@ -353,10 +367,10 @@ class Frontend:
             target = ray.get(self.topology.target.stats.remote(), timeout=5 * GAUGES_EVERY_S)
         except ray.exceptions.RayError:
             return  # the target is away: the router keeps what it last knew
-        self.recent = self.recent.observe(dict(self.timing), target["forwards"], target["forward_time_s"])
+        self.recent = self.recent.observe(dict(self.timing), target)
         self.router.observe_target(TargetView(
             Costs(verify_table=target["forward_costs"]), Load(target["batch_tokens"], target["committed_per_forward"], target["batch_rows"]),
-            self.recent.hop_s, self.recent.drafted_ahead, self.recent.draft_s_per_token))
+            self.recent.hop_s, self.recent.drafted_ahead, self.recent.draft_s_per_token, self.recent.stall_s_per_token or 0.0))
 
 
 def _chunk(part: dict, text: Detokenizer, final: bool = False) -> Chunk:

@@ -65,21 +65,23 @@ class Plan:
 @dataclass(frozen=True)
 class TargetView:
     """What the router knows of the target group, as measured: its forward's cost by batch tokens,
-    its batch now, a speculative step's round trip beyond the forward (hop_s), and the share of
-    speculative steps whose tree was drafted ahead (their drafting hidden behind verification)."""
+    its batch now, a speculative step's round trip beyond the forward and the loop's stall (hop_s),
+    the share of speculative steps whose tree was drafted ahead (their drafting hidden behind
+    verification), and the loop's stall per token committed."""
 
     costs: Costs
     load: Load = Load()
     hop_s: float = 0.0
     drafted_ahead: float = 0.0
     draft_s_per_token: float | None = None  # measured on the draft replicas; None until they have drafted
+    stall_s_per_token: float = 0.0  # the target loop's seconds prefilling joining requests, per token committed
 
     def step_costs(self, draft_cost_ratio: float) -> StepCosts:
         """A drafted token costs what the replicas measured, or, until they have, draft_cost_ratio of a
         one-token target forward (the routing key); drafting hidden behind verification costs nothing."""
         per_token = (self.draft_s_per_token if self.draft_s_per_token is not None
                      else draft_cost_ratio * self.costs.verify(1))
-        return StepCosts(self.costs, per_token * (1 - self.drafted_ahead), self.hop_s)
+        return StepCosts(self.costs, per_token * (1 - self.drafted_ahead), self.hop_s, self.stall_s_per_token)
 
 
 @dataclass

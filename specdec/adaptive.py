@@ -261,23 +261,28 @@ class Load:
 
 @dataclass(frozen=True)
 class StepCosts:
-    """What a speculative step costs: the target's forward by batch tokens (measured), a drafted token,
-    and the step's overhead beyond its forward (the hop to the target and back), in seconds."""
+    """What a step costs: the target's forward by batch tokens (measured), a drafted token, and a
+    speculative step's overhead beyond its forward (the hop to the target and back), in seconds; and
+    the target loop's stall (prefilling joining requests, which every row waits through) per token
+    committed: a request's prefill is paid once, whichever way its tokens are then decoded."""
 
     target: Costs
     draft_forward: float
     hop: float = 0.0
+    stall_per_token: float = 0.0
 
 
 def goodput(costs: StepCosts, load: Load, alpha: float, k: int) -> float:
     """Tokens per second the target commits if its whole batch (the rows running now and one more)
     decodes plain (K = 0) or speculates K deep, as TurboSpec (arXiv 2406.14066) weighs speculation
     against batch size: R rows commit R tokens per forward of R tokens plain, and R * E[tokens | alpha,
-    K] per step of a forward of R(K + 1) tokens plus its draft and hop. The batch as a whole, not one
+    K] per step of a forward of R(K + 1) tokens plus its draft and hop; both pay the loop's stall per
+    token they commit (a plain step that left it out would look cheaper than it is). The batch as a whole, not one
     row added to it as it is: with every row already speculating the forward is dear, and one more
     row's K tokens would look cheap beside it, so speculation would keep itself on."""
     rows = load.rows + 1
     # a table measured in noise can extrapolate to nothing: a forward costs at least the cheapest seen
     forward = max(costs.target.verify(round(rows * (k + 1))), min(costs.target.verify_table.values()))
     step = forward + (k * costs.draft_forward + costs.hop if k else 0.0)
-    return rows * expected_tokens(alpha, k) / step
+    tokens = rows * expected_tokens(alpha, k)
+    return tokens / (step + tokens * costs.stall_per_token)

@@ -199,6 +199,16 @@ def test_configmap_mounted_as_directory_in_every_pod(profile):
 
 
 @pytest.mark.parametrize("profile", PROFILES)
+def test_every_pod_runs_ray_workers_at_nice_0_as_specdec_serve_does(profile):
+    from cluster.commands import WORKER_NICENESS
+
+    for group in pod_groups(rayservice(profile)):
+        (container,) = group["template"]["spec"]["containers"]
+        env = {var["name"]: var.get("value") for var in container.get("env", [])}
+        assert env.get("RAY_worker_niceness") == WORKER_NICENESS, group["groupName"]
+
+
+@pytest.mark.parametrize("profile", PROFILES)
 def test_routing_is_the_ingress_user_config(profile):
     """Routing lives in one place, serveConfigV2's user_config for the ingress deployment (applied in
     place, live); it is a valid live config and the ConfigMap's YAML does not repeat it."""

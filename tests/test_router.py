@@ -277,21 +277,25 @@ def test_the_router_sees_step_costs_of_the_last_seconds_not_since_start():
     from cluster.frontend import RecentSteps
 
     timing = {"steps": 0, "step_round_trip_s": 0.0, "draft_s": 0.0, "drafted_ahead": 0, "drafted": 0}
-    recent = RecentSteps().observe(dict(timing), 0, 0.0)
+    def target(forwards, forward_s, stall_s=0.0, committed=None):
+        return {"forwards": forwards, "forward_time_s": forward_s, "stall_time_s": stall_s,
+                "committed_tokens": 3 * forwards if committed is None else committed}
+
+    recent = RecentSteps().observe(dict(timing), target(0, 0.0))
     forwards, forward_s = 0, 0.0
     for _ in range(20):  # idle: 10 steps a second, 25 ms round trips on 20 ms forwards, 4 drafted tokens at 3 ms
         timing = timing | {"steps": timing["steps"] + 10, "step_round_trip_s": timing["step_round_trip_s"] + 0.25,
                            "draft_s": timing["draft_s"] + 0.12, "drafted": timing["drafted"] + 40}
         forwards, forward_s = forwards + 10, forward_s + 0.2
-        recent = recent.observe(dict(timing), forwards, forward_s)
+        recent = recent.observe(dict(timing), target(forwards, forward_s))
     assert recent.hop_s == pytest.approx(0.005) and recent.draft_s_per_token == pytest.approx(0.003)
     for _ in range(20):  # loaded: 120 ms round trips on 40 ms forwards, drafting at 10 ms a token
         timing = timing | {"steps": timing["steps"] + 10, "step_round_trip_s": timing["step_round_trip_s"] + 1.2,
                            "draft_s": timing["draft_s"] + 0.4, "drafted": timing["drafted"] + 40}
         forwards, forward_s = forwards + 10, forward_s + 0.4
-        recent = recent.observe(dict(timing), forwards, forward_s)
+        recent = recent.observe(dict(timing), target(forwards, forward_s))
     assert recent.hop_s == pytest.approx(0.08, rel=0.01) and recent.draft_s_per_token == pytest.approx(0.01, rel=0.01)
-    assert RecentSteps().observe(dict(timing), 5, 0.1).observe(dict(timing), 1, 0.01).hop_s == 0  # rebuilt target
+    assert RecentSteps().observe(dict(timing), target(5, 0.1)).observe(dict(timing), target(1, 0.01)).hop_s == 0  # rebuilt
     view = TargetView(CPU_TARGET, Load(1, 1, 1), recent.hop_s, 0.0, recent.draft_s_per_token)
     assert view.step_costs(draft_cost_ratio=0.15).draft_forward == pytest.approx(0.01, rel=0.01)
     router = Router(routing())
@@ -314,3 +318,34 @@ def test_speculation_does_not_keep_itself_on_when_the_batch_is_already_speculati
         decisions.append((stats["decision"], stats["k"], stats["goodput"]))
     assert decisions[0] == decisions[1]
     assert decisions[0][0] == "off"  # 9 rows on this CPU-like target: plain commits more
+
+
+def test_the_loops_stall_is_charged_to_plain_steps_too():
+    """Prefills between forwards stall every row, once per request whichever way it decodes. Charged to
+    the speculative step's hop alone, they made plain decoding look cheaper than it is: with the stall
+    charged per committed token, speculating wins at 9 rows."""
+    router = Router(routing(max_k=8))
+    report_alpha(router, "code", 0.8, times=MIN_SAMPLES)
+    load = Load(batch_tokens=8, committed=8, rows=8)
+    router.observe_target(TargetView(CPU_TARGET, load, hop_s=0.003))
+    assert router.stats()["code"]["decision"] == "off"
+    router.observe_target(TargetView(CPU_TARGET, load, hop_s=0.003, stall_s_per_token=0.004))
+    stats = router.stats()["code"]
+    assert stats["decision"] == "on" and stats["goodput"]["speculative"] > stats["goodput"]["plain"]
+
+
+def test_recent_steps_take_the_stall_out_of_the_hop_and_follow_it_without_speculation():
+    from cluster.frontend import RecentSteps
+
+    timing = {"steps": 0, "step_round_trip_s": 0.0, "draft_s": 0.0, "drafted_ahead": 0, "drafted": 0}
+    counts = dict.fromkeys(("forwards", "forward_time_s", "stall_time_s", "committed_tokens"), 0)
+    recent = RecentSteps().observe(dict(timing), counts)
+    # 10 forwards committing 30 tokens: 30 ms round trips on 20 ms forwards, and the loop spent 60 ms
+    # prefilling between them (6 ms per forward, 2 ms per token)
+    timing = timing | {"steps": 10, "step_round_trip_s": 0.3, "draft_s": 0.1, "drafted": 40}
+    counts = {"forwards": 10, "forward_time_s": 0.2, "stall_time_s": 0.06, "committed_tokens": 30}
+    recent = recent.observe(dict(timing), counts)
+    assert recent.stall_s_per_token == pytest.approx(0.002) and recent.hop_s == pytest.approx(0.004)
+    counts = {"forwards": 30, "forward_time_s": 0.6, "stall_time_s": 0.06, "committed_tokens": 90}
+    recent = recent.observe(dict(timing), counts)  # 20 plain forwards, no prefill: the stall falls, the hop holds
+    assert recent.stall_s_per_token == pytest.approx(0.002 * (1 - 0.3)) and recent.hop_s == pytest.approx(0.004)
