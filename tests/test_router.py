@@ -320,18 +320,23 @@ def test_speculation_does_not_keep_itself_on_when_the_batch_is_already_speculati
     assert decisions[0][0] == "off"  # 9 rows on this CPU-like target: plain commits more
 
 
-def test_the_loops_stall_is_charged_to_plain_steps_too():
-    """Prefills between forwards stall every row, once per request whichever way it decodes. Charged to
-    the speculative step's hop alone, they made plain decoding look cheaper than it is: with the stall
-    charged per committed token, speculating wins at 9 rows."""
+def test_the_loops_stall_is_charged_per_committed_token_to_both_modes():
+    """Prefills between forwards stall every row, once per request whichever way it decodes: each mode's
+    goodput is its tokens over its step plus their share of the stall. The stall lowers both and, paid
+    per token, cannot by itself flip the choice; taken out of the hop, it no longer counts against
+    speculation alone (test_recent_steps_...)."""
     router = Router(routing(max_k=8))
     report_alpha(router, "code", 0.8, times=MIN_SAMPLES)
     load = Load(batch_tokens=8, committed=8, rows=8)
-    router.observe_target(TargetView(CPU_TARGET, load, hop_s=0.003))
-    assert router.stats()["code"]["decision"] == "off"
-    router.observe_target(TargetView(CPU_TARGET, load, hop_s=0.003, stall_s_per_token=0.004))
-    stats = router.stats()["code"]
-    assert stats["decision"] == "on" and stats["goodput"]["speculative"] > stats["goodput"]["plain"]
+    rates = []
+    for stall in (0.0, 0.004):
+        router.observe_target(TargetView(CPU_TARGET, load, hop_s=0.003, stall_s_per_token=stall))
+        rates.append(router.stats()["code"])
+    (free, stalled), rows = rates, 9
+    assert free["decision"] == stalled["decision"] == "off" and free["k"] == stalled["k"]
+    plain_step = rows / free["goodput"]["plain"]  # seconds per forward of 9 rows, plain
+    assert stalled["goodput"]["plain"] == pytest.approx(rows / (plain_step + rows * 0.004), rel=0.01)
+    assert stalled["goodput"]["speculative"] < free["goodput"]["speculative"]
 
 
 def test_recent_steps_take_the_stall_out_of_the_hop_and_follow_it_without_speculation():
