@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from protos import specdec_tree_pb2_grpc as tree_grpc
+from specdec.cpu_linear import packed_numel
 from specdec.kvcache import CachedLM
 from specdec.loading import load_served_model, load_sharded_model, parse_dtype
 from specdec.sampling import SamplingParams
@@ -105,8 +106,8 @@ class TargetRank:
 
 
 def _local_numel(model: torch.nn.Module) -> int:
-    """Parameters this process holds (a rank's shard of a sharded model)."""
-    return sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())
+    """Weights this process holds (a rank's shard of a sharded model; packed linear layers included)."""
+    return sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters()) + packed_numel(model)
 
 
 def free_address() -> str:

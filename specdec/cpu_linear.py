@@ -49,3 +49,8 @@ def pack_linears(model: nn.Module) -> nn.Module:
             if type(child) is nn.Linear:
                 setattr(parent, name, PackedLinear(child))
     return model
+
+
+def packed_numel(model: nn.Module) -> int:
+    """Weights held packed (not among the model's parameters)."""
+    return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, PackedLinear))

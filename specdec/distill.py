@@ -41,7 +41,7 @@ def draft_config(target: PreTrainedModel, layers: int, hidden: int) -> LlamaConf
         raise ValueError(f"draft needs layers >= 1 and hidden a multiple of 16 (>= 16), got {layers}, {hidden}")
     tc = target.config
     return small_llama_config(
-        target.get_output_embeddings().weight.shape[0], layers, hidden,
+        target.get_output_embeddings().out_features, layers, hidden,
         max_positions=getattr(tc, "max_position_embeddings", 2048),
         bos_token_id=tc.bos_token_id, eos_token_id=tc.eos_token_id, pad_token_id=tc.pad_token_id,
     )

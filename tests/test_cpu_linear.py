@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from specdec.cpu_linear import PackedLinear, can_pack, pack_linears
+from specdec.cpu_linear import PackedLinear, can_pack, pack_linears, packed_numel
 from specdec.loading import load_model, load_served_model
 
 from conftest import NEW_TOKENS, hf_greedy
@@ -28,6 +28,8 @@ def test_served_loader_packs_every_linear_and_keeps_the_logits(model_dirs):
     assert not any(type(m) is nn.Linear for m in served.modules())
     packed = [m for m in served.modules() if isinstance(m, PackedLinear)]
     assert len(packed) == sum(type(m) is nn.Linear for m in plain.modules()) > 0
+    linear_weights = sum(m.weight.numel() for m in plain.modules() if type(m) is nn.Linear)
+    assert packed_numel(served) == linear_weights
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
     with torch.inference_mode():
         torch.testing.assert_close(served(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
