@@ -7,7 +7,7 @@ import torch
 
 from specdec import CachedLM, SpecConfig, SpeculativeEngine
 from specdec.drafters import make_drafter
-from specdec.loading import load_model
+from specdec.loading import load_model, load_served_model
 
 NEW = 16
 
@@ -21,9 +21,11 @@ def prefix_agreement(a: list[int], b: list[int]) -> int:
     return n
 
 
-@pytest.fixture(scope="module")
-def bf16_models(model_dirs):
-    return load_model(model_dirs.target, dtype=torch.bfloat16), load_model(model_dirs.draft, dtype=torch.bfloat16)
+@pytest.fixture(scope="module", params=[load_model, load_served_model], ids=["nn-linear", "served"])
+def bf16_models(request, model_dirs):
+    """Plain nn.Linear, and as served (on a CPU with oneDNN's bfloat16, linear layers packed)."""
+    load = request.param
+    return load(model_dirs.target, dtype=torch.bfloat16), load(model_dirs.draft, dtype=torch.bfloat16)
 
 
 def test_bf16_greedy_agreement(bf16_models, reference):
