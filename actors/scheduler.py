@@ -342,10 +342,10 @@ class TargetScheduler:
         with self._cv:
             self.forwards += 1
             self.forward_time_s += elapsed
-            self.committed_tokens += sum(len(v.tokens) for v in verdicts.values())
+            committed = sum(len(v.tokens) for v in verdicts.values())
+            self.committed_tokens += committed
             self.largest_batch = max(self.largest_batch, len(batch))
-            self._observe(elapsed, len(batch), sum(map(len, batch.values())),
-                          sum(len(v.tokens) for v in verdicts.values()))
+            self._observe(elapsed, len(batch), sum(map(len, batch.values())), committed)
         self.on_forward(elapsed)
         for waiter in waiters:
             waiter.finish(verdicts)

@@ -122,6 +122,12 @@ def main(argv: list[str] | None = None) -> None:
 WORKER_NICENESS = "0"
 
 
+def run_workers_at_nice_0() -> None:
+    """For a Ray cluster this process is about to start (ray.init without an address); an operator's
+    own RAY_worker_niceness wins."""
+    os.environ.setdefault("RAY_worker_niceness", WORKER_NICENESS)
+
+
 def serve_main(args) -> None:
     import ray
     from ray import serve
@@ -133,7 +139,7 @@ def serve_main(args) -> None:
     if args.address:
         ray.init(address=args.address)
     else:
-        os.environ.setdefault("RAY_worker_niceness", WORKER_NICENESS)
+        run_workers_at_nice_0()
         place = cfg.placement
         actors = place.tensor_parallel_size + place.draft_replicas
         gpus = args.num_gpus if args.num_gpus is not None else _local_gpus() or actors * place.gpus_per_actor

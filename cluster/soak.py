@@ -577,13 +577,13 @@ def serve_locally(app_args: dict) -> Endpoints:
     loopback: HTTP on 127.0.0.1, both on the ports in app_args (free ones: the config's may be taken)."""
     from ray import serve
 
-    from .commands import WORKER_NICENESS
+    from .commands import run_workers_at_nice_0
     from .config import app_config
     from .serve_app import GRPC_SERVICER, build_app, default_models
 
     place = app_config(app_args, default_models).placement
     actors = place.tensor_parallel_size + place.draft_replicas
-    os.environ.setdefault("RAY_worker_niceness", WORKER_NICENESS)  # as specdec serve runs them
+    run_workers_at_nice_0()  # as specdec serve runs them
     ray.init(num_cpus=place.tensor_parallel_size * place.cpus_per_target_rank
              + place.draft_replicas * place.cpus_per_draft_replica + 1,
              num_gpus=actors * place.gpus_per_actor, include_dashboard=False, log_to_driver=False)
