@@ -106,6 +106,10 @@ class TargetScheduler:
         # a stall every running row waits through, plain or speculating (the router charges it to both)
         self.stall_time_s = 0.0
         self.committed_tokens = 0  # tokens the forwards committed, all rows
+        # replicas' trees verified, and the loop's seconds each waited through: its iteration's stall and
+        # forward (what a speculative step's round trip holds besides the hop)
+        self.trees_verified = 0
+        self.tree_loop_time_s = 0.0
         self._cv = threading.Condition()
         self._waiting: collections.deque[_Join] = collections.deque()  # admission queue, in arrival order
         # closed before they were opened (a caller that gave up while its Open was on the way): a later
@@ -175,7 +179,8 @@ class TargetScheduler:
                     "forward_costs": dict(self.costs.verify_table), "batch_tokens": load.batch_tokens,
                     "committed_per_forward": load.committed, "batch_rows": load.rows,
                     "idle_rows_closed": self.idle_rows_closed, "stall_time_s": self.stall_time_s,
-                    "committed_tokens": self.committed_tokens}
+                    "committed_tokens": self.committed_tokens, "trees_verified": self.trees_verified,
+                    "tree_loop_time_s": self.tree_loop_time_s}
 
     def stop(self) -> None:
         with self._cv:
@@ -229,9 +234,9 @@ class TargetScheduler:
             t0 = time.perf_counter()
             self._remove(leaving)
             self._add(joining)
-            if leaving or joining:
-                self.stall_time_s += time.perf_counter() - t0
-            self._step(trees)
+            stall = time.perf_counter() - t0 if leaving or joining else 0.0
+            self.stall_time_s += stall
+            self._step(trees, stall)
 
     def _until_idle(self) -> float | None:
         """Seconds until the row heard from longest ago goes idle; None while there is none."""
@@ -320,10 +325,12 @@ class TargetScheduler:
                 self._plain[j.rid] = j.plain
             j.waiter.finish()
 
-    def _step(self, trees: dict[str, tuple[TokenTree, _Waiter]]) -> None:
-        """One forward: the replicas' trees (of requests still open) and a lone root per plain row."""
+    def _step(self, trees: dict[str, tuple[TokenTree, _Waiter]], stall: float) -> None:
+        """One forward: the replicas' trees (of requests still open) and a lone root per plain row;
+        `stall`: the seconds the loop spent before it, which the trees waited through."""
         waiters = list({id(w): w for _, w in trees.values()}.values())
         batch = {rid: tree for rid, (tree, _) in trees.items() if rid in self.worker.requests}
+        verified = len(batch)  # the trees of requests closed meanwhile get no verdict
         batch |= {rid: TokenTree.root(p.seq[-1]) for rid, p in self._plain.items()}
         if not batch:
             for waiter in waiters:
@@ -344,6 +351,8 @@ class TargetScheduler:
             self.forward_time_s += elapsed
             committed = sum(len(v.tokens) for v in verdicts.values())
             self.committed_tokens += committed
+            self.trees_verified += verified
+            self.tree_loop_time_s += verified * (stall + elapsed)
             self.largest_batch = max(self.largest_batch, len(batch))
             self._observe(elapsed, len(batch), sum(map(len, batch.values())), committed)
         self.on_forward(elapsed)

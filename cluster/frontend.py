@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 _ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 TARGET_STATS_TIMEOUT_S = 5.0
 STEP_SMOOTHING = 0.3  # weight of each poll's step measurements in RecentSteps (polled every GAUGES_EVERY_S)
-TARGET_COUNTS = ("forwards", "forward_time_s", "stall_time_s", "committed_tokens")  # cumulative: RecentSteps
+TARGET_COUNTS = ("forwards", "forward_time_s", "stall_time_s", "committed_tokens", "trees_verified",
+                 "tree_loop_time_s")  # cumulative: RecentSteps
 TARGET_HELD = ("open_requests", "kv_tokens_reserved", "waiting", "largest_batch", "idle_rows_closed")
 
 
@@ -47,38 +48,36 @@ class RecentSteps:
     """What a step costs beyond its forward, as measured over the last seconds (the router must see the
     load now, not the average since start): the target loop's stall per token committed (prefilling
     joining requests, which plain and speculating rows wait through alike), a speculative step's hop
-    (the replica's round trip less the target's mean forward and its stall per forward), the draft
-    replicas' seconds per drafted token, and the share of steps drafted ahead. Each poll adds the interval's
+    (the replica's mean round trip less the mean time a tree spent in the target's loop: the stall and
+    forward of its iteration; waiting for the forward before it stays in the hop), the draft replicas'
+    seconds per depth the draft model ran (n-gram guesses cost nothing), and the share of steps drafted ahead. Each poll adds the interval's
     measurements with weight STEP_SMOOTHING (the first is taken whole); an interval without forwards
     changes nothing, one without speculative steps only the stall."""
 
     hop_s: float = 0.0
-    draft_s_per_token: float | None = None
+    draft_s_per_depth: float | None = None
     drafted_ahead: float = 0.0
     stall_s_per_token: float | None = None
     timing: dict | None = None  # the ingress's cumulative timing at the last poll
-    target: tuple[int, float, float, int] = (0, 0.0, 0.0, 0)  # the target's TARGET_COUNTS at the last poll
+    target: tuple = (0, 0.0, 0.0, 0, 0, 0.0)  # the target's TARGET_COUNTS at the last poll
 
     def observe(self, timing: dict, target: dict) -> "RecentSteps":
         counts = tuple(target.get(key, 0) for key in TARGET_COUNTS)
         seen = replace(self, timing=timing, target=counts)
-        forwards, forward_time_s, stall_time_s, committed = counts
-        if self.timing is None or forwards < self.target[0]:  # the first poll, or a rebuilt target
+        if self.timing is None or counts[0] < self.target[0]:  # the first poll, or a rebuilt target
             return seen
         d = {key: timing[key] - self.timing[key] for key in timing}
-        d_forwards, d_stall, d_committed = forwards - self.target[0], stall_time_s - self.target[2], committed - self.target[3]
+        d_forwards, _, d_stall, d_committed, d_trees, d_tree_loop_s = (now - then for now, then in zip(counts, self.target))
         if d_forwards <= 0 or d_committed <= 0:
             return seen
-        forward_s = (forward_time_s - self.target[1]) / d_forwards
-        stall_now = d_stall / d_forwards  # per forward
         seen = replace(seen, stall_s_per_token=_smoothed(self.stall_s_per_token, d_stall / d_committed))
-        if d["steps"] <= 0 or d["drafted"] <= 0:
+        if d["steps"] <= 0 or d["draft_depths"] <= 0 or d_trees <= 0:
             return seen
-        now = {"hop_s": max(0.0, d["step_round_trip_s"] / d["steps"] - forward_s - stall_now),
-               "draft_s_per_token": d["draft_s"] / d["drafted"], "drafted_ahead": d["drafted_ahead"] / d["steps"]}
-        if self.draft_s_per_token is None:  # the first measurement: nothing to smooth with yet
+        now = {"hop_s": max(0.0, d["step_round_trip_s"] / d["steps"] - d_tree_loop_s / d_trees),
+               "draft_s_per_depth": d["draft_s"] / d["draft_depths"], "drafted_ahead": d["drafted_ahead"] / d["steps"]}
+        if self.draft_s_per_depth is None:  # the first measurement: nothing to smooth with yet
             return replace(seen, **now)
-        old = {"hop_s": self.hop_s, "draft_s_per_token": self.draft_s_per_token, "drafted_ahead": self.drafted_ahead}
+        old = {"hop_s": self.hop_s, "draft_s_per_depth": self.draft_s_per_depth, "drafted_ahead": self.drafted_ahead}
         return replace(seen, **{key: _smoothed(old[key], now[key]) for key in now})
 
 
@@ -144,7 +143,8 @@ class Frontend:
         self.in_flight = 0
         self.served = {"speculative": 0, "plain": 0, "fallbacks": 0, "cancelled": 0}
         # speculative requests' steps; drafted_ahead: those whose tree was ready when the step began
-        self.timing = {"steps": 0, "step_round_trip_s": 0.0, "draft_s": 0.0, "drafted_ahead": 0, "drafted": 0}
+        self.timing = {"steps": 0, "step_round_trip_s": 0.0, "draft_s": 0.0, "drafted_ahead": 0, "drafted": 0,
+                       "draft_depths": 0}
         self.recent = RecentSteps()  # the router's view of a speculative step: smoothed over recent seconds
         self._turn = itertools.count()
         self._stopped = threading.Event()
@@ -343,6 +343,7 @@ class Frontend:
         self.timing["draft_s"] += stats["draft_time_s"]
         self.timing["drafted_ahead"] += stats["drafted_ahead"]
         self.timing["drafted"] += stats["drafted"]
+        self.timing["draft_depths"] += stats["draft_depths"]
 
     def shutdown(self) -> None:
         self._stopped.set()
@@ -370,7 +371,7 @@ class Frontend:
         self.recent = self.recent.observe(dict(self.timing), target)
         self.router.observe_target(TargetView(
             Costs(verify_table=target["forward_costs"]), Load(target["batch_tokens"], target["committed_per_forward"], target["batch_rows"]),
-            self.recent.hop_s, self.recent.drafted_ahead, self.recent.draft_s_per_token, self.recent.stall_s_per_token or 0.0))
+            self.recent.hop_s, self.recent.drafted_ahead, self.recent.draft_s_per_depth, self.recent.stall_s_per_token or 0.0))
 
 
 def _chunk(part: dict, text: Detokenizer, final: bool = False) -> Chunk:

@@ -17,7 +17,7 @@ from typing import Literal, get_args
 
 from cluster.config import RoutingConfig, Thresholds
 from specdec.acceptance import acceptance_rate
-from specdec.adaptive import Costs, Load, StepCosts, expected_tokens, goodput
+from specdec.adaptive import Costs, Load, StepCosts, expected_tokens, goodput, step_costs_note
 
 
 
@@ -73,15 +73,16 @@ class TargetView:
     load: Load = Load()
     hop_s: float = 0.0
     drafted_ahead: float = 0.0
-    draft_s_per_token: float | None = None  # measured on the draft replicas; None until they have drafted
+    draft_s_per_depth: float | None = None  # measured on the draft replicas; None until they have drafted
     stall_s_per_token: float = 0.0  # the target loop's seconds prefilling joining requests, per token committed
 
     def step_costs(self, draft_cost_ratio: float) -> StepCosts:
-        """A drafted token costs what the replicas measured, or, until they have, draft_cost_ratio of a
-        one-token target forward (the routing key); drafting hidden behind verification costs nothing."""
-        per_token = (self.draft_s_per_token if self.draft_s_per_token is not None
+        """A depth the draft model runs costs what the replicas measured, or, until they have,
+        draft_cost_ratio of a one-token target forward (the routing key); drafting hidden behind
+        verification costs nothing."""
+        per_depth = (self.draft_s_per_depth if self.draft_s_per_depth is not None
                      else draft_cost_ratio * self.costs.verify(1))
-        return StepCosts(self.costs, per_token * (1 - self.drafted_ahead), self.hop_s, self.stall_s_per_token)
+        return StepCosts(self.costs, per_depth * (1 - self.drafted_ahead), self.hop_s, self.stall_s_per_token)
 
 
 @dataclass
@@ -184,7 +185,7 @@ class Router:
         gains = {k: goodput(costs, load, alpha, k) for k in range(thresholds.max_k + 1)}
         k = max(range(1, thresholds.max_k + 1), key=gains.get)
         rates = {"plain": round(gains[0], 1), "speculative": round(gains[k], 1)}
-        at = f"at {load.rows:.1f} rows, {load.batch_tokens:.0f} batch tokens"
+        at = f"at {load.rows:.1f} rows, {load.batch_tokens:.0f} batch tokens ({step_costs_note(costs, load, k)})"
         if state.samples < thresholds.min_samples:  # speculate to measure alpha before trusting it
             return Plan(True, k, f"{known}; measuring alpha ({state.samples} of min_samples "
                                  f"{thresholds.min_samples} reports), K={k} by goodput {at}", rates)

@@ -272,6 +272,19 @@ class StepCosts:
     stall_per_token: float = 0.0
 
 
+def step_forward(costs: StepCosts, load: Load, k: int) -> float:
+    """Seconds of the target's forward when the batch (the rows running now and one more) drafts K deep."""
+    # a table measured in noise can extrapolate to nothing: a forward costs at least the cheapest seen
+    return max(costs.target.verify(round((load.rows + 1) * (k + 1))), min(costs.target.verify_table.values()))
+
+
+def step_costs_note(costs: StepCosts, load: Load, k: int) -> str:
+    """The measured costs behind goodput() for plain decoding and K, in words (milliseconds)."""
+    return (f"plain step {step_forward(costs, load, 0) * 1e3:.1f} ms; K={k} step {step_forward(costs, load, k) * 1e3:.1f} ms"
+            f" forward + {k}x{costs.draft_forward * 1e3:.2f} ms draft + {costs.hop * 1e3:.1f} ms hop;"
+            f" stall {costs.stall_per_token * 1e3:.1f} ms per token")
+
+
 def goodput(costs: StepCosts, load: Load, alpha: float, k: int) -> float:
     """Tokens per second the target commits if its whole batch (the rows running now and one more)
     decodes plain (K = 0) or speculates K deep, as TurboSpec (arXiv 2406.14066) weighs speculation
@@ -280,9 +293,6 @@ def goodput(costs: StepCosts, load: Load, alpha: float, k: int) -> float:
     token they commit (a plain step that left it out would look cheaper than it is). The batch as a whole, not one
     row added to it as it is: with every row already speculating the forward is dear, and one more
     row's K tokens would look cheap beside it, so speculation would keep itself on."""
-    rows = load.rows + 1
-    # a table measured in noise can extrapolate to nothing: a forward costs at least the cheapest seen
-    forward = max(costs.target.verify(round(rows * (k + 1))), min(costs.target.verify_table.values()))
-    step = forward + (k * costs.draft_forward + costs.hop if k else 0.0)
-    tokens = rows * expected_tokens(alpha, k)
+    step = step_forward(costs, load, k) + (k * costs.draft_forward + costs.hop if k else 0.0)
+    tokens = (load.rows + 1) * expected_tokens(alpha, k)
     return tokens / (step + tokens * costs.stall_per_token)

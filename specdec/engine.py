@@ -25,6 +25,7 @@ class RequestStats:
     drafted: int = 0  # drafted tree nodes
     accepted: int = 0  # drafted tokens the target kept
     tried_depths: int = 0  # per-depth acceptance trials (see AlphaEstimate)
+    draft_depths: int = 0  # depths the draft model ran (its forwards), summed over steps
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     prefill_time_s: float = 0.0
@@ -59,6 +60,7 @@ def record_step(st: RequestStats, tree: TokenTree, v: Verdict, times: tuple[floa
     st.draft_time_s += times[0]
     st.verify_time_s += times[1]
     st.drafted += len(tree) - 1
+    st.draft_depths += tree.drafted_depth
     st.accepted += v.accepted
     if len(tree) > 1:
         st.tried_depths += v.accepted + (v.accepted < tree.depth)

@@ -32,6 +32,11 @@ class TokenTree:
     def depth(self) -> int:
         return max(self.depths)
 
+    @property
+    def drafted_depth(self) -> int:
+        """The deepest node the draft model proposed: its forwards for this tree (n-gram guesses cost none)."""
+        return max((d for d, m in zip(self.depths[1:], self.from_model[1:]) if m), default=0)
+
     def add(self, parent: int, token: int, proposal_id: int = DELTA, from_model: bool = False) -> int:
         self.from_model.append(from_model)
         self.tokens.append(token)

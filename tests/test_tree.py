@@ -41,6 +41,18 @@ def test_tree_structure():
     assert len(root) == 1 and root.depth == 0 and root.children() == [[]]
 
 
+def test_drafted_depth_counts_the_draft_models_nodes_only():
+    """The draft model's forwards for a tree: its own chain's depth; an n-gram guess grafted deeper
+    costs none, and a tree of guesses alone none at all."""
+    t = TokenTree.root(10)
+    t.add(t.add(0, 11, from_model=True), 12, from_model=True)
+    t.add_chain([11, 12, 13, 14], share_prefix=True)
+    assert t.depth == 4 and t.drafted_depth == 2
+    guesses = TokenTree.root(10)
+    guesses.add_chain([5, 6], share_prefix=True)
+    assert guesses.drafted_depth == 0 and TokenTree.root(1).drafted_depth == 0
+
+
 def test_proposals_are_indexed():
     t = TokenTree.root(0)
     q = torch.tensor([0.5, 0.5])

@@ -1,0 +1,82 @@
+"""The served path's ceiling on this machine: the same target scheduler and draft loop that
+`specdec serve` runs, in one process with no Ray, gRPC or ingress between them (bench pair, served
+oneDNN-packed models, 1 torch thread, the code prompts of public.jsonl, 64 greedy tokens, model+ngram).
+Whatever the serving layers cost, the served path cannot beat these ratios with this pair on this CPU.
+
+    python docs/bench/inprocess_bound.py > docs/bench/inprocess-bound.txt   # from the repository root
+"""
+import threading
+import time
+
+import torch
+from transformers import AutoTokenizer
+
+from actors.draft_loop import DraftLoop, DraftRequest
+from actors.scheduler import TargetScheduler
+from specdec.drafters import make_drafter
+from specdec.kvcache import CachedLM
+from specdec.loading import load_served_model
+from specdec.prompts import load_prompts
+from specdec.sampling import SamplingParams
+from specdec.target import TargetWorker
+
+MODELS, PROMPTS, NEW_TOKENS = "../shared/bench-models", "../shared/prompts/public.jsonl", 64
+torch.set_num_threads(1)
+tokenizer = AutoTokenizer.from_pretrained(f"{MODELS}/target")
+prompts = [tokenizer(r["prompt"])["input_ids"] for r in load_prompts(PROMPTS) if r.get("task_type") == "code"]
+scheduler = TargetScheduler(TargetWorker(CachedLM(load_served_model(f"{MODELS}/target"))))
+drafts = DraftLoop(scheduler, make_drafter("model+ngram", CachedLM(load_served_model(f"{MODELS}/draft")), 1),
+                   overlap=False)
+
+
+def run(clients: int, k: int) -> tuple[float, float, dict]:
+    """Every prompt once, `clients` at a time; k=0 decodes plain. -> tokens/s, ms per forward, outputs."""
+    todo, lock, outputs = iter(enumerate(prompts)), threading.Lock(), {}
+    forwards, forward_s = scheduler.forwards, scheduler.forward_time_s
+
+    def client():
+        while True:
+            with lock:
+                item = next(todo, None)
+            if item is None:
+                return
+            i, prompt = item
+            done, tokens = threading.Event(), []
+
+            def sink(new, out, finished, error):
+                tokens.extend(new)
+                if finished:
+                    done.set()
+            rid = f"{k}-{clients}-{i}-{time.monotonic_ns()}"
+            if k == 0:
+                scheduler.decode(rid, prompt, SamplingParams(), NEW_TOKENS, set(), sink)
+            else:
+                scheduler.open(rid, prompt, SamplingParams(), 0, NEW_TOKENS)
+                drafts.join(DraftRequest(rid, prompt, SamplingParams(), NEW_TOKENS, set(), k, sink))
+            done.wait()
+            outputs[i] = tokens
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    per_forward = (scheduler.forward_time_s - forward_s) / (scheduler.forwards - forwards) * 1e3
+    return sum(map(len, outputs.values())) / wall, per_forward, outputs
+
+
+run(1, 0)  # warm-up
+lines = [f"# {len(prompts)} code prompts, {NEW_TOKENS} greedy tokens, 1 torch thread, in one process"]
+plain = {}
+for clients in (1, 8):
+    plain[clients] = run(clients, 0)
+    lines.append(f"off  clients {clients}: {plain[clients][0]:6.1f} tok/s  {plain[clients][1]:5.1f} ms/forward")
+lines.append(f"off  8 clients / 1 client: {plain[8][0] / plain[1][0]:.2f}x")
+for k in (2, 3, 4, 6):
+    rate, per_forward, outputs = run(1, k)
+    lines.append(f"on K={k} clients 1: {rate:6.1f} tok/s  {per_forward:5.1f} ms/forward  {rate / plain[1][0]:.2f}x off"
+                 f"  identical to off: {outputs == plain[1][2]}")
+print("\n".join(lines))
+scheduler.stop()
