@@ -23,6 +23,7 @@ from specdec.acceptance import Verdict
 from specdec.ahead import Ahead, draft_ahead, settle
 from specdec.drafters import Drafter, Plan
 from specdec.engine import Generation, emit, record_step
+from specdec.kvcache import Prefilled
 from specdec.errors import ResourceExhausted, Unavailable
 from specdec.sampling import SamplingParams, make_generator
 from specdec.tree import TokenTree
@@ -86,6 +87,7 @@ class DraftRequest:
     out: Generation = field(default_factory=lambda: Generation([], "length"))
     gen: torch.Generator = field(init=False)
     next_tree: TokenTree | None = None  # drafted ahead, while the target verified the last step
+    draft_prefill: Prefilled | None = None  # its prompt in the draft's cache, run while it was opened (DraftLoop.prefill)
 
     def __post_init__(self):
         self.seq = list(self.prompt)
@@ -115,6 +117,12 @@ class DraftLoop:
         if drafter is not None:
             drafter.start(0)
         threading.Thread(target=self._loop, name="draft-loop", daemon=True).start()
+
+    def prefill(self, prompt: list[int]) -> Prefilled | None:
+        """The prompt run through the draft model off the loop (any thread; the running requests go on
+        stepping), to join with its request: done while the target opens the request, the draft's
+        prefill leaves the first step and no longer adds to the time to first token."""
+        return self.drafter.prefill_alone([prompt]) if self.drafter is not None else None
 
     def join(self, request: DraftRequest) -> None:
         """A request already opened on the target joins at the next step."""
@@ -160,7 +168,9 @@ class DraftLoop:
     def _add(self, joining: list[DraftRequest]) -> None:
         if joining:
             if self.drafter is not None:
-                self.drafter.add_rows(len(joining))
+                for r in joining:
+                    self.drafter.add_rows(1, r.draft_prefill)
+                    r.draft_prefill = None  # the batch holds it now
             self.rows += joining
 
     def _drop(self, leaving: list[DraftRequest], close: bool) -> None:

@@ -68,9 +68,13 @@ class DraftReplica:
             self._connect(target_address)
         loop = self.running[request_id] = self._loop_for(task_type)  # from here on it can be cancelled
         try:
-            await asyncio.to_thread(self.target.open, request_id, prompt, params, stream, max_new_tokens)
+            # the draft runs the prompt while the target does (each on its own device)
+            _, prefilled = await asyncio.gather(
+                asyncio.to_thread(self.target.open, request_id, prompt, params, stream, max_new_tokens),
+                asyncio.to_thread(loop.prefill, prompt))
             steps = StepStream()
-            loop.join(DraftRequest(request_id, prompt, params, max_new_tokens, set(eos), depth, steps, stream))
+            loop.join(DraftRequest(request_id, prompt, params, max_new_tokens, set(eos), depth, steps, stream,
+                                   draft_prefill=prefilled))
             async for item in steps.items():
                 yield item
         finally:  # an open refused (the target full or gone) leaves nothing behind either

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from .kvcache import CachedLM
+from .kvcache import CachedLM, Prefilled
 from .ngram import NgramIndex
 from .sampling import SamplingParams, warp
 from .tree import TokenTree
@@ -43,7 +43,11 @@ class Drafter(Protocol):
         """The draft model, when there is one (its forward is timed to plan adaptive K)."""
 
     def start(self, batch_size: int) -> None: ...
-    def add_rows(self, n: int) -> None: ...
+    def prefill_alone(self, prompts: list[list[int]]) -> Prefilled | None:
+        """The draft model's cache of these prompts, built off the batch (another thread may run it while
+        the batch steps), for add_rows; None without a draft model."""
+    def add_rows(self, n: int, prefilled: Prefilled | None = None) -> None:
+        """n rows join the batch: empty, or the prompts of `prefilled` (prefill_alone) already run."""
     def match_length(self, row: int, seq: list[int]) -> int: ...
     def propose(
         self, seqs: list[list[int]], plans: list[Plan], params: list[SamplingParams], gens: list[torch.Generator]
@@ -76,7 +80,10 @@ class NgramDrafter:
         self.indexes = []
         self.add_rows(batch_size)
 
-    def add_rows(self, n: int) -> None:
+    def prefill_alone(self, prompts: list[list[int]]) -> None:
+        return None  # the index is built from each row's sequence as it drafts
+
+    def add_rows(self, n: int, prefilled: Prefilled | None = None) -> None:
         self.indexes += [NgramIndex(self.max_ngram, self.min_ngram) for _ in range(n)]
 
     def propose(self, seqs, plans, params, gens) -> list[TokenTree]:
@@ -130,8 +137,14 @@ class ModelDrafter:
         self.lm.reset(batch_size)
         self.slot_of: list[dict[int, int]] = [{} for _ in range(batch_size)]
 
-    def add_rows(self, n: int) -> None:
-        self.lm.add_rows(n)
+    def prefill_alone(self, prompts: list[list[int]]) -> Prefilled:
+        return self.lm.prefill_alone([p[:-1] for p in prompts])  # the last token is the first tree's root
+
+    def add_rows(self, n: int, prefilled: Prefilled | None = None) -> None:
+        if prefilled is None:
+            self.lm.add_rows(n)
+        else:
+            self.lm.join(prefilled)
         self.slot_of += [{} for _ in range(n)]
 
     def select(self, rows: list[int]) -> None:
@@ -280,8 +293,11 @@ class MergedDrafter:
         self.model.start(batch_size)
         self.ngram.start(batch_size)
 
-    def add_rows(self, n: int) -> None:
-        self.model.add_rows(n)
+    def prefill_alone(self, prompts: list[list[int]]) -> Prefilled:
+        return self.model.prefill_alone(prompts)
+
+    def add_rows(self, n: int, prefilled: Prefilled | None = None) -> None:
+        self.model.add_rows(n, prefilled)
         self.ngram.add_rows(n)
 
     def select(self, rows: list[int]) -> None:

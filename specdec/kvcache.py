@@ -44,6 +44,14 @@ _BLOCK: contextvars.ContextVar[Ragged | None] = contextvars.ContextVar("specdec_
 INNER_ATTENTION = ("sdpa", "eager")  # the attention a CachedLM's model may come with
 
 
+@dataclass
+class Prefilled:
+    """Sequences prefilled on their own (CachedLM.prefill_alone), waiting to join a batch."""
+
+    chunks: list[list[int]]  # each sequence's committed tokens
+    lm: "CachedLM"  # holding exactly these
+
+
 def ragged_attention(module, query, key, value, attention_mask, inner: str, **kwargs):
     """The model's own attention (`inner`), which a CachedLM's model runs under: as it is, except in a
     ragged forward (this thread's), where the packed queries [1, H, N, D] are padded out to [B, H, T, D]
@@ -283,15 +291,23 @@ class CachedLM:
         self.lengths += [0] * n
 
     @torch.inference_mode()
-    def join(self, chunks: list[list[int]]) -> None:
-        """New sequences join the batch with these tokens committed, prefilled on their own: the forward
-        costs O(new rows x their tokens), whatever the batch already holds."""
-        if not any(chunks):
-            self.add_rows(len(chunks))
-            return
+    def prefill_alone(self, chunks: list[list[int]]) -> "Prefilled":
+        """These sequences prefilled on their own, to join this batch later (join): the batch is not
+        touched, so another thread may run this while the batch steps."""
         fresh = CachedLM(self.model)
         fresh.reset(len(chunks))
         fresh.prefill(chunks)
+        return Prefilled(chunks, fresh)
+
+    @torch.inference_mode()
+    def join(self, rows: "list[list[int]] | Prefilled") -> None:
+        """New sequences join the batch with these tokens committed, prefilled on their own (now, or
+        before by prefill_alone): the forward costs O(new rows x their tokens), whatever the batch holds."""
+        chunks = rows.chunks if isinstance(rows, Prefilled) else rows
+        if not any(chunks):
+            self.add_rows(len(chunks))
+            return
+        fresh = rows.lm if isinstance(rows, Prefilled) else self.prefill_alone(chunks).lm
         if not self.kv.layers and self.lengths:  # rows that never ran a forward: pad them in as before
             self.add_rows(len(chunks))
             self.prefill([[]] * (len(self.lengths) - len(chunks)) + chunks)

@@ -12,9 +12,10 @@ import torch
 
 from specdec import CachedLM, ModelDrafter, SamplingParams, SpecConfig, SpeculativeEngine
 from specdec.adaptive import Costs
-from specdec.drafters import make_drafter
+from specdec.drafters import Plan, make_drafter
 
 ATOL = 1e-5
+GREEDY = SamplingParams()
 NEW = 20
 
 
@@ -182,3 +183,25 @@ def test_rows_joining_a_running_batch_see_exactly_their_own_prefix(target, refer
         want = _next_logits(alone, [0], [prompt[-1]])[0]
         assert torch.isfinite(got[row]).all()
         torch.testing.assert_close(got[row], want, rtol=1e-4, atol=1e-4)
+
+
+def test_rows_prefilled_off_the_batch_join_as_if_prefilled_in_it(target, draft, reference):
+    """A draft replica runs a prompt through the draft while the target opens the request, then the row
+    joins its loop's batch (which stepped meanwhile): its cache is a fresh prefill of prompt[:-1], the
+    first step runs only the root, and the trees equal those of a row that joined empty."""
+    prompts = reference.prompts[4:7]
+    trees = {}
+    for prefilled in (False, True):
+        drafter = make_drafter("model", CachedLM(draft), 1)
+        drafter.start(0)
+        drafter.add_rows(1)
+        drafter.propose([prompts[0]], [Plan(2)], [GREEDY], [None])  # the batch has run a forward
+        drafter.commit([[0]])
+        ready = drafter.prefill_alone(prompts[1:]) if prefilled else None
+        assert drafter.draft_lm.lengths == [len(prompts[0])]  # prefill_alone left the batch alone
+        drafter.add_rows(2, ready)
+        if prefilled:
+            assert drafter.draft_lm.lengths[1:] == [len(p) - 1 for p in prompts[1:]]
+            check_cache(drafter.draft_lm, draft, prompts, lambda seq: len(seq) - (seq is not prompts[0]), "prefilled rows")
+        trees[prefilled] = [t.tokens for t in drafter.propose(prompts, [Plan(3)] * 3, [GREEDY] * 3, [None] * 3)]
+    assert trees[True] == trees[False]

@@ -118,7 +118,8 @@ def test_kv_budget_admits_in_arrival_order_and_bounds_rows(target, reference):
 @pytest.mark.parametrize("kind, width", [("model", 1), ("model+ngram", 2), ("none", 1)])
 def test_draft_loops_over_grpc_equal_plain_decoding(served, target, draft, reference, kind, width):
     """Two draft loops (two replicas) and plain rows at once: every tree and every plain row of an
-    iteration go through one forward."""
+    iteration go through one forward. Some requests join with their prompt already in the draft's
+    cache (DraftLoop.prefill, run while the loops step), the others empty."""
     scheduler, stub = served
     remote = GrpcTarget(stub)
     loops = [DraftLoop(remote, make_drafter(kind, CachedLM(draft), width)) for _ in range(2)]
@@ -129,7 +130,9 @@ def test_draft_loops_over_grpc_equal_plain_decoding(served, target, draft, refer
             scheduler.decode(f"r{i}", prompt, GREEDY, NEW_TOKENS, set(), sink)
             continue
         remote.open(f"r{i}", prompt, GREEDY, 0, NEW_TOKENS)
-        loops[i % 2].join(DraftRequest(f"r{i}", prompt, GREEDY, NEW_TOKENS, set(), 3, sink))
+        prefilled = loops[i % 2].prefill(prompt) if i in (2, 3) else None
+        assert (prefilled is None) == (i not in (2, 3) or kind == "none")
+        loops[i % 2].join(DraftRequest(f"r{i}", prompt, GREEDY, NEW_TOKENS, set(), 3, sink, draft_prefill=prefilled))
     assert [s.wait()[0] for s in sinks] == reference.continuations[:6]
     if kind != "none":
         assert any(len(step) > 1 for s in sinks[:5] for step in s.steps)  # drafts were accepted
