@@ -53,6 +53,7 @@ class _Waiter:
     """A caller blocked until the loop has served it (admission, a verify, a close)."""
 
     done: threading.Event = field(default_factory=threading.Event)
+    since: float = field(default_factory=time.perf_counter)  # when the caller began waiting
     result: object = None
     error: Exception | None = None
 
@@ -106,8 +107,8 @@ class TargetScheduler:
         # a stall every running row waits through, plain or speculating (the router charges it to both)
         self.stall_time_s = 0.0
         self.committed_tokens = 0  # tokens the forwards committed, all rows
-        # replicas' trees verified, and the loop's seconds each waited through: its iteration's stall and
-        # forward (what a speculative step's round trip holds besides the hop)
+        # replicas' trees verified, and the seconds each spent in the target, from its arrival to its
+        # verdict (a forward in flight, the stall and its own forward): a step's round trip less this is the hop
         self.trees_verified = 0
         self.tree_loop_time_s = 0.0
         self._cv = threading.Condition()
@@ -234,9 +235,9 @@ class TargetScheduler:
             t0 = time.perf_counter()
             self._remove(leaving)
             self._add(joining)
-            stall = time.perf_counter() - t0 if leaving or joining else 0.0
-            self.stall_time_s += stall
-            self._step(trees, stall)
+            if leaving or joining:
+                self.stall_time_s += time.perf_counter() - t0
+            self._step(trees)
 
     def _until_idle(self) -> float | None:
         """Seconds until the row heard from longest ago goes idle; None while there is none."""
@@ -325,12 +326,11 @@ class TargetScheduler:
                 self._plain[j.rid] = j.plain
             j.waiter.finish()
 
-    def _step(self, trees: dict[str, tuple[TokenTree, _Waiter]], stall: float) -> None:
-        """One forward: the replicas' trees (of requests still open) and a lone root per plain row;
-        `stall`: the seconds the loop spent before it, which the trees waited through."""
+    def _step(self, trees: dict[str, tuple[TokenTree, _Waiter]]) -> None:
+        """One forward: the replicas' trees (of requests still open) and a lone root per plain row."""
         waiters = list({id(w): w for _, w in trees.values()}.values())
         batch = {rid: tree for rid, (tree, _) in trees.items() if rid in self.worker.requests}
-        verified = len(batch)  # the trees of requests closed meanwhile get no verdict
+        verified = [waiter for rid, (_, waiter) in trees.items() if rid in batch]  # closed requests get no verdict
         batch |= {rid: TokenTree.root(p.seq[-1]) for rid, p in self._plain.items()}
         if not batch:
             for waiter in waiters:
@@ -345,14 +345,15 @@ class TargetScheduler:
             for rid in list(self._plain):
                 self._finish_plain(rid, error=e)
             return
-        elapsed = time.perf_counter() - t0
+        now = time.perf_counter()
+        elapsed = now - t0
         with self._cv:
             self.forwards += 1
             self.forward_time_s += elapsed
             committed = sum(len(v.tokens) for v in verdicts.values())
             self.committed_tokens += committed
-            self.trees_verified += verified
-            self.tree_loop_time_s += verified * (stall + elapsed)
+            self.trees_verified += len(verified)
+            self.tree_loop_time_s += sum(now - waiter.since for waiter in verified)
             self.largest_batch = max(self.largest_batch, len(batch))
             self._observe(elapsed, len(batch), sum(map(len, batch.values())), committed)
         self.on_forward(elapsed)

@@ -48,8 +48,10 @@ class RecentSteps:
     """What a step costs beyond its forward, as measured over the last seconds (the router must see the
     load now, not the average since start): the target loop's stall per token committed (prefilling
     joining requests, which plain and speculating rows wait through alike), a speculative step's hop
-    (the replica's mean round trip less the mean time a tree spent in the target's loop: the stall and
-    forward of its iteration; waiting for the forward before it stays in the hop), the draft replicas'
+    (the replica's mean round trip less the mean time a tree spent in the target, from its arrival to
+    its verdict: what remains is the transport, which speculating rows pay and plain ones do not; the
+    wait for a forward in flight is left out, as plain rows of a mixed batch cause it, and it would keep
+    speculation off once on), the draft replicas'
     seconds per depth the draft model ran (n-gram guesses cost nothing), and the share of steps drafted ahead. Each poll adds the interval's
     measurements with weight STEP_SMOOTHING (the first is taken whole); an interval without forwards
     changes nothing, one without speculative steps only the stall."""

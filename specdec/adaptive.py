@@ -289,10 +289,14 @@ def goodput(costs: StepCosts, load: Load, alpha: float, k: int) -> float:
     """Tokens per second the target commits if its whole batch (the rows running now and one more)
     decodes plain (K = 0) or speculates K deep, as TurboSpec (arXiv 2406.14066) weighs speculation
     against batch size: R rows commit R tokens per forward of R tokens plain, and R * E[tokens | alpha,
-    K] per step of a forward of R(K + 1) tokens plus its draft and hop; both pay the loop's stall per
-    token they commit (a plain step that left it out would look cheaper than it is). The batch as a whole, not one
-    row added to it as it is: with every row already speculating the forward is dear, and one more
-    row's K tokens would look cheap beside it, so speculation would keep itself on."""
-    step = step_forward(costs, load, k) + (k * costs.draft_forward + costs.hop if k else 0.0)
+    K] per step of a forward of R(K + 1) tokens plus its draft and hop. Both owe the loop's stall
+    (prefilling joining requests) per token they commit: plain rows wait through all of it, a plain step
+    that left it out would look cheaper than it is; speculating rows are away drafting for K drafts and
+    a hop per step, and the loop, idle meanwhile, prefills then, so only the stall beyond that time
+    holds them up. The batch as a whole, not one row added to it as it is: with every row already
+    speculating the forward is dear, and one more row's K tokens would look cheap beside it, so
+    speculation would keep itself on."""
+    away = k * costs.draft_forward + costs.hop if k else 0.0  # the target's idle time per step
     tokens = (load.rows + 1) * expected_tokens(alpha, k)
-    return tokens / (step + tokens * costs.stall_per_token)
+    stall = max(0.0, tokens * costs.stall_per_token - away)
+    return tokens / (step_forward(costs, load, k) + away + stall)
