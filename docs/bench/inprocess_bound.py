@@ -1,10 +1,12 @@
 """The served path's ceiling on this machine: the same target scheduler and draft loop that
 `specdec serve` runs, in one process with no Ray, gRPC or ingress between them (bench pair, served
-oneDNN-packed models, 1 torch thread, the code prompts of public.jsonl, 64 greedy tokens, model+ngram).
+oneDNN-packed models, the code prompts of public.jsonl, 64 greedy tokens, model+ngram).
 Whatever the serving layers cost, the served path cannot beat these ratios with this pair on this CPU.
+The one argument is the torch thread count (default 1, as `specdec serve` gives each actor).
 
-    python docs/bench/inprocess_bound.py > docs/bench/inprocess-bound.txt   # from the repository root
+    python docs/bench/inprocess_bound.py [threads] >> docs/bench/inprocess-bound.txt   # from the repository root
 """
+import sys
 import threading
 import time
 
@@ -21,7 +23,8 @@ from specdec.sampling import SamplingParams
 from specdec.target import TargetWorker
 
 MODELS, PROMPTS, NEW_TOKENS = "../shared/bench-models", "../shared/prompts/public.jsonl", 64
-torch.set_num_threads(1)
+THREADS = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+torch.set_num_threads(THREADS)
 tokenizer = AutoTokenizer.from_pretrained(f"{MODELS}/target")
 prompts = [tokenizer(r["prompt"])["input_ids"] for r in load_prompts(PROMPTS) if r.get("task_type") == "code"]
 scheduler = TargetScheduler(TargetWorker(CachedLM(load_served_model(f"{MODELS}/target"))))
@@ -68,7 +71,7 @@ def run(clients: int, k: int) -> tuple[float, float, dict]:
 
 
 run(1, 0)  # warm-up
-lines = [f"# {len(prompts)} code prompts, {NEW_TOKENS} greedy tokens, 1 torch thread, in one process"]
+lines = [f"# {len(prompts)} code prompts, {NEW_TOKENS} greedy tokens, {THREADS} torch thread(s), in one process"]
 plain = {}
 for clients in (1, 8):
     plain[clients] = run(clients, 0)
