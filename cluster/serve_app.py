@@ -27,7 +27,7 @@ from .samples import Sample, gather_samples, run_samples
 
 log = logging.getLogger(__name__)
 
-GRPC_SERVICER = "protos.specdec_api_pb2_grpc.add_SpecDecodeServicer_to_server"
+GRPC_SERVICER = "cluster.grpc_proxy.add_servicer"  # SpecDecode on Serve's gRPC proxy, streams stopped on hang-up
 
 
 # The helpers come before the deployment: Serve pickles the ingress class as it is decorated.

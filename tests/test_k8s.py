@@ -21,7 +21,7 @@ with warnings.catch_warnings():
     from ray.serve.schema import ServeDeploySchema
 
 from cluster.config import parse_config, parse_live_config
-from cluster.serve_app import SpecDecodeIngress
+from cluster.serve_app import GRPC_SERVICER, SpecDecodeIngress
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
@@ -142,8 +142,7 @@ def test_serve_config_matches_ray_schema(profile):
     serve, app = serve_app(rayservice(profile))
     check_serve_config(serve)
     assert app["import_path"] == "cluster.serve_app:build_app"
-    assert serve["grpc_options"]["grpc_servicer_functions"] == [
-        "protos.specdec_api_pb2_grpc.add_SpecDecodeServicer_to_server"]
+    assert serve["grpc_options"]["grpc_servicer_functions"] == [GRPC_SERVICER]
 
 
 @pytest.mark.parametrize("key, value", [("grpc_option", {"port": 9000}), ("http_options", {"port": "http"})])
