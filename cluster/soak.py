@@ -572,9 +572,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_locally(app_args: dict) -> Endpoints:
+def serve_locally(app_args: dict, servicer: str | None = None) -> Endpoints:
     """A new local Ray cluster (logical GPUs, as `specdec serve` starts on a CPU machine) and Serve on
-    loopback: HTTP on 127.0.0.1, both on the ports in app_args (free ones: the config's may be taken)."""
+    loopback: HTTP on 127.0.0.1, both on the ports in app_args (free ones: the config's may be taken).
+    `servicer` names the gRPC servicer function (default: the one `specdec serve` uses)."""
     from ray import serve
 
     from .commands import run_workers_at_nice_0
@@ -588,7 +589,7 @@ def serve_locally(app_args: dict) -> Endpoints:
              + place.draft_replicas * place.cpus_per_draft_replica + 1,
              num_gpus=actors * place.gpus_per_actor, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": app_args["http_port"]},
-                grpc_options={"port": app_args["grpc_port"], "grpc_servicer_functions": [GRPC_SERVICER]})
+                grpc_options={"port": app_args["grpc_port"], "grpc_servicer_functions": [servicer or GRPC_SERVICER]})
     serve.run(build_app(app_args), name="specdec", route_prefix="/")
     return Endpoints(f"127.0.0.1:{app_args['grpc_port']}", f"http://127.0.0.1:{app_args['http_port']}")
 

@@ -55,39 +55,34 @@ class ServeLikeHandlers:
         return unary_stream
 
 
-async def _serve(register, handlers: ServeLikeHandlers, client):
-    server = gRPCGenericServer(handlers)
-    register(api_grpc.SpecDecodeServicer(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            return await client(api_grpc.SpecDecodeStub(channel))
-    finally:
-        await server.stop(None)
-
-
-async def _hang_up_mid_write(stub) -> grpc.StatusCode:
-    call = stub.GenerateStream(api.GenerateRequest(prompt="x"), timeout=0.5)
-    await call.read()  # one message, then never another: the server blocks writing
-    return await call.code()
-
-
-async def _until(events: list, timeout: float = 2.0) -> None:
-    for _ in range(int(timeout / 0.02)):
-        if "closed" in events:
-            return
-        await asyncio.sleep(0.02)
+def serve(make_server, register, client):
+    """`client(stub)`'s result against a server from make_server(), SpecDecode registered by `register`."""
+    async def run():
+        server = make_server()  # in the loop: grpc.aio binds to it
+        register(api_grpc.SpecDecodeServicer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                return await client(api_grpc.SpecDecodeStub(channel))
+        finally:
+            await server.stop(None)
+    return asyncio.run(run())
 
 
 def hang_up(register) -> tuple[grpc.StatusCode, list]:
     handlers = ServeLikeHandlers()
 
     async def client(stub):
-        code = await _hang_up_mid_write(stub)
-        await _until(handlers.events)
+        call = stub.GenerateStream(api.GenerateRequest(prompt="x"), timeout=0.5)
+        await call.read()  # one message, then never another: the server blocks writing
+        code = await call.code()
+        for _ in range(100):  # until the handler has ended (2 s at most)
+            if "closed" in handlers.events:
+                break
+            await asyncio.sleep(0.02)
         return code
-    return asyncio.run(_serve(register, handlers, client)), handlers.events
+    return serve(lambda: gRPCGenericServer(handlers), register, client), handlers.events
 
 
 @pytest.mark.parametrize("attempt", range(3))
@@ -114,7 +109,7 @@ def test_a_stream_that_runs_to_its_end_is_unchanged():
         with pytest.raises(grpc.aio.AioRpcError) as e:  # the status the handler set ends the stream
             await call.read()
         return texts, e.value.code(), e.value.details()
-    texts, code, details = asyncio.run(_serve(add_servicer, handlers, client))
+    texts, code, details = serve(lambda: gRPCGenericServer(handlers), add_servicer, client)
     assert texts == ["0", "1", "2", "3", "4"]
     assert (code, details) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "set by the handler")
     assert handlers.events == ["closed"]
@@ -130,7 +125,7 @@ def test_a_handler_error_ends_the_stream_after_its_messages():
             async for r in call:
                 texts.append(r.text)
         return texts, e.value.code()
-    assert asyncio.run(_serve(add_servicer, handlers, client)) == (["0", "1"], grpc.StatusCode.UNKNOWN)
+    assert serve(lambda: gRPCGenericServer(handlers), add_servicer, client) == (["0", "1"], grpc.StatusCode.UNKNOWN)
 
 
 def test_unary_calls_keep_serves_handler():
@@ -138,24 +133,16 @@ def test_unary_calls_keep_serves_handler():
 
     async def client(stub):
         return (await stub.Generate(api.GenerateRequest(prompt="x"), timeout=10)).text
-    assert asyncio.run(_serve(add_servicer, handlers, client)) == "unary"
+    assert serve(lambda: gRPCGenericServer(handlers), add_servicer, client) == "unary"
     assert handlers.events == [("unary", "/specdec.v1.SpecDecode/Generate")]
 
 
 def test_a_server_without_serves_factory_gets_the_generated_registration(caplog):
-    async def run():
-        server = grpc.aio.server()  # not Serve's
-        add_servicer(api_grpc.SpecDecodeServicer(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await api_grpc.SpecDecodeStub(channel).Generate(api.GenerateRequest(prompt="x"), timeout=10)
-                return e.value
-        finally:
-            await server.stop(None)
-    error = asyncio.run(run())
+    async def client(stub):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Generate(api.GenerateRequest(prompt="x"), timeout=10)
+        return e.value
+    error = serve(grpc.aio.server, add_servicer, client)  # not Serve's server
     assert error.code() == grpc.StatusCode.UNIMPLEMENTED
     assert error.details().endswith("Method not implemented!")  # the generated servicer's own answer
     assert "registered as generated" in caplog.text

@@ -254,8 +254,8 @@ def test_full_queue_is_refused_with_resource_exhausted(server):
 @pytest.mark.parametrize("deadline_s", [0.3, 0.45, 0.6])
 def test_client_deadline_stops_the_request(server, deadline_s):
     """A request whose deadline passes mid-way is stopped (cancelled at the ingress); it never runs to the
-    end, wherever Serve's proxy stands when the deadline passes (cluster/grpc_proxy.py; before it, 6 of 60
-    such requests in a probe ran on). A deadline that passes before the request reaches the ingress is not
+    end, wherever Serve's proxy stands when the deadline passes (cluster/grpc_proxy.py; before it, 3 of 58
+    such requests ran on: docs/bench/deadline-cancels.txt). A deadline that passes before the request reaches the ingress is not
     seen there (Serve's gRPC proxy does not pass deadlines on: the README's Reliability section); then
     nothing was streamed, and the test skips rather than assert what the server cannot know."""
     before = http(server, "/v1/stats")[1]["requests"]
