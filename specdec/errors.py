@@ -29,3 +29,8 @@ class ResourceExhausted(RuntimeError):
 
 class Unavailable(RuntimeError):
     """The target group is down, lost and being rebuilt (gRPC UNAVAILABLE, HTTP 503): retry shortly."""
+
+
+class RequestFailed(RuntimeError):
+    """One request failed inside a batched step (its row alone; the others go on): gRPC INTERNAL, HTTP 500.
+    The message is for clients: it names no internals (details go to the logs)."""
