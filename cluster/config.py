@@ -3,6 +3,7 @@ the live part (routing) that Serve's reconfigure applies, and the command-line o
 
 import difflib
 import os
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import UnionType
@@ -17,6 +18,27 @@ from specdec.drafters import DrafterKind
 Dtype = Literal["float32", "bfloat16", "float16"]
 Port = Annotated[int, Field(ge=1, le=65535)]
 NonEmpty = Annotated[str, Field(min_length=1)]
+
+# Upper bounds of the speculation's shape: a tree of tree_width branches per depth, max_depth deep, costs a
+# B x T x T attention mask and a KV reservation per row; beyond these a config is a mistake, not a tuning.
+MAX_TREE_WIDTH = 16  # speculation.tree_width
+MAX_TREE_DEPTH = 32  # speculation.max_depth
+MAX_K = 32  # routing.*.max_k: tokens drafted per step
+MAX_REQUEST_BYTES = 2**31 - 1  # server.max_request_bytes: gRPC's own ceiling on a message
+
+# A task type (a request's task_type, a key of routing.task_types): the router keeps state per name and
+# metrics label by it, so names are short and plain.
+TASK_TYPE_MAX_CHARS = 64
+TASK_TYPE_CHARS = re.compile(r"[A-Za-z0-9_.-]*")
+
+
+def task_type_problem(name: str) -> str | None:
+    """Why `name` is not a valid task type, or None when it is ("" is: the default)."""
+    if len(name) > TASK_TYPE_MAX_CHARS:
+        return f"must be at most {TASK_TYPE_MAX_CHARS} characters, got {len(name)}"
+    if not TASK_TYPE_CHARS.fullmatch(name):
+        return "may hold only letters, digits and _ . - (A-Z a-z 0-9 _ . -)"
+    return None
 
 
 class ConfigError(ValueError):
@@ -54,8 +76,8 @@ class PlacementConfig(_Section):
 class SpeculationConfig(_Section):
     drafter: DrafterKind = DrafterKind("model+ngram")
     num_speculative_tokens: int | Literal["auto"] = "auto"
-    tree_width: int = Field(1, ge=1)
-    max_depth: int = Field(8, ge=1)
+    tree_width: int = Field(1, ge=1, le=MAX_TREE_WIDTH)
+    max_depth: int = Field(8, ge=1, le=MAX_TREE_DEPTH)
     overlap: bool = False  # draft the next step while the target verifies this one (draft models only)
 
     @field_validator("num_speculative_tokens", mode="before")
@@ -74,7 +96,7 @@ class Thresholds(_Section):
     min_samples: int = Field(20, ge=1)  # reports needed before the decision may switch
     probe_fraction: float = Field(0.05, ge=0, le=1)  # share of requests still speculative while off
     ema: float = Field(0.1, gt=0, le=1)  # weight of a new report in the alpha moving average
-    max_k: int = Field(8, ge=1)
+    max_k: int = Field(8, ge=1, le=MAX_K)
     draft_cost_ratio: float = Field(0.15, gt=0, lt=1)  # a drafted token's cost / a target step's, until measured
     speculation: Literal["auto", "on", "off"] = "auto"  # on/off: forced for AUTO requests of this task type
 
@@ -90,6 +112,26 @@ class Thresholds(_Section):
 class RoutingConfig(_Section):
     default: Thresholds = Field(default_factory=Thresholds)
     task_types: dict[str, Thresholds] = Field(default_factory=dict)
+    # most task types the router tracks, default and the configured ones counted: a request's unknown task
+    # type beyond it is routed and counted as default (task_types_folded), so memory, /v1/stats and metric
+    # labels stay bounded whatever names clients send
+    max_task_types: int = Field(64, ge=1, le=4096)
+
+    @field_validator("task_types")
+    @classmethod
+    def _task_type_names(cls, task_types: dict[str, "Thresholds"]) -> dict[str, "Thresholds"]:
+        for name in task_types:
+            problem = "is the name of the default thresholds" if name in ("", "default") else task_type_problem(name)
+            if problem:
+                raise ValueError(f"task type {name[:80]!r}: {problem}")
+        return task_types
+
+    @model_validator(mode="after")
+    def _room_for_configured(self) -> "RoutingConfig":
+        if len(self.task_types) + 1 > self.max_task_types:
+            raise ValueError(f"max_task_types {self.max_task_types} leaves no room for the {len(self.task_types)} "
+                             f"task types configured and default (need at least {len(self.task_types) + 1})")
+        return self
 
     def thresholds(self, task_type: str) -> Thresholds:
         return self.task_types.get(task_type, self.default)
@@ -109,6 +151,9 @@ class ServerConfig(_Section):
     max_waiting_requests: int = Field(256, ge=0)
     idle_row_timeout_s: float = Field(30.0, gt=0)  # a speculative row with no tree for this long is closed
     max_n: int = Field(8, ge=1)  # most samples one request may ask for (OpenAI's n)
+    # the largest request body (HTTP) or message (gRPC, RAY_SERVE_GRPC_MAX_MESSAGE_SIZE of Serve's proxy), in
+    # bytes; a prompt of more characters is refused before it is tokenized. Also caps gRPC replies.
+    max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=MAX_REQUEST_BYTES)
 
     @field_validator("http_port")
     @classmethod
@@ -121,10 +166,18 @@ class ServerConfig(_Section):
 class InternalTls(_Section):
     """Mutual TLS on the draft -> target link (PEM files, at these paths on every node)."""
 
-    cert: NonEmpty  # this pod's certificate: the target serves with it, a draft replica presents it
+    cert: NonEmpty  # the server certificate: the target serves with it (and replicas present it without client_cert)
     key: NonEmpty  # its private key
     ca: NonEmpty  # the CA that signs every peer's certificate
     server_name: NonEmpty = "specdec-target"  # a name in the target's certificate (replicas check it, not the IP)
+    client_cert: NonEmpty | None = None  # what a draft replica presents as a TLS client (None: cert)
+    client_key: NonEmpty | None = None  # its private key (None: key); given with client_cert or not at all
+
+    @model_validator(mode="after")
+    def _client_pair(self) -> "InternalTls":
+        if (self.client_cert is None) != (self.client_key is None):
+            raise ValueError("client_cert and client_key go together (set both, or neither to use cert and key)")
+        return self
 
 
 class SecurityConfig(_Section):
@@ -136,8 +189,9 @@ class SecurityConfig(_Section):
     def check_internal_tls_files(self) -> None:
         """At start, before any actor is placed: every internal TLS file is readable here."""
         if self.internal_tls is not None:
-            for name in ("cert", "key", "ca"):
-                check_readable(getattr(self.internal_tls, name), f"security.internal_tls.{name}")
+            for name in ("cert", "key", "ca", "client_cert", "client_key"):
+                if getattr(self.internal_tls, name) is not None:
+                    check_readable(getattr(self.internal_tls, name), f"security.internal_tls.{name}")
 
 
 def check_readable(path: str, key: str) -> None:

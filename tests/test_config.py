@@ -244,3 +244,40 @@ def test_serve_flags_override_the_file_and_are_checked_again(tmp_path):
     assert out.placement.tensor_parallel_size == base.placement.tensor_parallel_size  # None: not given
     with pytest.raises(ConfigError, match="server.http_port: must differ from grpc_port"):
         app_config({"config": str(path), "grpc_port": 8000}, never_called)
+
+
+# --- bounds (issue 22): the speculation's shape, task type names and count, request size --------------
+
+
+@pytest.mark.parametrize("section, values, key, limit", [
+    ("speculation", {"drafter": "ngram", "tree_width": 17}, "speculation.tree_width", 16),
+    ("speculation", {"drafter": "ngram", "max_depth": 33}, "speculation.max_depth", 32),
+    ("routing", {"default": {"max_k": 33}}, "routing.default.max_k", 32),
+    ("routing", {"task_types": {"code": {"max_k": 1000}}}, "routing.task_types.code.max_k", 32),
+    ("server", {"max_request_bytes": 2**31}, "server.max_request_bytes", 2**31 - 1),
+])
+def test_shape_and_size_bounds_name_the_key(section, values, key, limit):
+    assert f"ops.yaml: {key}: must be less than or equal to {limit}" in config_error(with_section(section, values))
+
+
+def test_bounds_are_the_named_constants_and_their_edges_load():
+    from cluster.config import MAX_K, MAX_TREE_DEPTH, MAX_TREE_WIDTH
+
+    assert (MAX_TREE_WIDTH, MAX_TREE_DEPTH, MAX_K) == (16, 32, 32)
+    config = parse_config({**MINIMAL, "speculation": {"tree_width": MAX_TREE_WIDTH, "max_depth": MAX_TREE_DEPTH},
+                           "routing": {"default": {"max_k": MAX_K}}})
+    assert (config.speculation.tree_width, config.speculation.max_depth, config.routing.default.max_k) == (16, 32, 32)
+    assert config.server.max_request_bytes == 4 * 1024 * 1024 and config.routing.max_task_types == 64
+    assert load_config(DEFAULT_YAML).server.max_request_bytes == 4194304
+
+
+@pytest.mark.parametrize("name", ["a b", "x" * 65, "ünï", "default", "code/../x"])
+def test_configured_task_type_names_are_held_to_the_request_rule(name):
+    assert "ops.yaml: routing.task_types: " in config_error(with_section("routing", {"task_types": {name: {}}}))
+
+
+def test_max_task_types_leaves_room_for_the_configured_ones():
+    routing = {"task_types": {"code": {}, "prose": {}}, "max_task_types": 2}
+    assert "ops.yaml: routing: max_task_types 2 leaves no room" in config_error(with_section("routing", routing))
+    assert parse_config(with_section("routing", {**routing, "max_task_types": 3})).routing.max_task_types == 3
+    assert parse_live_config({"routing": {"max_task_types": 5}}).max_task_types == 5  # live, as all of routing
