@@ -3,6 +3,7 @@
 from specdec.errors import InvalidArgument
 
 MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_STOP_CHARS = 256  # characters of one stop string: each step searches the text not yet sent for every one
 
 
 class Detokenizer:
@@ -13,6 +14,7 @@ class Detokenizer:
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
         self.tokenizer, self.stop = tokenizer, stop
+        self._borders = [_borders(s) for s in stop]  # each stop string's prefix function (KMP)
         self.ids: list[int] = []
         self.text = ""  # decoded so far; cut at the stop string once one is found
         self.sent = 0  # characters of text handed out
@@ -52,18 +54,49 @@ class Detokenizer:
         return new
 
     def _held_back(self, end: int) -> int:
-        """Characters at the end of the text that are the start of a stop string."""
-        unsent = self.text[self.sent:end]
-        return max((n for s in self.stop for n in range(1, min(len(s), len(unsent) + 1))
-                    if unsent.endswith(s[:n])), default=0)
+        """Characters at the end of the text that are the start of a stop string (a proper start: a
+        whole one ends the request): the longest over the stop strings, each found in one pass over
+        the last len(s) - 1 unsent characters (Knuth-Morris-Pratt), so linear in the stop strings' length."""
+        return max((_open_prefix(self.text[max(self.sent, end - len(s) + 1):end], s, borders)
+                    for s, borders in zip(self.stop, self._borders)), default=0)
+
+
+def _borders(s: str) -> list[int]:
+    """KMP's prefix function: borders[i] is the length of the longest proper prefix of s[:i + 1] that
+    is also its suffix."""
+    borders = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = borders[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        borders[i] = k
+    return borders
+
+
+def _open_prefix(text: str, s: str, borders: list[int]) -> int:
+    """The length of the longest proper prefix of s that `text` ends with."""
+    k = 0
+    for c in text:
+        if k == len(s):  # a whole match (not held back): go on from its longest border
+            k = borders[k - 1]
+        while k and c != s[k]:
+            k = borders[k - 1]
+        if c == s[k]:
+            k += 1
+    return borders[k - 1] if k == len(s) else k
 
 
 def check_stop(stop: tuple[str, ...]) -> None:
-    """InvalidArgument naming `stop` unless it is up to MAX_STOP_STRINGS non-empty strings."""
+    """InvalidArgument naming `stop` unless it is up to MAX_STOP_STRINGS non-empty strings of up to
+    MAX_STOP_CHARS characters each."""
     if len(stop) > MAX_STOP_STRINGS:
         raise InvalidArgument("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
     if not all(isinstance(s, str) and s for s in stop):
-        raise InvalidArgument("stop", f"stop strings must be non-empty strings, got {list(stop)!r}")
+        raise InvalidArgument("stop", "stop strings must be non-empty strings")
+    if longest := max((len(s) for s in stop if len(s) > MAX_STOP_CHARS), default=0):
+        raise InvalidArgument("stop", f"a stop string is at most {MAX_STOP_CHARS} characters, got one of {longest}")
 
 
 def token_text(tokenizer, token: int) -> str:

@@ -76,3 +76,43 @@ def test_bad_stop_strings_are_refused(stop):
     with pytest.raises(InvalidArgument) as e:
         check_stop(stop)
     assert e.value.field == "stop"
+
+
+def test_long_stop_strings_are_refused_naming_the_limit():
+    from cluster.detokenizer import MAX_STOP_CHARS
+
+    check_stop(("x" * MAX_STOP_CHARS,))
+    with pytest.raises(InvalidArgument) as e:
+        check_stop(("a", "x" * 200_000))
+    assert e.value.field == "stop" and f"at most {MAX_STOP_CHARS} characters" in e.value.reason
+    assert "xxxx" not in str(e.value)  # the refusal does not echo the string back
+
+
+def held_back_by_brute_force(unsent: str, stop: tuple[str, ...]) -> int:
+    return max((n for s in stop for n in range(1, min(len(s), len(unsent) + 1)) if unsent.endswith(s[:n])), default=0)
+
+
+def test_held_back_text_is_the_longest_open_start_of_a_stop_string():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        stop = tuple("".join(rng.choice("ab") for _ in range(rng.randint(1, 7))) for _ in range(rng.randint(1, 3)))
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 12)))
+        sent = rng.randint(0, len(text))
+        detok = Detokenizer(None, stop)
+        detok.text, detok.sent = text, sent
+        assert detok._held_back(len(text)) == held_back_by_brute_force(text[sent:], stop), (text, sent, stop)
+
+
+def test_held_back_is_linear_in_the_stop_strings_length():
+    """The check before was quadratic in a stop string's length (seconds for a 100k-character one, each
+    step); now it is one pass. Called directly, past check_stop's bound, to see the cost."""
+    import time
+
+    stop = tuple("a" * 200_000 + end for end in "bcde")
+    detok = Detokenizer(None, stop)
+    detok.text = "a" * 200_000
+    started = time.perf_counter()
+    assert detok._held_back(len(detok.text)) == 200_000
+    assert time.perf_counter() - started < 2  # ~0.3 s here; the quadratic check took ~5 s
