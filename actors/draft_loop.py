@@ -8,6 +8,8 @@ draft's cache back, stream the tokens. Requests join and leave between iteration
 The target is a Target: GrpcTarget (a target rank's specdec.v1.TargetService over gRPC), or a
 TargetScheduler in the same process (tests)."""
 
+import logging
+import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,46 +33,100 @@ from specdec.tree import TokenTree
 from . import wire
 from .streams import Sink
 
+log = logging.getLogger(__name__)
+Outcome = Verdict | Exception  # a row's verdict, or the typed error that ended it alone (TargetScheduler.verify)
 
 
 class Target(Protocol):
     def open(self, rid: str, prompt: list[int], params: SamplingParams, stream: int = 0,
              max_new_tokens: int = 0) -> None: ...
-    def verify(self, trees: dict[str, TokenTree]) -> dict[str, Verdict]: ...
+    def verify(self, trees: dict[str, TokenTree]) -> dict[str, Outcome]: ...
     def close(self, rids: list[str]) -> None: ...
 
 
-class GrpcTarget:
-    """A remote target's specdec.v1.TargetService as a Target. A full target (RESOURCE_EXHAUSTED) and an
-    unreachable one (UNAVAILABLE) raise the core's ResourceExhausted and Unavailable."""
+VERIFY_TIMEOUT_S = 60.0  # a Verify waits one forward of the target's: far longer means the target is lost
+# An Open waits in the target's admission queue until running requests leave room (bounded only by their
+# lengths); past this it gives up, leaves the queue (the target closes it when the call is cancelled) and
+# the request is refused as ResourceExhausted, as a full queue refuses it at once.
+OPEN_TIMEOUT_S = 300.0
+CLOSE_TIMEOUT_S = 10.0  # a Close returns at once
 
-    def __init__(self, stub):  # specdec_tree_pb2_grpc.TargetServiceStub
+
+class GrpcTarget:
+    """A remote target's specdec.v1.TargetService as a Target. Every call has a deadline. A full target
+    (RESOURCE_EXHAUSTED, or an Open that waited for room past its deadline) raises the core's
+    ResourceExhausted; an unreachable one (UNAVAILABLE, or a Verify past its deadline) Unavailable; other
+    statuses the core's typed error (wire.error_of_status). verify() returns each row's verdict or its own
+    error: one bad tree fails its request alone."""
+
+    def __init__(self, stub, open_timeout_s: float = OPEN_TIMEOUT_S,
+                 verify_timeout_s: float = VERIFY_TIMEOUT_S):  # stub: specdec_tree_pb2_grpc.TargetServiceStub
         self.stub = stub
+        self.open_timeout_s, self.verify_timeout_s = open_timeout_s, verify_timeout_s
+
+    def _open_request(self, rid, prompt, params, stream, max_new_tokens) -> tree_pb.OpenRequest:
+        return tree_pb.OpenRequest(request_id=rid, prompt=prompt, stream=stream, params=wire.sampling_to_proto(params),
+                                   max_new_tokens=max_new_tokens)
 
     def open(self, rid: str, prompt: list[int], params: SamplingParams, stream: int = 0,
              max_new_tokens: int = 0) -> None:
-        self._call(self.stub.Open, tree_pb.OpenRequest(request_id=rid, prompt=prompt, stream=stream,
-                                                       params=wire.sampling_to_proto(params),
-                                                       max_new_tokens=max_new_tokens))
+        try:
+            self.stub.Open(self._open_request(rid, prompt, params, stream, max_new_tokens),
+                           timeout=self.open_timeout_s)
+        except grpc.RpcError as e:
+            raise self._open_error(e) from None
 
-    def verify(self, trees: dict[str, TokenTree]) -> dict[str, Verdict]:
-        reply = self._call(self.stub.Verify,
-                           tree_pb.VerifyRequest(trees=[wire.tree_to_proto(rid, t) for rid, t in trees.items()]))
-        return dict(wire.verdict_from_proto(r) for r in reply.results)
+    async def open_async(self, rid: str, prompt: list[int], params: SamplingParams, stream: int = 0,
+                         max_new_tokens: int = 0) -> None:
+        """open() awaited on an event loop, holding no thread while the target keeps it waiting for room;
+        cancelling it cancels the call (the target then drops the request from its queue)."""
+        call = self.stub.Open.future(self._open_request(rid, prompt, params, stream, max_new_tokens),
+                                     timeout=self.open_timeout_s)
+        loop = asyncio.get_running_loop()
+        finished = loop.create_future()
+        call.add_done_callback(lambda _: loop.call_soon_threadsafe(
+            lambda: finished.done() or finished.set_result(None)))
+        try:
+            await finished
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        try:
+            call.result()
+        except grpc.RpcError as e:
+            raise self._open_error(e) from None
+
+    def _open_error(self, e: grpc.RpcError) -> Exception:
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return ResourceExhausted(f"the target found no room for the request within {self.open_timeout_s:g} s "
+                                     "(it waited in the admission queue); retry later")
+        return _error(e)
+
+    def verify(self, trees: dict[str, TokenTree]) -> dict[str, Verdict | Exception]:
+        try:
+            reply = self.stub.Verify(tree_pb.VerifyRequest(trees=[wire.tree_to_proto(rid, t)
+                                                                  for rid, t in trees.items()]),
+                                     timeout=self.verify_timeout_s)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise Unavailable(f"the target group answered no Verify within {self.verify_timeout_s:g} s") from None
+            raise _error(e) from None
+        return dict(wire.result_from_proto(r) for r in reply.results)
 
     def close(self, rids: list[str]) -> None:  # returns at once: the target closes them later
-        self._call(self.stub.Close, tree_pb.CloseRequest(request_ids=rids))
-
-    @staticmethod
-    def _call(method, request):
         try:
-            return method(request)
+            self.stub.Close(tree_pb.CloseRequest(request_ids=rids), timeout=CLOSE_TIMEOUT_S)
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise ResourceExhausted(e.details()) from None
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                raise Unavailable(f"the target group is unreachable: {e.details()}") from None
-            raise
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise Unavailable(f"the target group answered no Close within {CLOSE_TIMEOUT_S:g} s") from None
+            raise _error(e) from None
+
+
+def _error(e: grpc.RpcError) -> Exception:
+    """The core's typed error for a call the target failed (UNAVAILABLE: it is unreachable)."""
+    if e.code() == grpc.StatusCode.UNAVAILABLE:
+        return Unavailable(f"the target group is unreachable: {e.details()}")
+    return wire.error_of_status(e.code(), e.details() or "")
 
 
 @dataclass
@@ -143,7 +199,7 @@ class DraftLoop:
             joining, self._joining = self._joining, []
             self._failure = error
         for r in joining:
-            r.sink([], r.out, True, error)
+            _tell(r, [], True, error)
 
     def _loop(self) -> None:
         while True:
@@ -185,7 +241,7 @@ class DraftLoop:
         if close:
             self.target.close([r.rid for r in leaving])
             for r in leaving:
-                r.sink([], r.out, True, None)
+                _tell(r, [], True, None)
 
     def _step(self) -> None:
         rows = self.rows
@@ -198,21 +254,23 @@ class DraftLoop:
         self.on_step(*times)
         for r, was_ready in zip(rows, ready):
             r.out.stats.drafted_ahead += was_ready
-        steps = []  # (request, its new tokens, whether it goes on)
+        steps = []  # (request, its new tokens, whether it goes on, the error that ended it)
         for r, tree in zip(rows, trees):
-            if r.rid not in verdicts:  # closed on the target meanwhile
-                steps.append((r, [], False))
+            outcome = verdicts.get(r.rid)
+            if not isinstance(outcome, Verdict):  # closed on the target meanwhile, or its row failed there
+                steps.append((r, [], False, outcome))
                 continue
-            record_step(r.out.stats, tree, verdicts[r.rid], times)
+            record_step(r.out.stats, tree, outcome, times)
             before = len(r.out.token_ids)
-            more = emit(r.out, r.seq, verdicts[r.rid], r.max_new_tokens, r.eos)
-            steps.append((r, r.out.token_ids[before:], more))
-        done = [r for r, _, more in steps if not more]
+            more = emit(r.out, r.seq, outcome, r.max_new_tokens, r.eos)
+            steps.append((r, r.out.token_ids[before:], more, None))
+        done = [r for r, _, more, _ in steps if not more]
         if done:  # before their last step goes out: a finished request holds nothing on the target
             self.target.close([r.rid for r in done])
-        for r, tokens, more in steps:
-            r.sink(tokens, r.out, not more, None)
-        self._drop(done, close=False)
+        deaf = [r for r, tokens, more, error in steps if not _tell(r, tokens, not more, error) and more]
+        if deaf:  # a sink that failed ends its own request
+            self.target.close([r.rid for r in deaf])
+        self._drop(done + deaf, close=False)
 
     def _trees(self, rows: list[DraftRequest]) -> list[TokenTree]:
         """This step's trees: those drafted ahead, the others drafted now (in one batched draft)."""
@@ -224,21 +282,23 @@ class DraftLoop:
         fresh = self._draft(rows, [r.plan() if tree is None else Plan() for r, tree in zip(rows, ready)])
         return [tree if tree is not None else new for tree, new in zip(ready, fresh)]
 
-    def _verify(self, rows: list[DraftRequest], trees: list[TokenTree]) -> dict[str, Verdict]:
+    def _verify(self, rows: list[DraftRequest], trees: list[TokenTree]) -> dict[str, Outcome]:
         """The target's verdicts; meanwhile, with overlap, the next step is drafted ahead. The drafter
-        keeps what the target accepted. A request closed on the target meanwhile has no verdict."""
+        keeps what the target accepted. A request closed on the target meanwhile has no verdict; one
+        whose row failed there has its error."""
         request = {r.rid: t for r, t in zip(rows, trees)}
         if not self.overlap:
-            verdicts = self.target.verify(request)
+            outcomes = self.target.verify(request)
             if self.drafter is not None:
-                self.drafter.commit([verdicts[r.rid].path if r.rid in verdicts else [0] for r in rows])
-            return verdicts
+                self.drafter.commit([_verdict(outcomes, r.rid).path if _verdict(outcomes, r.rid) else [0]
+                                     for r in rows])
+            return outcomes
         pending = self._verifier.submit(self.target.verify, request)
         ahead = self._draft_ahead(rows, trees)
-        verdicts = pending.result()
-        for r, tree in zip(rows, settle(self.drafter, ahead, [verdicts.get(r.rid) for r in rows])):
+        outcomes = pending.result()
+        for r, tree in zip(rows, settle(self.drafter, ahead, [_verdict(outcomes, r.rid) for r in rows])):
             r.next_tree = tree
-        return verdicts
+        return outcomes
 
     def _draft_ahead(self, rows: list[DraftRequest], trees: list[TokenTree]) -> Ahead:
         return draft_ahead(self.drafter, [r.seq for r in rows], trees, [r.params for r in rows],
@@ -255,4 +315,21 @@ class DraftLoop:
         if self.drafter is not None:
             self.drafter.start(0)
         for r in rows:
-            r.sink([], r.out, True, error)
+            _tell(r, [], True, error)
+
+
+def _verdict(outcomes: dict[str, Outcome], rid: str) -> Verdict | None:
+    """The request's verdict; None when it has none (closed meanwhile, or its row failed)."""
+    outcome = outcomes.get(rid)
+    return outcome if isinstance(outcome, Verdict) else None
+
+
+def _tell(r: DraftRequest, tokens: list[int], finished: bool, error: Exception | None) -> bool:
+    """Hand a request's step to its sink; a sink that raises ends its own request, never the loop.
+    -> whether the sink took it"""
+    try:
+        r.sink(tokens, r.out, finished, error)
+        return True
+    except Exception:  # noqa: BLE001 - the caller's fault is its own
+        log.exception("request %s: its sink failed; the request ends", r.rid)
+        return False

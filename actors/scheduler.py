@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from specdec.acceptance import Verdict
 from specdec.adaptive import Costs, Load
 from specdec.engine import Generation, emit, record_step
-from specdec.errors import RequestExists, ResourceExhausted, UnknownRequest
+from specdec.errors import InvalidArgument, RequestExists, ResourceExhausted, UnknownRequest
 from specdec.sampling import SamplingParams
-from specdec.target import TargetWorker
+from specdec.target import Outcome, TargetWorker
 from specdec.tree import TokenTree
 
 from .streams import Sink
@@ -66,6 +66,17 @@ class _Waiter:
         if self.error is not None:
             raise self.error
         return self.result
+
+
+@dataclass
+class _CallbackWaiter(_Waiter):
+    """A waiter that also calls `done(error)` when the loop serves it (open_then), on the loop's thread."""
+
+    done_callback: Callable[[Exception | None], None] = lambda error: None
+
+    def finish(self, result=None, error: Exception | None = None) -> None:
+        super().finish(result, error)
+        self.done_callback(error)
 
 
 @dataclass
@@ -131,7 +142,19 @@ class TargetScheduler:
     def open(self, rid: str, prompt: list[int], params: SamplingParams, stream: int = 0,
              max_new_tokens: int = 0) -> None:
         """A speculative request joins; returns once it is admitted and its prompt prefilled."""
+        if max_new_tokens < 0:
+            raise InvalidArgument("max_new_tokens", f"must be >= 0, got {max_new_tokens}")
         self._join(_Join(rid, list(prompt), params, stream, self.budget.cost(len(prompt), max_new_tokens))).wait()
+
+    def open_then(self, rid: str, prompt: list[int], params: SamplingParams, stream: int, max_new_tokens: int,
+                  done: Callable[[Exception | None], None]) -> None:
+        """open() without blocking (the target's gRPC service awaits it on an event loop, holding no thread
+        while the request waits for room): a refusal at the door (RequestExists, ResourceExhausted, an empty
+        prompt, over the budget) raises here; otherwise `done(None)` is called once the request is admitted
+        and prefilled, or `done(error)` when it never will be (closed while it waited, its prefill failed),
+        on the loop's thread (it must not block)."""
+        self._join(_Join(rid, list(prompt), params, stream, self.budget.cost(len(prompt), max_new_tokens),
+                         waiter=_CallbackWaiter(done_callback=done)))
 
     def decode(self, rid: str, prompt: list[int], params: SamplingParams, max_new_tokens: int, eos: set[int],
                sink: Sink, stream: int = 0) -> None:
@@ -142,14 +165,18 @@ class TargetScheduler:
         self._join(_Join(rid, list(prompt), params, stream, self.budget.cost(len(prompt), max_new_tokens),
                          plain=plain))
 
-    def verify(self, trees: dict[str, TokenTree]) -> dict[str, Verdict]:
+    def verify(self, trees: dict[str, TokenTree]) -> dict[str, Outcome]:
         """Verdicts for these requests' trees, from the next forward; a request closed meanwhile (by its
-        client, say, while its replica drafted) has none."""
+        client, say, while its replica drafted) has none. A tree refused (TargetWorker.refusal: never
+        opened, out of the vocabulary, larger than its reservation...) or a row that failed in the
+        forward gets its typed error instead, and only that request is affected."""
         with self._cv:
             trees = {rid: t for rid, t in trees.items() if rid not in self._closed and rid not in self._leaving}
+            unknown = {rid: UnknownRequest(f"request {rid!r} is not in the batch")
+                       for rid in trees if rid not in self._reserved}
+        trees = {rid: t for rid, t in trees.items() if rid not in unknown}
         if not trees:
-            return {}
-        self.worker.check(trees)  # refuse bad trees before they reach the loop
+            return unknown
         waiter = _Waiter()
         with self._cv:
             if self._trees.keys() & trees.keys():
@@ -159,8 +186,8 @@ class TargetScheduler:
                 self._trees[rid] = (tree, waiter)
                 self._heard_from(rid)
             self._cv.notify()
-        verdicts = waiter.wait()
-        return {rid: verdicts[rid] for rid in trees if rid in verdicts}
+        outcomes = waiter.wait()
+        return unknown | {rid: outcomes[rid] for rid in trees if rid in outcomes}
 
     def close(self, rids: list[str]) -> None:
         """These requests leave (finished, cancelled, or their client gone) before the next forward;
@@ -192,8 +219,7 @@ class TargetScheduler:
     # --- the loop ----------------------------------------------------------------------------------
 
     def _join(self, join: _Join) -> _Waiter:
-        if not join.prompt:
-            raise ValueError(f"request {join.rid!r}: the prompt is empty")
+        self.worker.check_prompt(join.prompt)  # InvalidArgument: refused here, never in the loop's prefill
         if join.tokens > self.budget.max_tokens:
             raise ValueError(f"request {join.rid!r} needs {join.tokens} KV tokens, over the target's budget of "
                              f"{self.budget.max_tokens} (max_kv_tokens)")
@@ -319,7 +345,7 @@ class TargetScheduler:
             for j in joining:
                 j.waiter.finish(error=e)
                 if j.plain:
-                    j.plain.sink([], j.plain.out, True, e)
+                    _tell(j.rid, j.plain, [], True, e)
             return
         for j in joining:
             if j.plain:
@@ -338,8 +364,8 @@ class TargetScheduler:
             return
         t0 = time.perf_counter()
         try:
-            verdicts, _ = self.worker.verify(batch)
-        except Exception as e:  # noqa: BLE001 - handed to each waiting caller
+            outcomes, _ = self.worker.verify(batch, max_nodes=self.budget.tree_room)
+        except Exception as e:  # noqa: BLE001 - the forward itself failed: handed to each waiting caller
             for waiter in waiters:
                 waiter.finish(error=e)
             for rid in list(self._plain):
@@ -350,7 +376,7 @@ class TargetScheduler:
         with self._cv:
             self.forwards += 1
             self.forward_time_s += elapsed
-            committed = sum(len(v.tokens) for v in verdicts.values())
+            committed = sum(len(o.tokens) for o in outcomes.values() if isinstance(o, Verdict))
             self.committed_tokens += committed
             self.trees_verified += len(verified)
             self.tree_loop_time_s += sum(now - waiter.since for waiter in verified)
@@ -358,9 +384,12 @@ class TargetScheduler:
             self._observe(elapsed, len(batch), sum(map(len, batch.values())), committed)
         self.on_forward(elapsed)
         for waiter in waiters:
-            waiter.finish(verdicts)
+            waiter.finish(outcomes)
         for rid, plain in list(self._plain.items()):
-            self._advance_plain(rid, plain, batch[rid], verdicts[rid], elapsed)
+            if isinstance(outcome := outcomes[rid], Verdict):
+                self._advance_plain(rid, plain, batch[rid], outcome, elapsed)
+            else:
+                self._finish_plain(rid, error=outcome)
 
     def _observe(self, seconds: float, rows: int, tokens: int, committed: int) -> None:
         self.costs.observe_verify(seconds, tokens)
@@ -374,12 +403,24 @@ class TargetScheduler:
         more = emit(plain.out, plain.seq, verdict, plain.max_new_tokens, plain.eos)
         if not more:
             self._finish_plain(rid)  # before its last step goes out: a finished request holds nothing
-        plain.sink(plain.out.token_ids[before:], plain.out, not more, None)
+        if not _tell(rid, plain, plain.out.token_ids[before:], not more, None) and more:
+            self._finish_plain(rid)  # its sink failed: nobody is left to hear the rest
 
     def _finish_plain(self, rid: str, error: Exception | None = None) -> None:
         plain = self._plain.pop(rid)
         if error is not None:
-            plain.sink([], plain.out, True, error)
+            _tell(rid, plain, [], True, error)
         self.worker.remove([rid])
         with self._cv:
             self._reserved.pop(rid, None)
+
+
+def _tell(rid: str, plain: _Plain, tokens: list[int], finished: bool, error: Exception | None) -> bool:
+    """Hand a plain request's step to its sink; a sink that raises ends its own request, never the loop.
+    -> whether the sink took it"""
+    try:
+        plain.sink(tokens, plain.out, finished, error)
+        return True
+    except Exception:  # noqa: BLE001 - the caller's fault is its own
+        log.exception("request %s: its sink failed; the request ends", rid)
+        return False

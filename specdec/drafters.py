@@ -15,6 +15,7 @@ Drafting ahead (specdec.ahead) also uses:
                                   first kept[b] nodes of the path they assumed"""
 
 import enum
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,6 +25,8 @@ from .kvcache import CachedLM, Prefilled
 from .ngram import NgramIndex
 from .sampling import SamplingParams, warp
 from .tree import TokenTree
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -222,8 +225,8 @@ class ModelDrafter:
         return trees
 
     def _grow(self, logits, cum, trees, frontier, depths, depth, params, gens):
-        """Add one depth of children under the frontier. Updates `trees` and `frontier` in place and
-        returns the parent column [B, W] of each new frontier node, their tokens [B, W] and cum [B, W]."""
+        """Add one depth of children under the frontier. Updates `trees` and `frontier` in place (and
+        `depths`: a sampled row whose draft distribution is broken stops here, see below) and returns the parent column [B, W] of each new frontier node, their tokens [B, W] and cum [B, W]."""
         B, F, _ = logits.shape
         W = self.width
         parent_col = torch.zeros(B, W, dtype=torch.long)
@@ -243,6 +246,11 @@ class ModelDrafter:
                 continue  # this row's tree stopped a depth ago (it sat the last forward out)
             if not params[b].greedy:
                 q = warp(logits[b], params[b])  # [F, V]
+                if not _is_distribution(q):  # NaN logits, say: the row's tree stops (it costs speed, not the request)
+                    log.warning("the draft's distribution for row %d is not finite; its tree stops at depth %d",
+                                b, depth - 1)
+                    depths[b] = depth - 1
+                    continue
                 if depth == 1:
                     drawn = torch.multinomial(q[0], W, replacement=True, generator=gens[b])
                     parent_col[b] = 0
@@ -257,6 +265,11 @@ class ModelDrafter:
                 for pc, tok in zip(pcols, toks)
             ]
         return parent_col, tokens, new_cum
+
+
+def _is_distribution(q: torch.Tensor) -> bool:
+    """q [F, V]: every row finite, non-negative, with some mass (what torch.multinomial needs)."""
+    return bool((torch.isfinite(q) & (q >= 0)).all() & (q.sum(-1) > 0).all())
 
 
 def _cached_prefix(path: list[int], slot_of: dict[int, int]) -> list[int]:

@@ -156,6 +156,8 @@ class SpeculativeEngine:
         trees = self._draft(seqs, plans, params, gens)
         t1 = self._clock()
         by_request, verify_tokens = worker.verify(dict(zip(rows, trees)))
+        if failed := next((o for o in by_request.values() if isinstance(o, Exception)), None):
+            raise failed  # one process, one caller: its own trees, so a failed row fails the call
         verdicts = [by_request[r] for r in rows]
         t2 = self._clock()
         if self.drafter is not None:

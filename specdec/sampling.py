@@ -8,6 +8,12 @@ import torch
 from .errors import InvalidArgument
 from .logprobs import MAX_LOGPROBS
 
+# Below this a temperature is refused, not sampled (vLLM and SGLang treat it as greedy: _SAMPLING_EPS):
+# the distribution it asks for is the argmax up to float32 rounding, so a client means 0 (greedy).
+MIN_TEMPERATURE = 1e-5
+MAX_TOP_K = 2**31 - 1  # the wire's int32
+SEED_RANGE = range(-(2**63), 2**63)  # the wire's int64
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -21,12 +27,15 @@ class SamplingParams:
 
     def __post_init__(self):
         """The one check of sampling fields, wherever they come from (CLI, gRPC, HTTP, another actor)."""
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise InvalidArgument("temperature", f"must be a finite number >= 0 (0 is greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise InvalidArgument("top_k", f"must be >= 0 (0 turns it off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
+        if not (self.temperature == 0 or (MIN_TEMPERATURE <= self.temperature and math.isfinite(self.temperature))):
+            raise InvalidArgument("temperature", f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, "
+                                                 f"got {self.temperature}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise InvalidArgument("top_k", f"must be in 0..{MAX_TOP_K} (0 turns it off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:  # NaN fails this too
             raise InvalidArgument("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and self.seed not in SEED_RANGE:
+            raise InvalidArgument("seed", f"must be a 64-bit signed integer, got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidArgument("logprobs", f"must be in 0..{MAX_LOGPROBS} (or unset), got {self.logprobs}")
 
@@ -36,9 +45,12 @@ class SamplingParams:
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Turn logits [..., V] into the sampling distribution [..., V] (float32): temperature, top-k, top-p."""
+    """Turn logits [..., V] into the sampling distribution [..., V] (float32): temperature, top-k, top-p.
+    The logits are shifted by their maximum before the division, so no temperature overflows them: the
+    likeliest token is at 0, the others at or below it (-inf at worst), and softmax stays finite."""
     assert not params.greedy, "greedy decoding takes the argmax; there is no distribution to warp"
-    logits = logits.float() / params.temperature
+    logits = logits.float()
+    logits = (logits - logits.amax(-1, keepdim=True)) / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

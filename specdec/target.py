@@ -1,18 +1,26 @@
 """The target side of speculation: requests join and leave a running batch (continuous batching),
 each keeping its own KV rows; the candidate trees of any of them are verified together in one
-forward. It sees trees and sampling settings only, so the side that drafts can be another process."""
+forward. It sees trees and sampling settings only, so the side that drafts can be another process,
+and it trusts neither: a tree or prompt that could crash or poison the shared forward (a token outside
+the vocabulary, a position past the model's context, more nodes than the request reserved) is refused
+for its own request before the forward, and a row whose acceptance fails ends alone; the others in the
+batch go on."""
 
+import logging
 from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
 
 from .acceptance import Verdict, accept_greedy, accept_sampling
-from .errors import RequestExists, UnknownRequest
+from .errors import InvalidArgument, RequestExists, RequestFailed, UnknownRequest
 from .kvcache import CachedLM
 from .logprobs import committed_logprobs
 from .sampling import SamplingParams, make_generator
 from .tree import TokenTree, layout
+
+log = logging.getLogger(__name__)
+Outcome = Verdict | Exception  # a row's verdict, or the typed error that ended it alone
 
 
 @dataclass
@@ -28,6 +36,19 @@ class TargetWorker:
         lm.reset(0)
         self.requests: dict[Hashable, _Request] = {}
         self.rows: list[Hashable] = []  # batch row -> request id
+        config = lm.model.config.get_text_config()
+        self.vocab_size: int = config.vocab_size  # token ids the embedding takes: [0, vocab_size)
+        self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
+
+    def check_prompt(self, prompt: list[int]) -> None:
+        """InvalidArgument("prompt") unless the prompt is 1..max_positions ids of the vocabulary."""
+        if not prompt:
+            raise InvalidArgument("prompt", "is empty: it needs at least one token")
+        if self.max_positions and len(prompt) > self.max_positions:
+            raise InvalidArgument("prompt", f"is {len(prompt)} tokens, past the model's context of "
+                                            f"{self.max_positions} positions")
+        if not 0 <= min(prompt) <= max(prompt) < self.vocab_size:
+            raise InvalidArgument("prompt", f"holds a token id outside the vocabulary [0, {self.vocab_size})")
 
     def add(self, joining: list[tuple[Hashable, list[int], SamplingParams, int]]) -> None:
         """Requests (id, prompt, params, stream) join the batch; their prompts are prefilled in one forward
@@ -35,8 +56,7 @@ class TargetWorker:
         for rid, prompt, _, _ in joining:
             if rid in self.requests:
                 raise RequestExists(f"request {rid!r} is already in the batch")
-            if not prompt:
-                raise ValueError(f"request {rid!r}: the prompt is empty")
+            self.check_prompt(prompt)
         self.lm.join([prompt[:-1] for _, prompt, _, _ in joining])  # the last token is the first tree's root
         for rid, prompt, params, stream in joining:
             gen = make_generator(params.seed, stream, self.lm.device, role="target")
@@ -54,41 +74,74 @@ class TargetWorker:
     def last_token(self, rid: Hashable) -> int:
         return self.requests[rid].seq[-1]
 
-    def check(self, trees: dict[Hashable, TokenTree]) -> None:
-        """UnknownRequest for a request not in the batch; ValueError for a tree not rooted at its last token."""
-        for rid, tree in trees.items():
-            if rid not in self.requests:
-                raise UnknownRequest(f"request {rid!r} is not in the batch")
-            if tree.tokens[0] != self.requests[rid].seq[-1]:
-                raise ValueError(f"request {rid!r}: a tree's root must be its last token "
-                                 f"({self.requests[rid].seq[-1]}), got {tree.tokens[0]}")
+    def refusal(self, rid: Hashable, tree: TokenTree, max_nodes: int | None = None) -> Exception | None:
+        """Why this request's tree may not join a forward, or None: UnknownRequest for a request not in
+        the batch; InvalidArgument for a tree not rooted at its last token, a token outside the
+        vocabulary, more than `max_nodes` nodes past the root (what the request reserved), or a node past
+        the model's context. (Proposals are checked where they cross the wire, actors/wire.py; a proposal
+        that is no distribution fails its own row's acceptance at worst.)"""
+        if rid not in self.requests:
+            return UnknownRequest(f"request {rid!r} is not in the batch")
+        seq = self.requests[rid].seq
+        if tree.tokens[0] != seq[-1]:
+            return InvalidArgument("tree.tokens", f"request {rid!r}: a tree's root must be its last token "
+                                                  f"({seq[-1]}), got {tree.tokens[0]}")
+        if max_nodes is not None and len(tree) - 1 > max_nodes:
+            return InvalidArgument("tree.tokens", f"request {rid!r}: {len(tree) - 1} nodes past the root, "
+                                                  f"over the {max_nodes} its KV reservation holds")
+        if not 0 <= min(tree.tokens) <= max(tree.tokens) < self.vocab_size:
+            return InvalidArgument("tree.tokens", f"request {rid!r}: a token id outside the vocabulary "
+                                                  f"[0, {self.vocab_size})")
+        if self.max_positions and len(seq) + tree.depth > self.max_positions:
+            return InvalidArgument("tree.parents", f"request {rid!r}: the tree reaches position "
+                                                   f"{len(seq) - 1 + tree.depth}, past the model's context of "
+                                                   f"{self.max_positions} positions")
+        return None
 
     @torch.inference_mode()
-    def verify(self, trees: dict[Hashable, TokenTree]) -> tuple[dict[Hashable, Verdict], int]:
+    def verify(self, trees: dict[Hashable, TokenTree], max_nodes: int | None = None) -> tuple[dict[Hashable, Outcome], int]:
         """Score the given requests' trees in one forward (other requests sit it out) and decide what
-        each keeps. -> verdicts by request id, tokens in the forward's block"""
-        self.check(trees)
+        each keeps. A tree refused (`refusal`) or a row whose acceptance fails gets its typed error
+        instead of a verdict; the others are unaffected. -> outcomes by request id, tokens in the
+        forward's block"""
+        outcomes: dict[Hashable, Outcome] = {}
+        for rid, tree in trees.items():
+            if (error := self.refusal(rid, tree, max_nodes)) is not None:
+                outcomes[rid] = error
+        trees = {rid: tree for rid, tree in trees.items() if rid not in outcomes}
         if not trees:
-            return {}, 0
+            return outcomes, 0
         row_trees = [trees.get(rid) or TokenTree.root(self.requests[rid].seq[-1]) for rid in self.rows]
         sizes = [len(trees[rid]) if rid in trees else 0 for rid in self.rows]  # rows not given a tree sit out
         start = self.lm.size
         tokens, block, positions = layout(row_trees, self.lm.lengths)
         logits = self.lm.forward(tokens, block, positions, sizes=sizes)  # [N, V]: the trees' nodes, row after row
         argmax = logits.argmax(-1).tolist()
-        verdicts, keep, offset = {}, [], 0
+        keep, offset = [], 0
         for rid, tree, row_logits, size in zip(self.rows, row_trees, logits.split(sizes), sizes):
             row_argmax, offset = argmax[offset : offset + size], offset + size
-            if rid not in trees:
-                keep.append([])  # sat this step out: nothing committed
-                continue
-            req = self.requests[rid]
-            v = accept_greedy(tree, row_argmax) if req.params.greedy else \
-                accept_sampling(tree, row_logits, req.params, req.generator)
-            if req.params.logprobs is not None:
-                v.logprobs = committed_logprobs(row_logits, v.path, v.tokens, req.params.logprobs)
-            req.seq += v.tokens
-            verdicts[rid] = v
-            keep.append([start + n for n in v.path])
+            outcome = self._decide(rid, tree, row_argmax, row_logits) if rid in trees else None
+            if isinstance(outcome, Verdict):
+                self.requests[rid].seq += outcome.tokens
+                keep.append([start + n for n in outcome.path])
+            else:
+                keep.append([])  # sat this step out, or failed: nothing committed
+            if outcome is not None:
+                outcomes[rid] = outcome
         self.lm.commit(keep)
-        return verdicts, sum(sizes)
+        return outcomes, sum(sizes)
+
+    def _decide(self, rid: Hashable, tree: TokenTree, argmax: list[int], logits: torch.Tensor) -> Outcome:
+        """What one row keeps (logits [size, V]), or RequestFailed when its acceptance raised: that row
+        alone ends (a NaN in its logits, say); the batch's other rows are decided as usual."""
+        req = self.requests[rid]
+        try:
+            v = accept_greedy(tree, argmax) if req.params.greedy else \
+                accept_sampling(tree, logits, req.params, req.generator)
+            if req.params.logprobs is not None:
+                v.logprobs = committed_logprobs(logits, v.path, v.tokens, req.params.logprobs)
+            return v
+        except Exception:  # noqa: BLE001 - this row's fault is its own
+            log.exception("request %s: its verdict failed; it ends alone", rid)
+            return RequestFailed("the target could not decide this request's tokens (its row failed in the "
+                                 "batched step; the other requests went on); see the server log")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import NEW_TOKENS
+from specdec.errors import InvalidArgument, UnknownRequest
 from specdec.drafters import MergedDrafter, ModelDrafter, NgramDrafter, Plan
 from specdec.kvcache import CachedLM
 from specdec.sampling import SamplingParams, make_generator
@@ -91,9 +92,8 @@ def test_worker_rejects_bad_requests(target):
     worker.add([("a", [1, 2, 3], GREEDY, 0)])
     with pytest.raises(ValueError, match="already in the batch"):
         worker.add([("a", [4], GREEDY, 0)])
-    with pytest.raises(ValueError, match="prompt is empty"):
+    with pytest.raises(InvalidArgument, match="prompt: is empty"):
         worker.add([("b", [], GREEDY, 0)])
-    with pytest.raises(KeyError, match="not in the batch"):
-        worker.verify({"zzz": TokenTree.root(3)})
-    with pytest.raises(ValueError, match="root must be its last token"):
-        worker.verify({"a": TokenTree.root(2)})
+    outcomes, _ = worker.verify({"zzz": TokenTree.root(3), "a": TokenTree.root(2)})
+    assert isinstance(outcomes["zzz"], UnknownRequest) and "not in the batch" in str(outcomes["zzz"])
+    assert isinstance(outcomes["a"], InvalidArgument) and "root must be its last token" in str(outcomes["a"])

@@ -1,0 +1,185 @@
+"""A request's fault stays its own: one hostile or broken row in a batched forward (or in a draft
+replica's loop) ends that request alone, with a typed error, and every other request's output is
+exactly what it is without it. Sampling settings that cannot make a distribution are refused before
+they reach a batch, and the warp cannot overflow even when that check is bypassed."""
+
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+from actors.draft_loop import DraftLoop, DraftRequest
+from conftest import NEW_TOKENS, VOCAB
+from specdec.drafters import Plan, make_drafter
+from specdec.errors import InvalidArgument, RequestFailed
+from specdec.kvcache import CachedLM
+from specdec.sampling import MIN_TEMPERATURE, SamplingParams, make_generator, warp
+from specdec.tree import TokenTree
+from test_grpc_trees import Collect, scheduler_for, wait_until_empty
+
+GREEDY = SamplingParams()
+SAMPLED = SamplingParams(temperature=0.8, seed=7)
+
+
+@pytest.mark.parametrize("field, kwargs", [
+    ("temperature", {"temperature": 1e-40}), ("temperature", {"temperature": MIN_TEMPERATURE / 2}),
+    ("temperature", {"temperature": math.nan}), ("temperature", {"temperature": math.inf}),
+    ("temperature", {"temperature": -1.0}), ("top_p", {"temperature": 1.0, "top_p": math.nan}),
+    ("top_k", {"temperature": 1.0, "top_k": 2**31}), ("seed", {"temperature": 1.0, "seed": 2**63}),
+    ("seed", {"temperature": 1.0, "seed": -(2**63) - 1}),
+])
+def test_sampling_settings_that_cannot_make_a_distribution_are_refused(field, kwargs):
+    with pytest.raises(InvalidArgument) as e:
+        SamplingParams(**kwargs)
+    assert e.value.field == field
+
+
+def test_the_extremes_that_are_accepted_warp_to_a_distribution():
+    SamplingParams(temperature=1.0, seed=2**63 - 1, top_k=2**31 - 1)
+    SamplingParams(temperature=1.0, seed=-(2**63))
+    logits = torch.tensor([[30000.0, -30000.0, 29999.0, 0.0], [1.0, 2.0, 3.0, 4.0]])
+    for temperature in (MIN_TEMPERATURE, 1e-40):  # 1e-40: the edge's check bypassed, as a bug might
+        params = SamplingParams(temperature=1.0)
+        object.__setattr__(params, "temperature", temperature)
+        p = warp(logits, params)
+        assert torch.isfinite(p).all()
+        torch.testing.assert_close(p, torch.nn.functional.one_hot(logits.argmax(-1), 4).float())
+    p = warp(logits[1:], SamplingParams(temperature=0.7))  # the shift by the maximum changes no distribution
+    torch.testing.assert_close(p, (logits[1:] / 0.7).softmax(-1))
+
+
+# --- one forward, many rows: the poisoned one ends alone ---------------------------------------------
+
+def _poisoned_tree(kind: str, root: int) -> TokenTree:
+    tree = TokenTree.root(root)
+    if kind == "oov_token":
+        tree.add(0, VOCAB + 3)
+    elif kind == "negative_token":
+        tree.add(0, -1)
+    elif kind == "oversized_tree":
+        for _ in range(65):  # past the 64 slots of tree room its KV reservation holds
+            tree.add(0, 1)
+    elif kind == "past_context":
+        node = 0
+        for _ in range(20):  # the prompt is 240 tokens of a 256-position model
+            node = tree.add(node, 1)
+    elif kind == "bad_root":
+        tree.tokens[0] = (root + 1) % VOCAB
+    elif kind in ("nan_proposal", "negative_proposal"):
+        q = torch.full((VOCAB,), 1.0 / VOCAB)
+        q[2] = math.nan if kind == "nan_proposal" else -0.5
+        pid = tree.add_proposal(q)
+        tree.add(0, 2, pid, from_model=True)
+        tree.add(0, 3, pid, from_model=True)
+    return tree
+
+
+WORKER_REFUSES = {"oov_token": InvalidArgument, "negative_token": InvalidArgument, "oversized_tree": InvalidArgument,
+                  "past_context": InvalidArgument, "bad_root": InvalidArgument, "nan_proposal": RequestFailed}
+
+
+def _run_honest(scheduler, draft, prompts, hostile=None) -> list[tuple]:
+    """Four honest requests: plain greedy, plain sampled (seeded), and speculative greedy and sampled on a
+    draft loop; `hostile()` runs meanwhile on a thread of its own. -> each request's (tokens, reason, error)"""
+    loop = DraftLoop(scheduler, make_drafter("model", CachedLM(draft), 2))
+    sinks = [Collect() for _ in range(4)]
+    stop = threading.Event()
+    thread = threading.Thread(target=hostile, args=(stop,)) if hostile else None
+    if thread:
+        thread.start()
+        time.sleep(0.05)
+    scheduler.decode("plain-greedy", prompts[0], GREEDY, NEW_TOKENS, set(), sinks[0])
+    scheduler.decode("plain-sampled", prompts[1], SAMPLED, NEW_TOKENS, set(), sinks[1])
+    for i, params in ((2, GREEDY), (3, SAMPLED)):
+        scheduler.open(f"spec-{i}", prompts[i], params, 0, NEW_TOKENS)
+        loop.join(DraftRequest(f"spec-{i}", prompts[i], params, NEW_TOKENS, set(), 3, sinks[i]))
+    results = [s.wait() for s in sinks]
+    stop.set()
+    if thread:
+        thread.join(30)
+    return results
+
+
+@pytest.fixture(scope="module")
+def clean_run(target, draft, reference):
+    return _run_honest(scheduler_for(target), draft, reference.prompts[:4])
+
+
+@pytest.mark.parametrize("kind", [*WORKER_REFUSES, "negative_proposal", "tiny_temperature"])
+def test_a_poisoned_row_ends_alone(target, draft, reference, clean_run, kind):
+    """A hostile replica sends its poisoned tree into the forwards the honest requests share, again and
+    again; it gets its typed error each time, and the honest requests' tokens are those of a clean run."""
+    assert all(error is None and len(tokens) == NEW_TOKENS for tokens, _, error in clean_run)
+    scheduler = scheduler_for(target)
+    prompt = [1 + i % (VOCAB - 1) for i in range(240 if kind == "past_context" else 8)]
+    hostile_params = SamplingParams(temperature=1.0, seed=3)
+    if kind == "tiny_temperature":  # bypasses the edge's check: the warp itself must not overflow
+        object.__setattr__(hostile_params, "temperature", 1e-40)
+    outcomes = []
+
+    def hostile(stop: threading.Event) -> None:
+        n = 0
+        while not stop.is_set():
+            rid, n = f"evil-{n}", n + 1
+            scheduler.open(rid, prompt, hostile_params, 0, 16)
+            for _ in range(3):
+                outcome = scheduler.verify({rid: _poisoned_tree(kind, scheduler.worker.last_token(rid))})[rid]
+                outcomes.append(outcome)
+                if isinstance(outcome, Exception):
+                    break
+            scheduler.close([rid])
+
+    poisoned_run = _run_honest(scheduler, draft, reference.prompts[:4], hostile)
+    assert poisoned_run == clean_run
+    assert outcomes, "the hostile replica never got an answer"
+    if kind in WORKER_REFUSES:
+        assert all(isinstance(o, WORKER_REFUSES[kind]) for o in outcomes), outcomes
+        assert all("request" in str(o) for o in outcomes if isinstance(o, InvalidArgument))
+    else:  # a verdict for itself alone (the wire refuses negative proposals, actors/wire.py)
+        assert not any(isinstance(o, Exception) for o in outcomes), outcomes
+    wait_until_empty(scheduler)
+
+
+def test_a_prompt_outside_the_vocabulary_or_a_negative_count_is_refused_at_the_door(target):
+    scheduler = scheduler_for(target)
+    for prompt in ([1, VOCAB], [-1, 2], [], [1] * 300):
+        with pytest.raises(InvalidArgument, match="prompt"):
+            scheduler.open("bad", prompt, GREEDY, 0, 4)
+        with pytest.raises(InvalidArgument, match="prompt"):
+            scheduler.decode("bad", prompt, GREEDY, 4, set(), Collect())
+    with pytest.raises(InvalidArgument, match="max_new_tokens"):
+        scheduler.open("bad", [1, 2], GREEDY, 0, -1000)
+    assert scheduler.stats()["open_requests"] == 0
+
+
+def test_a_sink_that_raises_ends_its_own_request(target, draft, reference, clean_run):
+    """A consumer whose callback fails (a bug, a closed connection) loses its request; the loop and
+    the other requests go on."""
+    scheduler = scheduler_for(target)
+
+    def broken(tokens, out, finished, error):
+        raise RuntimeError("the consumer is gone")
+
+    scheduler.decode("broken-plain", reference.prompts[5], GREEDY, NEW_TOKENS, set(), broken)
+    loop = DraftLoop(scheduler, make_drafter("model", CachedLM(draft), 1))
+    scheduler.open("broken-spec", reference.prompts[6], GREEDY, 0, NEW_TOKENS)
+    loop.join(DraftRequest("broken-spec", reference.prompts[6], GREEDY, NEW_TOKENS, set(), 3, broken))
+    assert _run_honest(scheduler, draft, reference.prompts[:4]) == clean_run
+    wait_until_empty(scheduler)
+
+
+def test_a_draft_row_with_a_broken_distribution_drafts_nothing_and_the_others_draft(draft, reference):
+    """NaN draft logits for one sampled row: its tree stops at the root (speed lost, not the request);
+    the batch's other rows get their full trees."""
+    drafter = make_drafter("model", CachedLM(draft), 2)
+    seqs = [list(p) for p in reference.prompts[:3]]
+    drafter.start(3)
+    lm = drafter.draft_lm
+    real_prefill = lm.prefill  # the depth-1 logits [B, V]; row 1's are NaN
+    lm.prefill = lambda chunks: real_prefill(chunks).index_fill_(0, torch.tensor([1]), math.nan)
+    params = [SAMPLED, SAMPLED, GREEDY]
+    trees = drafter.propose(seqs, [Plan(3, 0)] * 3, params, [make_generator(1, i) for i in range(3)])
+    assert len(trees[1]) == 1  # the broken row: its root alone
+    assert len(trees[0]) == 1 + 2 * 3 and len(trees[2]) == 1 + 2 * 3
