@@ -8,6 +8,7 @@ import json
 import re
 import shlex
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -353,3 +354,44 @@ def test_chat_without_a_chat_template_is_refused_naming_it(tmp_path):
     reply = asyncio.run(OpenAIServer(frontend, "target").chat(body))
     error = json.loads(reply.body)["error"]
     assert reply.status_code == 400 and error["param"] == "messages" and "no chat template" in error["message"]
+
+
+# --- issue 22: one hostile request cannot fail the others ----------------------------------------------
+
+
+def test_a_tiny_temperature_is_refused_alone_and_the_others_answer(server, tokenizer, target):
+    """The reproduction of issue 22: four ordinary sampled requests (speculation on) and two greedy ones
+    sent together with requests whose temperature makes logits / T overflow (1e-40 over HTTP, 1e-38 over
+    gRPC). Before, every request of that forward got HTTP 500; now the poisoned ones get 400 /
+    INVALID_ARGUMENT naming temperature and the others answer (the greedy ones exactly as plain decoding)."""
+    client = server.client.with_options(timeout=120)
+
+    def sampled(seed: int):
+        return client.completions.create(model="target", prompt=PROMPT, max_tokens=24, temperature=0.8, seed=seed,
+                                         extra_body={"speculation": "on"})
+
+    def greedy_call():
+        return client.completions.create(model="target", prompt=PROMPT, max_tokens=24, temperature=0,
+                                         extra_body={"speculation": "on"})
+
+    def poisoned_http():
+        return client.completions.create(model="target", prompt=PROMPT, max_tokens=24, temperature=1e-40,
+                                         extra_body={"speculation": "on"})
+
+    def poisoned_grpc():
+        return server.stub.Generate(api.GenerateRequest(prompt=PROMPT, max_new_tokens=24, temperature=1e-38,
+                                                        speculation=api.SPECULATION_ON), timeout=120)
+
+    calls = [lambda s=s: sampled(s) for s in range(4)] + [greedy_call, greedy_call, poisoned_http, poisoned_grpc]
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+    for f in futures[:6]:
+        assert f.result().choices[0].finish_reason == "length" and f.result().usage.completion_tokens == 24
+    want = tokenizer.decode(greedy(target, tokenizer, PROMPT, 24))
+    assert [f.result().choices[0].text for f in futures[4:6]] == [want, want]
+    with pytest.raises(openai.BadRequestError) as e:
+        futures[6].result()
+    assert e.value.status_code == 400 and e.value.body["param"] == "temperature"
+    with pytest.raises(grpc.RpcError) as e:
+        futures[7].result()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("temperature:")
