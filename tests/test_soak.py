@@ -11,7 +11,7 @@ import sys
 import pytest
 import yaml
 
-from cluster.soak import Outcome, Shot, SoakPlan, draw_shot, judge
+from cluster.soak import HOSTILE, Outcome, Shot, SoakPlan, draw_shot, judge
 from conftest import served_target
 
 REFERENCES = [[5, 6, 7, 8, 9, 10]]
@@ -63,7 +63,11 @@ def test_the_mix_has_every_kind_in_about_the_planned_shares():
     assert share(lambda s: s.fault == "cancel") > 0.05 and share(lambda s: s.fault == "deadline") > 0.03
     assert all(s.transport == "grpc" for s in shots if s.fault == "deadline")
     assert {s.speculation for s in shots} == {"auto", "on", "off"} and {s.prompt for s in shots} == set(range(8))
-    assert all(4 <= s.max_new_tokens <= plan.max_new_tokens for s in shots)
+    ordinary, hostile = [s for s in shots if s.fault != "hostile"], [s for s in shots if s.fault == "hostile"]
+    assert all(4 <= s.max_new_tokens <= plan.max_new_tokens for s in ordinary)
+    assert 0.08 < len(hostile) / len(shots) < 0.12 and {s.hostile for s in hostile} == set(HOSTILE)
+    assert all(s.max_new_tokens <= 8 and s.transport == HOSTILE[s.hostile].transport for s in hostile)
+    assert not any(s.fault == "hostile" for s in (draw_shot(rng, SoakPlan(hostile_share=0), 8) for _ in range(500)))
 
 
 def test_a_plan_out_of_bounds_is_refused():
