@@ -8,6 +8,7 @@ import math
 import posixpath
 import shutil
 import subprocess
+import tomllib
 import warnings
 from pathlib import Path
 
@@ -252,13 +253,18 @@ def secret_mounts(group: dict) -> dict[str, tuple[str, bool]]:
 def test_security_files_come_from_secrets_in_every_pod(profile):
     """Every file the operator YAML's security section names is in a Secret mounted, as a folder, in
     every pod (the ingress and the actors may land on any of them): the API keys in specdec-api-keys,
-    the internal TLS files in specdec-internal-tls. The GPU profile asks for API keys and internal
-    mTLS; the CPU profile (to try it) for neither."""
+    the internal link's server certificate and CA in specdec-internal-tls, its client certificate in
+    specdec-internal-tls-client (a certificate and key of their own, not the server's). The GPU profile
+    asks for API keys and internal mTLS; the CPU profile (to try it) for neither."""
     security = operator_config(profile).security
     files = {"specdec-api-keys": [security.api_keys_file]} if security.api_keys_file else {}
     if tls := security.internal_tls:
         files["specdec-internal-tls"] = [tls.cert, tls.key, tls.ca]
-    assert set(files) == (set() if profile == "overlays/cpu" else {"specdec-api-keys", "specdec-internal-tls"})
+        if tls.client_cert:
+            files["specdec-internal-tls-client"] = [tls.client_cert, tls.client_key]
+            assert {tls.client_cert, tls.client_key}.isdisjoint({tls.cert, tls.key})
+    assert set(files) == (set() if profile == "overlays/cpu" else
+                          {"specdec-api-keys", "specdec-internal-tls", "specdec-internal-tls-client"})
     for group in pod_groups(rayservice(profile)):
         mounts = secret_mounts(group)
         for secret, paths in files.items():
@@ -287,3 +293,235 @@ def test_tls_ingress_routes_to_the_serve_ports():
     assert head_ports["serve"] == serve["http_options"]["port"]
     assert head_ports["serve-grpc"] == serve["grpc_options"]["port"]
     assert not rendered("overlays/cpu", "Ingress")
+
+
+# Hardening (issue 22): who may connect to the pods, what the pods may do, which image they run.
+
+RELEASE_LABEL = "app.kubernetes.io/instance"
+ROLE_LABEL = "app.kubernetes.io/component"
+# The peers a NetworkPolicy may admit besides the release's own pods, each to named ports only.
+OPERATOR_PEER = {"namespaceSelector": {}, "podSelector": {"matchLabels": {ROLE_LABEL: "kuberay-operator"}}}
+PROMETHEUS_PEER = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    """Whether a label selector (matchLabels only: the manifests use nothing else) selects `labels`."""
+    assert set(selector) <= {"matchLabels"}, f"selector {selector} uses more than matchLabels"
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def role_ports(service: dict) -> dict[str, int]:
+    """The ports the policies speak of, from where they are set: Serve's proxies (serveConfigV2), the
+    head container's dashboard and GCS ports, Ray's metrics-export-port."""
+    serve, _ = serve_app(service)
+    head = service["spec"]["rayClusterConfig"]["headGroupSpec"]
+    (container,) = head["template"]["spec"]["containers"]
+    named = {port["name"]: port["containerPort"] for port in container["ports"]}
+    return {"http": serve["http_options"]["port"], "grpc": serve["grpc_options"]["port"],
+            "dashboard": named["dashboard"], "gcs": named["gcs-server"],
+            "metrics": int(head["rayStartParams"]["metrics-export-port"])}
+
+
+def reach(policy: dict, release: dict) -> dict[str, set[int] | None]:
+    """Who a policy admits, and to which ports (None: every port): "release" (pods of the release,
+    this namespace), "anyone" (a rule without `from`), "kuberay-operator", "prometheus". A peer of any
+    other form fails: nothing else is meant to get in."""
+    assert policy["spec"]["policyTypes"] == ["Ingress"], policy["metadata"]["name"]
+    admitted: dict[str, set[int] | None] = {}
+    for rule in policy["spec"].get("ingress", []):
+        ports = None
+        if "ports" in rule:
+            assert all(port.get("protocol", "TCP") == "TCP" and isinstance(port["port"], int)
+                       and "endPort" not in port for port in rule["ports"]), rule
+            ports = {port["port"] for port in rule["ports"]}
+        peers = rule.get("from")
+        names = ["anyone"] if peers is None else []
+        for peer in peers or []:
+            if peer == {"podSelector": {"matchLabels": release}}:
+                names.append("release")
+            elif peer == OPERATOR_PEER:
+                names.append("kuberay-operator")
+            elif peer == PROMETHEUS_PEER:
+                names.append("prometheus")
+            else:
+                raise AssertionError(f"{policy['metadata']['name']}: a peer of unknown form {peer}")
+        for name in names:
+            if ports is None or admitted.get(name, set()) is None:
+                admitted[name] = None
+            else:
+                admitted[name] = admitted.get(name, set()) | ports
+    return admitted
+
+
+def check_reach(role: str, admitted: dict, ports: dict[str, int]) -> None:
+    """The promise: from outside the release, the public API only (HTTP on every pod, since KubeRay's
+    serve Service selects workers too; gRPC on the head, behind the head Service); the dashboard for
+    the KubeRay operator on the head; the metrics for Prometheus. Everything else (GCS, dashboard,
+    Ray's ports, the target's TargetService and the tensor-parallel rendezvous, which are picked free
+    at start) from the release's pods only, where every port is open."""
+    public = {ports["http"], ports["grpc"]} if role == "head" else {ports["http"]}
+    allowed = {"release": None, "anyone": public, "prometheus": {ports["metrics"]}}
+    if role == "head":
+        allowed["kuberay-operator"] = {ports["dashboard"]}
+    for who, got in admitted.items():
+        assert who in allowed, f"{role}: {who} admitted"
+        if allowed[who] is not None:
+            assert got is not None and got <= allowed[who], f"{role}: {who} reaches {got}, more than {allowed[who]}"
+    assert admitted.get("release", set()) is None, f"{role}: the release's pods must reach every port"
+    assert admitted.get("anyone") == public, f"{role}: the public API from anywhere: {admitted.get('anyone')}"
+    outside = set().union(*(got for who, got in admitted.items() if who != "release"))
+    assert ports["gcs"] not in outside, f"{role}: GCS reachable from outside the release"
+
+
+def release_labels(service: dict) -> dict:
+    """The release's label, which every pod template carries with one value."""
+    values = {group["template"]["metadata"]["labels"][RELEASE_LABEL] for group in pod_groups(service)}
+    (value,) = values
+    return {RELEASE_LABEL: value}
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_one_network_policy_per_role_admits_only_the_public_api_from_outside(profile):
+    service = rayservice(profile)
+    policies = rendered(profile, "NetworkPolicy")
+    ports = role_ports(service)
+    release = release_labels(service)
+    for group in pod_groups(service):
+        labels = group["template"]["metadata"]["labels"]
+        assert labels[ROLE_LABEL] == group["groupName"]
+        # each role has its own policy, and no other policy selects its pods (they would add to it)
+        (policy,) = [policy for policy in policies if selects(policy["spec"]["podSelector"], labels)]
+        assert policy["spec"]["podSelector"]["matchLabels"] == {**release, ROLE_LABEL: group["groupName"]}
+        check_reach(group["groupName"], reach(policy, release), ports)
+        assert selects({"matchLabels": release}, labels)  # the release rule admits every role's pods
+    assert len(policies) == len(pod_groups(service))
+
+
+@pytest.mark.parametrize("role, mutate, complaint", [
+    ("head", lambda spec: spec["ingress"][1]["ports"].append({"protocol": "TCP", "port": 6379}), "anyone reaches"),
+    ("target", lambda spec: spec["ingress"][1]["ports"].append({"protocol": "TCP", "port": 9000}), "anyone reaches"),
+    ("draft", lambda spec: spec["ingress"][1].pop("ports"), "anyone reaches None"),
+    ("head", lambda spec: spec["ingress"][2].pop("ports"), "kuberay-operator reaches None"),
+    ("target", lambda spec: spec["ingress"].append({"from": [OPERATOR_PEER]}), "kuberay-operator admitted"),
+    ("draft", lambda spec: spec["ingress"][0]["from"][0].update(namespaceSelector={}), "unknown form"),
+    ("head", lambda spec: spec["ingress"].append({"from": [{"ipBlock": {"cidr": "0.0.0.0/0"}}],
+                                                  "ports": [{"port": 6379}]}), "unknown form"),
+    ("head", lambda spec: spec["ingress"].pop(1), "the public API from anywhere"),
+])
+def test_network_policy_check_rejects_a_leaky_policy(role, mutate, complaint):
+    service = rayservice("base")
+    release = release_labels(service)
+    (policy,) = [copy.deepcopy(policy) for policy in rendered("base", "NetworkPolicy")
+                 if policy["spec"]["podSelector"]["matchLabels"][ROLE_LABEL] == role]
+    mutate(policy["spec"])
+    with pytest.raises(AssertionError, match=complaint):
+        check_reach(role, reach(policy, release), role_ports(service))
+
+
+def dockerfile_user() -> tuple[int, int]:
+    """The uid and gid of the Dockerfile's last USER (numeric, so the kubelet can check non-root)."""
+    users = [line.split()[1] for line in (K8S / "Dockerfile").read_text().splitlines() if line.startswith("USER ")]
+    uid, _, gid = users[-1].partition(":")
+    return int(uid), int(gid)
+
+
+def pod_containers(pod: dict) -> list[dict]:
+    return [*pod.get("initContainers", []), *pod["containers"]]
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_pods_run_unprivileged_as_the_image_user(profile):
+    uid, gid = dockerfile_user()
+    assert uid != 0
+    for group in pod_groups(rayservice(profile)):
+        pod = group["template"]["spec"]
+        name = group["groupName"]
+        assert pod["automountServiceAccountToken"] is False, name
+        context = pod["securityContext"]
+        assert context["runAsNonRoot"] is True and (context["runAsUser"], context["runAsGroup"]) == (uid, gid), name
+        assert context["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        for container in pod_containers(pod):
+            own = container["securityContext"]
+            assert own.get("runAsNonRoot", True) is True and own.get("runAsUser", uid) == uid, name
+            assert own["allowPrivilegeEscalation"] is False and not own.get("privileged"), name
+            assert own["capabilities"] == {"drop": ["ALL"]}, name
+            assert own["readOnlyRootFilesystem"] is True, name
+            assert own.get("seccompProfile", context["seccompProfile"]) == {"type": "RuntimeDefault"}, name
+
+
+# What the pods write under a read-only root: Ray's session directory (/tmp/ray), its object store
+# (/dev/shm), the libraries' caches (under ~/.cache, where the env moves Triton's and CUDA's).
+WRITTEN = ["/tmp/ray", "/dev/shm", "/home/ray/.cache/huggingface"]
+CACHE_ENV = ["TRITON_CACHE_DIR", "CUDA_CACHE_PATH"]
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_what_ray_writes_is_on_writable_volumes(profile):
+    for group in pod_groups(rayservice(profile)):
+        pod = group["template"]["spec"]
+        volumes = {volume["name"]: volume for volume in pod["volumes"]}
+        for container in pod_containers(pod):
+            mounts = {mount["mountPath"]: mount for mount in container["volumeMounts"]}
+            writable = [path for path, mount in mounts.items()
+                        if "emptyDir" in volumes[mount["name"]] and not mount.get("readOnly")]
+            # every other volume is read-only: config, models, Secrets
+            assert all(mount.get("readOnly") for path, mount in mounts.items() if path not in writable)
+            env = {var["name"]: var.get("value") for var in container.get("env", [])}
+            for path in WRITTEN + [env[name] for name in CACHE_ENV]:
+                assert any(path == root or path.startswith(root + "/") for root in writable), (group["groupName"], path)
+            assert volumes[mounts["/dev/shm"]["name"]]["emptyDir"].get("medium") == "Memory"
+
+
+def image_tag(reference: str) -> str:
+    """The tag of an image reference ('' without one; a registry's :port is not a tag)."""
+    name = reference.partition("@")[0]
+    return name.rpartition("/")[2].partition(":")[2]
+
+
+def images(node) -> list[str]:
+    """Every container image anywhere in a rendered object."""
+    if isinstance(node, list):
+        return [image for item in node for image in images(item)]
+    if not isinstance(node, dict):
+        return []
+    found = [container["image"] for key in ("containers", "initContainers") for container in node.get(key, [])]
+    return found + [image for value in node.values() for image in images(value)]
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_images_are_pinned_to_the_project_version(profile):
+    """No :latest and no untagged image: the project's version, as the Dockerfile says to tag it."""
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    found = images(list(_render(profile)))
+    assert found
+    for image in found:
+        assert image_tag(image) not in ("", "latest"), image
+        assert image.partition("@")[0].rpartition("/")[2] == f"specdec:{version}", image
+    assert f"-t specdec:{version} ." in (K8S / "Dockerfile").read_text()
+    assert f"-t specdec:{version} ." in (K8S / "README.md").read_text()
+
+
+def test_image_tag_check():
+    assert [image_tag(ref) for ref in ["specdec", "specdec:latest", "reg:5000/specdec", "reg:5000/specdec:0.1.0",
+                                       "specdec@sha256:ab"]] == ["", "latest", "", "0.1.0", ""]
+    assert sorted(images({"spec": {"template": {"spec": {"initContainers": [{"image": "a:1"}], "containers": [
+        {"image": "b"}]}}}})) == ["a:1", "b"]
+
+
+def test_dockerfile_base_is_the_clusters_ray_version():
+    ray_version = rayservice("base")["spec"]["rayClusterConfig"]["rayVersion"]
+    (base,) = [line.partition("=")[2] for line in (K8S / "Dockerfile").read_text().splitlines()
+               if line.startswith("ARG BASE=")]
+    assert image_tag(base).startswith(f"{ray_version}-"), base
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_serve_grpc_messages_capped_like_http_bodies(profile):
+    """Serve's gRPC proxy takes 2 GiB messages unless RAY_SERVE_GRPC_MAX_MESSAGE_SIZE says less; every
+    pod runs a proxy, so every pod sets it, to the config's bound on an HTTP body."""
+    limit = operator_config(profile).server.max_request_bytes
+    assert limit == 4 * 1024 * 1024
+    for group in pod_groups(rayservice(profile)):
+        (container,) = group["template"]["spec"]["containers"]
+        env = {var["name"]: var.get("value") for var in container.get("env", [])}
+        assert env.get("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE") == str(limit), group["groupName"]
