@@ -7,6 +7,7 @@ tokens already streamed, decoded plain on the target. Ray restarts the replica. 
 is rebuilt in place (cluster/supervisor.py); meanwhile requests fail fast with Unavailable."""
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -20,7 +21,7 @@ from transformers import AutoConfig, GenerationConfig
 
 from specdec.acceptance import acceptance_rate
 from specdec.adaptive import Costs, Load
-from specdec.errors import InvalidArgument, ResourceExhausted, Unavailable
+from specdec.errors import InvalidArgument, RequestFailed, ResourceExhausted, Unavailable
 from specdec.loading import eos_ids, load_tokenizer
 from specdec.logprobs import TokenLogprob
 from specdec.sampling import SamplingParams
@@ -28,10 +29,10 @@ from specdec.sampling import SamplingParams
 from actors.metrics import GAUGES_EVERY_S
 
 from . import metrics
-from .config import RoutingConfig, ServeConfig
+from .config import RoutingConfig, ServeConfig, task_type_problem
 from .detokenizer import Detokenizer, check_stop
 from .placement import Topology, kv_budget, start_topology
-from .router import Router, Speculation, TargetView
+from .router import DEFAULT_TASK, Router, Speculation, TargetView
 from .supervisor import TargetSupervisor
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,11 @@ TARGET_STATS_TIMEOUT_S = 5.0
 STEP_SMOOTHING = 0.3  # weight of each poll's step measurements in RecentSteps (polled every GAUGES_EVERY_S)
 TARGET_COUNTS = ("forwards", "forward_time_s", "stall_time_s", "committed_tokens", "trees_verified",
                  "tree_loop_time_s")  # cumulative: RecentSteps
+# A prompt of more characters than max_prompt_tokens * MAX_CHARS_PER_TOKEN is refused before it is tokenized:
+# it would fit only if its tokens were longer than this on average, which no subword vocabulary we know of
+# comes near (their longest tokens are runs of spaces or punctuation of a few dozen characters). A word-level
+# tokenizer that maps an unknown word of any length to one token is the exception: such prompts are refused.
+MAX_CHARS_PER_TOKEN = 256
 TARGET_HELD = ("open_requests", "kv_tokens_reserved", "waiting", "largest_batch", "idle_rows_closed")
 
 
@@ -156,30 +162,61 @@ class Frontend:
 
     def admit(self, req: Request) -> Admitted:
         """Check every field (InvalidArgument names the first bad one), that the target group is up
-        (Unavailable), and take a queue place (QueueFull)."""
+        (Unavailable), and take a queue place (QueueFull). Tokenizes in the caller's thread: on the
+        event loop, use admit_async."""
+        with self._counted(req) as task_type:
+            self._check(req)
+            return self._admitted(req, self._prompt_ids(req), task_type)
+
+    async def admit_async(self, req: Request) -> Admitted:
+        """admit, with the prompt tokenized in a worker thread: a long prompt holds up no other request's
+        stream (the checks that need no tokens come first, and bound the prompt's length)."""
+        with self._counted(req) as task_type:
+            self._check(req)
+            ids = await asyncio.to_thread(self._prompt_ids, req)
+            return self._admitted(req, ids, task_type)
+
+    @contextlib.contextmanager
+    def _counted(self, req: Request):
+        """-> the name the request's task type is routed and counted under (Router.fold; default for an
+        invalid one); a refusal is counted under it."""
+        task_type = DEFAULT_TASK if task_type_problem(req.task_type) else self.router.fold(req.task_type or DEFAULT_TASK)
+        if task_type != (req.task_type or DEFAULT_TASK) and not task_type_problem(req.task_type):
+            metrics.task_types_folded().inc()
         try:
-            job = self._admit(req)
+            yield task_type
         except (InvalidArgument, Unavailable, QueueFull) as e:
             reason = ("refused_invalid" if isinstance(e, InvalidArgument) else
                       "unavailable" if isinstance(e, Unavailable) else "refused_queue_full")
-            metrics.count_event(req.task_type or "default", reason)
+            metrics.count_event(task_type, reason)
             raise
-        return job
 
-    def _admit(self, req: Request) -> Admitted:
+    def _check(self, req: Request) -> None:
+        """The checks that need no tokens."""
         limits = self.cfg.server
+        if problem := task_type_problem(req.task_type):
+            raise InvalidArgument("task_type", problem)
         if not req.prompt:
             raise InvalidArgument("prompt", "must not be empty")
+        most = min(limits.max_request_bytes, limits.max_prompt_tokens * MAX_CHARS_PER_TOKEN)
+        if len(req.prompt) > most:
+            raise InvalidArgument("prompt", f"is {len(req.prompt)} characters, over the {most} that a prompt of "
+                                            f"max_prompt_tokens {limits.max_prompt_tokens} tokens may have")
         if req.max_new_tokens is not None and not 0 < req.max_new_tokens <= limits.max_new_tokens:
             raise InvalidArgument("max_new_tokens", f"must be in 1..{limits.max_new_tokens}, got {req.max_new_tokens}")
         check_stop(req.stop)
         if not 1 <= req.n <= limits.max_n:
             raise InvalidArgument("n", f"must be in 1..{limits.max_n} (server.max_n), got {req.n}")
-        params = SamplingParams(req.temperature, req.top_k, req.top_p, req.seed, req.logprobs)  # InvalidArgument naming the field
+        SamplingParams(req.temperature, req.top_k, req.top_p, req.seed, req.logprobs)  # InvalidArgument naming the field
         if req.speculation not in Speculation.__members__:
-            raise InvalidArgument("speculation", f"must be one of {', '.join(Speculation.__members__)}, "
-                                                 f"got {req.speculation!r}")
-        ids = self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+            raise InvalidArgument("speculation", f"must be one of {', '.join(Speculation.__members__)}")
+
+    def _prompt_ids(self, req: Request) -> list[int]:
+        return self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+
+    def _admitted(self, req: Request, ids: list[int], task_type: str) -> Admitted:
+        limits = self.cfg.server
+        params = SamplingParams(req.temperature, req.top_k, req.top_p, req.seed, req.logprobs)
         if not ids:
             raise InvalidArgument("prompt", "encodes to no tokens")
         if len(ids) > limits.max_prompt_tokens:
@@ -198,7 +235,9 @@ class Frontend:
             raise QueueFull(f"{self.in_flight} requests are queued or running (max_queued_requests "
                             f"{limits.max_queued_requests}, a request of n samples takes n); retry later")
         self.in_flight += req.n  # each sample gives its place back as it ends (generate)
-        return Admitted(replace(req, max_new_tokens=max_new_tokens), ids, params, req.task_type)
+        # the task type as routed: "" for default (a folded one included), as the draft replicas take it
+        return Admitted(replace(req, max_new_tokens=max_new_tokens), ids, params,
+                        "" if task_type == DEFAULT_TASK else task_type)
 
     def _room(self, prompt_tokens: int) -> int:
         """The most new tokens a request may ask for after this prompt: within the model's context and the
@@ -233,9 +272,11 @@ class Frontend:
 
     async def _typed(self, error: Exception, epoch: int) -> Exception:
         """What a request's error amounts to: the target's refusal (ResourceExhausted, raised in an actor),
-        or Unavailable when it came from a target group lost meanwhile; else the error itself."""
+        its own fault (InvalidArgument, or RequestFailed: its row failed in a batched step; the error as
+        raised, not Ray's wrapper with the remote traceback), or Unavailable when it came from a target
+        group lost meanwhile; else the error itself."""
         cause = error.cause if isinstance(error, ray.exceptions.RayTaskError) else error
-        if isinstance(cause, ResourceExhausted):
+        if isinstance(cause, (ResourceExhausted, RequestFailed, InvalidArgument)):  # this request's own fault or refusal
             return cause
         gone = isinstance(cause, (Unavailable, *_ACTOR_GONE))  # the group's loss as the request saw it
         if await self.supervisor.lost_since(epoch) or gone:  # waits (briefly) for the supervisor to see it too
@@ -328,7 +369,8 @@ class Frontend:
         timing = {"forwards": target.get("forwards"), "forward_s": target.get("forward_time_s"),
                   "stall_s": target.get("stall_time_s"), **self.timing}
         held = {key: target.get(key) for key in TARGET_HELD}
-        return {"task_types": self.router.stats(), "requests": dict(self.served), "in_flight": self.in_flight,
+        return {"task_types": self.router.stats(), "task_types_folded": self.router.folded,
+                "requests": dict(self.served), "in_flight": self.in_flight,
                 "timing": timing, "target": self.supervisor.stats() | held}
 
     async def _target_stats(self) -> dict:

@@ -25,6 +25,8 @@ speculation_on = LazyMetric(Gauge, "speculation_on", "The router's decision for 
 router_goodput = LazyMetric(Gauge, "router_goodput_tokens_per_second", "The router's estimate of the tokens per "
                             "second the target would commit with one more AUTO row, plain or speculating at its "
                             "best K (set once the target has reported its forward costs)", ("task_type", "mode"))
+task_types_folded = LazyMetric(Counter, "task_types_folded", "Requests whose task type was new once the router "
+                               "tracked routing.max_task_types names: routed and counted as default")
 queue_depth = LazyMetric(Gauge, "queue_depth", "Requests admitted and unfinished in this ingress replica")
 target_up = LazyMetric(Gauge, "target_up", "The target group as this ingress replica sees it: 1 serving, 0 down "
                        "(lost, being rebuilt)")

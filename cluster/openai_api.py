@@ -3,7 +3,9 @@
 streams). OpenAI fields that specdec does not implement are refused by name; the implicit defaults
 that clients send for them are accepted. Every error has OpenAI's shape."""
 
+import asyncio
 import json
+import sys
 import time
 import uuid
 from collections import defaultdict
@@ -15,13 +17,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from specdec.errors import InvalidArgument, ResourceExhausted, Unavailable
+from specdec.errors import InvalidArgument
 from specdec.logprobs import TokenLogprob
 
 from .detokenizer import token_text
 from .frontend import Admitted, Chunk, Frontend, Request
 from .router import Speculation
 from .samples import Sample, gather_samples, run_samples
+from .statuses import RequestTooLarge, client_error
 
 # OpenAI fields specdec does not implement -> the values that leave them unused (null always does).
 UNSUPPORTED = {
@@ -43,6 +46,49 @@ class HttpError(Exception):
         return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
                                        "code": self.code}}, status_code=self.status)
 
+    @classmethod
+    def of(cls, error: BaseException) -> "HttpError":
+        """Any error as a client sees it (cluster/statuses.py): a typed one's status and message, anything
+        else 500 with a generic message (the error logged under the id it names)."""
+        if isinstance(error, HttpError):
+            return error
+        seen = client_error(error)
+        return cls(seen.status.http, seen.message, seen.param, seen.status.kind)
+
+
+# --- the request body ----------------------------------------------------------------------------------
+
+
+async def read_body(http, limit: int) -> bytes:
+    """An HTTP request's body (a Starlette request), read in chunks and never past `limit` bytes
+    (server.max_request_bytes): a Content-Length over it is refused before anything is read, a body that
+    outgrows it (chunked, or longer than it said) as soon as it does. RequestTooLarge (413) either way."""
+    too_large = RequestTooLarge(f"body: is over the limit of {limit} bytes (server.max_request_bytes)")
+    length = http.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        raise too_large
+    body = bytearray()
+    async for chunk in http.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    return bytes(body)
+
+
+def _json_int(digits: str) -> int:
+    """A JSON integer; one too long for Python to convert (over sys.get_int_max_str_digits(): 4300) stands
+    as +-10**4300, beyond every bound of a field, so it is refused naming its field, not as a broken body."""
+    most = sys.get_int_max_str_digits()
+    if most and len(digits.lstrip("-")) > most:
+        return -_HUGE if digits.startswith("-") else _HUGE
+    return int(digits)
+
+
+_HUGE = 10**4300
+# The integers a body may carry: int64, the widest the gRPC API takes (specdec_api.proto); each field's own
+# range is checked where the field is (the frontend, SamplingParams), with its own message.
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+
 
 # --- request bodies ---------------------------------------------------------------------------------
 
@@ -59,9 +105,9 @@ class _Body(BaseModel):
     model: str | None = None  # accepted and ignored: the server serves one model
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    n: int = 1
+    top_k: Int64 = 0
+    seed: Int64 | None = None
+    n: Int64 = 1
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -87,8 +133,8 @@ class CompletionBody(_Body):
     """POST /v1/completions."""
 
     prompt: str
-    max_tokens: int | None = 16  # null: up to server.max_new_tokens and the model's context
-    logprobs: int | None = None  # the chosen token's logprob and the `logprobs` likeliest tokens' at each position
+    max_tokens: Int64 | None = 16  # null: up to server.max_new_tokens and the model's context
+    logprobs: Int64 | None = None  # the chosen token's logprob and the `logprobs` likeliest tokens' at each position
     echo: bool = False  # the prompt before the completion's text
 
     @field_validator("echo")
@@ -110,10 +156,10 @@ class ChatBody(_Body):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None  # unset: up to server.max_new_tokens and the model's context
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
+    max_tokens: Int64 | None = None  # unset: up to server.max_new_tokens and the model's context
+    max_completion_tokens: Int64 | None = None  # OpenAI's newer name for max_tokens; wins when both are set
     logprobs: bool = False
-    top_logprobs: int | None = None  # with logprobs: the likeliest tokens' logprobs at each position
+    top_logprobs: Int64 | None = None  # with logprobs: the likeliest tokens' logprobs at each position
 
     @field_validator("top_logprobs")
     @classmethod
@@ -129,9 +175,9 @@ Body = TypeVar("Body", bound=_Body)
 def parse_body(raw: bytes, model: type[Body]) -> Body:
     """The body as JSON whatever its content type (curl -d sends a form type); HttpError naming the field."""
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise HttpError(400, "body: is not valid JSON", "body") from None
+        data = json.loads(raw, parse_int=_json_int)
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise HttpError(400, "body: is not valid JSON (or nests too deep)", "body") from None
     if not isinstance(data, dict):
         raise HttpError(400, "body: must be a JSON object", "body")
     for name, unused in UNSUPPORTED.items():
@@ -219,14 +265,6 @@ class _Chat:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
-def _refusal(e: ResourceExhausted | Unavailable) -> HttpError:
-    """The target's or the ingress's refusal: 503 while the target group is down, else 429 (too many
-    requests); OpenAI's clients retry both."""
-    if isinstance(e, Unavailable):
-        return HttpError(503, str(e), None, "service_unavailable")
-    return HttpError(429, str(e), None, "rate_limit_exceeded")
-
-
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -255,24 +293,25 @@ class OpenAIServer:
     async def completions(self, raw: bytes):
         try:
             body = parse_body(raw, CompletionBody)
-            job = self._admit(body.request(body.prompt, body.max_tokens, body.logprobs),
-                              {"max_new_tokens": "max_tokens"})
-        except HttpError as e:
-            return e.response()
-        return await self._respond(job, body, _Completions(self._piece, body))
+            job = await self._admit(body.request(body.prompt, body.max_tokens, body.logprobs),
+                                    {"max_new_tokens": "max_tokens"})
+            return await self._respond(job, body, _Completions(self._piece, body))
+        except Exception as e:  # noqa: BLE001 - every error answers in OpenAI's shape, untyped ones as 500
+            return HttpError.of(e).response()
 
     async def chat(self, raw: bytes):
         try:
             body = parse_body(raw, ChatBody)
             max_tokens = body.max_completion_tokens or body.max_tokens
-            request = body.request(self._chat_prompt(body.messages), max_tokens,
-                                   (body.top_logprobs or 0) if body.logprobs else None, add_special_tokens=False)
+            prompt = await asyncio.to_thread(self._chat_prompt, body.messages)  # a template over a long chat: off the loop
+            request = body.request(prompt, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
+                                   add_special_tokens=False)
             names = {"max_new_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
                      "prompt": "messages", "logprobs": "top_logprobs"}
-            job = self._admit(request, names)
-        except HttpError as e:
-            return e.response()
-        return await self._respond(job, body, _Chat(self._piece, body))
+            job = await self._admit(request, names)
+            return await self._respond(job, body, _Chat(self._piece, body))
+        except Exception as e:  # noqa: BLE001 - as in completions
+            return HttpError.of(e).response()
 
     def _chat_prompt(self, messages: list[ChatMessage]) -> str:
         tokenizer = self.frontend.tokenizer
@@ -286,15 +325,14 @@ class OpenAIServer:
         except TemplateError as e:
             raise HttpError(400, f"messages: the chat template refused them: {e}", "messages") from None
 
-    def _admit(self, request: Request, names: dict[str, str]) -> Admitted:
-        """The frontend's admission; its errors named as the body names the field (names: Request -> body)."""
+    async def _admit(self, request: Request, names: dict[str, str]) -> Admitted:
+        """The frontend's admission (tokenizing off the event loop); a bad field named as the body names
+        it (names: Request -> body)."""
         try:
-            return self.frontend.admit(request)
+            return await self.frontend.admit_async(request)
         except InvalidArgument as e:
             name = names.get(e.field, e.field)
             raise HttpError(400, f"{name}: {e.reason}", name) from None
-        except (ResourceExhausted, Unavailable) as e:
-            raise _refusal(e) from None
 
     def _piece(self, token: int) -> str:
         return token_text(self.frontend.tokenizer, token)
@@ -305,24 +343,23 @@ class OpenAIServer:
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             chunks = run_samples(self.frontend, job)
-            try:  # a refusal before the first token still gets its status (429, 503)
+            try:  # an error before the first token still gets its status (429, 503, 500)
                 first = await anext(chunks, None)
-            except (ResourceExhausted, Unavailable) as e:
-                return _refusal(e).response()
+            except BaseException:
+                await chunks.aclose()
+                raise
             return StreamingResponse(self._events(first, chunks, job, shape, head, usage),
                                      media_type="text/event-stream")
-        try:
-            samples = await gather_samples(self.frontend, job)
-        except (ResourceExhausted, Unavailable) as e:
-            return _refusal(e).response()
+        samples = await gather_samples(self.frontend, job)
         return {**head, "object": shape.object, "choices": [shape.choice(s) for s in samples],
                 "usage": _usage(len(job.prompt_ids), sum(len(s.token_ids) for s in samples)),
                 "speculation": samples[0].stats}
 
     async def _events(self, first: tuple[int, Chunk] | None, chunks: AsyncIterator[tuple[int, Chunk]], job: Admitted,
                       shape: _Completions | _Chat, head: dict, usage: bool) -> AsyncIterator[str]:
-        """The stream's events from its first chunk on; a refusal after the first (the target group lost
-        mid-stream) ends it with an error event in OpenAI's shape, as the status has been sent."""
+        """The stream's events from its first chunk on; an error after the first (the target group lost
+        mid-stream, the request's row failed) ends it with an error event in OpenAI's shape, as the status
+        has been sent (an untyped error as 500 with a generic message)."""
         head = {**head, "object": shape.chunk_object}
         completion_tokens, item = 0, first
         try:
@@ -333,10 +370,10 @@ class OpenAIServer:
                 event |= {"usage": None} if usage else {}
                 yield _sse(event | ({"speculation": chunk.stats} if chunk.finish_reason else {}))
                 item = await anext(chunks, None)
-        except (ResourceExhausted, Unavailable) as e:
-            refusal = _refusal(e)
-            yield _sse({"error": {"message": refusal.message, "type": refusal.kind, "param": None,
-                                  "code": refusal.status}})
+        except Exception as e:  # noqa: BLE001 - ends the stream with its error, whatever it was
+            error = HttpError.of(e)
+            yield _sse({"error": {"message": error.message, "type": error.kind, "param": error.param,
+                                  "code": error.status}})
             return
         finally:
             await chunks.aclose()

@@ -42,6 +42,7 @@ class Speculation(enum.StrEnum):
         return f"SPECULATION_{self.name}"
 
 Mode = Literal["speculative", "plain", "probe"]
+DEFAULT_TASK = "default"  # the task type of requests without one, and of unknown ones beyond max_task_types
 _ROUNDING = 1e-9  # probe credit: 0.1 added ten times falls just short of 1
 
 
@@ -108,8 +109,28 @@ class Router:
     def __init__(self, routing: RoutingConfig):
         self._routing = routing
         self._tasks: dict[str, _TaskState] = {}
+        self.folded = 0  # requests whose unknown task type was folded into default (routing.max_task_types)
         self._target: TargetView | None = None  # unknown until the target reports
         self._lock = threading.Lock()
+
+    def fold(self, task_type: str) -> str:
+        """The name a request's task type is routed and counted under: its own, while the router tracks it
+        or has room for one more (routing.max_task_types, default and the configured ones counted), else
+        DEFAULT_TASK (counted in `folded`). A name is tracked from here on."""
+        with self._lock:
+            name = self._fold(task_type)
+            self._tasks.setdefault(name, _TaskState())
+            return name
+
+    def _fold(self, task_type: str) -> str:
+        routing = self._routing
+        if task_type in self._tasks or task_type in routing.task_types or task_type == DEFAULT_TASK:
+            return task_type
+        named = self._tasks.keys() | routing.task_types.keys() | {DEFAULT_TASK}
+        if len(named) < routing.max_task_types:
+            return task_type
+        self.folded += 1
+        return DEFAULT_TASK
 
     def observe_target(self, view: "TargetView") -> None:
         """The target's measured forward costs and current batch, and the step overheads (the ingress
@@ -196,7 +217,8 @@ class Router:
                              f"{rates['plain']} tokens/s plain) {at}", rates)
 
     def _state(self, task_type: str) -> _TaskState:
-        return self._tasks.setdefault(task_type, _TaskState())
+        """Under the lock; a name the router has no room for is default's (fold)."""
+        return self._tasks.setdefault(self._fold(task_type), _TaskState())
 
 
 def _choose_mode(state: _TaskState, thresholds: Thresholds, requested: Speculation, plan: Plan) -> Mode:

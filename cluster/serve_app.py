@@ -3,6 +3,7 @@ OpenAI-style HTTP, over the Frontend. `build_app` is what `specdec serve` runs a
 config (KubeRay's serveConfigV2) names by import path: `cluster.serve_app:build_app`. With API keys
 configured (cluster/auth.py) every call but GET /healthz must carry one."""
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -14,16 +15,17 @@ from fastapi.responses import JSONResponse
 from ray import serve
 
 from protos import specdec_api_pb2 as api
-from specdec.errors import InvalidArgument, ResourceExhausted, Unavailable
+from specdec.errors import InvalidArgument
 from specdec.logprobs import TokenLogprob
 
 from . import auth
 from .config import ConfigError, ServeConfig, app_config, parse_live_config
 from .detokenizer import token_text
 from .frontend import Admitted, Frontend, Request
-from .openai_api import HttpError, OpenAIServer
+from .openai_api import HttpError, OpenAIServer, read_body
 from .router import Speculation
 from .samples import Sample, gather_samples, run_samples
+from .statuses import client_error
 
 log = logging.getLogger(__name__)
 
@@ -72,22 +74,29 @@ def _target_proto(target: dict) -> api.TargetStats:
     return api.TargetStats(**{key: value for key, value in target.items() if value is not None})
 
 
-_CODES = [(InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT), (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
-          (Unavailable, grpc.StatusCode.UNAVAILABLE)]  # the frontend's refusals (QueueFull is a ResourceExhausted)
+HEALTH_TIMEOUT_S = 5.0  # rank 0 must answer /healthz's ping within this
 
 
 @contextlib.contextmanager
 def _status(grpc_context):
-    """The frontend's typed refusals as gRPC status codes, their message as the details: Serve's proxy
-    answers with a code set before the handler raises (anything else is INTERNAL). What is raised is a
-    builtin RuntimeError: the proxy unpickles it, and one of specdec's own types would make the proxy
-    import specdec, torch and transformers first, holding up every request it serves for seconds."""
+    """Any error as a gRPC status (cluster/statuses.py): a typed one's code and message as the details,
+    anything else INTERNAL with a generic message (logged in full under the id it names). Serve's proxy
+    answers with a code and details set before the handler raises. What is raised is a builtin
+    RuntimeError with the same message: the proxy unpickles it, and one of specdec's own types would make
+    the proxy import specdec, torch and transformers first, holding up every request it serves for seconds."""
     try:
         yield
-    except tuple(kind for kind, _ in _CODES) as e:
-        grpc_context.set_code(next(code for kind, code in _CODES if isinstance(e, kind)))
-        grpc_context.set_details(str(e))
-        raise RuntimeError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - every error leaves as a status; none with its internals
+        seen = client_error(e)
+        grpc_context.set_code(seen.status.grpc)
+        grpc_context.set_details(seen.message)
+        raise RuntimeError(seen.message) from None
+
+
+def _death_line(reason: str) -> str:
+    """The outage's first clause, which names the rank that died ("target rank 0 died (...)"), without
+    what a failed rebuild raised after it (that is logged)."""
+    return reason.split(";")[0].strip()
 
 
 http_app = FastAPI(title="specdec", summary="Speculative decoding, OpenAI-compatible")
@@ -129,7 +138,7 @@ class SpecDecodeIngress:
         """Sample 0 in the response's own fields, samples 1..n-1 in more_samples."""
         self._authorize_grpc(grpc_context)
         with _status(grpc_context):
-            job = self._admit_grpc(request)
+            job = await self._admit_grpc(request)
             first, *more = [self._sample_proto(s) for s in await gather_samples(self.frontend, job)]
         first.more_samples.extend(more)
         return first
@@ -137,7 +146,7 @@ class SpecDecodeIngress:
     async def GenerateStream(self, request: api.GenerateRequest, grpc_context):
         self._authorize_grpc(grpc_context)
         with _status(grpc_context):
-            job = self._admit_grpc(request)
+            job = await self._admit_grpc(request)
             async for index, chunk in run_samples(self.frontend, job):
                 yield api.GenerateResponse(index=index, text=chunk.text, token_ids=chunk.token_ids,
                                            finish_reason=chunk.finish_reason or "",
@@ -146,7 +155,8 @@ class SpecDecodeIngress:
 
     async def GetStats(self, request: api.GetStatsRequest, grpc_context) -> api.GetStatsResponse:
         self._authorize_grpc(grpc_context)
-        stats = await self.frontend.stats()
+        with _status(grpc_context):
+            stats = await self.frontend.stats()
         return api.GetStatsResponse(task_types=[
             api.TaskTypeStats(task_type=name, alpha=s["alpha"], decision=s["decision"], k=s["k"],
                               samples=s["samples"], requests=s["requests"], reason=s["reason"],
@@ -164,15 +174,19 @@ class SpecDecodeIngress:
             grpc_context.set_details(str(e))
             raise
 
-    def _admit_grpc(self, request: api.GenerateRequest) -> Admitted:
+    async def _admit_grpc(self, request: api.GenerateRequest) -> Admitted:
+        try:
+            speculation = Speculation.parse(api.Speculation.Name(request.speculation))
+        except ValueError:  # a number the enum does not name (proto3 enums take any)
+            raise InvalidArgument("speculation", f"must be one of {', '.join(api.Speculation.keys())}") from None
         req = Request(prompt=request.prompt, task_type=request.task_type, max_new_tokens=request.max_new_tokens,
                       temperature=request.temperature, top_k=request.top_k,
                       top_p=request.top_p if request.HasField("top_p") else 1.0,
                       seed=request.seed if request.HasField("seed") else None,
-                      speculation=Speculation.parse(api.Speculation.Name(request.speculation)),
+                      speculation=speculation,
                       stop=tuple(request.stop), n=request.n or 1,
                       logprobs=request.logprobs if request.HasField("logprobs") else None)
-        return self.frontend.admit(req)
+        return await self.frontend.admit_async(req)
 
     def _sample_proto(self, s: Sample) -> api.GenerateResponse:
         return api.GenerateResponse(index=s.index, text=s.text, token_ids=s.token_ids, finish_reason=s.finish_reason,
@@ -200,11 +214,19 @@ class SpecDecodeIngress:
 
     @http_app.post("/v1/completions")
     async def completions(self, http: HttpRequest):
-        return await self.openai.completions(await http.body())
+        try:
+            body = await read_body(http, self.frontend.cfg.server.max_request_bytes)
+        except Exception as e:  # noqa: BLE001 - 413 over the limit; anything else in OpenAI's shape too
+            return HttpError.of(e).response()
+        return await self.openai.completions(body)
 
     @http_app.post("/v1/chat/completions")
     async def chat_completions(self, http: HttpRequest):
-        return await self.openai.chat(await http.body())
+        try:
+            body = await read_body(http, self.frontend.cfg.server.max_request_bytes)
+        except Exception as e:  # noqa: BLE001 - as completions
+            return HttpError.of(e).response()
+        return await self.openai.chat(body)
 
     @http_app.get("/v1/stats")
     async def stats(self) -> dict:
@@ -212,15 +234,28 @@ class SpecDecodeIngress:
 
     @http_app.get("/healthz")
     async def healthz(self):
-        """200 while the target group serves; 503 with the reason while it is down (being rebuilt), or
-        the ingress is broken, or rank 0 does not answer."""
-        try:
-            await self.check_health()
-            self.frontend.supervisor.check()
-            await self.frontend.topology.target.ready.remote()
-        except Exception as e:  # noqa: BLE001 - any of these means not serving, for the reason it gives
-            return JSONResponse({"status": "unavailable", "reason": str(e)}, status_code=503)
+        """200 {"status": "ok"} while the target group serves; 503 {"status": "unavailable", "reason": ...}
+        while it is down (being rebuilt), or the ingress is broken, or rank 0 does not answer. Open to
+        anyone (no key): the reason is a line in words, the details (Ray's errors) go to the log."""
+        reason = await self._unhealthy()
+        if reason is not None:
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         return {"status": "ok"}
+
+    async def _unhealthy(self) -> str | None:
+        supervisor = self.frontend.supervisor
+        if supervisor.broken() is not None:
+            log.warning("/healthz: the ingress cannot serve: %s", supervisor.broken())
+            return "ingress broken: the target group cannot be kept up (it will be restarted)"
+        if (outage := supervisor.outage) is not None:
+            log.warning("/healthz: the target group is down: %s", outage.reason)
+            return f"target group unavailable: {_death_line(outage.reason)}; being rebuilt"
+        try:
+            await asyncio.wait_for(self.frontend.topology.target.ready.remote(), HEALTH_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - any failure means not serving; the log has what it was
+            log.warning("/healthz: target rank 0 did not answer", exc_info=True)
+            return "target group unavailable: its rank 0 does not answer"
+        return None
 
 
 def build_app(args: dict) -> serve.Application:

@@ -395,3 +395,202 @@ def test_a_tiny_temperature_is_refused_alone_and_the_others_answer(server, token
     with pytest.raises(grpc.RpcError) as e:
         futures[7].result()
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("temperature:")
+
+
+# --- the public edge under hostile input (issue 22), without a cluster: the frontend's admission over a
+# real tokenizer, the actors faked ---------------------------------------------------------------------
+
+
+@dataclass
+class Edge:
+    server: OpenAIServer
+    frontend: object
+    events: list  # (task_type, event) of every refusal counted
+    tokenized_on: list  # the threads the tokenizer ran in
+
+
+def edge(tmp_path, monkeypatch, server: dict | None = None, routing: dict | None = None) -> Edge:
+    """OpenAIServer over a Frontend whose actors are faked (no Ray): admission as served."""
+    from cluster import frontend as frontend_module
+    from cluster.config import ServeConfig
+    from cluster.frontend import Frontend
+    from cluster.placement import kv_budget
+    from cluster.router import Router
+    from conftest import CHAT_TEMPLATE
+
+    cfg = ServeConfig.model_validate({"models": {"target": {"path": str(tmp_path)}},
+                                      "speculation": {"drafter": "ngram"}, "server": server or {},
+                                      "routing": routing or {}})
+    tokenizer = load_tokenizer(save_tokenizer(tmp_path, SERVED_WORDS, CHAT_TEMPLATE))
+    frontend = object.__new__(Frontend)
+    frontend.cfg, frontend.context, frontend.eos, frontend.in_flight = cfg, 256, [], 0
+    frontend.router, frontend.budget = Router(cfg.routing), kv_budget(cfg)
+    frontend.supervisor = SimpleNamespace(check=lambda: None)
+    tokenized_on = []
+
+    def tokenize(*args, **kwargs):
+        import threading
+        tokenized_on.append(threading.current_thread())
+        return tokenizer(*args, **kwargs)
+
+    frontend.tokenizer = type("Tokenizer", (), {"__call__": staticmethod(tokenize),
+                                                "chat_template": tokenizer.chat_template,
+                                                "apply_chat_template": staticmethod(tokenizer.apply_chat_template),
+                                                "decode": staticmethod(tokenizer.decode)})()
+    events = []
+    monkeypatch.setattr(frontend_module.metrics, "count_event", lambda task_type, event: events.append((task_type, event)))
+    return Edge(OpenAIServer(frontend, "target"), frontend, events, tokenized_on)
+
+
+def post(edge: Edge, raw: bytes | dict, endpoint: str = "completions") -> tuple[int, dict]:
+    raw = json.dumps(raw).encode() if isinstance(raw, dict) else raw
+    reply = asyncio.run(getattr(edge.server, endpoint)(raw))
+    return reply.status_code, json.loads(reply.body)
+
+
+DIGITS_5000 = "9" * 5000
+HUGE = [  # (the body's JSON, the field its 400 names)
+    ('{"prompt": "w1", "max_tokens": %s}' % DIGITS_5000, "max_tokens"),
+    ('{"prompt": "w1", "max_tokens": -%s}' % DIGITS_5000, "max_tokens"),
+    ('{"prompt": "w1", "n": %s}' % DIGITS_5000, "n"),
+    ('{"prompt": "w1", "n": %d}' % 10**30, "n"),
+    ('{"prompt": "w1", "n": %d}' % 2**40, "n"),
+    ('{"prompt": "w1", "seed": %d}' % 2**63, "seed"),
+    ('{"prompt": "w1", "seed": %d}' % -(2**63 + 1), "seed"),
+    ('{"prompt": "w1", "top_k": %d}' % 2**31, "top_k"),
+    ('{"prompt": "w1", "top_k": %s}' % DIGITS_5000, "top_k"),
+    ('{"prompt": "w1", "logprobs": %s}' % DIGITS_5000, "logprobs"),
+    ('{"prompt": "w1", "temperature": %s}' % DIGITS_5000, "temperature"),
+    ('{"prompt": "w1", "temperature": 1e-40}', "temperature"),
+    ('{"prompt": "w1", "temperature": 1e400}', "temperature"),
+    ('{"prompt": "w1", "top_p": NaN}', "top_p"),
+    ('{"prompt": "w1", "task_type": "%s"}' % ("x" * 100_000), "task_type"),
+    ('{"prompt": "w1", "task_type": "no spaces"}', "task_type"),
+    ('{"prompt": "w1", "stop": ["%s"]}' % ("y" * 200_000), "stop"),
+    ('[' * 200_000 + ']' * 200_000, "body"),  # nests past Python's recursion limit
+]
+
+
+@pytest.mark.parametrize("raw, field", HUGE, ids=[f"{field}-{i}" for i, (_, field) in enumerate(HUGE)])
+def test_hostile_numbers_and_strings_get_400_naming_the_field(tmp_path, monkeypatch, raw, field):
+    status, reply = post(edge(tmp_path, monkeypatch), raw.encode())
+    assert status == 400 and reply["error"]["param"] == field, reply
+    assert reply["error"]["message"].startswith(f"{field}:") and len(reply["error"]["message"]) < 300
+
+
+def test_chat_numbers_name_their_field(tmp_path, monkeypatch):
+    messages = '"messages": [{"role": "user", "content": "w1"}]'
+    e = edge(tmp_path, monkeypatch)
+    for field in ("max_completion_tokens", "top_logprobs", "seed"):
+        logprobs = ', "logprobs": true' if field == "top_logprobs" else ""
+        status, reply = post(e, ('{%s, "%s": %s%s}' % (messages, field, DIGITS_5000, logprobs)).encode(), "chat")
+        assert status == 400 and reply["error"]["param"] == field, reply
+
+
+def test_refusals_count_under_the_folded_task_type(tmp_path, monkeypatch):
+    """An invalid task type is counted as default; beyond routing.max_task_types new ones fold into
+    default (counted), so the labels of refused requests stay bounded too."""
+    e = edge(tmp_path, monkeypatch, routing={"max_task_types": 3})
+    post(e, {"prompt": "w1", "task_type": "x" * 1000})
+    for i in range(5):
+        post(e, {"prompt": "", "task_type": f"t{i}"})
+    assert e.events == [("default", "refused_invalid"), ("t0", "refused_invalid"), ("t1", "refused_invalid")] + \
+        [("default", "refused_invalid")] * 3
+    assert e.frontend.router.folded == 3 and set(e.frontend.router.stats()) == {"default", "t0", "t1"}
+
+
+def test_prompts_are_tokenized_off_the_event_loop_and_bounded_before(tmp_path, monkeypatch):
+    import threading
+
+    from cluster.frontend import MAX_CHARS_PER_TOKEN
+
+    e = edge(tmp_path, monkeypatch, server={"max_prompt_tokens": 8})
+    e.frontend.generate = fail_generate(RuntimeError("stop here"))
+    post(e, {"prompt": "w1 w2"})
+    post(e, {"messages": [{"role": "user", "content": "w1"}]}, "chat")
+    assert len(e.tokenized_on) == 2 and threading.main_thread() not in e.tokenized_on
+    status, reply = post(e, {"prompt": "w1" * (4 * MAX_CHARS_PER_TOKEN + 1)})  # 8 tokens x 256 characters
+    assert status == 400 and reply["error"]["param"] == "prompt" and "characters" in reply["error"]["message"]
+    assert len(e.tokenized_on) == 2  # refused before the tokenizer saw it
+
+
+def fail_generate(error: Exception):
+    async def generate(job, sample=0):
+        raise error
+        yield  # an async generator, as Frontend.generate
+
+    return generate
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_untyped_errors_reach_clients_as_500_with_an_id_not_their_text(tmp_path, monkeypatch, caplog, stream):
+    from specdec.errors import RequestFailed
+
+    e = edge(tmp_path, monkeypatch)
+    e.frontend.generate = fail_generate(RuntimeError("Traceback (most recent call last): secret internals"))
+    with caplog.at_level("ERROR", logger="cluster.statuses"):
+        status, reply = post(e, {"prompt": "w1", "stream": stream})
+    message = reply["error"]["message"]
+    assert status == 500 and reply["error"]["type"] == "internal_error" and "secret" not in message, reply
+    ident = re.fullmatch(r"internal error; see the server log, id ([0-9a-f]{8})", message).group(1)
+    assert any(ident in r.getMessage() and "secret internals" in str(r.exc_info[1]) for r in caplog.records)
+    e.frontend.generate = fail_generate(RequestFailed("the request's sampling failed; retry it"))
+    status, reply = post(e, {"prompt": "w1", "stream": stream})
+    assert (status, reply["error"]["message"]) == (500, "the request's sampling failed; retry it")
+
+
+class FakeHttp:
+    """What read_body reads of a Starlette request: headers and the body's chunks (counted as pulled)."""
+
+    def __init__(self, chunks: list[bytes], length: str | None):
+        self.headers = {} if length is None else {"content-length": length}
+        self.chunks, self.pulled = chunks, 0
+
+    async def stream(self):
+        for chunk in self.chunks:
+            self.pulled += 1
+            yield chunk
+
+
+def test_the_body_is_read_in_chunks_up_to_max_request_bytes():
+    from cluster.openai_api import read_body
+    from cluster.statuses import RequestTooLarge
+
+    assert asyncio.run(read_body(FakeHttp([b"ab", b"cd"], "4"), 4)) == b"abcd"
+    for http in (FakeHttp([b"x" * 5], "5"), FakeHttp([b"x"], "junk")):  # refused on its Content-Length alone
+        with pytest.raises(RequestTooLarge, match="over the limit of 4 bytes"):
+            asyncio.run(read_body(http, 4))
+        assert http.pulled == 0
+    chunked = FakeHttp([b"xx", b"xx", b"x", b"never read"] , None)
+    with pytest.raises(RequestTooLarge):
+        asyncio.run(read_body(chunked, 4))
+    assert chunked.pulled == 3
+
+
+def test_healthz_says_why_in_words_and_logs_the_details(caplog):
+    from cluster.serve_app import SpecDecodeIngress
+    from cluster.supervisor import Outage
+
+    unhealthy = SpecDecodeIngress.func_or_class._unhealthy
+
+    class Dead:
+        async def _fail(self):
+            raise ray.exceptions.RayActorError()
+
+        def remote(self):
+            return self._fail()
+
+    def ingress(outage=None, broken=None, ready=None):
+        supervisor = SimpleNamespace(outage=outage, broken=lambda: broken)
+        target = SimpleNamespace(ready=ready or Dead())
+        return SimpleNamespace(frontend=SimpleNamespace(supervisor=supervisor, topology=SimpleNamespace(target=target)))
+
+    with caplog.at_level("WARNING", logger="cluster.serve_app"):
+        reason = asyncio.run(unhealthy(ingress()))
+    assert reason == "target group unavailable: its rank 0 does not answer"
+    assert any(r.exc_info and isinstance(r.exc_info[1], ray.exceptions.RayActorError) for r in caplog.records)
+    outage = Outage("target rank 0 died (its worker process has died); the last rebuild failed: "
+                    "Traceback ... RayTaskError(ValueError) at 10.0.0.7", 0.0)
+    reason = asyncio.run(unhealthy(ingress(outage=outage)))
+    assert reason == "target group unavailable: target rank 0 died (its worker process has died); being rebuilt"
+    assert "ingress broken" in asyncio.run(unhealthy(ingress(outage=outage, broken="down for 600 s: Traceback")))

@@ -401,3 +401,21 @@ def test_the_scheduler_counts_the_loop_time_its_trees_waited_through(target):
         assert stats["forward_time_s"] <= stats["tree_loop_time_s"] < stats["forward_time_s"] + 0.5
     finally:
         scheduler.stop()
+
+
+def test_task_types_beyond_max_task_types_fold_into_default():
+    """600 distinct task types: the router tracks max_task_types names (default and the configured ones
+    counted) and routes the rest as default, counting them; what it keeps and reports stays bounded."""
+    config = RoutingConfig(default=Thresholds(min_samples=MIN_SAMPLES), task_types={"code": Thresholds()},
+                           max_task_types=8)
+    router = Router(config)
+    names = [router.fold(f"t{i}") for i in range(600)]
+    assert names[:6] == [f"t{i}" for i in range(6)] and set(names[6:]) == {"default"}  # 6 + code + default = 8
+    assert router.folded == 594
+    assert router.fold("code") == "code" and router.fold("t3") == "t3" and router.fold("default") == "default"
+    for i in range(600, 700):  # route and report by a name never folded: bounded too
+        router.route(f"t{i}")
+        router.report(f"t{i}", 1, 2)
+    assert set(router.stats()) == {"default", "code"} | {f"t{i}" for i in range(6)}
+    router.update_routing(config.model_copy(update={"max_task_types": 9}))  # live: one more name fits
+    assert router.fold("new") == "new" and router.fold("newer") == "default"

@@ -1,0 +1,76 @@
+"""The one table from an error to what a client gets: a gRPC status code, an HTTP status and OpenAI's
+error type. Typed errors (specdec.errors, and the ingress's own) carry messages written for clients;
+any other error is internal: the client gets a generic message with a short id, and the full error
+(a remote traceback, say) goes to the log under that id, never to the client."""
+
+import logging
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from specdec.errors import InvalidArgument, RequestFailed, ResourceExhausted, Unavailable
+
+from .auth import Unauthenticated
+
+log = logging.getLogger(__name__)
+
+
+class RequestTooLarge(ValueError):
+    """A request body or message over server.max_request_bytes (HTTP 413, gRPC RESOURCE_EXHAUSTED)."""
+
+
+@dataclass(frozen=True)
+class Status:
+    grpc: grpc.StatusCode
+    http: int
+    kind: str  # OpenAI's error "type"
+
+
+INTERNAL = Status(grpc.StatusCode.INTERNAL, 500, "internal_error")
+
+# First match wins (a QueueFull is a ResourceExhausted).
+STATUSES: list[tuple[type[Exception], Status]] = [
+    (InvalidArgument, Status(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error")),
+    (RequestTooLarge, Status(grpc.StatusCode.RESOURCE_EXHAUSTED, 413, "invalid_request_error")),
+    (ResourceExhausted, Status(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_exceeded")),
+    (Unavailable, Status(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable")),
+    (Unauthenticated, Status(grpc.StatusCode.UNAUTHENTICATED, 401, "invalid_request_error")),
+    (RequestFailed, INTERNAL),  # one request's row failed in a batched step: its message is for clients
+]
+TYPED = tuple(kind for kind, _ in STATUSES)
+
+
+@dataclass(frozen=True)
+class ClientError:
+    """What a client is told of an error."""
+
+    status: Status
+    message: str
+    param: str | None = None  # the field at fault (InvalidArgument)
+
+
+def client_error(error: BaseException) -> ClientError:
+    """The status and message for `error`: a typed error's own message (a Ray-wrapped one's cause:
+    never the remote traceback around it); anything else as INTERNAL, logged in full under an id."""
+    cause = getattr(error, "cause", None)  # ray.exceptions.RayTaskError: the error raised in the actor
+    if isinstance(cause, TYPED):  # its str() is the remote traceback; the cause's is the message
+        error = cause
+    for kind, status in STATUSES:
+        if isinstance(error, kind):
+            param = error.field if isinstance(error, InvalidArgument) else None
+            return ClientError(status, _message(error), param)
+    return ClientError(INTERNAL, internal(error))
+
+
+def internal(error: BaseException) -> str:
+    """Log an unexpected error in full under a short id; -> the message a client gets for it."""
+    ident = uuid.uuid4().hex[:8]
+    log.error("internal error %s: %s", ident, type(error).__name__, exc_info=error)
+    return f"internal error; see the server log, id {ident}"
+
+
+def _message(error: BaseException) -> str:
+    if isinstance(error, RequestFailed):
+        return str(error) or "the request failed on the server; retry it"
+    return str(error)
