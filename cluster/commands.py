@@ -17,7 +17,7 @@ from protos import specdec_api_pb2_grpc as api_grpc
 from specdec import cli
 
 from .auth import API_KEY_ENV, api_channel
-from .config import OVERRIDES, app_config
+from .config import OVERRIDES, ServerConfig, app_config
 from .router import Speculation
 
 
@@ -128,6 +128,20 @@ def run_workers_at_nice_0() -> None:
     os.environ.setdefault("RAY_worker_niceness", WORKER_NICENESS)
 
 
+# Serve's gRPC proxy takes messages (and sends replies) of up to this many bytes, read once when the proxy
+# starts: unset, 2 GiB, so a client could make the proxy read 2 GiB before the ingress sees the request.
+GRPC_MESSAGE_SIZE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
+
+
+def serving_environment(server: ServerConfig, environ=os.environ) -> None:
+    """The environment of a Ray cluster this process is about to start for serving (ray.init without an
+    address; its processes inherit it): workers at nice 0, and Serve's gRPC proxy held to
+    server.max_request_bytes (RESOURCE_EXHAUSTED beyond it). An operator's own values win. A cluster of
+    your own (KubeRay) needs RAY_SERVE_GRPC_MAX_MESSAGE_SIZE in its pods' environment (docs/operators.md)."""
+    run_workers_at_nice_0()
+    environ.setdefault(GRPC_MESSAGE_SIZE_ENV, str(server.max_request_bytes))
+
+
 def serve_main(args) -> None:
     import ray
     from ray import serve
@@ -139,7 +153,7 @@ def serve_main(args) -> None:
     if args.address:
         ray.init(address=args.address)
     else:
-        run_workers_at_nice_0()
+        serving_environment(cfg.server)
         place = cfg.placement
         actors = place.tensor_parallel_size + place.draft_replicas
         gpus = args.num_gpus if args.num_gpus is not None else _local_gpus() or actors * place.gpus_per_actor
