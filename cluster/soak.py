@@ -1204,6 +1204,9 @@ def task_types_bound(cfg, prompts: list[dict]) -> int:
     when the config has none), the configured ones, the prompts' own and "default"."""
     tracked = getattr(cfg.routing, "max_task_types", None) or DEFAULT_TASK_TYPE_BOUND
     return tracked + len(cfg.routing.task_types) + len({p.get("task_type", "") for p in prompts}) + 1
+
+
+def _progress():
     last = [0.0]
 
     def show(t: float, requests: int) -> None:

@@ -124,3 +124,209 @@ def test_memory_is_measured_from_after_each_actors_warm_up():
     assert rows["target-0-x"]["start_mib"] == 500 and rows["target-0-x"]["growth_mib"] == 0
     replaced = rows["target-0-x.1"]
     assert replaced["from_s"] == 60 and replaced["growth_mib"] == 300 and replaced["second_half_growth_mib"] == 100  # 80 s -> 90 s
+
+
+# --- the hostile mix against fake servers (no Ray): each kind is sent, and judged by its promise ---------------
+
+HOSTILE_REFERENCES = [[5, 6, 7, 8, 9, 10, 11, 12]]
+LIMIT = 64 * 1024  # max_request_bytes of the fakes
+
+
+def _http_server(strict: bool):
+    """strict: 413 for a body over LIMIT (answered from the headers, before the body, then closed), else
+    400 with a message; permissive: 200 with the reference for every body it can read."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def _reply(self, status: int, payload: dict) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(data)
+            self.close_connection = True
+
+        def do_POST(self):
+            chunked = self.headers.get("Transfer-Encoding") == "chunked"
+            length = int(self.headers.get("Content-Length") or 0)
+            if strict and (chunked or length > LIMIT):
+                return self._reply(413, {"error": {"message": "body: over max_request_bytes"}})
+            if strict:
+                self.rfile.read(length)
+                return self._reply(400, {"error": {"message": "some_field: refused"}})
+            raw = b"".join(iter(lambda: self._chunk(), b"")) if chunked else self.rfile.read(length)
+            try:
+                tokens = int(json.loads(raw)["max_tokens"])
+            except Exception:  # noqa: BLE001 - whatever it was, a permissive server answers
+                tokens = 4
+            self._reply(200, {"choices": [{"token_ids": HOSTILE_REFERENCES[0][:tokens], "finish_reason": "length"}]})
+
+        def _chunk(self) -> bytes:
+            size = int(self.rfile.readline().strip(), 16)
+            data = self.rfile.read(size)
+            self.rfile.readline()
+            return data
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def _grpc_server(strict: bool):
+    """strict: INVALID_ARGUMENT for every request, and messages over LIMIT refused by gRPC itself
+    (RESOURCE_EXHAUSTED); permissive: the reference for every request, of any size."""
+    from concurrent import futures
+
+    import grpc
+
+    from protos import specdec_api_pb2 as api
+    from protos import specdec_api_pb2_grpc as api_grpc
+
+    class Servicer(api_grpc.SpecDecodeServicer):
+        def Generate(self, request, context):
+            if strict:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "some_field: refused")
+            return api.GenerateResponse(token_ids=HOSTILE_REFERENCES[0][:request.max_new_tokens], finish_reason="length")
+
+    server = grpc.server(futures.ThreadPoolExecutor(4),
+                         options=[("grpc.max_receive_message_length", LIMIT if strict else -1)])
+    api_grpc.add_SpecDecodeServicer_to_server(Servicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_hostile_client_shots_are_judged_by_their_promise(strict):
+    """Every gRPC and HTTP kind, sent for real: a server that takes everything breaks the promise of every
+    kind that must be refused (and keeps the others'); one that refuses everything clearly, and answers 413
+    before reading an oversized body, keeps it for those and breaks it for the kinds that must be served."""
+    from cluster.soak import Endpoints, HostileContext, Sender
+
+    http_server, http_url = _http_server(strict)
+    grpc_server, grpc_address = _grpc_server(strict)
+    sender = Sender(Endpoints(grpc_address, http_url), [{"prompt": "p", "task_type": "code"}], 64, 8,
+                    HostileContext(max_request_bytes=LIMIT, vocab=100), references=HOSTILE_REFERENCES, burst=3)
+    try:
+        for name, h in sorted(HOSTILE.items()):
+            if h.transport == "link":
+                continue
+            shot = Shot(h.transport, False, 0, 2 if h.send == "burst" else 6, 0.8 if h.sampled else 0.0, 1, "off",
+                        fault="hostile", hostile=name)
+            out = sender.send(shot)
+            why = judge(out, HOSTILE_REFERENCES, [])
+            assert out.status != "client error", (name, out.detail)
+            if h.expect == "either":
+                assert why is None, (name, out.status, out.detail, why)
+            else:
+                assert (why is None) == ((h.expect == "refused") == strict), (name, out.status, out.detail, why)
+            if strict and h.send in ("oversized", "chunked"):
+                assert out.status in h.want and out.detail, (name, out.status, out.detail)
+        assert sender.task_types_sent == (1 if strict else 3) * 2  # a burst stops at its first refusal
+    finally:
+        sender.close()
+        http_server.shutdown()
+        grpc_server.stop(0)
+
+
+class _FakeTarget:
+    """specdec.v1.TargetService as issue 22 promises it, on a small vocabulary: an Open or a tree that breaks a
+    rule is refused with INVALID_ARGUMENT naming the field (a tree in its own VerifyResult.error), a good
+    tree beside it gets its verdict. `strict=False`: takes everything."""
+
+    VOCAB, ROOM = 100, 64
+
+    def __init__(self, strict: bool):
+        import math
+        import struct
+
+        import grpc
+
+        from protos import specdec_tree_pb2 as pb
+
+        self.opened, self.closed = [], []
+        fake = self
+
+        def bad_tree(t) -> str | None:
+            if not 1 <= len(t.tokens) <= self.ROOM or any(not 0 <= x < self.VOCAB for x in t.tokens):
+                return "tokens"
+            if t.tokens[0] != 13:
+                return "tokens[0]"
+            for p in t.proposals:
+                q = struct.unpack(f"<{len(p.probs) // 4}f", p.probs)
+                if p.vocab != self.VOCAB or not all(math.isfinite(x) and x >= 0 for x in q):
+                    return "proposals"
+            return None
+
+        class Servicer:
+            def Open(self, request, context):
+                fake.opened.append(request.request_id)
+                if strict and (request.max_new_tokens < 0 or any(not 0 <= x < fake.VOCAB for x in request.prompt)
+                               or 0 < request.params.temperature < 1e-5):
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: refused")
+                return pb.OpenResponse()
+
+            def Verify(self, request, context):
+                results = []
+                for i, t in enumerate(request.trees):
+                    if strict and (where := bad_tree(t)):
+                        error = pb.RowError(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], field=f"trees[{i}].{where}",
+                                            message="refused")
+                        results.append(pb.VerifyResult(request_id=t.request_id, error=error))
+                    else:
+                        results.append(pb.VerifyResult(request_id=t.request_id, path=[0], tokens=[5]))
+                return pb.VerifyResponse(results=results)
+
+            def Close(self, request, context):
+                fake.closed += list(request.request_ids)
+                return pb.CloseResponse()
+
+        from actors.security import LinkSecurity, host_port, serve_target
+        from protos import specdec_tree_pb2_grpc as tree_grpc
+
+        self.security = LinkSecurity("fake-secret")
+        self.server, port = serve_target(Servicer(), tree_grpc.add_TargetServiceServicer_to_server, "127.0.0.1",
+                                         self.security)
+        self.address = host_port("127.0.0.1", port)
+
+    def get(self):  # a LinkSource
+        return self.address, self.security
+
+    def invalidate(self):
+        pass
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_the_fake_replicas_malformed_messages_are_judged_by_their_promise(strict):
+    """Every link kind, sent with the secret over the real gRPC link to a fake target: one that takes every
+    Open and tree breaks the promise of every kind; one that refuses each malformed message (a bad tree in
+    its own VerifyResult, beside a good tree that gets its verdict) keeps it. Every row opened is closed."""
+    from protos import specdec_tree_pb2 as pb
+
+    if "RowError" not in pb.DESCRIPTOR.message_types_by_name:
+        pytest.skip("VerifyResult has no per-tree error yet")
+    from cluster.soak import FakeReplica, HostileContext, Outcome
+
+    target = _FakeTarget(strict)
+    replica = FakeReplica(target, HostileContext(vocab=_FakeTarget.VOCAB))
+    try:
+        for name, h in sorted(HOSTILE.items()):
+            if h.transport != "link":
+                continue
+            out = Outcome(Shot("link", False, 0, 4, 0.8 if h.sampled else 0.0, 1, "off", fault="hostile", hostile=name),
+                          "")
+            replica.send(h.build(replica.ctx), out)
+            why = judge(out, HOSTILE_REFERENCES, [])
+            assert (why is None) == strict, (name, out.status, out.detail, why)
+        assert target.opened and sorted(target.opened) == sorted(set(target.closed))
+    finally:
+        replica.close()
+        target.server.stop(0)
