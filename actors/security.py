@@ -3,14 +3,17 @@ link (specdec.v1.TargetService) built with them. Every call carries the topology
 `authorization: Bearer <secret>`; a call without it, or with another, gets UNAUTHENTICATED before any
 handler runs, so it changes nothing. With TLS files the link is also mutual TLS: the target asks
 every caller for a certificate signed by the CA, and the callers check the target's the same way.
-The server binds to its node's address, and both ends cap message sizes."""
+The server binds to its node's address, both ends cap message sizes, and the server bounds the
+calls it holds at once (maximum_concurrent_rpcs) while a waiting call holds no thread (grpc.aio)."""
 
+import asyncio
 import collections
 import hashlib
 import hmac
+import threading
 from collections.abc import Iterable
-from concurrent import futures
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -59,19 +62,28 @@ def _digest(key: str) -> bytes:
 
 @dataclass(frozen=True)
 class TlsFiles:
-    """PEM files for mutual TLS on the link: this process's certificate and key (the target serves
-    with them, a replica presents them), and the CA that signs every peer's certificate. The target's
-    certificate must name `server_name` (callers check that name, not the target's IP address)."""
+    """PEM files for mutual TLS on the link: the server certificate and key (the target serves with
+    them), the client certificate and key a replica presents (client_cert / client_key; None: the server
+    ones), and the CA that signs every peer's certificate. The target's certificate must name
+    `server_name` (callers check that name, not the target's IP address)."""
 
     cert: str
     key: str
     ca: str
     server_name: str
+    client_cert: str | None = None
+    client_key: str | None = None
 
     def read(self) -> tuple[bytes, bytes, bytes]:
-        """-> (certificate chain, private key, CA certificates); an unreadable file is named."""
+        """-> (certificate chain, private key, CA certificates) to serve with; an unreadable file is named."""
         return tuple(_read_pem(path, what) for path, what in
                      [(self.cert, "certificate"), (self.key, "private key"), (self.ca, "CA certificate")])
+
+    def read_client(self) -> tuple[bytes, bytes, bytes]:
+        """-> (certificate chain, private key, CA certificates) a caller presents; an unreadable file is named."""
+        return tuple(_read_pem(path, what) for path, what in
+                     [(self.client_cert or self.cert, "client certificate"),
+                      (self.client_key or self.key, "client private key"), (self.ca, "CA certificate")])
 
 
 def _read_pem(path: str, what: str) -> bytes:
@@ -84,17 +96,61 @@ def _read_pem(path: str, what: str) -> bytes:
 @dataclass(frozen=True)
 class LinkSecurity:
     """What both ends of the draft -> target link share: the topology's secret, made when the topology
-    starts and handed to its actors, and optionally the TLS files."""
+    starts and handed to its actors (through Ray's object store: SharedSecurity, never as an actor's
+    argument), and optionally the TLS files. Its repr leaves the secret out."""
 
-    secret: str
+    secret: str = field(repr=False)
     tls: TlsFiles | None = None
 
 
-def serve_target(servicer, add_servicer, host: str, security: LinkSecurity) -> tuple[grpc.Server, int]:
-    """Start a gRPC server for `servicer` (added by its generated add_*_to_server function) on `host`,
-    a free port, refusing callers without the secret. -> (server, port)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), options=MESSAGE_LIMITS,
-                         interceptors=[_RequireBearer(BearerKeys([security.secret]))])
+@dataclass(frozen=True)
+class SharedSecurity:
+    """A LinkSecurity put in Ray's object store: what actor-creation arguments carry instead of the secret
+    (Ray keeps an actor's creation arguments, and its dashboard and state API show them), so the arguments
+    hold an object reference only; the actor fetches the secret when it starts (get)."""
+
+    ref: object  # ray.ObjectRef of a LinkSecurity, owned by the process that started the topology
+
+    @classmethod
+    def put(cls, security: LinkSecurity) -> "SharedSecurity":
+        import ray
+
+        return cls(ray.put(security))
+
+    def get(self) -> LinkSecurity:
+        import ray
+
+        return ray.get(self.ref)
+
+
+def resolve(security: "LinkSecurity | SharedSecurity") -> LinkSecurity:
+    """An actor's LinkSecurity, given as itself (tests, one process) or through the object store."""
+    return security.get() if isinstance(security, SharedSecurity) else security
+
+
+# The server's bounds. It is asynchronous (grpc.aio on one event loop thread per process), so a call
+# that waits (an Open waiting for room) holds no thread; what bounds it is maximum_concurrent_rpcs: calls
+# beyond it are refused at once with RESOURCE_EXHAUSTED. Calls in flight at once are the Opens waiting
+# (at most the target's max_waiting_requests, the rest are refused by the scheduler), those being
+# admitted (max_running_requests), and one Verify per replica loop plus Closes: target_rank.py sets it
+# to the first two and RPC_HEADROOM.
+RPC_HEADROOM = 512
+SYNC_HANDLER_THREADS = 8  # for a servicer with plain (not async) handlers: fakes in tests; TargetService's are async
+DEFAULT_MAX_CONCURRENT_RPCS = 1024
+
+
+def serve_target(servicer, add_servicer, host: str, security: LinkSecurity,
+                 max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS) -> tuple["LinkServer", int]:
+    """Start a gRPC server for `servicer` (asynchronous handlers, added by its generated add_*_to_server
+    function) on `host`, a free port, refusing callers without the secret, with both message limits and
+    `max_concurrent_rpcs`. -> (server, port)."""
+    return _LinkLoop.get().run(_start(servicer, add_servicer, host, security, max_concurrent_rpcs))
+
+
+async def _start(servicer, add_servicer, host, security, max_concurrent_rpcs) -> tuple["LinkServer", int]:
+    server = grpc.aio.server(options=MESSAGE_LIMITS, maximum_concurrent_rpcs=max_concurrent_rpcs,
+                             interceptors=[_RequireBearer(BearerKeys([security.secret]))],
+                             migration_thread_pool=ThreadPoolExecutor(SYNC_HANDLER_THREADS))
     add_servicer(servicer, server)
     address = f"{_host(host)}:0"
     if security.tls is None:
@@ -103,16 +159,49 @@ def serve_target(servicer, add_servicer, host: str, security: LinkSecurity) -> t
         cert, key, ca = security.tls.read()
         credentials = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
         port = server.add_secure_port(address, credentials)
-    server.start()
-    return server, port
+    await server.start()
+    return LinkServer(server), port
+
+
+class LinkServer:
+    """A running link server (grpc.aio, on the link's event loop thread), stopped from any thread."""
+
+    def __init__(self, server: grpc.aio.Server):
+        self._server = server
+
+    def stop(self, grace: float | None = None) -> None:
+        _LinkLoop.get().run(self._server.stop(grace))
+
+
+class _LinkLoop:
+    """The process's one event loop for link servers, on a daemon thread of its own (grpc.aio binds its
+    objects to one loop)."""
+
+    _instance: "_LinkLoop | None" = None
+    _lock = threading.Lock()
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="target-link", daemon=True).start()
+
+    @classmethod
+    def get(cls) -> "_LinkLoop":
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def run(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
 
 def target_channel(address: str, security: LinkSecurity) -> grpc.Channel:
-    """A channel to a target's service at host:port that sends the secret on every call."""
+    """A channel to a target's service at host:port that sends the secret on every call; with TLS files it
+    presents the client certificate (TlsFiles.client_cert / client_key, else the pod's cert / key)."""
     if security.tls is None:
         channel = grpc.insecure_channel(address, options=MESSAGE_LIMITS)
     else:
-        cert, key, ca = security.tls.read()
+        cert, key, ca = security.tls.read_client()
         credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
         options = MESSAGE_LIMITS + [("grpc.ssl_target_name_override", security.tls.server_name)]
         channel = grpc.secure_channel(address, credentials, options=options)
@@ -132,21 +221,23 @@ def _host(host: str) -> str:
     return f"[{host}]" if ":" in host else host  # an IPv6 address
 
 
-def _refuse(request, context):
-    context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong credential: calls to the target must "
+async def _refuse(request, context):
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong credential: calls to the target must "
                                                    "carry the topology's secret (authorization: Bearer ...)")
 
 
-class _RequireBearer(grpc.ServerInterceptor):
+class _RequireBearer(grpc.aio.ServerInterceptor):
     """Runs before any handler: a call whose `authorization` metadata is not the secret is answered
     UNAUTHENTICATED and never reaches the service. (TargetService's methods are all unary.)"""
 
     def __init__(self, keys: BearerKeys):
         self.keys, self.refusal = keys, grpc.unary_unary_rpc_method_handler(_refuse)
 
-    def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(self, continuation, handler_call_details):
         metadata = dict(handler_call_details.invocation_metadata or ())
-        return continuation(handler_call_details) if self.keys.allows(metadata.get("authorization")) else self.refusal
+        if self.keys.allows(metadata.get("authorization")):
+            return await continuation(handler_call_details)
+        return self.refusal
 
 
 class _CallDetails(collections.namedtuple("_CallDetails", ["method", "timeout", "metadata", "credentials",

@@ -1,12 +1,19 @@
 """The one place that converts between protobuf messages (protos/) and the engine's data: token
 trees, verdicts, sampling settings. Messages from another process are checked here, with errors that
-name what is wrong."""
+name what is wrong (InvalidArgument with the field), and per-row outcomes (a verdict or that row's
+error) go both ways through one table of the core's typed errors and gRPC status codes."""
 
+import logging
+from dataclasses import dataclass
+
+import grpc
 import torch
 
 from protos import specdec_api_pb2 as api
 from protos import specdec_tree_pb2 as tree_pb
 from specdec.acceptance import Verdict
+from specdec.errors import (InvalidArgument, RequestExists, RequestFailed, ResourceExhausted, Unavailable,
+                            UnknownRequest)
 from specdec.logprobs import TokenLogprob
 from specdec.sampling import SamplingParams
 from specdec.tree import DELTA, TokenTree
@@ -25,23 +32,58 @@ def tree_to_proto(request_id: str, tree: TokenTree) -> tree_pb.CandidateTree:
     )
 
 
-def tree_from_proto(msg: tree_pb.CandidateTree) -> tuple[str, TokenTree]:
-    """-> (request id, tree); ValueError when the message is not a well-formed tree."""
-    n, where = len(msg.tokens), f"tree of request {msg.request_id!r}"
+# What the target takes from another process at most, before any work (held here, at the wire; the
+# target also holds each tree to its own `tree_room` and token ids to its vocabulary, which it knows).
+MAX_WIRE_TREE_NODES = 4096  # nodes of one candidate tree (a tree of n nodes costs an n x n mask per row)
+MAX_WIRE_VOCAB = 1 << 20  # entries of one proposal (float32: 4 MiB; the largest vocabularies are ~256k)
+PROB_SUM_TOLERANCE = 1e-3  # |sum(q) - 1| allowed: float32 sums of a softmax over ~10^5 entries stay well inside
+MAX_REQUEST_ID_CHARS = 128
+
+
+def check_request_id(rid: str, field: str) -> None:
+    if not rid:
+        raise InvalidArgument(field, "must not be empty")
+    if len(rid) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument(field, f"is {len(rid)} characters, over {MAX_REQUEST_ID_CHARS}")
+
+
+def tree_from_proto(msg: tree_pb.CandidateTree, index: int = 0) -> tuple[str, TokenTree]:
+    """-> (request id, tree); InvalidArgument naming the field (`trees[<index>].<field>`, the tree's place in
+    its VerifyRequest) when the message is not a well-formed tree. Checked with tensor ops over whole fields,
+    not per vocabulary entry."""
+    at = f"trees[{index}]"
+    check_request_id(msg.request_id, f"{at}.request_id")
+    n = len(msg.tokens)
     if n == 0:
-        raise ValueError(f"{where}: no nodes (node 0, the root, is required)")
+        raise InvalidArgument(f"{at}.tokens", "no nodes (node 0, the root, is required)")
+    if n > MAX_WIRE_TREE_NODES:
+        raise InvalidArgument(f"{at}.tokens", f"{n} nodes, over the most a tree may have ({MAX_WIRE_TREE_NODES})")
     for name in ("parents", "proposal_ids", "from_model"):
         if len(getattr(msg, name)) != n:
-            raise ValueError(f"{where}: {len(getattr(msg, name))} {name} for {n} tokens")
-    if msg.parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(msg.parents) if i):
-        raise ValueError(f"{where}: parents must be -1 for the root and an earlier node for every other node")
-    if any(not (pid == DELTA or 0 <= pid < len(msg.proposals)) for pid in msg.proposal_ids):
-        raise ValueError(f"{where}: a proposal id is neither -1 nor one of the {len(msg.proposals)} proposals")
-    proposals = []
-    for i, p in enumerate(msg.proposals):
-        if p.vocab < 1 or len(p.probs) != 4 * p.vocab:
-            raise ValueError(f"{where}: proposal {i} has {len(p.probs)} bytes for a vocabulary of {p.vocab}")
-        proposals.append(torch.frombuffer(bytearray(p.probs), dtype=torch.float32))
+            raise InvalidArgument(f"{at}.{name}", f"{len(getattr(msg, name))} {name} for {n} tokens")
+    if len(msg.guess) > MAX_WIRE_TREE_NODES:
+        raise InvalidArgument(f"{at}.guess", f"{len(msg.guess)} tokens, over {MAX_WIRE_TREE_NODES}")
+    if len(msg.proposals) > n:
+        raise InvalidArgument(f"{at}.proposals", f"{len(msg.proposals)} proposals for {n} nodes")
+    tokens = torch.tensor(msg.tokens, dtype=torch.long)
+    if (tokens < 0).any():
+        raise InvalidArgument(f"{at}.tokens", f"token ids must be >= 0, got {int(tokens.min())}")
+    if msg.guess and min(msg.guess) < 0:
+        raise InvalidArgument(f"{at}.guess", f"token ids must be >= 0, got {min(msg.guess)}")
+    parents = torch.tensor(msg.parents, dtype=torch.long)
+    if parents[0] != -1 or ((parents[1:] < 0) | (parents[1:] >= torch.arange(1, n))).any():
+        raise InvalidArgument(f"{at}.parents",
+                              "parents must be -1 for the root and an earlier node for every other node")
+    pids = torch.tensor(msg.proposal_ids, dtype=torch.long)
+    if ((pids != DELTA) & ((pids < 0) | (pids >= len(msg.proposals)))).any():
+        raise InvalidArgument(f"{at}.proposal_ids",
+                              f"a proposal id is neither -1 nor one of the {len(msg.proposals)} proposals")
+    proposals = [_proposal_from_proto(p, f"{at}.proposals[{i}]") for i, p in enumerate(msg.proposals)]
+    for i, q in enumerate(proposals):  # a drafted token was drawn from its proposal: q(token) > 0
+        drawn = tokens[1:][pids[1:] == i]  # the root is committed, not drawn
+        if drawn.numel() and (int(drawn.max()) >= q.numel() or not (q[drawn] > 0).all()):
+            raise InvalidArgument(f"{at}.tokens", f"a node drawn from proposal {i} holds a token that proposal "
+                                                  "gives no probability (or one outside its vocabulary)")
     depths = [0] * n
     for i in range(1, n):
         depths[i] = depths[msg.parents[i]] + 1
@@ -49,6 +91,55 @@ def tree_from_proto(msg: tree_pb.CandidateTree) -> tuple[str, TokenTree]:
                      proposal_ids=list(msg.proposal_ids), proposals=proposals, from_model=list(msg.from_model),
                      guess=list(msg.guess))
     return msg.request_id, tree
+
+
+def _proposal_from_proto(p: tree_pb.Proposal, field: str) -> torch.Tensor:
+    """A proposal's q [vocab] (float32), checked to be a distribution: finite, non-negative, summing to 1."""
+    if not 1 <= p.vocab <= MAX_WIRE_VOCAB:
+        raise InvalidArgument(f"{field}.vocab", f"must be in 1..{MAX_WIRE_VOCAB}, got {p.vocab}")
+    if len(p.probs) != 4 * p.vocab:
+        raise InvalidArgument(f"{field}.probs", f"{len(p.probs)} bytes for a vocabulary of {p.vocab} "
+                                                "(float32: 4 bytes each)")
+    q = torch.frombuffer(bytearray(p.probs), dtype=torch.float32)
+    if not torch.isfinite(q).all():
+        raise InvalidArgument(f"{field}.probs", "probabilities must be finite (NaN or infinity found)")
+    if (q < 0).any():
+        raise InvalidArgument(f"{field}.probs", f"probabilities must be >= 0, got {float(q.min())}")
+    total = float(q.sum(dtype=torch.float64))
+    if abs(total - 1) > PROB_SUM_TOLERANCE:
+        raise InvalidArgument(f"{field}.probs", f"probabilities must sum to 1 (within {PROB_SUM_TOLERANCE}), "
+                                                f"got {total:.6g}")
+    return q
+
+
+@dataclass(frozen=True)
+class OpenArgs:
+    """An OpenRequest, checked: what TargetScheduler.open takes."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    stream: int
+    max_new_tokens: int
+
+
+def open_from_proto(msg: tree_pb.OpenRequest) -> OpenArgs:
+    """InvalidArgument naming the field when an OpenRequest is malformed (the target holds the prompt to its
+    vocabulary and the request to its KV budget itself)."""
+    check_request_id(msg.request_id, "request_id")
+    if not msg.prompt:
+        raise InvalidArgument("prompt", "the prompt is empty (it needs at least one token)")
+    if min(msg.prompt) < 0:
+        raise InvalidArgument("prompt", f"token ids must be >= 0, got {min(msg.prompt)}")
+    if msg.max_new_tokens < 0:
+        raise InvalidArgument("max_new_tokens", f"must be >= 0, got {msg.max_new_tokens}")
+    if msg.stream < 0:
+        raise InvalidArgument("stream", f"must be >= 0, got {msg.stream}")
+    try:
+        params = sampling_from_proto(msg.params)
+    except InvalidArgument as e:
+        raise InvalidArgument(f"params.{e.field}", e.reason) from None
+    return OpenArgs(msg.request_id, list(msg.prompt), params, msg.stream, msg.max_new_tokens)
 
 
 def verdict_to_proto(request_id: str, v: Verdict) -> tree_pb.VerifyResult:
@@ -82,3 +173,57 @@ def sampling_from_proto(req: api.GenerateRequest | tree_pb.SamplingParams) -> Sa
                           top_p=req.top_p if req.HasField("top_p") else 1.0,
                           seed=req.seed if req.HasField("seed") else None,
                           logprobs=req.logprobs if req.HasField("logprobs") else None)
+
+
+# --- the core's typed errors <-> gRPC status codes (whole calls and single rows) -------------------------------
+
+log = logging.getLogger(__name__)
+
+ERROR_CODES = [(UnknownRequest, grpc.StatusCode.NOT_FOUND), (RequestExists, grpc.StatusCode.ALREADY_EXISTS),
+               (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED), (Unavailable, grpc.StatusCode.UNAVAILABLE),
+               (ValueError, grpc.StatusCode.INVALID_ARGUMENT),  # InvalidArgument is one
+               (RequestFailed, grpc.StatusCode.INTERNAL)]  # by type, most specific first
+INTERNAL_MESSAGE = "the target failed on this request"  # what an untyped error tells the caller (details: logs)
+
+
+def status_of(error: Exception) -> tuple[grpc.StatusCode, str, str]:
+    """-> (code, field, message) for an error of the core; `field` only for InvalidArgument (its message is
+    then the reason alone). An untyped error is INTERNAL with a message that names no internals (it is logged)."""
+    code = next((code for kind, code in ERROR_CODES if isinstance(error, kind)), None)
+    if code is None:
+        log.error("untyped error answered as INTERNAL: %r", error, exc_info=error)
+        return grpc.StatusCode.INTERNAL, "", INTERNAL_MESSAGE
+    if isinstance(error, InvalidArgument):
+        return code, error.field, error.reason
+    return code, "", str(error)
+
+
+def error_of_status(code: grpc.StatusCode, message: str, field: str = "") -> Exception:
+    """The core's typed error for a status a target answered (a row's RowError, or a whole call's status)."""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidArgument(field, message) if field else ValueError(message)
+    kind = {grpc.StatusCode.NOT_FOUND: UnknownRequest, grpc.StatusCode.ALREADY_EXISTS: RequestExists,
+            grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted, grpc.StatusCode.UNAVAILABLE: Unavailable}
+    return kind.get(code, RequestFailed)(message)
+
+
+_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def result_to_proto(request_id: str, outcome: Verdict | Exception) -> tree_pb.VerifyResult:
+    """One row of a VerifyResponse: its verdict, or its error (the other rows are not affected)."""
+    if isinstance(outcome, Verdict):
+        return verdict_to_proto(request_id, outcome)
+    code, field, message = status_of(outcome)
+    return tree_pb.VerifyResult(request_id=request_id,
+                                error=tree_pb.RowError(code=code.value[0], field=field, message=message))
+
+
+def result_from_proto(msg: tree_pb.VerifyResult) -> tuple[str, Verdict | Exception]:
+    """-> (request id, its verdict or its typed error); ValueError for a malformed verdict."""
+    if msg.HasField("error"):
+        code = _BY_VALUE.get(msg.error.code, grpc.StatusCode.INTERNAL)
+        if code == grpc.StatusCode.OK:
+            code = grpc.StatusCode.INTERNAL  # an error row always fails its request
+        return msg.request_id, error_of_status(code, msg.error.message, msg.error.field)
+    return verdict_from_proto(msg)

@@ -90,17 +90,29 @@ class CommittedLogprob(_message.Message):
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, logprob: _Optional[float] = ..., top_tokens: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class RowError(_message.Message):
+    __slots__ = ("code", "field", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    field: str
+    message: str
+    def __init__(self, code: _Optional[int] = ..., field: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
 class VerifyResult(_message.Message):
-    __slots__ = ("request_id", "path", "tokens", "logprobs")
+    __slots__ = ("request_id", "path", "tokens", "logprobs", "error")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     path: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[CommittedLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., path: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[CommittedLogprob, _Mapping]]] = ...) -> None: ...
+    error: RowError
+    def __init__(self, request_id: _Optional[str] = ..., path: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[CommittedLogprob, _Mapping]]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("results",)

@@ -14,6 +14,7 @@ import pytest
 
 from actors.draft_loop import DraftLoop, DraftRequest, GrpcTarget
 from actors.scheduler import KvBudget, TargetScheduler
+from actors.security import LinkSecurity, serve_target, target_channel
 from actors.target_service import TargetService
 from conftest import NEW_TOKENS
 from protos import specdec_tree_pb2 as tree_pb
@@ -22,7 +23,9 @@ from specdec.drafters import make_drafter
 from specdec.errors import ResourceExhausted
 from specdec.kvcache import CachedLM
 from specdec.sampling import SamplingParams
+from specdec.acceptance import Verdict
 from specdec.target import TargetWorker
+from specdec.tree import TokenTree
 
 GREEDY = SamplingParams()
 
@@ -50,14 +53,16 @@ def scheduler_for(target, idle_timeout_s: float = 30.0, **budget) -> TargetSched
     return TargetScheduler(TargetWorker(CachedLM(target)), KvBudget(**budget), idle_timeout_s=idle_timeout_s)
 
 
+SECRET = "grpc-trees-secret"
+
+
 @contextlib.contextmanager
-def serving(scheduler: TargetScheduler):
-    """The scheduler behind a real TargetService on loopback -> a stub of it."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
-    tree_grpc.add_TargetServiceServicer_to_server(TargetService(scheduler), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+def serving(scheduler: TargetScheduler, **limits):
+    """The scheduler behind a real TargetService on loopback, served as a target rank serves it
+    (actors/security.py) -> a stub of it."""
+    server, port = serve_target(TargetService(scheduler), tree_grpc.add_TargetServiceServicer_to_server,
+                                "127.0.0.1", LinkSecurity(SECRET), **limits)
+    channel = target_channel(f"127.0.0.1:{port}", LinkSecurity(SECRET))
     try:
         yield tree_grpc.TargetServiceStub(channel)
     finally:
@@ -187,36 +192,125 @@ def test_a_cancelled_request_is_closed_and_the_rest_go_on(served, draft, referen
     wait_until_empty(scheduler)
 
 
+def tree_msg(rid: str, tokens: list[int], parents: list[int] | None = None, **fields) -> tree_pb.CandidateTree:
+    parents = parents if parents is not None else [-1] + list(range(len(tokens) - 1))
+    return tree_pb.CandidateTree(request_id=rid, tokens=tokens, parents=parents, proposal_ids=[-1] * len(tokens),
+                                 from_model=[True] * len(tokens), **fields)
+
+
+def row_error(result: tree_pb.VerifyResult) -> tuple[grpc.StatusCode, str, str]:
+    assert result.HasField("error") and not result.path, result
+    code = next(c for c in grpc.StatusCode if c.value[0] == result.error.code)
+    return code, result.error.field, result.error.message
+
+
 def test_errors_come_back_as_status_codes(served):
+    """A bad Open is refused as a whole, with the status of the core's typed error and the field named; a
+    bad tree gets its error in its own VerifyResult."""
     _, stub = served
     stub.Open(tree_pb.OpenRequest(request_id="a", prompt=[1, 2, 3], params=tree_pb.SamplingParams()))
-    cases = [
-        (lambda: stub.Open(tree_pb.OpenRequest(request_id="a", prompt=[4])), grpc.StatusCode.ALREADY_EXISTS, "already"),
-        (lambda: stub.Open(tree_pb.OpenRequest(request_id="b", prompt=[])), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
-        (lambda: stub.Open(tree_pb.OpenRequest(request_id="c", prompt=[1], params=tree_pb.SamplingParams(top_p=2.0))),
-         grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
-        (lambda: stub.Open(tree_pb.OpenRequest(request_id="d", prompt=[1], max_new_tokens=10**6)),
-         grpc.StatusCode.INVALID_ARGUMENT, "over the target's budget"),
-        (lambda: stub.Verify(tree_pb.VerifyRequest(trees=[tree_pb.CandidateTree(
-            request_id="zzz", tokens=[3], parents=[-1], proposal_ids=[-1], from_model=[True])])),
-         grpc.StatusCode.NOT_FOUND, "not in the batch"),
-        (lambda: stub.Verify(tree_pb.VerifyRequest(trees=[tree_pb.CandidateTree(
-            request_id="a", tokens=[2], parents=[-1], proposal_ids=[-1], from_model=[True])])),
-         grpc.StatusCode.INVALID_ARGUMENT, "root must be its last token"),
-        (lambda: stub.Verify(tree_pb.VerifyRequest(trees=[tree_pb.CandidateTree(request_id="a", tokens=[3, 4],
-                                                                                 parents=[-1], proposal_ids=[-1, -1],
-                                                                                 from_model=[True, True])])),
-         grpc.StatusCode.INVALID_ARGUMENT, "parents"),
+    opens = [
+        (tree_pb.OpenRequest(request_id="a", prompt=[4]), grpc.StatusCode.ALREADY_EXISTS, "already"),
+        (tree_pb.OpenRequest(request_id="b", prompt=[]), grpc.StatusCode.INVALID_ARGUMENT, "prompt: the prompt is empty"),
+        (tree_pb.OpenRequest(request_id="b", prompt=[1, -2]), grpc.StatusCode.INVALID_ARGUMENT, "prompt: token ids must be >= 0"),
+        (tree_pb.OpenRequest(request_id="b", prompt=[1], max_new_tokens=-5), grpc.StatusCode.INVALID_ARGUMENT,
+         "max_new_tokens: must be >= 0"),
+        (tree_pb.OpenRequest(request_id="b", prompt=[1], stream=-1), grpc.StatusCode.INVALID_ARGUMENT, "stream: must be >= 0"),
+        (tree_pb.OpenRequest(request_id="", prompt=[1]), grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty"),
+        (tree_pb.OpenRequest(request_id="x" * 129, prompt=[1]), grpc.StatusCode.INVALID_ARGUMENT, "request_id: is 129"),
+        (tree_pb.OpenRequest(request_id="c", prompt=[1], params=tree_pb.SamplingParams(top_p=2.0)),
+         grpc.StatusCode.INVALID_ARGUMENT, "params.top_p"),
+        (tree_pb.OpenRequest(request_id="d", prompt=[1], max_new_tokens=10**6), grpc.StatusCode.INVALID_ARGUMENT,
+         "over the target's budget"),
     ]
-    for call, code, text in cases:
+    for request, code, text in opens:
         with pytest.raises(grpc.RpcError) as e:
-            call()
+            stub.Open(request, timeout=10)
         assert e.value.code() == code and text in e.value.details(), (code, e.value.details())
+    trees = [
+        (tree_msg("zzz", [3]), grpc.StatusCode.NOT_FOUND, "", "not in the batch"),
+        (tree_msg("a", [2]), grpc.StatusCode.INVALID_ARGUMENT, "trees[0].tokens", "root must be its last token"),
+        (tree_msg("a", [3, 4], parents=[-1]), grpc.StatusCode.INVALID_ARGUMENT, "trees[0].parents", "1 parents"),
+        (tree_msg("a", [3, -4]), grpc.StatusCode.INVALID_ARGUMENT, "trees[0].tokens", ">= 0"),
+    ]
+    for tree, code, field, text in trees:
+        (result,) = stub.Verify(tree_pb.VerifyRequest(trees=[tree]), timeout=10).results
+        got = row_error(result)
+        assert got[0] == code and got[1] == field and text in got[2], got
     # the request that was open is unharmed by its bad calls
-    reply = stub.Verify(tree_pb.VerifyRequest(trees=[tree_pb.CandidateTree(
-        request_id="a", tokens=[3], parents=[-1], proposal_ids=[-1], from_model=[True])]))
+    reply = stub.Verify(tree_pb.VerifyRequest(trees=[tree_msg("a", [3])]))
     assert list(reply.results[0].path) == [0] and len(reply.results[0].tokens) == 1
     stub.Close(tree_pb.CloseRequest(request_ids=["a", "never-opened"]))
+
+
+def proposal(probs) -> tree_pb.Proposal:
+    import numpy as np
+
+    return tree_pb.Proposal(probs=np.asarray(probs, dtype=np.float32).tobytes(), vocab=len(probs))
+
+
+def hostile_trees(root: int):
+    """(name, a tree of request "bad" that the wire refuses, the field it names)."""
+    def drawn(q, token=1):  # a node drawn from proposal 0
+        return tree_pb.CandidateTree(request_id="bad", tokens=[root, token], parents=[-1, 0], proposal_ids=[-1, 0],
+                                     from_model=[True, True], proposals=[proposal(q)])
+    yield "NaN proposal", drawn([0.5, float("nan"), 0.5]), "trees[1].proposals[0].probs"
+    yield "negative proposal", drawn([0.6, 0.6, -0.2]), "trees[1].proposals[0].probs"
+    yield "unnormalised proposal", drawn([0.2, 0.2, 0.2]), "trees[1].proposals[0].probs"
+    yield "infinite proposal", drawn([float("inf"), 0.0, 0.0]), "trees[1].proposals[0].probs"
+    yield "token q never proposed", drawn([0.5, 0.0, 0.5]), "trees[1].tokens"
+    yield "token beyond the proposal", drawn([0.5, 0.5], token=7), "trees[1].tokens"
+    yield "zero vocab", tree_pb.CandidateTree(request_id="bad", tokens=[root, 1], parents=[-1, 0], proposal_ids=[-1, 0],
+                                              from_model=[True, True], proposals=[tree_pb.Proposal(vocab=0)]), \
+        "trees[1].proposals[0].vocab"
+    yield "huge vocab", tree_pb.CandidateTree(request_id="bad", tokens=[root, 1], parents=[-1, 0], proposal_ids=[-1, 0],
+                                              from_model=[True, True], proposals=[tree_pb.Proposal(vocab=1 << 30)]), \
+        "trees[1].proposals[0].vocab"
+    yield "huge tree", tree_msg("bad", [root] + [1] * 5000, parents=[-1] + [0] * 5000), "trees[1].tokens"
+    yield "negative token", tree_msg("bad", [root, -3]), "trees[1].tokens"
+    yield "negative guess", tree_msg("bad", [root], guess=[-1]), "trees[1].guess"
+
+
+@pytest.mark.parametrize("name", [name for name, _, _ in hostile_trees(0)])
+def test_one_bad_tree_fails_alone(served, reference, name):
+    """A VerifyRequest with good trees around one hostile one: the hostile tree gets INVALID_ARGUMENT naming
+    its field, and the good ones their verdicts (as they would alone)."""
+    scheduler, stub = served
+    prompt = reference.prompts[0]
+    for rid in ("good-0", "bad", "good-1"):
+        stub.Open(open_request(rid, prompt))
+    _, bad, field = next(t for t in hostile_trees(prompt[-1]) if t[0] == name)
+    reply = stub.Verify(tree_pb.VerifyRequest(trees=[tree_msg("good-0", [prompt[-1]]), bad,
+                                                     tree_msg("good-1", [prompt[-1]])]), timeout=30)
+    results = {r.request_id: r for r in reply.results}
+    assert set(results) == {"good-0", "bad", "good-1"}
+    code, got_field, _ = row_error(results["bad"])
+    assert (code, got_field) == (grpc.StatusCode.INVALID_ARGUMENT, field)
+    for rid in ("good-0", "good-1"):
+        assert not results[rid].HasField("error") and list(results[rid].path) == [0]
+        assert list(results[rid].tokens) == reference.continuations[0][:1]
+    # as a draft replica sees it: the typed error for that row alone
+    outcomes = GrpcTarget(stub).verify({"good-0": _root(results["good-0"].tokens[0]),
+                                        "bad": _root(prompt[-1] + 1)})
+    assert isinstance(outcomes["good-0"], Verdict) and isinstance(outcomes["bad"], ValueError)
+    stub.Close(tree_pb.CloseRequest(request_ids=["good-0", "bad", "good-1"]))
+    wait_until_empty(scheduler)
+
+
+def _root(token: int) -> TokenTree:
+    return TokenTree.root(token)
+
+
+def test_a_request_id_twice_in_one_verify_is_refused_for_it_alone(served, reference):
+    _, stub = served
+    prompt = reference.prompts[0]
+    for rid in ("twice", "once"):
+        stub.Open(open_request(rid, prompt))
+    reply = stub.Verify(tree_pb.VerifyRequest(trees=[tree_msg("twice", [prompt[-1]]), tree_msg("once", [prompt[-1]]),
+                                                     tree_msg("twice", [prompt[-1]])]), timeout=30)
+    results = {r.request_id: r for r in reply.results}
+    assert row_error(results["twice"])[:2] == (grpc.StatusCode.INVALID_ARGUMENT, "trees[2].request_id")
+    assert list(results["once"].path) == [0]
 
 
 @pytest.mark.parametrize("overlap, self_draft", [(False, False), (True, False), (True, True)])
@@ -346,3 +440,65 @@ def test_a_row_without_trees_is_closed_after_the_idle_timeout(target, draft, ref
         wait_until_empty(scheduler)
         assert scheduler.stats()["kv_tokens_reserved"] == 0
         assert not stub.Verify(root_tree("abandoned", prompt[-1])).results
+
+
+def test_waiting_opens_hold_no_thread_and_do_not_starve_verify(target, reference):
+    """More Opens wait for room than the old server had threads (64) or the service has Verify threads:
+    a Verify of the running row is still answered at once. The waiting Opens, cancelled by their callers,
+    leave the admission queue."""
+    prompt = reference.prompts[1]
+    scheduler = scheduler_for(target, max_rows=1, max_waiting=200)
+    with serving(scheduler) as stub:
+        stub.Open(open_request("running", prompt), timeout=10)
+        threads = threading.active_count()
+        waiting = [stub.Open.future(open_request(f"waiting-{i}", prompt), timeout=60) for i in range(80)]
+        deadline = time.monotonic() + 30
+        while scheduler.stats()["waiting"] < 80:
+            assert time.monotonic() < deadline, scheduler.stats()
+            time.sleep(0.01)
+        assert threading.active_count() < threads + 16  # no thread per waiting Open
+        t0 = time.monotonic()
+        reply = stub.Verify(root_tree("running", prompt[-1]), timeout=10)
+        assert list(reply.results[0].path) == [0] and time.monotonic() - t0 < 5
+        for call in waiting:
+            call.cancel()
+        while scheduler.stats()["waiting"]:
+            assert time.monotonic() < deadline + 30, scheduler.stats()
+            time.sleep(0.01)
+        stub.Close(tree_pb.CloseRequest(request_ids=["running"]))
+        wait_until_empty(scheduler)
+
+
+def test_an_open_past_its_deadline_is_resource_exhausted_and_leaves_the_queue(target, reference):
+    prompt = reference.prompts[1]
+    scheduler = scheduler_for(target, max_rows=1, max_waiting=4)
+    with serving(scheduler) as stub:
+        stub.Open(open_request("running", prompt), timeout=10)
+        with pytest.raises(ResourceExhausted, match="no room for the request within 0.5 s"):
+            GrpcTarget(stub, open_timeout_s=0.5).open("late", prompt, GREEDY, 0, 8)
+        deadline = time.monotonic() + 10
+        while scheduler.stats()["waiting"]:  # the target dropped it when the call was cancelled
+            assert time.monotonic() < deadline, scheduler.stats()
+            time.sleep(0.01)
+        stub.Close(tree_pb.CloseRequest(request_ids=["running"]))
+        wait_until_empty(scheduler)
+        assert "late" not in scheduler.worker.requests
+
+
+def test_calls_beyond_max_concurrent_rpcs_are_refused_at_once(target, reference):
+    prompt = reference.prompts[1]
+    scheduler = scheduler_for(target, max_rows=1, max_waiting=10)
+    with serving(scheduler, max_concurrent_rpcs=3) as stub:
+        stub.Open(open_request("running", prompt), timeout=10)
+        waiting = [stub.Open.future(open_request(f"waiting-{i}", prompt), timeout=60) for i in range(3)]
+        while scheduler.stats()["waiting"] < 3:
+            time.sleep(0.01)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Verify(root_tree("running", prompt[-1]), timeout=10)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for call in waiting:
+            call.cancel()
+        while scheduler.stats()["waiting"]:
+            time.sleep(0.01)
+        stub.Close(tree_pb.CloseRequest(request_ids=["running"]))
+        wait_until_empty(scheduler)
