@@ -4,12 +4,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
 from actors import wire
 from protos import specdec_api_pb2 as api
 from protos import specdec_tree_pb2 as tree_pb
+from specdec.acceptance import Verdict
+from specdec.errors import InvalidArgument, RequestExists, RequestFailed, ResourceExhausted, UnknownRequest
 from specdec.drafters import MergedDrafter, ModelDrafter, NgramDrafter, Plan
 from specdec.kvcache import CachedLM
 from specdec.sampling import SamplingParams, make_generator
@@ -58,6 +61,108 @@ def bad_trees():
     yield "proposal id", dict(ok, proposal_ids=[-1, 0, -1])
     yield "bytes for a vocabulary", dict(ok, proposal_ids=[-1, 0, 0],
                                          proposals=[tree_pb.Proposal(probs=b"\0" * 7, vocab=2)])
+
+
+def q_bytes(*probs) -> bytes:
+    return torch.tensor(probs, dtype=torch.float32).numpy().tobytes()
+
+
+def hostile_trees():
+    """(field named, reason, fields of a CandidateTree the wire refuses)."""
+    drawn = dict(request_id="x", tokens=[5, 1], parents=[-1, 0], proposal_ids=[-1, 0], from_model=[True, True])
+    def q(*probs, vocab=None):
+        return [tree_pb.Proposal(probs=q_bytes(*probs), vocab=len(probs) if vocab is None else vocab)]
+    yield "trees[0].proposals[0].probs", "finite", dict(drawn, proposals=q(0.5, float("nan"), 0.5))
+    yield "trees[0].proposals[0].probs", "finite", dict(drawn, proposals=q(0.0, float("inf"), 0.0))
+    yield "trees[0].proposals[0].probs", ">= 0", dict(drawn, proposals=q(0.7, 0.5, -0.2))
+    yield "trees[0].proposals[0].probs", "sum to 1", dict(drawn, proposals=q(0.3, 0.3, 0.3))
+    yield "trees[0].proposals[0].probs", "sum to 1", dict(drawn, proposals=q(0.0, 0.0, 0.0))
+    yield "trees[0].proposals[0].vocab", "1..1048576", dict(drawn, proposals=[tree_pb.Proposal(vocab=0)])
+    yield "trees[0].proposals[0].vocab", "1..1048576", dict(drawn, proposals=[tree_pb.Proposal(vocab=(1 << 20) + 1)])
+    yield "trees[0].proposals[0].vocab", "1..1048576", dict(drawn, proposals=[tree_pb.Proposal(vocab=-4)])
+    yield "trees[0].tokens", "no probability", dict(drawn, proposals=q(0.5, 0.0, 0.5))  # q(1) == 0
+    yield "trees[0].tokens", "no probability", dict(drawn, tokens=[5, 3], proposals=q(0.5, 0.5))  # beyond its vocab
+    yield "trees[0].tokens", ">= 0", dict(drawn, tokens=[5, -1], proposal_ids=[-1, -1])
+    yield "trees[0].tokens", ">= 0", dict(drawn, tokens=[-5, 1], proposal_ids=[-1, -1])
+    yield "trees[0].guess", ">= 0", dict(drawn, proposal_ids=[-1, -1], guess=[-2])
+    yield "trees[0].tokens", "over the most", dict(request_id="x", tokens=[1] * 4097, parents=[-1] + [0] * 4096,
+                                                   proposal_ids=[-1] * 4097, from_model=[True] * 4097)
+    yield "trees[0].proposals", "proposals for 2 nodes", dict(drawn, proposals=q(0.5, 0.5) * 3)
+    yield "trees[0].request_id", "must not be empty", dict(drawn, request_id="", proposal_ids=[-1, -1])
+    yield "trees[0].request_id", "over 128", dict(drawn, request_id="r" * 129, proposal_ids=[-1, -1])
+
+
+@pytest.mark.parametrize("field, reason, fields", list(hostile_trees()))
+def test_hostile_trees_are_refused_naming_the_field(field, reason, fields):
+    with pytest.raises(InvalidArgument) as e:
+        wire.tree_from_proto(tree_pb.CandidateTree(**fields))
+    assert e.value.field == field and reason in e.value.reason, (e.value.field, e.value.reason)
+
+
+def test_the_tree_index_names_the_field():
+    with pytest.raises(InvalidArgument) as e:
+        wire.tree_from_proto(tree_pb.CandidateTree(request_id="x", tokens=[-1], parents=[-1], proposal_ids=[-1],
+                                                   from_model=[True]), 3)
+    assert e.value.field == "trees[3].tokens"
+
+
+def test_a_proposal_within_the_tolerance_is_taken():
+    q = torch.softmax(torch.randn(50_000), -1)  # float32 rounding: sums to 1 within ~1e-6
+    msg = tree_pb.CandidateTree(request_id="x", tokens=[5, int(q.argmax())], parents=[-1, 0], proposal_ids=[-1, 0],
+                                from_model=[True, True], proposals=[tree_pb.Proposal(probs=q.numpy().tobytes(),
+                                                                                     vocab=q.numel())])
+    assert torch.equal(wire.tree_from_proto(msg)[1].proposals[0], q)
+
+
+def hostile_opens():
+    ok = dict(request_id="r", prompt=[1, 2], max_new_tokens=4)
+    yield "max_new_tokens", dict(ok, max_new_tokens=-1)
+    yield "stream", dict(ok, stream=-3)
+    yield "prompt", dict(ok, prompt=[])
+    yield "prompt", dict(ok, prompt=[1, -7])
+    yield "request_id", dict(ok, request_id="")
+    yield "request_id", dict(ok, request_id="r" * 129)
+    yield "params.temperature", dict(ok, params=tree_pb.SamplingParams(temperature=-1.0))
+    yield "params.top_p", dict(ok, params=tree_pb.SamplingParams(top_p=float("nan")))
+
+
+@pytest.mark.parametrize("field, fields", list(hostile_opens()))
+def test_hostile_opens_are_refused_naming_the_field(field, fields):
+    with pytest.raises(InvalidArgument) as e:
+        wire.open_from_proto(tree_pb.OpenRequest(**fields))
+    assert e.value.field == field
+
+
+def test_open_from_proto():
+    args = wire.open_from_proto(tree_pb.OpenRequest(request_id="r", prompt=[1, 2], stream=2, max_new_tokens=0,
+                                                    params=tree_pb.SamplingParams(temperature=0.5, seed=4)))
+    assert (args.request_id, args.prompt, args.stream, args.max_new_tokens) == ("r", [1, 2], 2, 0)
+    assert args.params.seed == 4 and args.params.temperature == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("error", [InvalidArgument("trees[2].tokens", "token 99 is outside the vocabulary (64)"),
+                                   RequestFailed("this request failed in the target's forward"),
+                                   UnknownRequest("request 'r' is not in the batch"),
+                                   ResourceExhausted("full"), RequestExists("twice")])
+def test_row_errors_cross_the_wire_as_their_type(error):
+    msg = tree_pb.VerifyResult.FromString(wire.result_to_proto("r", error).SerializeToString())
+    rid, back = wire.result_from_proto(msg)
+    assert rid == "r" and type(back) is type(error) and str(back) == str(error)
+    if isinstance(error, InvalidArgument):
+        assert (back.field, back.reason) == (error.field, error.reason)
+        assert msg.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+
+def test_an_untyped_row_error_names_no_internals():
+    msg = wire.result_to_proto("r", RuntimeError("CUDA error at /src/secret/path.cu:42"))
+    assert msg.error.code == grpc.StatusCode.INTERNAL.value[0] and "path.cu" not in msg.error.message
+    rid, back = wire.result_from_proto(msg)
+    assert isinstance(back, RequestFailed)
+
+
+def test_a_verdict_row_round_trips():
+    v = Verdict(path=[0, 2], tokens=[7, 9])
+    assert wire.result_from_proto(wire.result_to_proto("r", v)) == ("r", v)
 
 
 @pytest.mark.parametrize("message, fields", list(bad_trees()))
