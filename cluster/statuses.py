@@ -19,6 +19,8 @@ log = logging.getLogger(__name__)
 class RequestTooLarge(ValueError):
     """A request body or message over server.max_request_bytes (HTTP 413, gRPC RESOURCE_EXHAUSTED)."""
 
+    field = "body"
+
 
 @dataclass(frozen=True)
 class Status:
@@ -58,8 +60,7 @@ def client_error(error: BaseException) -> ClientError:
         error = cause
     for kind, status in STATUSES:
         if isinstance(error, kind):
-            param = error.field if isinstance(error, InvalidArgument) else None
-            return ClientError(status, _message(error), param)
+            return ClientError(status, _message(error), getattr(error, "field", None))
     return ClientError(INTERNAL, internal(error))
 
 

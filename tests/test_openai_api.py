@@ -5,6 +5,7 @@ logprobs must be the target's own (a transformers forward of it)."""
 
 import asyncio
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -20,6 +21,8 @@ import ray
 import torch
 from ray import serve
 
+from cluster.commands import GRPC_MESSAGE_SIZE_ENV, serving_environment
+from cluster.config import ServerConfig
 from cluster.openai_api import OpenAIServer
 from cluster.serve_app import build_app
 from conftest import CHAT_ROLES, SERVED_WORDS, free_port, hf_greedy, save_tokenizer, served_target, start_serving
@@ -30,6 +33,7 @@ from specdec.loading import load_tokenizer
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "w40 w41 w42 w43 w44 w45"
 MAX_N = 3
+MAX_REQUEST_BYTES = 1 << 20
 SPECULATION = ["on", "off"]
 
 
@@ -49,8 +53,13 @@ def server(model_dirs, tmp_path_factory):
     config = {"models": {"target": {"path": target_dir}, "draft": {"path": model_dirs.draft}},
               "placement": {"tensor_parallel_size": 1, "draft_replicas": 1},
               "speculation": {"drafter": "model"},
-              "server": {"max_new_tokens": 64, "max_n": MAX_N, "grpc_port": free_port(), "http_port": free_port()}}
+              "server": {"max_new_tokens": 64, "max_n": MAX_N, "grpc_port": free_port(), "http_port": free_port(),
+                         "max_request_bytes": MAX_REQUEST_BYTES}}
+    saved = {name: os.environ.get(name) for name in (GRPC_MESSAGE_SIZE_ENV, "RAY_worker_niceness")}
+    serving_environment(ServerConfig.model_validate(config["server"]))  # as `specdec serve` starts Ray
     path = start_serving(config, root, num_cpus=4, num_gpus=2)
+    for name, value in saved.items():  # the cluster has it; the tests after this module do not
+        os.environ.pop(name) if value is None else os.environ.update({name: value})
     ports = config["server"]
     serve.run(build_app({"config": str(path)}), name="specdec", route_prefix="/")
     http, address = f"http://127.0.0.1:{ports['http_port']}", f"127.0.0.1:{ports['grpc_port']}"
@@ -594,3 +603,71 @@ def test_healthz_says_why_in_words_and_logs_the_details(caplog):
     reason = asyncio.run(unhealthy(ingress(outage=outage)))
     assert reason == "target group unavailable: target rank 0 died (its worker process has died); being rebuilt"
     assert "ingress broken" in asyncio.run(unhealthy(ingress(outage=outage, broken="down for 600 s: Traceback")))
+
+
+# --- the same, served (issue 22) -------------------------------------------------------------------------
+
+
+def raw_post(server: Served, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(server.http + path, data=body, headers={"Content-Type": "application/json",
+                                                                           **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_bodies_over_max_request_bytes_get_413_naming_the_limit(server):
+    status, reply = raw_post(server, "/v1/completions", b" " * (MAX_REQUEST_BYTES + 1))
+    assert status == 413 and f"over the limit of {MAX_REQUEST_BYTES} bytes" in reply["error"]["message"]
+
+    def chunks():  # no Content-Length: refused as the body outgrows the limit
+        yield b'{"prompt": "'
+        for _ in range(MAX_REQUEST_BYTES // 65536 + 2):
+            yield b"w1 " * 21845
+        yield b'"}'
+
+    status, reply = raw_post(server, "/v1/chat/completions", chunks(), {"Transfer-Encoding": "chunked"})
+    assert status == 413 and reply["error"]["param"] == "body"
+    ok = server.client.completions.create(model="target", prompt=PROMPT, max_tokens=2, temperature=0)
+    assert ok.choices[0].finish_reason == "length"
+
+
+def test_grpc_messages_over_max_request_bytes_are_resource_exhausted(server):
+    """Serve's gRPC proxy takes up to 2 GiB unless told otherwise: specdec serve tells it
+    server.max_request_bytes, so the message is refused before any of it reaches the ingress."""
+    with pytest.raises(grpc.RpcError) as e:
+        server.stub.Generate(api.GenerateRequest(prompt="w1 " * (MAX_REQUEST_BYTES // 3 + 1), max_new_tokens=4),
+                             timeout=60)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+    assert server.stub.Generate(api.GenerateRequest(prompt=PROMPT, max_new_tokens=2), timeout=60).finish_reason
+
+
+def test_hostile_numbers_are_refused_served_and_the_others_go_on(server, tokenizer, target):
+    """The issue's reproduction, at the edge: ordinary sampled requests beside hostile ones (a temperature
+    that overflows, a 5000-digit max_tokens, a seed beyond int64, a 100k-character task type) all answer
+    as alone: the hostile ones 400 / INVALID_ARGUMENT naming their field, the others 200."""
+    import concurrent.futures
+
+    hostile = [(b'{"prompt": "w1", "max_tokens": %s}' % (b"9" * 5000), "max_tokens"),
+               (b'{"prompt": "w1", "temperature": 1e-40}', "temperature"),
+               (b'{"prompt": "w1", "seed": %d}' % 2**64, "seed"),
+               (b'{"prompt": "w1", "top_k": %d}' % 2**31, "top_k"),
+               (b'{"prompt": "w1", "task_type": "%s"}' % (b"t" * 100_000), "task_type")]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        ordinary = [pool.submit(server.client.completions.create, model="target", prompt=PROMPT, max_tokens=8,
+                                temperature=0.8, seed=i, extra_body={"speculation": "on"}) for i in range(4)]
+        refused = [pool.submit(raw_post, server, "/v1/completions", body) for body, _ in hostile]
+        for (_, field), reply in zip(hostile, refused):
+            status, error = reply.result()
+            assert status == 400 and error["error"]["param"] == field, error
+        assert all(len(r.result().choices[0].token_ids) == 8 for r in ordinary)
+    for fields, field in [({"temperature": 1e-38}, "temperature"), ({"task_type": "t" * 100_000}, "task_type"),
+                          ({"speculation": 99}, "speculation")]:
+        with pytest.raises(grpc.RpcError) as e:
+            server.stub.Generate(api.GenerateRequest(prompt=PROMPT, max_new_tokens=4, **fields), timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(f"{field}:")
