@@ -14,7 +14,7 @@ from specdec.sampling import SamplingParams
 
 from .draft_loop import DraftLoop, DraftRequest, GrpcTarget
 from .metrics import StepTimer
-from .security import LinkSecurity, target_channel
+from .security import LinkSecurity, SharedSecurity, resolve, target_channel
 from .streams import StepStream
 from .target_rank import device_for_actor, use_assigned_cpus
 
@@ -27,17 +27,18 @@ class DraftReplica:
     """Async: a request is a stream fed by its draft model's loop, not a thread."""
 
     def __init__(self, drafts: dict[str, tuple[str, str]], target_address: str, drafter: str = "model+ngram",
-                 width: int = 1, overlap: bool = True, *, security: LinkSecurity):
+                 width: int = 1, overlap: bool = True, *, security: LinkSecurity | SharedSecurity):
         """drafts: task type -> (model folder, dtype); the "" entry drafts for every other task type.
         overlap: draft each step while the target verifies the one before (actors.draft_loop).
-        security: the topology's secret (sent on every call to the target) and TLS files, if any."""
+        security: the topology's secret (sent on every call to the target) and TLS files, if any; through
+        Ray's object store (SharedSecurity), so that it is not among the actor's creation arguments."""
         use_assigned_cpus()
         self.models = {task: load_served_model(path, parse_dtype(dtype), device_for_actor())
                        for task, (path, dtype) in drafts.items()}
         self.drafter, self.width, self.overlap = drafter, width, overlap
         make_drafter(drafter, CachedLM(self.models[""]) if "" in self.models else None, width)  # fail at start
-        self.security, self.target_address = security, target_address
-        self.channel = target_channel(target_address, security)
+        self.security, self.target_address = resolve(security), target_address
+        self.channel = target_channel(target_address, self.security)
         self.target = GrpcTarget(tree_grpc.TargetServiceStub(self.channel))  # shared by the loops
         name = ray.get_runtime_context().get_actor_name() or "draft"
         self.step_timer = StepTimer(name.rsplit("-", 1)[0])  # draft-<i>-<topology tag> -> draft-<i>
@@ -69,8 +70,9 @@ class DraftReplica:
         loop = self.running[request_id] = self._loop_for(task_type)  # from here on it can be cancelled
         try:
             # the draft runs the prompt while the target does (each on its own device)
+            # the open awaits admission holding no thread (the target may keep it waiting for room)
             _, prefilled = await asyncio.gather(
-                asyncio.to_thread(self.target.open, request_id, prompt, params, stream, max_new_tokens),
+                self.target.open_async(request_id, prompt, params, stream, max_new_tokens),
                 asyncio.to_thread(loop.prefill, prompt))
             steps = StepStream()
             loop.join(DraftRequest(request_id, prompt, params, max_new_tokens, set(eos), depth, steps, stream,

@@ -21,7 +21,7 @@ from specdec.target import TargetWorker
 from . import metrics
 from .lockstep import LockstepWorker, follow
 from .scheduler import KvBudget, TargetScheduler
-from .security import LinkSecurity, host_port, serve_target
+from .security import RPC_HEADROOM, LinkSecurity, SharedSecurity, host_port, resolve, serve_target
 from .streams import StepStream
 from .target_service import TargetService
 
@@ -41,11 +41,12 @@ class TargetRank:
     """Async: plain requests are streams fed by the scheduler's loop, not threads. Rank 0 runs the
     scheduler and the gRPC service; ranks > 0 follow it. The service listens on this node's address
     and answers only callers with the topology's secret (and, with TLS files, a certificate from
-    its CA): actors/security.py."""
+    its CA): actors/security.py. The secret comes through Ray's object store (SharedSecurity), so it is
+    not among the actor's creation arguments."""
 
     def __init__(self, model_path: str, dtype: str = "float32", rank: int = 0, world_size: int = 1,
                  dist_address: str | None = None, budget: KvBudget = KvBudget(), idle_timeout_s: float = 30.0,
-                 *, security: LinkSecurity):
+                 *, security: LinkSecurity | SharedSecurity):
         use_assigned_cpus()
         self.rank, self.scheduler = rank, None
         self.streams: dict[str, StepStream] = {}
@@ -65,8 +66,11 @@ class TargetRank:
         threading.Thread(target=metrics.publish_target, args=(self.scheduler.stats,), name="metrics",
                          daemon=True).start()
         self.host = ray.util.get_node_ip_address()
+        # calls held at once: every Open that may wait or be admitted, and room for Verify and Close
         self.server, self.port = serve_target(TargetService(self.scheduler),
-                                              tree_grpc.add_TargetServiceServicer_to_server, self.host, security)
+                                              tree_grpc.add_TargetServiceServicer_to_server, self.host,
+                                              resolve(security),
+                                              budget.max_waiting + budget.max_rows + RPC_HEADROOM)
 
     def ready(self) -> bool:
         return True

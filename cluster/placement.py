@@ -1,7 +1,8 @@
 """Where the actors go: the target group's ranks packed in one placement group (one GPU bundle each)
 and every draft replica on a bundle of its own, so drafts never share the target's GPUs. Each
 topology makes a secret of its own, which its draft replicas send on every call to its target
-(actors/security.py); nothing outside the topology is given it. A lost target group is started again
+(actors/security.py); nothing outside the topology is given it: it reaches the actors through Ray's
+object store (SharedSecurity), not as a creation argument, and no repr shows it. A lost target group is started again
 on its own placement group, with the same secret (start_target_ranks; cluster/supervisor.py)."""
 
 import secrets
@@ -14,7 +15,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.draft_replica import DraftReplica
 from actors.scheduler import KvBudget
-from actors.security import LinkSecurity, TlsFiles
+from actors.security import LinkSecurity, SharedSecurity, TlsFiles
 from actors.target_rank import TargetRank, free_address
 
 from .config import SecurityConfig, ServeConfig
@@ -31,7 +32,7 @@ class Topology:
     groups: list[PlacementGroup]  # the target group's first, then the draft replicas'
     target_address: str  # rank 0's TargetService, host:port
     tag: str  # in the actors' names
-    security: LinkSecurity  # the draft -> target link's secret (and TLS files), the same for a rebuilt group
+    security: LinkSecurity  # the draft -> target link's secret (not in its repr) and TLS files, the same for a rebuilt group
 
     @property
     def target(self):
@@ -58,8 +59,8 @@ def _on(pg: PlacementGroup, bundle: int) -> PlacementGroupSchedulingStrategy:
 def link_security(cfg: SecurityConfig) -> LinkSecurity:
     """A new secret for one topology's draft -> target link, and the TLS files if the config has them."""
     tls = cfg.internal_tls
-    return LinkSecurity(secrets.token_urlsafe(32),
-                        TlsFiles(tls.cert, tls.key, tls.ca, tls.server_name) if tls is not None else None)
+    files = TlsFiles(tls.cert, tls.key, tls.ca, tls.server_name, tls.client_cert, tls.client_key) if tls else None
+    return LinkSecurity(secrets.token_urlsafe(32), files)
 
 
 def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
@@ -79,13 +80,14 @@ def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
         for pg in groups:
             ray.get(pg.ready(), timeout=timeout_s)  # fails, naming the wait, when the cluster lacks the GPUs
         topo.target_ranks, topo.target_address = start_target_ranks(cfg, target_pg, topo.tag, security, timeout_s)
+        shared = SharedSecurity.put(security) if n_drafts else None
         topo.drafts = [
             DraftReplica.options(num_gpus=place.gpus_per_actor, num_cpus=place.cpus_per_draft_replica,
                                  max_concurrency=ACTOR_CONCURRENCY,
                                  max_restarts=-1, scheduling_strategy=_on(groups[1], i),
                                  name=f"draft-{i}-{topo.tag}", namespace=NAMESPACE)
             .remote(models.drafts(), topo.target_address, spec.drafter, spec.tree_width, spec.overlap,
-                    security=security)
+                    security=shared)
             for i in range(n_drafts)]
         ray.get([d.ready.remote() for d in topo.drafts], timeout=timeout_s)
     except Exception:
@@ -100,13 +102,14 @@ def start_target_ranks(cfg: ServeConfig, pg: PlacementGroup, tag: str, security:
     (the ranks in rank order, rank 0's TargetService address). Ranks that started are killed if the
     group fails to start."""
     place, server, tp = cfg.placement, cfg.server, cfg.placement.tensor_parallel_size
+    shared = SharedSecurity.put(security)  # the ranks fetch it: not among their creation arguments
     rendezvous = ray.get(ray.remote(free_address).options(num_cpus=0, scheduling_strategy=_on(pg, 0))
                          .remote()) if tp > 1 else None
     ranks = [TargetRank.options(num_gpus=place.gpus_per_actor, num_cpus=place.cpus_per_target_rank,
                                 max_concurrency=ACTOR_CONCURRENCY, scheduling_strategy=_on(pg, r),
                                 name=f"target-{r}-{tag}", namespace=NAMESPACE)
              .remote(cfg.models.target.path, cfg.models.target.dtype, r, tp, rendezvous, kv_budget(cfg),
-                     server.idle_row_timeout_s, security=security)
+                     server.idle_row_timeout_s, security=shared)
              for r in range(tp)]
     try:
         ray.get([rank.ready.remote() for rank in ranks], timeout=timeout_s)

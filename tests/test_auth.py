@@ -176,10 +176,10 @@ def _pem_pair(common_name: str, issuer=None, server_name: str | None = None):
 
 def tls_files(tmp_path, name: str, server_name: str = "specdec-target") -> TlsFiles:
     """A CA and a certificate it signed for `server_name` (used as server and client certificate)."""
-    ca_key, ca_cert, _, ca_pem = _pem_pair(f"{name} CA")
+    ca_key, ca_cert, ca_key_pem, ca_pem = _pem_pair(f"{name} CA")
     _, _, key_pem, cert_pem = _pem_pair(server_name, issuer=(ca_key, ca_cert), server_name=server_name)
     paths = {}
-    for kind, pem in (("cert", cert_pem), ("key", key_pem), ("ca", ca_pem)):
+    for kind, pem in (("cert", cert_pem), ("key", key_pem), ("ca", ca_pem), ("ca-key", ca_key_pem)):
         paths[kind] = tmp_path / f"{name}-{kind}.pem"
         paths[kind].write_bytes(pem)
     return TlsFiles(str(paths["cert"]), str(paths["key"]), str(paths["ca"]), server_name)
@@ -218,6 +218,126 @@ def test_mutual_tls_needs_a_certificate_from_the_ca_and_the_secret(scheduler, tm
 def test_unreadable_tls_files_are_named():
     with pytest.raises(OSError, match="internal TLS private key /nowhere/key.pem: cannot read it"):
         TlsFiles(__file__, "/nowhere/key.pem", __file__, "specdec-target").read()
+
+
+def test_a_separate_client_certificate_is_what_a_replica_presents(scheduler, tmp_path):
+    """TlsFiles.client_cert/client_key (security.internal_tls.client_cert/client_key): the replica presents
+    them, not the server's pair; a client pair from another CA is refused even with the server pair right."""
+    tls = tls_files(tmp_path, "ours")
+    ca_key, ca_cert = _ca(tmp_path, "ours")
+    _, _, client_key_pem, client_cert_pem = _pem_pair("specdec-draft", issuer=(ca_key, ca_cert))
+    (tmp_path / "client-cert.pem").write_bytes(client_cert_pem)
+    (tmp_path / "client-key.pem").write_bytes(client_key_pem)
+    rogue = tls_files(tmp_path, "rogue")
+    server, address = start_target(scheduler, LinkSecurity(SECRET, tls))
+    try:
+        ours = TlsFiles(tls.cert, tls.key, tls.ca, tls.server_name, str(tmp_path / "client-cert.pem"),
+                        str(tmp_path / "client-key.pem"))
+        assert ours.read_client()[0] == client_cert_pem and ours.read()[0] != client_cert_pem
+        call(target_channel(address, LinkSecurity(SECRET, ours)), "Open", OPEN)
+        assert held(scheduler) == (1, 0)
+        theirs = TlsFiles(tls.cert, tls.key, tls.ca, tls.server_name, rogue.cert, rogue.key)
+        with pytest.raises(grpc.RpcError) as e:
+            call(target_channel(address, LinkSecurity(SECRET, theirs)), "Close", tree_pb.CloseRequest(request_ids=["r"]))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and held(scheduler) == (1, 0)
+    finally:
+        server.stop(grace=None)
+
+
+def _ca(tmp_path, name: str):
+    """The CA tls_files(tmp_path, name) made, as (key, certificate)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key((tmp_path / f"{name}-ca-key.pem").read_bytes(), None)
+    return key, x509.load_pem_x509_certificate((tmp_path / f"{name}-ca.pem").read_bytes())
+
+
+def test_client_files_are_checked_at_start_and_go_together():
+    import pydantic
+
+    from cluster.config import SecurityConfig
+    from cluster.placement import link_security
+
+    tls = {"cert": __file__, "key": __file__, "ca": __file__}
+    with pytest.raises(pydantic.ValidationError, match="client_cert and client_key go together"):
+        SecurityConfig.model_validate({"internal_tls": {**tls, "client_cert": __file__}})
+    config = SecurityConfig.model_validate({"internal_tls": {**tls, "client_cert": __file__,
+                                                             "client_key": "/nowhere/client.key"}})
+    with pytest.raises(ConfigError, match="security.internal_tls.client_key: cannot read /nowhere/client.key"):
+        config.check_internal_tls_files()
+    files = link_security(SecurityConfig.model_validate({"internal_tls": {**tls, "client_cert": "c.pem",
+                                                                          "client_key": "k.pem"}})).tls
+    assert (files.client_cert, files.client_key) == ("c.pem", "k.pem")
+    assert link_security(SecurityConfig.model_validate({"internal_tls": tls})).tls.client_cert is None
+
+
+def _target_rank_arguments(security: LinkSecurity) -> tuple:
+    """What cluster.placement.start_target_ranks passes to TargetRank's constructor -> (args, kwargs)."""
+    import unittest.mock
+    from pathlib import Path
+
+    from cluster import placement
+    from cluster.config import load_config
+
+    recorded = []
+
+    class Recorder:
+        @classmethod
+        def options(cls, **_):
+            return cls
+
+        @classmethod
+        def remote(cls, *args, **kwargs):
+            recorded.append((args, kwargs))
+            rank = unittest.mock.Mock()
+            rank.ready.remote.return_value = ray.put(True)
+            rank.address.remote.return_value = ray.put("127.0.0.1:1")
+            return rank
+
+    config = load_config(Path(__file__).resolve().parent.parent / "configs" / "default.yaml")
+    with unittest.mock.patch.object(placement, "TargetRank", Recorder):
+        placement.start_target_ranks(config, object(), "tag", security, timeout_s=30)
+    (args,) = recorded
+    return args
+
+
+def test_the_secret_is_in_no_repr_and_no_actor_argument(tmp_path):
+    """LinkSecurity and Topology do not show the secret; actors get it through Ray's object store
+    (SharedSecurity): their creation arguments hold an object reference, not the secret."""
+    import pickle
+
+    from actors.security import SharedSecurity, resolve
+    from cluster.placement import Topology
+
+    security = LinkSecurity(SECRET, tls_files(tmp_path, "ours"))
+    topology = Topology([], [], [], "127.0.0.1:1", "tag", security)
+    assert SECRET not in repr(security) and SECRET not in repr(topology) and SECRET not in str(topology)
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        shared = SharedSecurity.put(security)
+        assert SECRET.encode() not in pickle.dumps(shared) and SECRET not in repr(shared)
+
+        @ray.remote(num_cpus=0)
+        class Holder:
+            def __init__(self, *, security):
+                self.security = resolve(security)
+
+            def secret_matches(self, secret: str) -> bool:
+                return self.security.secret == secret
+
+        holder = Holder.remote(security=shared)
+        assert ray.get(holder.secret_matches.remote(SECRET), timeout=120)
+        ray.kill(holder)
+        # and the target ranks are started that way (the actor class recorded, not started)
+        args = _target_rank_arguments(security)
+        assert SECRET not in repr(args) and SECRET.encode() not in pickle.dumps(args)
+        assert resolve(args[1]["security"]).secret == SECRET
+    finally:
+        if started:
+            ray.shutdown()
 
 
 # --- the public API: build_app on a local Ray cluster with keys ----------------------------------------------
