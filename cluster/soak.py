@@ -14,6 +14,14 @@ rank (the ingress rebuilds the group in place). At the end it reports and checks
   * open rows on the target and requests in flight in the ingress are back to 0;
   * each actor's memory (RSS) from after its warm-up to the end.
 
+A share of the shots (`hostile_share`, 0.1 by default) comes from the hostile mix (HOSTILE): extreme but
+valid-looking numbers, long and many stop strings, bursts of task types never seen before (thousands over a
+10-minute run), bodies and messages just over server.max_request_bytes, and malformed Opens and trees sent
+by a fake draft replica straight to the target's internal port (with the topology's secret, read from a draft
+replica of this cluster). Each must be refused with a 4xx-class status and a message, or, where its kind may
+be served, served as promised; meanwhile no other request may be affected, and /v1/stats (sampled over the
+run, its size and task types in the report) must stay within routing.max_task_types.
+
 A client told UNAVAILABLE or RESOURCE_EXHAUSTED waits `backoff_s` before its next request, as a client
 that retries would, so an outage does not turn the mix into a flood of refusals.
 

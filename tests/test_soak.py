@@ -78,13 +78,14 @@ def test_a_plan_out_of_bounds_is_refused():
 
 
 def test_a_short_soak_under_faults_keeps_every_promise(model_dirs, tmp_path):
-    """The command as an operator runs it, on its own local cluster: about 25 s of mixed traffic, a draft
-    replica killed at 30% and the target rank at 60%."""
+    """The command as an operator runs it, on its own local cluster: about 25 s of mixed traffic with the
+    hostile mix (on by default), a draft replica killed at 30% and the target rank at 60%."""
     target = served_target(model_dirs, tmp_path)
     config = {"models": {"target": {"path": target}, "draft": {"path": model_dirs.draft}},
               "placement": {"tensor_parallel_size": 1, "draft_replicas": 1},
               "speculation": {"drafter": "model+ngram"},
-              "server": {"max_prompt_tokens": 64, "max_new_tokens": 64, "idle_row_timeout_s": 5.0}}
+              "server": {"max_prompt_tokens": 64, "max_new_tokens": 64, "idle_row_timeout_s": 5.0},
+              "routing": {"max_task_types": 8}}
     (tmp_path / "soak.yaml").write_text(yaml.safe_dump(config))
     words = random.Random(0)
     prompts = [{"task_type": task, "prompt": " ".join(f"w{words.randint(1, 60)}" for _ in range(words.randint(2, 9)))}
@@ -104,6 +105,11 @@ def test_a_short_soak_under_faults_keeps_every_promise(model_dirs, tmp_path):
     assert report["requests"] >= 40 and report["greedy_completed"] >= 10
     assert report["greedy_equal_to_plain"] == report["greedy_completed"]
     assert any(kind.endswith("bad") for kind in report["by_kind"])
+    # the hostile mix (on by default): refused or served as promised, and /v1/stats bounded meanwhile
+    assert report["hostile"]["requests"] >= 3 and report["hostile"]["broken"] == 0, run.stdout[-4000:]
+    assert any(kind.startswith("hostile link ") for kind in report["by_kind"])  # the fake replica reached the link
+    stats = report["stats"]  # seed 0: a burst of 40 new task types early on, over routing.max_task_types (8)
+    assert stats["task_types_sent"] > stats["task_types_bound"] >= stats["max_task_types"], stats
     faults = {f["fault"]: f for f in report["faults"]}
     assert faults["kill a draft replica"]["actor"].startswith("draft-0-")
     assert faults["kill a target rank"]["healthy_after_s"] < 60
