@@ -116,7 +116,7 @@ def test_kv_budget_admits_in_arrival_order_and_bounds_rows(target, reference):
     assert most <= 2 and scheduler.stats()["largest_batch"] <= 2
     assert [s.wait()[0] for s in sinks] == reference.continuations[:5]
     with pytest.raises(ValueError, match="over the target's budget"):
-        scheduler.decode("huge", [1] * (3 * longest), GREEDY, 8, set(), Collect())
+        scheduler.decode("huge", [1] * 8, GREEDY, 3 * longest, set(), Collect())  # a prompt within the context
     scheduler.stop()
 
 
