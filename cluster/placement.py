@@ -120,8 +120,13 @@ def start_target_ranks(cfg: ServeConfig, pg: PlacementGroup, tag: str, security:
 
 
 def kv_budget(cfg: ServeConfig) -> KvBudget:
-    """The target's bounds, from server.*."""
-    return KvBudget(cfg.server.max_running_requests, cfg.server.max_kv_tokens, cfg.server.max_waiting_requests)
+    """The target's bounds, from server.*; a tree's room from speculation and routing: the draft model's
+    tree_width x K nodes and the n-gram guess's K, for the largest K any task type may be given."""
+    routing = cfg.routing
+    k = max([routing.default.max_k, *(t.max_k for t in routing.task_types.values())])
+    tree_room = max(KvBudget.tree_room, (cfg.speculation.tree_width + 1) * k)
+    return KvBudget(cfg.server.max_running_requests, cfg.server.max_kv_tokens, cfg.server.max_waiting_requests,
+                    tree_room)
 
 
 def kill(actors: list) -> None:

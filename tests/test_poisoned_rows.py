@@ -183,3 +183,20 @@ def test_a_draft_row_with_a_broken_distribution_drafts_nothing_and_the_others_dr
     trees = drafter.propose(seqs, [Plan(3, 0)] * 3, params, [make_generator(1, i) for i in range(3)])
     assert len(trees[1]) == 1  # the broken row: its root alone
     assert len(trees[0]) == 1 + 2 * 3 and len(trees[2]) == 1 + 2 * 3
+
+
+def test_the_widest_tree_the_config_allows_fits_the_room_the_target_holds_it_to(draft, reference):
+    """The target refuses a tree larger than its tree room (the oversized kind above), so the room must
+    hold the largest tree an honest replica drafts: tree_width x K model nodes and a K-long guess."""
+    from cluster.config import parse_config
+    from cluster.placement import kv_budget
+
+    width, k = 16, 8
+    cfg = parse_config({"models": {"target": {"path": "t"}, "draft": {"path": "d"}},
+                        "speculation": {"tree_width": width}, "routing": {"default": {"max_k": k}}})
+    room = kv_budget(cfg).tree_room
+    drafter = make_drafter("model+ngram", CachedLM(draft), width)
+    prompt = reference.prompts[2] * 3  # repeats: the n-gram guess finds a match
+    drafter.start(1)
+    tree = drafter.propose([prompt], [Plan(k, k)], [SAMPLED], [make_generator(1, 0)])[0]
+    assert len(tree) - 1 > 64 and len(tree) - 1 <= room, (len(tree), room)
