@@ -142,9 +142,7 @@ class TargetScheduler:
     def open(self, rid: str, prompt: list[int], params: SamplingParams, stream: int = 0,
              max_new_tokens: int = 0) -> None:
         """A speculative request joins; returns once it is admitted and its prompt prefilled."""
-        if max_new_tokens < 0:
-            raise InvalidArgument("max_new_tokens", f"must be >= 0, got {max_new_tokens}")
-        self._join(_Join(rid, list(prompt), params, stream, self.budget.cost(len(prompt), max_new_tokens))).wait()
+        self._join(_Join(rid, list(prompt), params, stream, self._cost(prompt, max_new_tokens))).wait()
 
     def open_then(self, rid: str, prompt: list[int], params: SamplingParams, stream: int, max_new_tokens: int,
                   done: Callable[[Exception | None], None]) -> None:
@@ -153,7 +151,7 @@ class TargetScheduler:
         prompt, over the budget) raises here; otherwise `done(None)` is called once the request is admitted
         and prefilled, or `done(error)` when it never will be (closed while it waited, its prefill failed),
         on the loop's thread (it must not block)."""
-        self._join(_Join(rid, list(prompt), params, stream, self.budget.cost(len(prompt), max_new_tokens),
+        self._join(_Join(rid, list(prompt), params, stream, self._cost(prompt, max_new_tokens),
                          waiter=_CallbackWaiter(done_callback=done)))
 
     def decode(self, rid: str, prompt: list[int], params: SamplingParams, max_new_tokens: int, eos: set[int],
@@ -162,8 +160,7 @@ class TargetScheduler:
         must not block). Returns at once: a request refused at the door (RequestExists, an empty prompt,
         over the budget) raises here; one that fails later reaches `sink` with the error."""
         plain = _Plain(max_new_tokens, set(eos), sink, list(prompt))
-        self._join(_Join(rid, list(prompt), params, stream, self.budget.cost(len(prompt), max_new_tokens),
-                         plain=plain))
+        self._join(_Join(rid, list(prompt), params, stream, self._cost(prompt, max_new_tokens), plain=plain))
 
     def verify(self, trees: dict[str, TokenTree]) -> dict[str, Outcome]:
         """Verdicts for these requests' trees, from the next forward; a request closed meanwhile (by its
@@ -217,6 +214,12 @@ class TargetScheduler:
         self._thread.join()
 
     # --- the loop ----------------------------------------------------------------------------------
+
+    def _cost(self, prompt: list[int], max_new_tokens: int) -> int:
+        """The KV tokens a request reserves; InvalidArgument for a negative count, which would shrink it."""
+        if max_new_tokens < 0:
+            raise InvalidArgument("max_new_tokens", f"must be >= 0, got {max_new_tokens}")
+        return self.budget.cost(len(prompt), max_new_tokens)
 
     def _join(self, join: _Join) -> _Waiter:
         self.worker.check_prompt(join.prompt)  # InvalidArgument: refused here, never in the loop's prefill

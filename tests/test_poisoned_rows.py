@@ -151,6 +151,10 @@ def test_a_prompt_outside_the_vocabulary_or_a_negative_count_is_refused_at_the_d
             scheduler.decode("bad", prompt, GREEDY, 4, set(), Collect())
     with pytest.raises(InvalidArgument, match="max_new_tokens"):
         scheduler.open("bad", [1, 2], GREEDY, 0, -1000)
+    with pytest.raises(InvalidArgument, match="max_new_tokens"):
+        scheduler.open_then("bad", [1, 2], GREEDY, 0, -1000, lambda error: None)
+    with pytest.raises(InvalidArgument, match="max_new_tokens"):
+        scheduler.decode("bad", [1, 2], GREEDY, -1000, set(), Collect())
     assert scheduler.stats()["open_requests"] == 0
 
 
