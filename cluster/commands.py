@@ -88,6 +88,8 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
                                       "prose prompts)")
     so.add_argument("--seed", type=int, default=0, help="seeds the traffic's random mix")
     so.add_argument("--no-kills", action="store_true", help="traffic only: kill nothing")
+    so.add_argument("--hostile-share", type=float, default=None,
+                    help="share of shots from the hostile mix (default 0.1; 0: none)")
     so.add_argument("--json", action="store_true", help="end with the report as one JSON line")
 
 

@@ -1170,7 +1170,7 @@ def soak_main(args) -> None:
     from .serve_app import default_models
 
     no_kills = {"kill_draft_at": None, "kill_target_at": None} if args.no_kills else {}
-    hostile = {"hostile_share": args.hostile_share} if getattr(args, "hostile_share", None) is not None else {}
+    hostile = {"hostile_share": args.hostile_share} if args.hostile_share is not None else {}
     plan = SoakPlan(seconds=args.minutes * 60, max_requests=args.max_requests, clients=args.clients,
                     max_new_tokens=args.max_new_tokens, seed=args.seed, **no_kills, **hostile)
     prompts = load_prompts(args.prompts) if args.prompts else DEFAULT_PROMPTS

@@ -118,7 +118,9 @@ class TargetSupervisor:
                 break
             except Exception as e:  # noqa: BLE001 - retried until it works, and reported meanwhile
                 log.error("rebuilding the target group failed (%s); retrying in %.0f s", e, REBUILD_RETRY_S)
-                self.outage = Outage(f"{reason}; the last rebuild failed: {e}", detected)
+                # clients read the outage: the reason in words, the error itself only in the log
+                self.outage = Outage(f"{reason}; the last rebuild failed ({type(e).__name__}, see the server log)",
+                                     detected)
                 time.sleep(REBUILD_RETRY_S)
         else:
             return
