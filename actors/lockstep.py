@@ -31,14 +31,15 @@ class LockstepWorker:
     def remove(self, leaving):
         return self._mirrored("remove", leaving)
 
-    def verify(self, trees):
-        self.worker.check(trees)  # refuse bad trees here, before the other ranks start a forward
-        return self._mirrored("verify", trees)
+    def verify(self, trees, max_nodes=None):
+        # every rank refuses the same bad trees (TargetWorker.refusal reads state they share), so the
+        # forward's collectives still meet
+        return self._mirrored("verify", trees, max_nodes)
 
     def stop(self) -> None:
         dist.broadcast_object_list([None], src=0, group=self.group)
 
-    def __getattr__(self, name):  # read-only access: check, requests, rows, last_token
+    def __getattr__(self, name):  # read-only access: check_prompt, requests, rows, last_token
         return getattr(self.worker, name)
 
     def _mirrored(self, name: str, *args):
