@@ -176,8 +176,10 @@ def parse_body(raw: bytes, model: type[Body]) -> Body:
     """The body as JSON whatever its content type (curl -d sends a form type); HttpError naming the field."""
     try:
         data = json.loads(raw, parse_int=_json_int)
-    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise HttpError(400, "body: is not valid JSON (or nests too deep)", "body") from None
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise HttpError(400, "body: is not valid JSON", "body") from None
+    except RecursionError:
+        raise HttpError(400, "body: nests too deep", "body") from None
     if not isinstance(data, dict):
         raise HttpError(400, "body: must be a JSON object", "body")
     for name, unused in UNSUPPORTED.items():

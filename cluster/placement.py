@@ -7,7 +7,7 @@ on its own placement group, with the same secret (start_target_ranks; cluster/su
 
 import secrets
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -33,6 +33,9 @@ class Topology:
     target_address: str  # rank 0's TargetService, host:port
     tag: str  # in the actors' names
     security: LinkSecurity  # the draft -> target link's secret (not in its repr) and TLS files, the same for a rebuilt group
+    # the same in Ray's object store, what the actors are given: held here for the topology's life, as Ray
+    # restarts a replica with its creation arguments, whose reference must still resolve then
+    shared: SharedSecurity | None = field(default=None, repr=False)
 
     @property
     def target(self):
@@ -79,15 +82,15 @@ def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
     try:
         for pg in groups:
             ray.get(pg.ready(), timeout=timeout_s)  # fails, naming the wait, when the cluster lacks the GPUs
-        topo.target_ranks, topo.target_address = start_target_ranks(cfg, target_pg, topo.tag, security, timeout_s)
-        shared = SharedSecurity.put(security) if n_drafts else None
+        topo.shared = SharedSecurity.put(security)
+        topo.target_ranks, topo.target_address = start_target_ranks(cfg, target_pg, topo.tag, topo.shared, timeout_s)
         topo.drafts = [
             DraftReplica.options(num_gpus=place.gpus_per_actor, num_cpus=place.cpus_per_draft_replica,
                                  max_concurrency=ACTOR_CONCURRENCY,
                                  max_restarts=-1, scheduling_strategy=_on(groups[1], i),
                                  name=f"draft-{i}-{topo.tag}", namespace=NAMESPACE)
             .remote(models.drafts(), topo.target_address, spec.drafter, spec.tree_width, spec.overlap,
-                    security=shared)
+                    security=topo.shared)
             for i in range(n_drafts)]
         ray.get([d.ready.remote() for d in topo.drafts], timeout=timeout_s)
     except Exception:
@@ -96,20 +99,19 @@ def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
     return topo
 
 
-def start_target_ranks(cfg: ServeConfig, pg: PlacementGroup, tag: str, security: LinkSecurity,
+def start_target_ranks(cfg: ServeConfig, pg: PlacementGroup, tag: str, security: SharedSecurity,
                        timeout_s: float = 300) -> tuple[list, str]:
     """The target group's ranks (target-<rank>-<tag>), one on each bundle of `pg`, loaded and joined ->
     (the ranks in rank order, rank 0's TargetService address). Ranks that started are killed if the
     group fails to start."""
     place, server, tp = cfg.placement, cfg.server, cfg.placement.tensor_parallel_size
-    shared = SharedSecurity.put(security)  # the ranks fetch it: not among their creation arguments
     rendezvous = ray.get(ray.remote(free_address).options(num_cpus=0, scheduling_strategy=_on(pg, 0))
                          .remote()) if tp > 1 else None
     ranks = [TargetRank.options(num_gpus=place.gpus_per_actor, num_cpus=place.cpus_per_target_rank,
                                 max_concurrency=ACTOR_CONCURRENCY, scheduling_strategy=_on(pg, r),
                                 name=f"target-{r}-{tag}", namespace=NAMESPACE)
              .remote(cfg.models.target.path, cfg.models.target.dtype, r, tp, rendezvous, kv_budget(cfg),
-                     server.idle_row_timeout_s, security=shared)
+                     server.idle_row_timeout_s, security=security)
              for r in range(tp)]
     try:
         ray.get([rank.ready.remote() for rank in ranks], timeout=timeout_s)

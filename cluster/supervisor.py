@@ -114,7 +114,7 @@ class TargetSupervisor:
             self._starts += 1
             try:
                 ranks, address = start_target_ranks(self.cfg, self.topology.target_pg,
-                                                    f"{self.topology.tag}.{self._starts}", self.topology.security)
+                                                    f"{self.topology.tag}.{self._starts}", self.topology.shared)
                 break
             except Exception as e:  # noqa: BLE001 - retried until it works, and reported meanwhile
                 log.error("rebuilding the target group failed (%s); retrying in %.0f s", e, REBUILD_RETRY_S)
