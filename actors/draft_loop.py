@@ -141,13 +141,12 @@ class DraftRequest:
     stream: int = 0  # separates the random streams of samples that share a seed
     seq: list[int] = field(init=False)
     out: Generation = field(default_factory=lambda: Generation([], "length"))
-    gen: torch.Generator = field(init=False)
+    gen: torch.Generator | None = field(init=False, default=None)  # its draws, on the draft's device (DraftLoop)
     next_tree: TokenTree | None = None  # drafted ahead, while the target verified the last step
     draft_prefill: Prefilled | None = None  # its prompt in the draft's cache, run while it was opened (DraftLoop.prefill)
 
     def __post_init__(self):
         self.seq = list(self.prompt)
-        self.gen = make_generator(self.params.seed, self.stream, role="draft")
 
     def plan(self, after: int = 0) -> Plan:
         """This step's plan, or the one after `after` more tokens are committed."""
@@ -224,9 +223,12 @@ class DraftLoop:
     def _add(self, joining: list[DraftRequest]) -> None:
         if joining:
             if self.drafter is not None:
+                # the draft model's draws run where its logits are: a CPU generator cannot draw from CUDA probabilities
+                device = self.drafter.draft_lm.device if self.drafter.draft_lm is not None else "cpu"
                 for r in joining:
                     self.drafter.add_rows(1, r.draft_prefill)
                     r.draft_prefill = None  # the batch holds it now
+                    r.gen = make_generator(r.params.seed, r.stream, device, role="draft")
             self.rows += joining
 
     def _drop(self, leaving: list[DraftRequest], close: bool) -> None:

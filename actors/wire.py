@@ -12,6 +12,7 @@ import torch
 from protos import specdec_api_pb2 as api
 from protos import specdec_tree_pb2 as tree_pb
 from specdec.acceptance import Verdict
+from specdec.device import HOST
 from specdec.errors import (InvalidArgument, RequestExists, RequestFailed, ResourceExhausted, Unavailable,
                             UnknownRequest)
 from specdec.logprobs import TokenLogprob
@@ -65,16 +66,16 @@ def tree_from_proto(msg: tree_pb.CandidateTree, index: int = 0) -> tuple[str, To
         raise InvalidArgument(f"{at}.guess", f"{len(msg.guess)} tokens, over {MAX_WIRE_TREE_NODES}")
     if len(msg.proposals) > n:
         raise InvalidArgument(f"{at}.proposals", f"{len(msg.proposals)} proposals for {n} nodes")
-    tokens = torch.tensor(msg.tokens, dtype=torch.long)
+    tokens = torch.tensor(msg.tokens, dtype=torch.long, device=HOST)
     if (tokens < 0).any():
         raise InvalidArgument(f"{at}.tokens", f"token ids must be >= 0, got {int(tokens.min())}")
     if msg.guess and min(msg.guess) < 0:
         raise InvalidArgument(f"{at}.guess", f"token ids must be >= 0, got {min(msg.guess)}")
-    parents = torch.tensor(msg.parents, dtype=torch.long)
-    if parents[0] != -1 or ((parents[1:] < 0) | (parents[1:] >= torch.arange(1, n))).any():
+    parents = torch.tensor(msg.parents, dtype=torch.long, device=HOST)
+    if parents[0] != -1 or ((parents[1:] < 0) | (parents[1:] >= torch.arange(1, n, device=HOST))).any():
         raise InvalidArgument(f"{at}.parents",
                               "parents must be -1 for the root and an earlier node for every other node")
-    pids = torch.tensor(msg.proposal_ids, dtype=torch.long)
+    pids = torch.tensor(msg.proposal_ids, dtype=torch.long, device=HOST)
     if ((pids != DELTA) & ((pids < 0) | (pids >= len(msg.proposals)))).any():
         raise InvalidArgument(f"{at}.proposal_ids",
                               f"a proposal id is neither -1 nor one of the {len(msg.proposals)} proposals")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .device import to_host
 from .logprobs import TokenLogprob
 from .sampling import SamplingParams, warp
 from .tree import DELTA, TokenTree
@@ -52,29 +53,39 @@ def accept_greedy(tree: TokenTree, argmax: list[int]) -> Verdict:
 def accept_sampling(
     tree: TokenTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
 ) -> Verdict:
-    """logits [N, V]: the target's logits after each node. Multi-step speculative sampling (see module doc)."""
+    """logits [N', V] (N' >= N = len(tree)): the target's logits after each node. Multi-step speculative
+    sampling (see module doc), decided on the device for every node at once and read back in one
+    transfer, however large the tree: each child's test assumes its elder siblings were rejected (the
+    only case in which it is tried), and each node's bonus is drawn from its distribution once all its
+    children are rejected; the host then walks from the root to the first accepted child, level by level."""
     assert logits.shape[0] >= len(tree), (logits.shape, len(tree))
-    kids = tree.children()
-    path = [0]
-    while True:
-        node = path[-1]
-        p = warp(logits[node], params)  # [V]
-        nxt = None
+    N, kids = len(tree), tree.children()
+    p = warp(logits[:N], params)  # [N, V] the target's distribution after each node
+    u = torch.rand(N, generator=generator, device=p.device)  # [N] each node's uniform, for its test as a child
+    passes = torch.zeros(N, dtype=torch.bool, device=p.device)  # [N] passes[c]: c is accepted if it is tried
+    final = p.clone()  # [N, V] final[n]: the distribution at n once every child of n is rejected
+    for node in range(N):
+        r = p[node]  # [V]
         for child in kids[node]:
             x = tree.tokens[child]
-            q = _proposal(tree, child, p)
-            if torch.rand((), generator=generator, device=p.device) * q[x] < p[x]:  # u < p(x)/q(x)
-                nxt = child
-                break
-            residual = (p - q).clamp_min(0)
+            q = _proposal(tree, child, r)  # [V]
+            passes[child] = u[child] * q[x] < r[x]  # u < p(x)/q(x)
+            residual = (r - q).clamp_min(0)
             total = residual.sum()
-            if total <= 0:  # p == q: the acceptance above had probability 1
-                break
-            p = residual / total
-        if nxt is None:
-            bonus = int(torch.multinomial(p, 1, generator=generator))
-            return Verdict(path, [tree.tokens[n] for n in path[1:]] + [bonus])
+            r = torch.where(total > 0, residual / total, r)  # total 0: p == q, and the test passed surely
+        final[node] = r
+    # a row that is no distribution (NaN logits) is swapped for a uniform one, so the draw cannot fail on
+    # the device (on a GPU an invalid multinomial is a device-side assert, fatal to every request)
+    sound = torch.isfinite(final).all(-1) & (final >= 0).all(-1) & (final.sum(-1) > 0)  # [N]
+    final = torch.where(sound[:, None], final, torch.full_like(final, 1.0 / final.shape[-1]))
+    bonus = torch.multinomial(final, 1, generator=generator).view(N)  # [N]
+    accepted, bonuses, sounds = to_host(passes, bonus, sound)  # this row's one wait for the device
+    path = [0]
+    while (nxt := next((c for c in kids[path[-1]] if accepted[c]), None)) is not None:
         path.append(nxt)
+    if not sounds[path[-1]]:
+        raise ValueError(f"the target's distribution after node {path[-1]} is not finite")
+    return Verdict(path, [tree.tokens[n] for n in path[1:]] + [bonuses[path[-1]]])
 
 
 def _proposal(tree: TokenTree, node: int, like: torch.Tensor) -> torch.Tensor:

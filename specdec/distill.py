@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
+from .device import HOST
 from .training import TrainConfig, sample_windows, train
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".jsonl")
@@ -67,7 +68,7 @@ def encode_texts(texts: list[str], tokenizer) -> torch.Tensor:
     ids: list[int] = []
     for enc in tokenizer(texts, add_special_tokens=False)["input_ids"]:
         ids += enc + sep
-    return torch.tensor(ids, dtype=torch.long)
+    return torch.tensor(ids, dtype=torch.long, device=HOST)
 
 
 def generated_corpus(target: PreTrainedModel, tokenizer, num_tokens: int, seed: int, seq_len: int = 256) -> torch.Tensor:
@@ -83,7 +84,7 @@ def generated_corpus(target: PreTrainedModel, tokenizer, num_tokens: int, seed: 
     for round_ in range((num_tokens + batch * seq_len - 1) // (batch * seq_len)):
         outs = engine.generate([[start]] * batch, seq_len, SamplingParams(temperature=1.0, seed=seed + round_),
                                streams=list(range(batch)))
-        chunks += [torch.tensor([start] + o.token_ids) for o in outs]
+        chunks += [torch.tensor([start] + o.token_ids, device=HOST) for o in outs]
     return torch.cat(chunks)
 
 
@@ -104,7 +105,7 @@ def kl_loss(target: PreTrainedModel, draft: PreTrainedModel):
 def evaluate(target, draft, tokens: torch.Tensor, seq_len: int = 128, windows: int = 16, seed: int = 1234) -> dict:
     """On held-out text: KL(p || q); greedy alpha (draft argmax == target argmax, per position); and
     sampled alpha sum(min(p, q)) at temperature 1 (the chance a draft sample is accepted)."""
-    batch = sample_windows(tokens, windows, min(seq_len, tokens.numel() - 1), torch.Generator().manual_seed(seed))
+    batch = sample_windows(tokens, windows, min(seq_len, tokens.numel() - 1), torch.Generator(device=HOST).manual_seed(seed))
     p_logits = target(input_ids=batch).logits.float()
     q_logits = draft(input_ids=batch).logits.float()
     V = min(p_logits.shape[-1], q_logits.shape[-1])

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from .device import HOST, to_host
 from .kvcache import CachedLM, Prefilled
 from .ngram import NgramIndex
 from .sampling import SamplingParams, warp
@@ -195,24 +196,25 @@ class ModelDrafter:
         self._hold_pending()  # rows given no depth may hold a tree drafted ahead
         # run what the draft has not seen yet; its last token is the root
         logits = self.lm.prefill([seq[n:] for seq, n in zip(seqs, self.lm.lengths)])  # [B, V]
+        device = logits.device
         base = self.lm.size  # first slot of this tree's nodes
         frontier = [[0] for _ in range(B)]  # per row: node ids, one per column of `logits`
         logits = logits.unsqueeze(1)  # [B, F, V]
-        seen = torch.zeros(B, 1, 0, dtype=torch.bool)  # [B, F, S'] tree slots each frontier node sees
-        cum = torch.zeros(B, 1)  # [B, F] greedy: cumulative log q of each frontier node
+        seen = torch.zeros(B, 1, 0, dtype=torch.bool, device=device)  # [B, F, S'] tree slots each frontier node sees
+        cum = torch.zeros(B, 1, device=device)  # [B, F] greedy: cumulative log q of each frontier node
         for depth in range(1, D + 1):
             parent_col, tokens, cum = self._grow(logits, cum, trees, frontier, depths, depth, params, gens)
             if depth == D or all(d <= depth for d in depths):
                 break
             # the new frontier's nodes see their parents' slots and those the parents saw
             seen = seen.gather(1, parent_col.unsqueeze(-1).expand(-1, -1, seen.shape[-1]))
-            parent_slot = torch.zeros(B, W, W if depth > 1 else 0, dtype=torch.bool)
+            parent_slot = torch.zeros(B, W, W if depth > 1 else 0, dtype=torch.bool, device=device)
             if depth > 1:
                 parent_slot.scatter_(2, parent_col.unsqueeze(-1), True)
             seen = torch.cat([seen, parent_slot], dim=-1)  # [B, W, (depth-1)*W]
-            committed = torch.zeros(B, W, base, dtype=torch.bool)
-            positions = torch.tensor([[len(s) - 1 + depth] * W for s in seqs])
-            block = torch.eye(W, dtype=torch.bool).expand(B, W, W)
+            committed = torch.zeros(B, W, base, dtype=torch.bool, device=device)
+            positions = torch.tensor([[len(s) - 1 + depth] * W for s in seqs], device=HOST)  # [B, W]
+            block = torch.eye(W, dtype=torch.bool, device=HOST).expand(B, W, W)  # [B, W, W]
             start = self.lm.size
             for b in range(B):
                 if depths[b] > depth:
@@ -225,13 +227,17 @@ class ModelDrafter:
         return trees
 
     def _grow(self, logits, cum, trees, frontier, depths, depth, params, gens):
-        """Add one depth of children under the frontier. Updates `trees` and `frontier` in place (and
-        `depths`: a sampled row whose draft distribution is broken stops here, see below) and returns the parent column [B, W] of each new frontier node, their tokens [B, W] and cum [B, W]."""
-        B, F, _ = logits.shape
-        W = self.width
-        parent_col = torch.zeros(B, W, dtype=torch.long)
-        tokens = torch.zeros(B, W, dtype=torch.long)
-        new_cum = torch.full((B, W), float("-inf"))
+        """Add one depth of children under the frontier (logits [B, F, V], cum [B, F], on the draft's
+        device). Updates `trees` and `frontier` in place (and `depths`: a sampled row whose draft
+        distribution is broken stops here) and returns the parent column [B, W] of each new frontier
+        node, their tokens [B, W] and cum [B, W], on the device. Everything is drawn on the device; the
+        host learns the drawn tokens in one transfer for the whole batch."""
+        B, F, V = logits.shape
+        W, device = self.width, logits.device
+        parent_col = torch.zeros(B, W, dtype=torch.long, device=device)
+        tokens = torch.zeros(B, W, dtype=torch.long, device=device)
+        new_cum = torch.full((B, W), float("-inf"), device=device)
+        ok = torch.ones(B, dtype=torch.bool, device=device)  # per row: its draft distribution was one
         greedy_rows = [b for b in range(B) if params[b].greedy]
         if greedy_rows:
             logq = logits[greedy_rows].float().log_softmax(-1)  # [G, F, V]
@@ -241,35 +247,42 @@ class ModelDrafter:
             parent_col[greedy_rows] = flat // W
             tokens[greedy_rows] = top_tok.view(len(greedy_rows), F * W).gather(1, flat)
             new_cum[greedy_rows] = best
+        qs = {}  # sampled row -> q [F, V] its new nodes were drawn from
+        for b in range(B):
+            if depths[b] < depth or params[b].greedy:
+                continue  # greedy: drawn above; or this row's tree stopped a depth ago (it sat the last forward out)
+            q = warp(logits[b], params[b])  # [F, V]
+            ok[b] = _is_distribution(q)
+            # a broken q (NaN logits, say) is swapped for a uniform one, so the draw cannot fail on the
+            # device; the row is dropped below, once the host sees `ok`
+            q = torch.where(ok[b], q, torch.full_like(q, 1.0 / V))
+            if depth == 1:
+                tokens[b] = torch.multinomial(q[0], W, replacement=True, generator=gens[b])
+            else:
+                tokens[b] = torch.multinomial(q, 1, generator=gens[b]).view(W)
+                parent_col[b] = torch.arange(W, device=device)
+            qs[b] = q
+        pcols, toks, oks = to_host(parent_col, tokens, ok)  # the one device-to-host transfer of this depth
         for b in range(B):
             if depths[b] < depth:
-                continue  # this row's tree stopped a depth ago (it sat the last forward out)
-            if not params[b].greedy:
-                q = warp(logits[b], params[b])  # [F, V]
-                if not _is_distribution(q):  # NaN logits, say: the row's tree stops (it costs speed, not the request)
-                    log.warning("the draft's distribution for row %d is not finite; its tree stops at depth %d",
-                                b, depth - 1)
-                    depths[b] = depth - 1
-                    continue
-                if depth == 1:
-                    drawn = torch.multinomial(q[0], W, replacement=True, generator=gens[b])
-                    parent_col[b] = 0
-                else:
-                    drawn = torch.multinomial(q, 1, generator=gens[b]).view(W)
-                    parent_col[b] = torch.arange(W)
-                tokens[b] = drawn
-                qs = [trees[b].add_proposal(q[f]) for f in range(F)]
-            pcols, toks = parent_col[b].tolist(), tokens[b].tolist()
+                continue
+            if not oks[b]:  # its tree stops here: it costs speed, not the request
+                log.warning("the draft's distribution for row %d is not finite; its tree stops at depth %d",
+                            b, depth - 1)
+                depths[b] = depth - 1
+                continue
+            pids = [trees[b].add_proposal(qs[b][f]) for f in range(F)] if b in qs else None
             frontier[b] = [
-                trees[b].add(frontier[b][pc], tok, -1 if params[b].greedy else qs[pc], from_model=True)
-                for pc, tok in zip(pcols, toks)
+                trees[b].add(frontier[b][pc], tok, -1 if pids is None else pids[pc], from_model=True)
+                for pc, tok in zip(pcols[b], toks[b])
             ]
         return parent_col, tokens, new_cum
 
 
-def _is_distribution(q: torch.Tensor) -> bool:
-    """q [F, V]: every row finite, non-negative, with some mass (what torch.multinomial needs)."""
-    return bool((torch.isfinite(q) & (q >= 0)).all() & (q.sum(-1) > 0).all())
+def _is_distribution(q: torch.Tensor) -> torch.Tensor:
+    """q [F, V] -> a bool on q's device: every row finite, non-negative, with some mass (what
+    torch.multinomial needs). A tensor, not a bool: the host does not wait for it."""
+    return (torch.isfinite(q) & (q >= 0)).all() & (q.sum(-1) > 0).all()
 
 
 def _cached_prefix(path: list[int], slot_of: dict[int, int]) -> list[int]:

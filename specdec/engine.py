@@ -111,7 +111,9 @@ class SpeculativeEngine:
         params = params if isinstance(params, list) else [params] * B
         streams = list(range(B)) if streams is None else streams
         self._check(prompts, max_new_tokens, params, streams)
-        gens = [make_generator(p.seed, s, self.target.device, role="draft") for p, s in zip(params, streams)]
+        draft_lm = self.drafter.draft_lm if self.drafter is not None else None
+        device = draft_lm.device if draft_lm is not None else self.target.device  # where the draft's draws run
+        gens = [make_generator(p.seed, s, device, role="draft") for p, s in zip(params, streams)]
         if self.planner.needs_costs:
             self.planner.calibrate(self.target, self.drafter.draft_lm, prompts[0])
 

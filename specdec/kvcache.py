@@ -8,6 +8,7 @@ needs. Slots past a row's length are never seen by it, so rolling back is just n
 import contextlib
 import contextvars
 import functools
+import itertools
 import sys
 from dataclasses import dataclass
 
@@ -16,6 +17,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .device import HOST
 
 
 @dataclass(frozen=True)
@@ -247,12 +250,14 @@ class CachedLM:
             logits = self._run(tokens, mask, positions, 1 if last else 0)
             logits = logits.reshape(-1, logits.shape[-1])  # [B * T', V]
             return logits if keep is None or last else logits[keep]
-        real = torch.arange(T).unsqueeze(0) < torch.tensor(sizes).unsqueeze(1)  # [B, T]
-        index = real.flatten().nonzero().squeeze(1)  # [N]
-        block = Ragged(index.to(self.device), B, T)
+        # [N] each real token's place in the block, row * T + slot: laid out on the host, from sizes alone
+        index = torch.tensor([b * T + j for b, n in enumerate(sizes) for j in range(n)], dtype=torch.long,
+                             device=self.device)
+        block = Ragged(index, B, T)
         keep_t = torch.tensor(keep, dtype=torch.long, device=self.device) if keep is not None else 0
+        packed = [t.to(self.device).flatten()[index].unsqueeze(0) for t in (tokens, positions)]  # [1, N] each
         with _running_ragged(block):
-            return self._run(tokens.flatten()[index].unsqueeze(0), mask, positions.flatten()[index].unsqueeze(0), keep_t)[0]
+            return self._run(*packed[:1], mask, *packed[1:], keep_t)[0]
 
     def _run(self, tokens, mask, positions, logits_to_keep) -> torch.Tensor:
         out = self.model(
@@ -349,18 +354,18 @@ class CachedLM:
         if T == 0:
             return None
         sizes = [len(c) for c in chunks]
-        tokens = torch.zeros(B, T, dtype=torch.long)
-        positions = torch.zeros(B, T, dtype=torch.long)
-        block = torch.eye(T, dtype=torch.bool).repeat(B, 1, 1)
+        tokens = torch.zeros(B, T, dtype=torch.long, device=HOST)
+        positions = torch.zeros(B, T, dtype=torch.long, device=HOST)
+        block = torch.eye(T, dtype=torch.bool, device=HOST).repeat(B, 1, 1)
         for b, (chunk, n) in enumerate(zip(chunks, sizes)):
             if n:
-                tokens[b, :n] = torch.tensor(chunk)
-                positions[b, :n] = torch.arange(self.lengths[b], self.lengths[b] + n)
-                block[b, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+                tokens[b, :n] = torch.tensor(chunk, device=HOST)
+                positions[b, :n] = torch.arange(self.lengths[b], self.lengths[b] + n, device=HOST)
+                block[b, :n, :n] = torch.ones(n, n, dtype=torch.bool, device=HOST).tril()
         start = self.size
-        ends = torch.tensor(sizes).cumsum(0) - 1  # [B] each row's last token among the packed ones
+        ends = [end - 1 for end in itertools.accumulate(sizes)]  # each row's last token among the packed ones
         full = [b for b, n in enumerate(sizes) if n]
-        last = self.forward(tokens, block, positions, sizes=sizes, keep=ends[full].tolist())  # [len(full), V]
+        last = self.forward(tokens, block, positions, sizes=sizes, keep=[ends[b] for b in full])  # [len(full), V]
         self.commit([list(range(start, start + n)) for n in sizes])
         logits = last.new_zeros(B, last.shape[-1])
         logits[full] = last

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .acceptance import Verdict, accept_greedy, accept_sampling
+from .device import to_host
 from .errors import InvalidArgument, RequestExists, RequestFailed, UnknownRequest
 from .kvcache import CachedLM
 from .logprobs import committed_logprobs
@@ -116,7 +117,7 @@ class TargetWorker:
         start = self.lm.size
         tokens, block, positions = layout(row_trees, self.lm.lengths)
         logits = self.lm.forward(tokens, block, positions, sizes=sizes)  # [N, V]: the trees' nodes, row after row
-        argmax = logits.argmax(-1).tolist()
+        (argmax,) = to_host(logits.argmax(-1))  # the forward's one wait for the device (greedy rows)
         keep, offset = [], 0
         for rid, tree, row_logits, size in zip(self.rows, row_trees, logits.split(sizes), sizes):
             row_argmax, offset = argmax[offset : offset + size], offset + size

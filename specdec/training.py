@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .device import HOST
 from tqdm import tqdm
 
 CHECKPOINT = "checkpoint.pt"
@@ -41,7 +43,7 @@ def sample_windows(tokens: torch.Tensor, batch_size: int, seq_len: int, generato
     """tokens [N] -> batch [batch_size, seq_len] of random contiguous windows."""
     if tokens.numel() <= seq_len:
         raise ValueError(f"the corpus has {tokens.numel()} tokens: it needs more than seq_len={seq_len}")
-    starts = torch.randint(0, tokens.numel() - seq_len, (batch_size,), generator=generator)
+    starts = torch.randint(0, tokens.numel() - seq_len, (batch_size,), generator=generator, device=HOST)
     return torch.stack([tokens[s : s + seq_len] for s in starts.tolist()])
 
 
@@ -64,7 +66,7 @@ def train(
     on_step: Callable[[int], None] | None = None,
 ) -> dict:
     """Train `model` in place; returns {"steps", "loss", "tokens", "seconds"}."""
-    gen = torch.Generator().manual_seed(cfg.seed)
+    gen = torch.Generator(device=HOST).manual_seed(cfg.seed)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],

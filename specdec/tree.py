@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .device import HOST
+
 DELTA = -1  # proposal id of a deterministic guess (n-gram): its proposal distribution is a point mass
 
 
@@ -89,7 +91,7 @@ class TokenTree:
 def ancestor_mask(parents: list[int]) -> torch.Tensor:
     """[N, N] bool: m[i, j] is True when node j is node i or one of its ancestors."""
     n = len(parents)
-    m = torch.zeros(n, n, dtype=torch.bool)
+    m = torch.zeros(n, n, dtype=torch.bool, device=HOST)
     for i, parent in enumerate(parents):
         if parent >= 0:
             m[i] = m[parent]
@@ -104,12 +106,12 @@ def layout(trees: list[TokenTree], lengths: list[int]) -> tuple[torch.Tensor, to
     Returns tokens [B, T], block_mask [B, T, T] (a node sees itself and its ancestors; padding sees
     only itself) and positions [B, T] (lengths[b] + depth)."""
     B, T = len(trees), max(len(t) for t in trees)
-    tokens = torch.zeros(B, T, dtype=torch.long)
-    positions = torch.tensor(lengths, dtype=torch.long).unsqueeze(1).repeat(1, T)
-    block = torch.eye(T, dtype=torch.bool).unsqueeze(0).repeat(B, 1, 1)
+    tokens = torch.zeros(B, T, dtype=torch.long, device=HOST)
+    positions = torch.tensor(lengths, dtype=torch.long, device=HOST).unsqueeze(1).repeat(1, T)
+    block = torch.eye(T, dtype=torch.bool, device=HOST).unsqueeze(0).repeat(B, 1, 1)
     for b, tree in enumerate(trees):
         n = len(tree)
-        tokens[b, :n] = torch.tensor(tree.tokens)
-        positions[b, :n] += torch.tensor(tree.depths)
+        tokens[b, :n] = torch.tensor(tree.tokens, device=HOST)
+        positions[b, :n] += torch.tensor(tree.depths, device=HOST)
         block[b, :n, :n] = ancestor_mask(tree.parents)
     return tokens, block, positions

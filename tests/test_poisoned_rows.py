@@ -16,6 +16,7 @@ from specdec.drafters import Plan, make_drafter
 from specdec.errors import InvalidArgument, RequestFailed
 from specdec.kvcache import CachedLM
 from specdec.sampling import MIN_TEMPERATURE, SamplingParams, make_generator, warp
+from specdec.target import TargetWorker
 from specdec.tree import TokenTree
 from test_grpc_trees import Collect, scheduler_for, wait_until_empty
 
@@ -77,7 +78,7 @@ def _poisoned_tree(kind: str, root: int) -> TokenTree:
 
 
 WORKER_REFUSES = {"oov_token": InvalidArgument, "negative_token": InvalidArgument, "oversized_tree": InvalidArgument,
-                  "past_context": InvalidArgument, "bad_root": InvalidArgument, "nan_proposal": RequestFailed}
+                  "past_context": InvalidArgument, "bad_root": InvalidArgument}
 
 
 def _run_honest(scheduler, draft, prompts, hostile=None) -> list[tuple]:
@@ -107,7 +108,7 @@ def clean_run(target, draft, reference):
     return _run_honest(scheduler_for(target), draft, reference.prompts[:4])
 
 
-@pytest.mark.parametrize("kind", [*WORKER_REFUSES, "negative_proposal", "tiny_temperature"])
+@pytest.mark.parametrize("kind", [*WORKER_REFUSES, "nan_proposal", "negative_proposal", "tiny_temperature"])
 def test_a_poisoned_row_ends_alone(target, draft, reference, clean_run, kind):
     """A hostile replica sends its poisoned tree into the forwards the honest requests share, again and
     again; it gets its typed error each time, and the honest requests' tokens are those of a clean run."""
@@ -137,7 +138,7 @@ def test_a_poisoned_row_ends_alone(target, draft, reference, clean_run, kind):
     if kind in WORKER_REFUSES:
         assert all(isinstance(o, WORKER_REFUSES[kind]) for o in outcomes), outcomes
         assert all("request" in str(o) for o in outcomes if isinstance(o, InvalidArgument))
-    else:  # a verdict for itself alone (the wire refuses negative proposals, actors/wire.py)
+    else:  # a verdict for itself alone (the wire refuses such proposals, actors/wire.py)
         assert not any(isinstance(o, Exception) for o in outcomes), outcomes
     wait_until_empty(scheduler)
 
@@ -204,3 +205,39 @@ def test_the_widest_tree_the_config_allows_fits_the_room_the_target_holds_it_to(
     drafter.start(1)
     tree = drafter.propose([prompt], [Plan(k, k)], [SAMPLED], [make_generator(1, 0)])[0]
     assert len(tree) - 1 > 64 and len(tree) - 1 <= room, (len(tree), room)
+
+
+def test_a_row_whose_logits_are_not_finite_fails_alone(target, reference):
+    """NaN logits for one sampled row (a numeric fault of its own): that request gets RequestFailed, the
+    greedy and sampled rows beside it get the verdicts they get without it."""
+    prompts = reference.prompts[:3]
+
+    def run(poison: bool) -> dict:
+        worker = TargetWorker(CachedLM(target))
+        worker.add([("a", prompts[0], GREEDY, 0), ("b", prompts[1], SAMPLED, 0), ("c", prompts[2], SAMPLED, 1)])
+        forward = worker.lm.forward
+
+        def nan_for_c(tokens, block, positions, *args, sizes=None, **kw):
+            out = forward(tokens, block, positions, *args, sizes=sizes, **kw)
+            row = worker.rows.index("c")
+            start = sum(sizes[:row])
+            out[start : start + sizes[row]] = math.nan
+            return out
+
+        if poison:
+            worker.lm.forward = nan_for_c
+        outcomes = {}
+        for _ in range(3):
+            step, _ = worker.verify({rid: TokenTree.root(worker.last_token(rid)) for rid in ("a", "b", "c")
+                                     if not isinstance(outcomes.get(rid), Exception)})
+            for rid, o in step.items():
+                outcomes.setdefault(rid, [])
+                if isinstance(o, Exception):
+                    outcomes[rid] = o
+                else:
+                    outcomes[rid].append(o.tokens)
+        return outcomes
+
+    clean, poisoned = run(False), run(True)
+    assert isinstance(poisoned["c"], RequestFailed) and not isinstance(clean["c"], Exception)
+    assert poisoned["a"] == clean["a"] and poisoned["b"] == clean["b"]
