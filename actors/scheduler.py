@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdec.acceptance import Verdict
-from specdec.adaptive import Costs, Load
+from specdec.adaptive import Costs, Load, clock
 from specdec.engine import Generation, emit, record_step
 from specdec.errors import InvalidArgument, RequestExists, ResourceExhausted, UnknownRequest
 from specdec.sampling import SamplingParams
@@ -112,6 +112,7 @@ class TargetScheduler:
         self.largest_batch = 0  # most rows in one forward
         self.forward_time_s = 0.0
         self.costs = Costs()  # the forward's seconds by the tokens in its batch, measured (the router's table)
+        self.device = worker.lm.device  # where the forwards run (rank 0's under tensor parallelism): the timers wait for it
         self._load = Load()  # tokens per forward run and committed, smoothed
         self.idle_rows_closed = 0
         # seconds the loop spent between forwards prefilling joining requests and dropping leaving ones:
@@ -261,11 +262,12 @@ class TargetScheduler:
                 leaving, self._leaving = self._leaving + self._idle(), []
                 joining = self._admit()
                 trees, self._trees = self._trees, {}
-            t0 = time.perf_counter()
+            stalled = bool(leaving or joining)
+            t0 = self._clock() if stalled else 0.0
             self._remove(leaving)
             self._add(joining)
-            if leaving or joining:
-                self.stall_time_s += time.perf_counter() - t0
+            if stalled:  # the prefill reads nothing back: on a GPU only the clock's synchronize waits for it
+                self.stall_time_s += self._clock() - t0
             self._step(trees)
 
     def _until_idle(self) -> float | None:
@@ -365,7 +367,7 @@ class TargetScheduler:
             for waiter in waiters:
                 waiter.finish({})
             return
-        t0 = time.perf_counter()
+        t0 = self._clock()
         try:
             outcomes, _ = self.worker.verify(batch, max_nodes=self.budget.tree_room)
         except Exception as e:  # noqa: BLE001 - the forward itself failed: handed to each waiting caller
@@ -374,7 +376,7 @@ class TargetScheduler:
             for rid in list(self._plain):
                 self._finish_plain(rid, error=e)
             return
-        now = time.perf_counter()
+        now = self._clock()  # verify's host read has waited for the device; the clock says so, not by chance
         elapsed = now - t0
         with self._cv:
             self.forwards += 1
@@ -393,6 +395,11 @@ class TargetScheduler:
                 self._advance_plain(rid, plain, batch[rid], outcome, elapsed)
             else:
                 self._finish_plain(rid, error=outcome)
+
+    def _clock(self) -> float:
+        """perf_counter once the target's device has done what it was given (specdec.adaptive.clock): the
+        stall and forward timers measure device time, not kernel launches."""
+        return clock(self.device)
 
     def _observe(self, seconds: float, rows: int, tokens: int, committed: int) -> None:
         self.costs.observe_verify(seconds, tokens)

@@ -48,11 +48,22 @@ class Costs:
 
     Verify cost is far from linear in n on small batches (on a CPU, 1 token runs as a matrix-vector
     product and 2-3 tokens can cost more than 8), so it is measured at several sizes, interpolated
-    between them, and each size's entry tracks what steps of that size actually take."""
+    between them, and each size's entry tracks what steps of that size actually take.
+
+    Warm-up: the first `warmup` observations of a size are left out of its entry. On a GPU the first
+    forward of a new shape pays kernel selection, compilation and allocation, 10-100x its steady cost;
+    taken whole, a size seen rarely would keep it for dozens of forwards (smoothing 0.2 leaves 0.8^n of
+    it), and the router, reading speculation's larger forwards as dear, would keep speculation off.
+    Until a size is warm the table interpolates it from its neighbours. Entries given at construction
+    (calibrate's, measured after a warm-up forward; the router's copy of the target's table) are warm.
+    Measuring the router's sizes at start instead cannot cover them: it consults every batch size up
+    to max_running_requests x (max_k + 1), in shapes (rows x tree length) the traffic decides."""
 
     draft: float = 0.0
-    verify_table: dict[int, float] = field(default_factory=dict)  # tokens -> seconds
+    verify_table: dict[int, float] = field(default_factory=dict)  # tokens -> seconds (warm sizes only)
     smoothing: float = 0.2
+    warmup: int = 1  # observations of a size left out before its entry starts
+    cold: dict[int, int] = field(default_factory=dict)  # sizes not yet warm -> observations left out so far
 
     @classmethod
     def linear(cls, draft: float, base: float, per_token: float, up_to: int = 64) -> "Costs":
@@ -65,6 +76,10 @@ class Costs:
             self.draft = per if not self.draft else self.draft + self.smoothing * (per - self.draft)
 
     def observe_verify(self, seconds: float, tokens: int) -> None:
+        if tokens not in self.verify_table and self.cold.get(tokens, 0) < self.warmup:
+            self.cold[tokens] = self.cold.get(tokens, 0) + 1  # a cold forward of this size: left out
+            return
+        self.cold.pop(tokens, None)
         old = self.verify_table.get(tokens)
         self.verify_table[tokens] = seconds if old is None else old + self.smoothing * (seconds - old)
 
@@ -227,10 +242,19 @@ class AdaptivePlanner:
         return row.alphas[source]
 
 
-def clock(device: torch.device) -> float:
-    """Wall time, after the device has finished what it was given."""
+def synchronize(device: torch.device | str) -> None:
+    """Wait until the device has finished what it was given. On CUDA kernels run asynchronously, so a
+    timer read right after a forward with no host read in it (a prefill, say) measures only its launch;
+    on the CPU work is done when the call returns, and this does nothing."""
+    device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def clock(device: torch.device | str) -> float:
+    """Wall time, after the device has finished what it was given: read it before and after the work
+    to time the work's device time (the first read keeps earlier queued work out of it)."""
+    synchronize(device)
     return time.perf_counter()
 
 

@@ -74,13 +74,51 @@ def test_costs_smoothing():
     assert c.draft == pytest.approx(0.1 + 0.2 * (0.2 - 0.1))
     c.observe_draft(5.0, 0)  # no forwards: ignored
     assert c.draft == pytest.approx(0.12)
-    c.observe_verify(1.0, 1)
-    c.observe_verify(2.0, 11)
+    for seconds, tokens in [(9.0, 1), (1.0, 1), (9.0, 11), (2.0, 11)]:  # each size's first forward: a warm-up
+        c.observe_verify(seconds, tokens)
     assert c.verify(6) == pytest.approx(1.5)  # interpolated between measured sizes
     assert c.verify(21) == pytest.approx(3.0)  # extended past them
     c.observe_verify(3.0, 11)  # a size's entry follows what steps of that size take
     assert c.verify(11) == pytest.approx(2.0 + 0.2 * (3.0 - 2.0))
     assert c.verify(1) == pytest.approx(1.0)
+
+
+def test_a_cold_first_forward_of_a_size_is_left_out_of_its_cost():
+    """On a GPU the first forward of a new size pays kernel selection and allocation (10-100x): the
+    table gives the warm cost, not one dragged up by it for dozens of forwards."""
+    c = Costs()
+    c.observe_verify(0.01, 1)  # size 1's warm-up
+    c.observe_verify(0.01, 1)
+    c.observe_verify(1.0, 40)  # a rare size, cold: 100x its steady cost
+    assert 40 not in c.verify_table and c.verify(40) == pytest.approx(0.01)  # not warm yet: from its neighbours
+    c.observe_verify(0.012, 40)
+    assert c.verify(40) == pytest.approx(0.012)  # its warm cost
+    c.observe_verify(0.014, 40)
+    assert c.verify(40) == pytest.approx(0.012 + 0.2 * (0.014 - 0.012))  # then smoothed as before
+    assert c.verify(20) == pytest.approx(0.01 + 0.002 * 19 / 39 + 0.2 * 0.002 * 19 / 39)
+    given = Costs(verify_table={1: 0.02})  # entries given (calibrated, or the router's copy) are warm
+    given.observe_verify(0.03, 1)
+    assert given.verify(1) == pytest.approx(0.02 + 0.2 * 0.01)
+    never = Costs(warmup=0)
+    never.observe_verify(0.5, 3)
+    assert never.verify(3) == 0.5
+
+
+def test_the_clock_waits_for_a_cuda_device_and_not_for_the_cpu(monkeypatch):
+    """CUDA kernels run asynchronously: a timer read after a forward with no host read (a prefill)
+    measures its launch unless the host waits. clock() synchronises a CUDA device, never the CPU."""
+    import torch
+
+    from specdec.adaptive import clock, synchronize
+
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    clock(torch.device("cpu"))
+    synchronize("cpu")
+    assert waited == []
+    t = clock(torch.device("cuda:1"))
+    synchronize("cuda")
+    assert waited == [torch.device("cuda:1"), torch.device("cuda")] and t > 0
 
 
 def model_chain(depth: int) -> TokenTree:

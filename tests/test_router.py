@@ -403,6 +403,59 @@ def test_the_scheduler_counts_the_loop_time_its_trees_waited_through(target):
         scheduler.stop()
 
 
+def test_the_scheduler_times_device_work_and_leaves_a_sizes_cold_first_forward_out(target, monkeypatch):
+    """On a GPU the loop's stall (a prefill: no host read) would be timed as its kernel launches and its
+    device time charged to the next forward: both timers synchronise the target's device. Here a fake
+    CUDA device: the prefill leaves 50 ms of "device work" queued that only torch.cuda.synchronize waits
+    through. And a size's first forward (cold on a GPU) stays out of the router's table."""
+    import time
+
+    import torch
+
+    from actors.scheduler import TargetScheduler
+    from specdec.kvcache import CachedLM
+    from specdec.sampling import SamplingParams
+    from specdec.target import TargetWorker
+    from specdec.tree import TokenTree
+
+    events, queued = [], [0.0]
+
+    def synchronize(device=None):
+        events.append(("sync", str(device)))
+        time.sleep(queued[0])  # the device finishes what it was given
+        queued[0] = 0.0
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    worker = TargetWorker(CachedLM(target))
+    add, verify = worker.add, worker.verify
+
+    def prefill(joining):
+        events.append("add")
+        add(joining)
+        queued[0] = 0.05  # launched, not done
+
+    def forward(*args, **kwargs):
+        events.append("verify")
+        return verify(*args, **kwargs)
+
+    worker.add, worker.verify = prefill, forward
+    scheduler = TargetScheduler(worker)
+    assert scheduler.device == torch.device("cpu")
+    scheduler.device = torch.device("cuda:0")  # the timers' device; the model stays on the CPU
+    try:
+        scheduler.open("a", [1, 2, 3], SamplingParams(), 0, 8)
+        root = 3
+        for _ in range(3):
+            root = scheduler.verify({"a": TokenTree.root(root)})["a"].tokens[-1]
+        stats = scheduler.stats()
+    finally:
+        scheduler.stop()
+    sync = ("sync", "cuda:0")
+    assert events[:6] == [sync, "add", sync, sync, "verify", sync]  # the stall's end waited for the prefill
+    assert stats["stall_time_s"] >= 0.05  # the prefill's device time, which no forward is charged with now
+    assert stats["forwards"] == 3 and list(stats["forward_costs"]) == [1]  # 3 forwards of 1 token, the first left out
+
+
 def test_task_types_beyond_max_task_types_fold_into_default():
     """600 distinct task types: the router tracks max_task_types names (default and the configured ones
     counted) and routes the rest as default, counting them; what it keeps and reports stays bounded."""
