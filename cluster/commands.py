@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+from typing import get_args
 
 import grpc
 
@@ -17,7 +18,7 @@ from protos import specdec_api_pb2_grpc as api_grpc
 from specdec import cli
 
 from .auth import API_KEY_ENV, api_channel
-from .config import OVERRIDES, ServerConfig, app_config
+from .config import OVERRIDES, Dtype, ServerConfig, app_config
 from .router import Speculation
 
 
@@ -72,6 +73,9 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
     sb.add_argument("--limit", type=int, help="use only the first N prompts of each task type")
     sb.add_argument("--target", metavar="DIR", help="the served target's model folder: measure transformers "
                     "generate() and generate_batch on it in this process, after the grid (default: no references)")
+    sb.add_argument("--dtype", choices=get_args(Dtype), default="float32",
+                    help="the server's target dtype (its models.target.dtype): the references run in it; a server "
+                         "in another dtype than float32 is held to its greedy agreement with off, not equality")
     sb.add_argument("--timeout", type=float, default=600, help="deadline per request in seconds (default 600)")
     sb.add_argument("--json", action="store_true", help='end with one JSON line {"rows": [...], "references": {...}}')
     sb.add_argument("--plot", metavar="PNG", help="write tokens/s against clients, one line per mode, "

@@ -7,7 +7,9 @@ soak kills a draft replica (Ray restarts it; its requests must finish on the tar
 rank (the ingress rebuilds the group in place). At the end it reports and checks:
 
   * every completed greedy request equals plain decoding (transformers generate() on the target, in this
-    process) token for token;
+    process, in the served dtype and on a GPU when there is one) token for token; a server in another dtype
+    than float32 rounds differently, so its greedy requests are held instead to their agreement with plain
+    decoding over the run (served_bench.AGREEMENT_FLOOR);
   * every failure carries a clear status: INVALID_ARGUMENT / 400 for bad requests only, UNAVAILABLE / 503
     only while the target group is down or being rebuilt, RESOURCE_EXHAUSTED / 429, the client's own
     CANCELLED or DEADLINE_EXCEEDED; never INTERNAL, UNKNOWN or 500, never a failure without a message;
@@ -48,6 +50,7 @@ from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
 
 from .placement import NAMESPACE
+from .served_bench import AGREEMENT_FLOOR, GreedyReferences, agreement, first_divergence
 
 SERVE_NAMESPACE = "serve"  # where Ray Serve names its controller, proxies and replicas
 UNAVAILABLE_GRACE_S = 5.0  # UNAVAILABLE is clear from a target kill until this long after /healthz is 200 again
@@ -364,7 +367,7 @@ class Sender:
 
     def __init__(self, endpoints: Endpoints, prompts: list[dict], server_max_new_tokens: int, max_n: int,
                  ctx: HostileContext = HostileContext(), link: "LinkSource | None" = None,
-                 references: list[list[int]] | None = None, burst: int = 40, task_type_prefix: str = "soak"):
+                 references: GreedyReferences | None = None, burst: int = 40, task_type_prefix: str = "soak"):
         self.endpoints, self.prompts = endpoints, prompts
         self.cap, self.max_n = server_max_new_tokens, max_n
         self.ctx, self.link = ctx, link
@@ -430,7 +433,7 @@ class Sender:
             else:
                 self._http(shot, one, _body(self._http_fields(shot), task_type=task_type))
             out.status, out.detail, out.tokens, out.finish_reason = one.status, one.detail, one.tokens, one.finish_reason
-            if one.status not in DONE or self.references and _judge_done(one, self.references) is not None:
+            if one.status not in DONE or self.references is not None and _judge_done(one, self.references) is not None:
                 out.detail = f"{out.detail} (task type {task_type})".strip()
                 return
 
@@ -781,7 +784,7 @@ CLEAR_IF_BAD = {"INVALID_ARGUMENT", "HTTP 400", "HTTP 422"}
 DONE = {"OK", "HTTP 200"}
 
 
-def judge(out: Outcome, references: list[list[int]], down: list[tuple[float, float]]) -> str | None:
+def judge(out: Outcome, references: GreedyReferences, down: list[tuple[float, float]]) -> str | None:
     """Why this outcome breaks a promise, or None if it keeps them all."""
     shot = out.shot
     if shot.fault == "hostile":
@@ -802,7 +805,7 @@ def judge(out: Outcome, references: list[list[int]], down: list[tuple[float, flo
     return f"{out.status}: {out.detail}"
 
 
-def _judge_hostile(out: Outcome, references: list[list[int]], down: list[tuple[float, float]]) -> str | None:
+def _judge_hostile(out: Outcome, references: GreedyReferences, down: list[tuple[float, float]]) -> str | None:
     """A hostile shot: refused with a clear 4xx-class status, or (where its kind may be accepted) completed as
     an ordinary request; overload and an outage of the target group are clear as for any request."""
     name, h = out.shot.hostile, HOSTILE[out.shot.hostile]
@@ -826,15 +829,25 @@ def _judge_hostile(out: Outcome, references: list[list[int]], down: list[tuple[f
     return f"{name}: {out.status}{': ' + out.detail if out.detail else ''}"
 
 
-def _judge_done(out: Outcome, references: list[list[int]]) -> str | None:
+def _judge_done(out: Outcome, references: GreedyReferences) -> str | None:
+    """A completed request: greedy output equal to plain decoding's where the server runs float32; else
+    (greedy in another dtype, or sampled) complete: max_new_tokens, or a stop. A server in another dtype
+    rounds differently from its reference, so its greedy outputs are held to their agreement, over the
+    run (build_report: AGREEMENT_FLOOR), not each to equality."""
     shot = out.shot
-    want = references[shot.prompt][:shot.max_new_tokens]
-    if shot.temperature == 0 and out.tokens != want:
-        first = next((i for i, (a, b) in enumerate(zip(out.tokens, want)) if a != b), min(len(out.tokens), len(want)))
-        return f"greedy output differs from plain decoding at token {first} (prompt {shot.prompt})"
-    if shot.temperature > 0 and not (len(out.tokens) == shot.max_new_tokens or out.finish_reason == "stop"):
-        return f"a sample ended after {len(out.tokens)} of {shot.max_new_tokens} tokens ({out.finish_reason})"
+    if shot.temperature == 0 and references.exact:
+        if (first := first_divergence(out.tokens, _want(out, references))) is not None:
+            return f"greedy output differs from plain decoding at token {first} (prompt {shot.prompt})"
+        return None
+    if not (len(out.tokens) == shot.max_new_tokens or out.finish_reason == "stop"):
+        kind = "a sample" if shot.temperature > 0 else f"greedy output ({references.dtype})"
+        return f"{kind} ended after {len(out.tokens)} of {shot.max_new_tokens} tokens ({out.finish_reason})"
     return None
+
+
+def _want(out: Outcome, references: GreedyReferences) -> list[int]:
+    """Plain decoding's tokens for this outcome's prompt, as many as it asked for."""
+    return references.outputs[out.shot.prompt][:out.shot.max_new_tokens]
 
 
 # --- faults, memory, the server's state ------------------------------------------------------------------
@@ -983,22 +996,26 @@ def drain(http: str, timeout_s: float) -> dict:
 # --- the run ----------------------------------------------------------------------------------------------
 
 
-def greedy_references(target_dir: str, prompts: list[dict], max_new_tokens: int) -> list[list[int]]:
+def greedy_references(target_dir: str, prompts: list[dict], max_new_tokens: int, dtype: str = "float32",
+                      device: str | None = None) -> GreedyReferences:
     """Plain decoding of every prompt: transformers generate(), greedy, on the target as it is served
-    (specdec.loading.load_served_model), encoded as the ingress encodes."""
+    (specdec.loading.load_served_model, in the served dtype), encoded as the ingress encodes; on `device`,
+    by default a GPU when this process has one (as the served target then does), else the CPU."""
     import torch
 
-    from specdec.loading import eos_ids, load_served_model, load_tokenizer
+    from specdec.loading import eos_ids, load_served_model, load_tokenizer, parse_dtype
 
-    from .served_bench import hf_greedy
+    from .served_bench import hf_greedy, reference_device
 
-    tokenizer, model = load_tokenizer(target_dir), load_served_model(target_dir)
+    device = device or reference_device()
+    tokenizer, model = load_tokenizer(target_dir), load_served_model(target_dir, parse_dtype(dtype), device)
     eos = sorted(eos_ids(model.generation_config, tokenizer))
     with torch.inference_mode():
-        return [hf_greedy(model, tokenizer(p["prompt"])["input_ids"], max_new_tokens, eos) for p in prompts]
+        outputs = [hf_greedy(model, tokenizer(p["prompt"])["input_ids"], max_new_tokens, eos) for p in prompts]
+    return GreedyReferences(outputs, dtype, str(model.device))
 
 
-def run_soak(endpoints: Endpoints, plan: SoakPlan, prompts: list[dict], references: list[list[int]],
+def run_soak(endpoints: Endpoints, plan: SoakPlan, prompts: list[dict], references: GreedyReferences,
              server_max_new_tokens: int, max_n: int, drain_timeout_s: float = 60.0, progress=None,
              ctx: HostileContext = HostileContext(), task_types_bound: int | None = None) -> dict:
     """Run the plan against a server that is up, from a process connected to its Ray cluster -> the report.
@@ -1063,7 +1080,7 @@ def run_soak(endpoints: Endpoints, plan: SoakPlan, prompts: list[dict], referenc
                         stats.report(task_types_bound) | {"task_types_sent": sender.task_types_sent})
 
 
-def build_report(plan: SoakPlan, outcomes: list[Outcome], references: list[list[int]], faults: list[dict],
+def build_report(plan: SoakPlan, outcomes: list[Outcome], references: GreedyReferences, faults: list[dict],
                  down: list, end: dict, memory: MemoryWatch, traffic_s: float, t0: float,
                  stats: dict | None = None) -> dict:
     verdicts = [(o, judge(o, references, [(s, e) for s, e in down])) for o in outcomes]
@@ -1080,6 +1097,10 @@ def build_report(plan: SoakPlan, outcomes: list[Outcome], references: list[list[
     problems += [f"fault not done: {f['fault']}: {f['skipped']}" for f in faults if "skipped" in f]
     if plan.kill_target_at is not None and not any("healthy_after_s" in f for f in faults):
         problems.append("the target rank was not killed, or the group did not come back")
+    agree = agreement([o.tokens for o in greedy_done], [_want(o, references) for o in greedy_done])
+    if not references.exact and agree is not None and agree < AGREEMENT_FLOOR:
+        problems.append(f"greedy output agrees with plain decoding ({references.dtype}) on {agree:.3f} of the "
+                        f"tokens before the first divergence, below {AGREEMENT_FLOOR}")
     stats = stats or {}
     if stats.get("task_types_bound") is not None and stats["max_task_types"] > stats["task_types_bound"]:
         problems.append(f"/v1/stats listed {stats['max_task_types']} task types, over the bound "
@@ -1091,7 +1112,9 @@ def build_report(plan: SoakPlan, outcomes: list[Outcome], references: list[list[
         "statuses": dict(Counter(o.status for o in outcomes).most_common()),
         "by_kind": {kind: dict(c.most_common()) for kind, c in sorted(by_kind.items())},
         "greedy_completed": len(greedy_done),
-        "greedy_equal_to_plain": sum(1 for o in greedy_done if _judge_done(o, references) is None),
+        "greedy_equal_to_plain": sum(1 for o in greedy_done if o.tokens == _want(o, references)),
+        "greedy_agreement": None if agree is None else round(agree, 3),
+        "reference": {"dtype": references.dtype, "device": references.device, "judged": references.judged},
         "hostile": {"requests": len(hostile), "broken": sum(1 for o, why in verdicts if why and o.shot.fault == "hostile"),
                     "kinds": len({o.shot.hostile for o in hostile})},
         "stats": stats,
@@ -1104,7 +1127,8 @@ def text_report(report: dict) -> str:
     lines = [f"specdec soak: {'PASSED' if report['passed'] else 'FAILED'}: {report['requests']} requests in "
              f"{report['traffic_s']} s, {report['plan']['clients']} clients",
              f"  greedy completed: {report['greedy_completed']}, equal to plain decoding: "
-             f"{report['greedy_equal_to_plain']}",
+             f"{report['greedy_equal_to_plain']}, agreement {report['greedy_agreement']} (reference "
+             f"{report['reference']['dtype']} on {report['reference']['device']}, judged {report['reference']['judged']})",
              "  statuses: " + ", ".join(f"{k} {v}" for k, v in report["statuses"].items())]
     lines += ["  by kind:"] + [f"    {kind:56s} " + ", ".join(f"{k} {v}" for k, v in c.items())
                                 for kind, c in report["by_kind"].items()]
@@ -1176,8 +1200,10 @@ def soak_main(args) -> None:
     prompts = load_prompts(args.prompts) if args.prompts else DEFAULT_PROMPTS
     app_args = {"config": args.config, "grpc_port": free_port(), "http_port": free_port()}
     cfg = app_config(app_args, default_models)
-    print(f"soak: plain decoding of {len(prompts)} prompts ({plan.max_new_tokens} tokens) as the reference", flush=True)
-    references = greedy_references(cfg.models.target.path, prompts, plan.max_new_tokens)
+    dtype = cfg.models.target.dtype
+    print(f"soak: plain decoding of {len(prompts)} prompts ({plan.max_new_tokens} tokens, {dtype}) as the reference",
+          flush=True)
+    references = greedy_references(cfg.models.target.path, prompts, plan.max_new_tokens, dtype)
     endpoints = serve_locally(app_args)
     print(f"soak: serving {cfg.models.target.path} on {endpoints.grpc} and {endpoints.http}; "
           f"{plan.clients} clients for {plan.seconds:.0f} s", flush=True)

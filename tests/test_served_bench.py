@@ -20,6 +20,7 @@ from protos import specdec_api_pb2_grpc as api_grpc
 from specdec.loading import load_model, load_tokenizer
 
 NEW_TOKENS = 6
+HERE = "cuda:0" if torch.cuda.is_available() else "cpu"  # where the references run: the served device when there is one
 PROMPTS = [{"prompt": "w5 w17 w3 w9", "task_type": "code"},
            {"prompt": "w1 w2 w3 w1 w2 w3 w1", "task_type": "code"},
            {"prompt": "w40 w8", "task_type": "prose"}]
@@ -27,10 +28,11 @@ PROMPTS = [{"prompt": "w5 w17 w3 w9", "task_type": "code"},
 
 class FakeSpecDecode(api_grpc.SpecDecodeServicer):
     """Streams each prompt's known greedy continuation: one token per chunk with speculation off,
-    three per chunk otherwise; `wrong_in` names a mode whose last token it changes."""
+    three per chunk otherwise; `wrong_in` names a mode whose tokens from `wrong_from` on it changes
+    (by default the last)."""
 
-    def __init__(self, outputs: dict[str, list[int]], wrong_in: str | None = None):
-        self.outputs, self.wrong_in = outputs, wrong_in
+    def __init__(self, outputs: dict[str, list[int]], wrong_in: str | None = None, wrong_from: int = -1):
+        self.outputs, self.wrong_in, self.wrong_from = outputs, wrong_in, wrong_from
         self.forwards = 0
         self.lock = threading.Lock()
         self.authorizations = []  # each call's authorization metadata
@@ -40,7 +42,8 @@ class FakeSpecDecode(api_grpc.SpecDecodeServicer):
         tokens = list(self.outputs[request.prompt][:request.max_new_tokens])
         mode = api.Speculation.Name(request.speculation)
         if mode == self.wrong_in:
-            tokens[-1] = (tokens[-1] + 1) % 64
+            at = self.wrong_from % len(tokens)
+            tokens[at:] = [(t + 1) % 64 for t in tokens[at:]]
         size = 1 if mode == "SPECULATION_OFF" else 3
         chunks = [tokens[i:i + size] for i in range(0, len(tokens), size)]
         for n, chunk in enumerate(chunks):
@@ -125,6 +128,7 @@ def test_grid_rows_references_and_plot(bench_setup, capsys, tmp_path):
         assert r["tokens_per_s"] > 0 and r["wall_s"] > 0
         assert 0 < r["tpot_p50_ms"] <= r["tpot_p95_ms"] and r["ttft_p50_ms"] > 0
         assert r["speedup"] > 0 and (r["speedup"] == 1.0 if r["mode"] == "off" else r["identical_to_off"] is True)
+        assert r["agreement_with_off"] == (None if r["mode"] == "off" else 1.0)
         assert r["target_forward_ms"] == pytest.approx(2.0)  # reported by the fake /v1/stats
         assert r["step_round_trip_ms"] is None and r["draft_ms"] is None  # keys the server does not report
     on = next(r for r in rows if r["mode"] == "on")
@@ -137,7 +141,8 @@ def test_grid_rows_references_and_plot(bench_setup, capsys, tmp_path):
         assert "skipped" not in ref, f"{name}: {ref}"
         assert ref["tokens"] == len(PROMPTS) * NEW_TOKENS and ref["tokens_per_s"] > 0
         assert ref["identical_to_off"] == f"{len(PROMPTS)}/{len(PROMPTS)}"  # the server's tokens are transformers'
-        assert ref["torch_threads"] == torch.get_num_threads() and ref["device"] == "cpu"
+        assert ref["torch_threads"] == torch.get_num_threads() and ref["device"] == HERE and ref["dtype"] == "float32"
+        assert ref["agreement_with_off"] == 1.0
     assert "reference generate_batch:" in out and "torch threads=" in out
     assert png.read_bytes()[:4] == b"\x89PNG"
 
@@ -154,6 +159,36 @@ def test_a_mode_that_changes_the_output_stops_the_run(bench_setup, capsys):
     cells = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [(r["clients"], r["mode"]) for r in cells] == [(1, "off")]
     assert cells[0]["target_forward_ms"] is None  # --http '': no server timing
+
+
+def test_a_bfloat16_server_is_held_to_its_agreement_with_off(bench_setup, capsys):
+    """--dtype bfloat16: a mode whose greedy output diverges near the end (a near-tie that bf16 rounds the
+    other way in a K-token verify) is reported by its agreement with off, not stopped; the references run in
+    bfloat16. A mode that agrees on less than AGREEMENT_FLOOR stops the run; float32 stays exact."""
+    target, prompts, outputs = bench_setup
+    served = Served(FakeSpecDecode(outputs, wrong_in="SPECULATION_ON"))  # the last of 6 tokens differs
+    try:
+        main(argv(served, prompts, "--dtype", "bfloat16", "--target", target, "--json"))
+    finally:
+        served.close()
+    out = capsys.readouterr().out
+    final = json.loads(out.splitlines()[-1])
+    on = [r for r in final["rows"] if r["mode"] == "on"]
+    assert on and all(r["identical_to_off"] is False and r["agreement_with_off"] == round(5 / 6, 3) for r in on)
+    assert all(r["identical_to_off"] is True and r["agreement_with_off"] == 1.0
+               for r in final["rows"] if r["mode"] == "auto")
+    assert "bfloat16 server: every mode agrees with off on at least 0.833" in out
+    ref = final["references"]["generate"]
+    assert ref["dtype"] == "bfloat16" and ref["device"] == HERE and 0 <= ref["agreement_with_off"] <= 1
+
+    served = Served(FakeSpecDecode(outputs, wrong_in="SPECULATION_ON", wrong_from=1))  # 1 of 6 before diverging
+    try:
+        with pytest.raises(SystemExit) as e:
+            main(argv(served, prompts, "--http", "", "--dtype", "bfloat16"))
+    finally:
+        served.close()
+    assert "mode on at 1 clients agrees with off's greedy output on 0.167" in str(e.value)
+    assert "below 0.5 for a bfloat16 server (first: prompt 0 at token 1)" in str(e.value)
 
 
 def test_the_api_key_goes_with_every_call(bench_setup, capsys):
@@ -173,6 +208,15 @@ def test_bad_client_count_is_a_one_line_error(bench_setup):
     with pytest.raises(SystemExit) as e:
         main(["bench-served", "--prompts", prompts, "--clients", "0"])
     assert "--clients must be >= 1" in str(e.value)
+
+
+def test_references_run_on_a_gpu_when_this_process_has_one(monkeypatch):
+    from cluster.served_bench import reference_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert reference_device() == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert reference_device() == "cpu"
 
 
 def test_percentile():
