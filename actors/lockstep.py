@@ -9,7 +9,9 @@ rank reaches the same verdicts and keeps the same cache rows."""
 
 import dataclasses
 import logging
+import os
 import random
+import sys
 
 import torch.distributed as dist
 
@@ -48,10 +50,17 @@ class LockstepWorker:
 
 
 def follow(worker: TargetWorker, group: dist.ProcessGroup) -> None:
-    """A rank > 0: make every call rank 0 broadcasts, until it broadcasts None."""
+    """A rank > 0: make every call rank 0 broadcasts, until it broadcasts None. A refusal (KeyError,
+    ValueError: the core's typed errors) is rank 0's too, which reported it; anything else (a CUDA OOM)
+    leaves this rank's shard out of step with rank 0, and a failed broadcast means rank 0 is gone: either
+    ends the process (die), so that the group is rebuilt now, not when rank 0's next collective times out."""
     while True:
         box = [None]
-        dist.broadcast_object_list(box, src=0, group=group)
+        try:
+            dist.broadcast_object_list(box, src=0, group=group)
+        except Exception:  # noqa: BLE001 - rank 0 (or the group) is gone: nothing left to follow
+            log.error("target rank %s lost rank 0's broadcast; ending its process", _rank(), exc_info=True)
+            die()
         if box[0] is None:
             return
         name, args = box[0]
@@ -59,6 +68,26 @@ def follow(worker: TargetWorker, group: dist.ProcessGroup) -> None:
             getattr(worker, name)(*args)
         except (KeyError, ValueError) as e:  # rank 0 raised the same (it checks the same way) and reported it
             log.debug("mirrored %s refused: %s", name, e)
+        except Exception:  # noqa: BLE001 - out of step with rank 0: the group must be rebuilt
+            log.critical("target rank %s failed the mirrored %s and cannot stay in lockstep with rank 0; ending "
+                         "its process so that the group is rebuilt", _rank(), name, exc_info=True)
+            die()
+
+
+def die() -> None:
+    """End this actor's process at once, from any thread: Ray sees the actor die, so TargetRank.watch fails
+    on the ingress's TargetSupervisor, which rebuilds the group at once rather than after rank 0's next
+    collective waits out NCCL's watchdog (on gloo that collective fails too, its peer gone).
+    ray.actor.exit_actor() would not do: it ends the actor task it is called in, and follow() runs on a
+    thread of its own."""
+    for handler in logging.getLogger().handlers:  # the CRITICAL line reaches the actor's log before the exit
+        handler.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def _rank() -> int | str:
+    return dist.get_rank() if dist.is_initialized() else "?"
 
 
 def _with_seed(params):
