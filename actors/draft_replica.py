@@ -27,13 +27,16 @@ class DraftReplica:
     """Async: a request is a stream fed by its draft model's loop, not a thread."""
 
     def __init__(self, drafts: dict[str, tuple[str, str]], target_address: str, drafter: str = "model+ngram",
-                 width: int = 1, overlap: bool = True, *, security: LinkSecurity | SharedSecurity):
+                 width: int = 1, overlap: bool = True, *, security: LinkSecurity | SharedSecurity,
+                 logical_gpus: bool = False):
         """drafts: task type -> (model folder, dtype); the "" entry drafts for every other task type.
         overlap: draft each step while the target verifies the one before (actors.draft_loop).
         security: the topology's secret (sent on every call to the target) and TLS files, if any; through
-        Ray's object store (SharedSecurity), so that it is not among the actor's creation arguments."""
+        Ray's object store (SharedSecurity), so that it is not among the actor's creation arguments.
+        logical_gpus: placement.logical_gpus (as TargetRank: a GPU from Ray without CUDA here stops it)."""
         use_assigned_cpus()
-        self.models = {task: load_served_model(path, parse_dtype(dtype), device_for_actor())
+        device = device_for_actor(logical_gpus)  # before anything loads: a wrong image fails here
+        self.models = {task: load_served_model(path, parse_dtype(dtype), device)
                        for task, (path, dtype) in drafts.items()}
         self.drafter, self.width, self.overlap = drafter, width, overlap
         make_drafter(drafter, CachedLM(self.models[""]) if "" in self.models else None, width)  # fail at start

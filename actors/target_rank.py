@@ -26,9 +26,36 @@ from .streams import StepStream
 from .target_service import TargetService
 
 
-def device_for_actor() -> str:
-    """The actor's GPU when Ray gave it one and CUDA is there; else the CPU (logical GPUs in tests)."""
-    return "cuda:0" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
+class NoCudaError(RuntimeError):
+    """Ray gave this actor a GPU but torch sees no CUDA (a CPU build of torch in a GPU image, no driver)."""
+
+
+def device_for_actor(logical_gpus: bool) -> str:
+    """Where the actor's model runs: the GPU Ray gave it; the CPU when Ray gave it none or its GPUs are
+    logical slots (placement.logical_gpus). A GPU from Ray without CUDA here is refused (NoCudaError), so
+    that a wrong image fails at start instead of serving from its CPU."""
+    gpu_ids = ray.get_gpu_ids()
+    if logical_gpus or not gpu_ids:
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise NoCudaError(no_cuda_message(gpu_ids))
+    return "cuda:0"  # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPUs
+
+
+def torch_build() -> str:
+    """e.g. "torch 2.5.1+cpu (CPU-only build)", "torch 2.5.1+cu124 (CUDA 12.4 build)"."""
+    cuda = torch.version.cuda
+    return f"torch {torch.__version__} ({f'CUDA {cuda} build' if cuda else 'CPU-only build'})"
+
+
+def no_cuda_message(gpu_ids: list) -> str:
+    why = ("this torch has no CUDA" if not torch.version.cuda
+           else "this torch finds no CUDA device (no driver, or the GPU is not visible in this container)")
+    return (f"Ray assigned this actor GPU {', '.join(map(str, gpu_ids))} but {why}: {torch_build()}. "
+            f"It will not serve from the CPU in place of its GPU. Either install a CUDA build of torch in the "
+            f"image (k8s/Dockerfile pins one for the GPU image) and run it where the GPU is visible, or, if "
+            f"Ray's GPUs here are logical slots and the models are meant to run on the CPU, set "
+            f"placement.logical_gpus: true in the config.")
 
 
 def use_assigned_cpus() -> None:
@@ -46,15 +73,18 @@ class TargetRank:
 
     def __init__(self, model_path: str, dtype: str = "float32", rank: int = 0, world_size: int = 1,
                  dist_address: str | None = None, budget: KvBudget = KvBudget(), idle_timeout_s: float = 30.0,
-                 *, security: LinkSecurity | SharedSecurity):
+                 *, security: LinkSecurity | SharedSecurity, logical_gpus: bool = False):
+        """logical_gpus: placement.logical_gpus (the models on the CPU whatever GPUs Ray gave; without it a
+        GPU from Ray and no CUDA here stops the rank: device_for_actor)."""
         use_assigned_cpus()
+        device = device_for_actor(logical_gpus)  # before anything loads: a wrong image fails here
         self.rank, self.scheduler = rank, None
         self.streams: dict[str, StepStream] = {}
         if world_size == 1:
-            worker = TargetWorker(CachedLM(load_served_model(model_path, parse_dtype(dtype), device_for_actor())))
+            worker = TargetWorker(CachedLM(load_served_model(model_path, parse_dtype(dtype), device)))
             self.weights_held = _local_numel(worker.lm.model)
         else:
-            group = _join_tensor_parallel_group(rank, world_size, dist_address)
+            group = _join_tensor_parallel_group(rank, world_size, dist_address, device)
             worker = TargetWorker(CachedLM(load_sharded_model(model_path, parse_dtype(dtype))))
             self.weights_held = _local_numel(worker.lm.model)
             if rank > 0:
@@ -123,9 +153,9 @@ def free_address() -> str:
         return f"{ray.util.get_node_ip_address()}:{s.getsockname()[1]}"
 
 
-def _join_tensor_parallel_group(rank: int, world_size: int, address: str) -> dist.ProcessGroup:
+def _join_tensor_parallel_group(rank: int, world_size: int, address: str, device: str) -> dist.ProcessGroup:
     """Join the target's torch.distributed group (nccl on GPUs, gloo on CPU); -> a gloo group for control."""
-    cuda = device_for_actor().startswith("cuda")
+    cuda = device.startswith("cuda")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")  # Ray shows each rank one GPU
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{address}", rank=rank,
                             world_size=world_size)

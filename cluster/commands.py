@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from typing import get_args
 
 import grpc
@@ -18,7 +19,7 @@ from protos import specdec_api_pb2_grpc as api_grpc
 from specdec import cli
 
 from .auth import API_KEY_ENV, api_channel
-from .config import OVERRIDES, Dtype, ServerConfig, app_config
+from .config import OVERRIDES, Dtype, ServeConfig, ServerConfig, app_config
 from .router import Speculation
 
 
@@ -34,6 +35,9 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--http-port", type=int, help="overrides server.http_port")
     s.add_argument("--num-gpus", type=float, help="GPUs a local cluster declares (logical on a CPU machine; "
                                                    "default: the CUDA GPUs, else as many as the actors need)")
+    s.add_argument("--logical-gpus", action="store_true", default=None,
+                   help="sets placement.logical_gpus: Ray's GPUs are logical slots and the models run on the CPU "
+                        "(a local cluster on a machine without CUDA sets it by itself)")
 
     c = sub.add_parser("client", help="call a running server's gRPC API")
     c.add_argument("--address", default="localhost:9000", help="host:port of specdec.v1.SpecDecode")
@@ -148,6 +152,24 @@ def serving_environment(server: ServerConfig, environ=os.environ) -> None:
     environ.setdefault(GRPC_MESSAGE_SIZE_ENV, str(server.max_request_bytes))
 
 
+def local_cluster(app_args: dict, default_models: Callable[[], dict[str, str]],
+                  num_gpus: float | None = None) -> tuple[ServeConfig, float, str | None]:
+    """For a local Ray cluster this process is about to start (ray.init without an address): the config to
+    serve, the GPUs the cluster declares (num_gpus if given, else this machine's CUDA GPUs, else as many as
+    the actors ask for) and, when there is no CUDA here, a line saying those GPUs are logical: then
+    app_args["logical_gpus"] is set (placement.logical_gpus: the models on the CPU), so that build_app(app_args)
+    serves the same config; without it the actors would refuse a GPU they cannot see."""
+    cfg = app_config(app_args, default_models)
+    place, cuda = cfg.placement, _local_gpus()
+    gpus = num_gpus if num_gpus is not None else cuda or (place.tensor_parallel_size + place.draft_replicas) * place.gpus_per_actor
+    if cuda or not gpus or place.logical_gpus:
+        return cfg, gpus, None
+    app_args["logical_gpus"] = True
+    note = (f"no CUDA on this machine: the local Ray cluster's {gpus:g} GPUs are logical and the models run on "
+            f"the CPU (placement.logical_gpus: true)")
+    return app_config(app_args, default_models), gpus, note
+
+
 def serve_main(args) -> None:
     import ray
     from ray import serve
@@ -160,9 +182,10 @@ def serve_main(args) -> None:
         ray.init(address=args.address)
     else:
         serving_environment(cfg.server)
+        cfg, gpus, logical = local_cluster(app_args, default_models, args.num_gpus)
+        if logical:
+            print(f"specdec serve: {logical}", flush=True)
         place = cfg.placement
-        actors = place.tensor_parallel_size + place.draft_replicas
-        gpus = args.num_gpus if args.num_gpus is not None else _local_gpus() or actors * place.gpus_per_actor
         cpus = place.tensor_parallel_size * place.cpus_per_target_rank + place.draft_replicas * place.cpus_per_draft_replica
         ray.init(num_cpus=max(os.cpu_count() or 1, cpus + 1), num_gpus=gpus)  # logical CPUs: threads may share cores
     server = cfg.server

@@ -71,6 +71,20 @@ class PlacementConfig(_Section):
     gpus_per_actor: float = Field(1.0, gt=0)
     cpus_per_target_rank: int = Field(1, ge=1)  # CPU threads of each target rank (its torch intra-op threads)
     cpus_per_draft_replica: int = Field(1, ge=1)
+    # Ray's GPUs are logical slots and the models run on the CPU (the CPU profile, `specdec serve` on a
+    # machine without CUDA, the tests). False (a GPU cluster): an actor given a GPU by Ray that sees no
+    # CUDA refuses to start (actors/target_rank.py, device_for_actor), instead of serving from its CPU.
+    logical_gpus: bool = False
+
+    @model_validator(mode="after")
+    def _one_gpu_per_rank(self) -> "PlacementConfig":
+        if self.tensor_parallel_size > 1 and self.gpus_per_actor < 1 and not self.logical_gpus:
+            raise ValueError(
+                f"gpus_per_actor {self.gpus_per_actor} < 1 with tensor_parallel_size {self.tensor_parallel_size}: "
+                f"Ray may then place two target ranks on one GPU, and NCCL refuses a group with two ranks on "
+                f"one device; give each rank a whole GPU (gpus_per_actor >= 1), or run the target on one rank "
+                f"(tensor_parallel_size 1), or, with no real GPUs (the models on the CPU), set logical_gpus: true")
+        return self
 
 
 class SpeculationConfig(_Section):
@@ -319,6 +333,7 @@ OVERRIDES = {
     "target": ("models", "target"), "draft": ("models", "draft"),
     "tensor_parallel_size": ("placement", "tensor_parallel_size"), "draft_replicas": ("placement", "draft_replicas"),
     "grpc_port": ("server", "grpc_port"), "http_port": ("server", "http_port"),
+    "logical_gpus": ("placement", "logical_gpus"),
 }
 
 

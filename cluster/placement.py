@@ -90,7 +90,7 @@ def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
                                  max_restarts=-1, scheduling_strategy=_on(groups[1], i),
                                  name=f"draft-{i}-{topo.tag}", namespace=NAMESPACE)
             .remote(models.drafts(), topo.target_address, spec.drafter, spec.tree_width, spec.overlap,
-                    security=topo.shared)
+                    security=topo.shared, logical_gpus=place.logical_gpus)
             for i in range(n_drafts)]
         ray.get([d.ready.remote() for d in topo.drafts], timeout=timeout_s)
     except Exception:
@@ -111,7 +111,7 @@ def start_target_ranks(cfg: ServeConfig, pg: PlacementGroup, tag: str, security:
                                 max_concurrency=ACTOR_CONCURRENCY, scheduling_strategy=_on(pg, r),
                                 name=f"target-{r}-{tag}", namespace=NAMESPACE)
              .remote(cfg.models.target.path, cfg.models.target.dtype, r, tp, rendezvous, kv_budget(cfg),
-                     server.idle_row_timeout_s, security=security)
+                     server.idle_row_timeout_s, security=security, logical_gpus=place.logical_gpus)
              for r in range(tp)]
     try:
         ray.get([rank.ready.remote() for rank in ranks], timeout=timeout_s)

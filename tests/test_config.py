@@ -43,6 +43,7 @@ def test_defaults():
     p = config.placement
     assert (p.tensor_parallel_size, p.draft_replicas, p.gpus_per_actor) == (1, 1, 1.0)
     assert (p.cpus_per_target_rank, p.cpus_per_draft_replica) == (1, 1)
+    assert p.logical_gpus is False  # a GPU from Ray means a CUDA device (actors refuse to start without one)
     assert config.speculation.drafter == "model+ngram" and config.speculation.num_speculative_tokens == "auto"
     assert (config.speculation.tree_width, config.speculation.max_depth) == (1, 8)
     t = config.routing.default
@@ -75,7 +76,7 @@ def test_defaults():
             with_section("placement", {"zzz": 1}),
             "ops.yaml: placement.zzz: extra key not allowed"
             " (allowed: tensor_parallel_size, draft_replicas, gpus_per_actor, cpus_per_target_rank,"
-            " cpus_per_draft_replica)",
+            " cpus_per_draft_replica, logical_gpus)",
         ),
         (
             with_section("routing", {"task_types": {"code": {"on_alpha": 0.5, "off_alpha": 0.6}}}),
@@ -212,6 +213,28 @@ def test_live_config_refuses_whole_naming_the_key(data, expected):
     assert expected in str(info.value).splitlines()
 
 
+def test_default_yaml_says_its_gpus_are_logical():
+    """configs/default.yaml runs the small CPU models: Ray's GPUs there are logical slots."""
+    assert load_config(DEFAULT_YAML).placement.logical_gpus is True
+
+
+def test_fractional_gpus_with_tensor_parallelism_are_refused():
+    """Ray may pack two ranks of a tensor-parallel target on one GPU given fractional GPUs; NCCL refuses that."""
+    message = config_error(with_section("placement", {"tensor_parallel_size": 2, "gpus_per_actor": 0.5}))
+    assert message.startswith("ops.yaml: placement: gpus_per_actor 0.5 < 1 with tensor_parallel_size 2")
+    assert "two target ranks on one GPU" in message and "NCCL" in message and "logical_gpus: true" in message
+
+
+@pytest.mark.parametrize("placement", [
+    {"tensor_parallel_size": 1, "gpus_per_actor": 0.5},  # one rank: no group to refuse it
+    {"tensor_parallel_size": 2, "gpus_per_actor": 1.0},
+    {"tensor_parallel_size": 2, "gpus_per_actor": 2.0},
+    {"tensor_parallel_size": 2, "gpus_per_actor": 0.5, "logical_gpus": True},  # on the CPU: gloo, no NCCL
+])
+def test_whole_gpus_per_rank_or_logical_ones_are_allowed(placement):
+    assert parse_config(with_section("placement", placement)).placement.gpus_per_actor == placement["gpus_per_actor"]
+
+
 # --- what `specdec serve` and build_app run ---
 
 
@@ -244,6 +267,9 @@ def test_serve_flags_override_the_file_and_are_checked_again(tmp_path):
     assert out.placement.tensor_parallel_size == base.placement.tensor_parallel_size  # None: not given
     with pytest.raises(ConfigError, match="server.http_port: must differ from grpc_port"):
         app_config({"config": str(path), "grpc_port": 8000}, never_called)
+    assert base.placement.logical_gpus is False
+    assert app_config({"config": str(path), "logical_gpus": True}, never_called).placement.logical_gpus is True
+    assert app_config({"config": str(path), "logical_gpus": None}, never_called).placement.logical_gpus is False
 
 
 # --- bounds (issue 22): the speculation's shape, task type names and count, request size --------------

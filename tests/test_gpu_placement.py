@@ -1,5 +1,6 @@
-"""The GPU path's placement defects, checked without a GPU: a tensor-parallel follower that fails a
-mirrored call ends its process instead of leaving rank 0 to hang."""
+"""The GPU path's placement defects, checked without a GPU: an actor that Ray gives a GPU but that sees no
+CUDA refuses to start (unless placement.logical_gpus says the GPUs are logical), and a tensor-parallel
+follower that fails a mirrored call ends its process instead of leaving rank 0 to hang."""
 
 import os
 import subprocess
@@ -7,11 +8,58 @@ import sys
 import textwrap
 
 import pytest
+import ray
+import torch
 
 from actors import lockstep
+from actors.target_rank import NoCudaError, device_for_actor
 from conftest import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# --- a GPU from Ray and no CUDA: refused, naming the build and both remedies ---------------------------------
+
+
+@pytest.fixture
+def ray_gave_gpu(monkeypatch):
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [3])
+
+
+def test_a_gpu_without_cuda_refuses_to_start(ray_gave_gpu, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(NoCudaError) as info:
+        device_for_actor(logical_gpus=False)
+    message = str(info.value)
+    assert "GPU 3" in message and f"torch {torch.__version__} (CPU-only build)" in message
+    assert "install a CUDA build of torch in the image" in message
+    assert "placement.logical_gpus: true" in message
+
+
+def test_a_cuda_build_that_finds_no_device_says_so(ray_gave_gpu, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    with pytest.raises(NoCudaError, match=r"finds no CUDA device .*\(CUDA 12\.4 build\)"):
+        device_for_actor(logical_gpus=False)
+
+
+def test_logical_gpus_run_on_the_cpu(ray_gave_gpu, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device_for_actor(logical_gpus=True) == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # logical slots even where CUDA is
+    assert device_for_actor(logical_gpus=True) == "cpu"
+
+
+def test_a_gpu_with_cuda_is_used(ray_gave_gpu, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert device_for_actor(logical_gpus=False) == "cuda:0"
+
+
+def test_no_gpu_from_ray_is_the_cpu(monkeypatch):
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device_for_actor(logical_gpus=False) == "cpu"
 
 
 # --- a tensor-parallel follower: a refusal is logged, anything else ends the process -------------------------
@@ -141,3 +189,41 @@ def test_a_follower_refusing_a_call_keeps_following():
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+# --- `specdec serve`'s local cluster: logical GPUs where there is no CUDA, and it says so --------------------
+
+
+def never_called() -> dict:
+    raise AssertionError("the default pair was built although models were given")
+
+
+@pytest.mark.parametrize("cuda, num_gpus, gpus, logical", [
+    (0, None, 2, True),  # no CUDA: as many logical GPUs as the 2 actors ask for, the models on the CPU
+    (0, 5.0, 5, True),
+    (4, None, 4, False),  # CUDA: this machine's GPUs, real
+])
+def test_a_local_cluster_without_cuda_declares_logical_gpus(monkeypatch, cuda, num_gpus, gpus, logical):
+    from cluster import commands
+
+    monkeypatch.setattr(commands, "_local_gpus", lambda: cuda)
+    app_args = {"target": "t", "draft": "d"}
+    cfg, declared, note = commands.local_cluster(app_args, never_called, num_gpus)
+    assert declared == gpus and cfg.placement.logical_gpus is logical
+    assert app_args.get("logical_gpus") is (True if logical else None)  # what build_app(app_args) serves
+    assert (note is not None) is logical
+    if logical:
+        assert f"local Ray cluster's {gpus} GPUs are logical" in note and "placement.logical_gpus: true" in note
+
+
+def test_serve_takes_every_override_as_a_flag():
+    """serve_main reads each of OVERRIDES from its arguments: --logical-gpus among them, None unless given."""
+    from cluster.commands import add_serving_commands
+    from cluster.config import OVERRIDES
+    from specdec import cli
+
+    parser, sub = cli.build_parser()
+    add_serving_commands(sub)
+    args = parser.parse_args(["serve"])
+    assert all(getattr(args, flag) is None for flag in OVERRIDES)
+    assert parser.parse_args(["serve", "--logical-gpus"]).logical_gpus is True

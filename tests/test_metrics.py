@@ -32,7 +32,7 @@ def cluster(model_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("metrics")
     target_dir = served_target(model_dirs, root)
     config = {"models": {"target": {"path": str(target_dir)}, "draft": {"path": model_dirs.draft}},
-              "placement": {"tensor_parallel_size": 1, "draft_replicas": 1},
+              "placement": {"tensor_parallel_size": 1, "draft_replicas": 1, "logical_gpus": True},
               "speculation": {"drafter": "model"},
               "server": {"grpc_port": free_port()}}
     path = root / "specdec.yaml"

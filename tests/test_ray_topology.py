@@ -7,6 +7,7 @@ import time
 import grpc
 import pytest
 import ray
+import torch
 
 from cluster.config import parse_config
 from specdec.loading import load_model
@@ -28,10 +29,10 @@ def cluster():
     ray.shutdown()
 
 
-def config(model_dirs, replicas=2, tp=1, drafter="model+ngram"):
+def config(model_dirs, replicas=2, tp=1, drafter="model+ngram", logical_gpus=True):
     return parse_config({
         "models": {"target": {"path": model_dirs.target}, "draft": {"path": model_dirs.draft}},
-        "placement": {"tensor_parallel_size": tp, "draft_replicas": replicas},
+        "placement": {"tensor_parallel_size": tp, "draft_replicas": replicas, "logical_gpus": logical_gpus},
         "speculation": {"drafter": drafter, "num_speculative_tokens": 3},
         "routing": {"default": {}},
     })
@@ -114,6 +115,39 @@ def test_failed_start_releases_the_gpus(cluster, model_dirs):
     assert ray.available_resources().get("GPU") == 4  # its reservation was released
 
 
+@pytest.mark.parametrize("drafter", ["none", "ngram"])  # a target rank refuses; so does a draft replica
+def test_a_gpu_without_cuda_refuses_to_start_and_releases_the_gpus(cluster, model_dirs, drafter):
+    """Ray's GPUs here are logical, but the config says they are real (placement.logical_gpus false): the
+    first actor given one refuses to start, naming the torch build and both remedies, and nothing stays
+    reserved. A target rank refuses (drafter none: no replica); with a replica, the target is made logical
+    by hand so that the replica is the one to refuse."""
+    import unittest.mock
+
+    from actors.target_rank import torch_build
+    from cluster import placement
+
+    assert not torch.cuda.is_available()
+    cfg = config(model_dirs, replicas=1, drafter=drafter, logical_gpus=False)
+    start_target_ranks = placement.start_target_ranks
+
+    def logical_target(cfg, *args, **kwargs):  # the target group starts; only the replica is left to refuse
+        return start_target_ranks(cfg.model_copy(update={"placement": cfg.placement.model_copy(
+            update={"logical_gpus": True})}), *args, **kwargs)
+
+    with unittest.mock.patch.object(placement, "start_target_ranks",
+                                    logical_target if drafter != "none" else start_target_ranks):
+        with pytest.raises(ray.exceptions.RayActorError) as info:
+            start_topology(cfg)
+    message = str(info.value)
+    assert ("DraftReplica" if drafter != "none" else "TargetRank") in message
+    assert "NoCudaError" in message and torch_build() in message  # e.g. torch 2.13.0+cpu (CPU-only build)
+    assert "install a CUDA build of torch" in message and "placement.logical_gpus: true" in message
+    deadline = time.monotonic() + 30  # placement groups are removed asynchronously
+    while ray.available_resources().get("GPU") != 4 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("GPU") == 4
+
+
 def test_a_tensor_parallel_group_that_loses_a_rank_is_rebuilt(cluster, model_dirs, target, tmp_path):
     """The ingress's frontend over a group of two ranks that holds one request and lets none wait: a
     request that could never fit its KV tokens is refused at once, naming them, and a second request
@@ -121,7 +155,7 @@ def test_a_tensor_parallel_group_that_loses_a_rank_is_rebuilt(cluster, model_dir
     request fails at once with Unavailable naming it, the frontend kills rank 0 and starts both ranks
     again on their placement group, and plain decoding is exact again, with no restart by hand."""
     cfg = parse_config({"models": {"target": {"path": served_target(model_dirs, tmp_path)}},
-                        "placement": {"tensor_parallel_size": 2, "draft_replicas": 0},
+                        "placement": {"tensor_parallel_size": 2, "draft_replicas": 0, "logical_gpus": True},
                         "speculation": {"drafter": "none"},
                         "server": {"max_running_requests": 1, "max_waiting_requests": 0, "max_kv_tokens": 300}})
     frontend = Frontend(cfg)
