@@ -240,6 +240,40 @@ def test_worker_gpus_fit_placement(profile):
     assert draft["replicas"] * gpus_per_pod(draft) == math.ceil(placement.draft_replicas * placement.gpus_per_actor)
 
 
+@pytest.mark.parametrize("profile", ["overlays/cpu", "overlays/gpu"])
+def test_gpus_are_logical_only_where_the_pods_have_none(profile):
+    """The CPU profile's workers declare logical GPUs (rayStartParams num-gpus) and say so in the config;
+    the GPU profile's come from nvidia.com/gpu limits, and an actor there that sees no CUDA refuses to start."""
+    placement = operator_config(profile).placement
+    workers = [group for group in pod_groups(rayservice(profile)) if group["groupName"] != "head"]
+    real = [bool(group["template"]["spec"]["containers"][0]["resources"].get("limits", {}).get("nvidia.com/gpu"))
+            for group in workers]
+    assert all(real) or not any(real), profile
+    assert placement.logical_gpus is (not real[0]), profile
+
+
+def dockerfile_args() -> dict[str, str]:
+    """The Dockerfile's ARG defaults."""
+    lines = (K8S / "Dockerfile").read_text().splitlines()
+    return dict(line[len("ARG "):].partition("=")[::2] for line in lines if line.startswith("ARG "))
+
+
+def test_gpu_image_pins_a_cuda_build_of_torch():
+    """By default (the GPU image) torch is an explicit version of a CUDA build, from PyTorch's CUDA index,
+    checked at build time; TORCH_BUILD=cpu (the CPU image) skips the check."""
+    import torch
+
+    args = dockerfile_args()
+    assert args["BASE"].endswith("-gpu") and args["TORCH_BUILD"].startswith("cu"), args
+    assert args["TORCH_VERSION"] == torch.__version__.partition("+")[0], "the image's torch is the one tested"
+    text = (K8S / "Dockerfile").read_text().replace("\\\n", " ")
+    assert '--index-url "https://download.pytorch.org/whl/${TORCH_BUILD}"' in text
+    assert '"torch==${TORCH_VERSION}+${TORCH_BUILD}"' in text
+    assert 'if [ "${TORCH_BUILD}" != cpu ]; then' in text
+    assert 'python -c "import torch; assert torch.version.cuda' in text
+    assert "--build-arg TORCH_BUILD=cpu" in text  # how the CPU image is built
+
+
 def secret_mounts(group: dict) -> dict[str, tuple[str, bool]]:
     """A pod's Secret volumes: mount folder -> (Secret name, optional)."""
     pod = group["template"]["spec"]
