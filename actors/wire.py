@@ -21,13 +21,14 @@ from specdec.tree import DELTA, TokenTree
 
 
 def tree_to_proto(request_id: str, tree: TokenTree) -> tree_pb.CandidateTree:
+    # the proposals leave the draft's device in one copy per tree, not one per node
+    host = torch.stack(tree.proposals).detach().to(HOST, torch.float32) if tree.proposals else []
     return tree_pb.CandidateTree(
         request_id=request_id,
         tokens=tree.tokens,
         parents=tree.parents,
         proposal_ids=tree.proposal_ids,
-        proposals=[tree_pb.Proposal(probs=q.detach().to("cpu", torch.float32).numpy().tobytes(), vocab=q.numel())
-                   for q in tree.proposals],
+        proposals=[tree_pb.Proposal(probs=q.numpy().tobytes(), vocab=q.numel()) for q in host],
         from_model=tree.from_model,
         guess=tree.guess,
     )

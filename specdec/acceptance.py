@@ -61,6 +61,7 @@ def accept_sampling(
     assert logits.shape[0] >= len(tree), (logits.shape, len(tree))
     N, kids = len(tree), tree.children()
     p = warp(logits[:N], params)  # [N, V] the target's distribution after each node
+    qs = _proposals(tree, p.shape[-1], p.device)  # [P, V] on the device, in one copy
     u = torch.rand(N, generator=generator, device=p.device)  # [N] each node's uniform, for its test as a child
     passes = torch.zeros(N, dtype=torch.bool, device=p.device)  # [N] passes[c]: c is accepted if it is tried
     final = p.clone()  # [N, V] final[n]: the distribution at n once every child of n is rejected
@@ -68,7 +69,7 @@ def accept_sampling(
         r = p[node]  # [V]
         for child in kids[node]:
             x = tree.tokens[child]
-            q = _proposal(tree, child, r)  # [V]
+            q = _proposal(tree, child, qs, r)  # [V]
             passes[child] = u[child] * q[x] < r[x]  # u < p(x)/q(x)
             residual = (r - q).clamp_min(0)
             total = residual.sum()
@@ -88,14 +89,21 @@ def accept_sampling(
     return Verdict(path, [tree.tokens[n] for n in path[1:]] + [bonuses[path[-1]]])
 
 
-def _proposal(tree: TokenTree, node: int, like: torch.Tensor) -> torch.Tensor:
+def _proposals(tree: TokenTree, V: int, device: torch.device) -> torch.Tensor | None:
+    """The tree's proposals [P, V] over the target's vocabulary of V, on `device` in one copy: a draft
+    with a smaller (padded) vocabulary never proposes the rest (zeros); ids past V are the target's none."""
+    if not tree.proposals:
+        return None
+    qs = torch.stack([q.to(torch.float32) for q in tree.proposals])  # [P, V'] where they were drafted
+    qs = torch.nn.functional.pad(qs, (0, max(0, V - qs.shape[-1])))[:, :V]
+    return qs.to(device, non_blocking=True)
+
+
+def _proposal(tree: TokenTree, node: int, qs: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     """q [V] that `node` was drawn from, as a distribution over the target's vocabulary."""
     pid = tree.proposal_ids[node]
     if pid == DELTA:
         q = torch.zeros_like(like)
         q[tree.tokens[node]] = 1.0
         return q
-    q = tree.proposals[pid].to(like.device, torch.float32)
-    if q.shape[-1] < like.shape[-1]:  # a draft with a smaller (padded) vocabulary never proposes the rest
-        q = torch.nn.functional.pad(q, (0, like.shape[-1] - q.shape[-1]))
-    return q[: like.shape[-1]]
+    return qs[pid]

@@ -5,6 +5,10 @@ have no values) supply them, and where they count the transfers per step (tests/
 
 import torch
 
+# Where the host lays tensors out (token ids, positions, masks of a block, a message's fields) before a
+# forward copies them to the model's device once, or where it checks values it already holds.
+HOST = torch.device("cpu")
+
 
 def to_host(*tensors: torch.Tensor) -> list:
     """The values of tensors [B, ...] (all with the same first dimension B) as nested lists, read in one
@@ -30,6 +34,14 @@ def _shaped(flat: list, shape: torch.Size) -> list:
     return [_shaped(flat[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
-# Where the host lays tensors out (token ids, positions, masks of a block, a message's fields) before a
-# forward copies them to the model's device once, or where it checks values it already holds.
-HOST = torch.device("cpu")
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`: to a GPU from pinned memory without blocking the host (the copy is
+    ordered before the kernels that read it on the same stream); anywhere else, as it is."""
+    if torch.device(device).type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def host_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.tensor(values) laid out on the host and copied to `device` (see to_device)."""
+    return to_device(torch.tensor(values, dtype=dtype, device=HOST), device)

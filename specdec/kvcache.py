@@ -18,7 +18,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .device import HOST
+from .device import HOST, host_tensor, to_device
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,12 @@ class Ragged:
         """[B, T, H, D] -> [1, N, H, D]."""
         return out.reshape(self.batch * self.width, *out.shape[2:]).index_select(0, self.index).unsqueeze(0)
 
+
+# Slots the cache grows by, at most, when a forward needs more (rounded up to it). Growth copies the buffer
+# while the old one lives; a step (not doubling) keeps the cache within a step of what the rows hold, so
+# memory follows what the target's KV budget counts (doubling kept up to twice the rows' slots, and four
+# times at the copy).
+GROW_SLOTS = 256
 
 _BLOCK: contextvars.ContextVar[Ragged | None] = contextvars.ContextVar("specdec_ragged_block", default=None)
 INNER_ATTENTION = ("sdpa", "eager")  # the attention a CachedLM's model may come with
@@ -120,7 +126,7 @@ class GrowingLayer(CacheLayerMixin):
             key_states, value_states = block.pad(key_states), block.pad(value_states)
         B, H, T, D = key_states.shape
         if self.buf_k is None or self.n + T > self.buf_k.shape[2]:
-            cap = max(2 * (self.n + T), 256)
+            cap = -(-(self.n + T) // GROW_SLOTS) * GROW_SLOTS  # what is needed, rounded up to a step
             self.buf_k, self.buf_v = (self._grown(buf, (B, H, cap, D), key_states) for buf in (self.buf_k, self.buf_v))
         self.buf_k[:, :, self.n : self.n + T] = key_states
         self.buf_v[:, :, self.n : self.n + T] = value_states
@@ -214,12 +220,12 @@ class CachedLM:
         """block_mask [B, T, T], extra_visible [B, T, S] (uncommitted slots a query may see) -> [B, 1, T, S+T]."""
         B, T, _ = block_mask.shape
         S = self.size
-        lengths = torch.tensor(self.lengths, device=self.device)
+        lengths = host_tensor(self.lengths, torch.long, self.device)
         visible = torch.arange(S, device=self.device).view(1, 1, S) < lengths.view(B, 1, 1)  # [B, 1, S]
         visible = visible.expand(B, T, S)
         if extra_visible is not None:
             visible = visible | extra_visible
-        mask = torch.cat([visible, block_mask.to(self.device)], dim=-1).unsqueeze(1)
+        mask = torch.cat([visible, to_device(block_mask, self.device)], dim=-1).unsqueeze(1)
         if self.eager:  # eager attention adds the mask to the scores
             mask = torch.zeros(mask.shape, dtype=self.model.dtype, device=self.device).masked_fill(
                 ~mask, torch.finfo(self.model.dtype).min
@@ -240,7 +246,17 @@ class CachedLM:
 
         With `sizes`, row b's real tokens are its first sizes[b] (0: the row sits the forward out) and
         the rest is padding, which is not run (see Ragged) -> logits [N, V] of the real tokens, row after
-        row; with `keep` too, only those of these indices into them."""
+        row; with `keep` too, only those of these indices into them. A forward that fails (out of memory,
+        say) leaves the cache as it was: every layer drops the slots it appended."""
+        before = self.size
+        try:
+            return self._forward(tokens, block_mask, positions, extra_visible, sizes, keep)
+        except BaseException:
+            for layer in self.kv.layers:
+                layer.crop(max(0, layer.get_seq_length() - before))
+            raise
+
+    def _forward(self, tokens, block_mask, positions, extra_visible, sizes, keep) -> torch.Tensor:
         mask = self.attention_mask(block_mask, extra_visible)
         if sizes is None:
             return self._run(tokens, mask, positions, 0)
@@ -251,19 +267,18 @@ class CachedLM:
             logits = logits.reshape(-1, logits.shape[-1])  # [B * T', V]
             return logits if keep is None or last else logits[keep]
         # [N] each real token's place in the block, row * T + slot: laid out on the host, from sizes alone
-        index = torch.tensor([b * T + j for b, n in enumerate(sizes) for j in range(n)], dtype=torch.long,
-                             device=self.device)
+        index = host_tensor([b * T + j for b, n in enumerate(sizes) for j in range(n)], torch.long, self.device)
         block = Ragged(index, B, T)
-        keep_t = torch.tensor(keep, dtype=torch.long, device=self.device) if keep is not None else 0
-        packed = [t.to(self.device).flatten()[index].unsqueeze(0) for t in (tokens, positions)]  # [1, N] each
+        keep_t = host_tensor(keep, torch.long, self.device) if keep is not None else 0
+        packed = [to_device(t, self.device).flatten()[index].unsqueeze(0) for t in (tokens, positions)]  # [1, N] each
         with _running_ragged(block):
             return self._run(*packed[:1], mask, *packed[1:], keep_t)[0]
 
     def _run(self, tokens, mask, positions, logits_to_keep) -> torch.Tensor:
         out = self.model(
-            input_ids=tokens.to(self.device),
+            input_ids=to_device(tokens, self.device),
             attention_mask=mask,
-            position_ids=positions.to(self.device),
+            position_ids=to_device(positions, self.device),
             past_key_values=self.kv,
             use_cache=True,
             logits_to_keep=logits_to_keep,
@@ -283,7 +298,7 @@ class CachedLM:
                     dst.append(self.lengths[b] + j)
             self.lengths[b] += len(row_slots)
         if rows:
-            rows_t, src_t, dst_t = (torch.tensor(x, device=self.device) for x in (rows, src, dst))
+            rows_t, src_t, dst_t = (host_tensor(x, torch.long, self.device) for x in (rows, src, dst))
             for layer in self.kv.layers:
                 layer.move(rows_t, src_t, dst_t)
         self._crop_to_longest()
@@ -330,7 +345,7 @@ class CachedLM:
         """Keep only these rows of the batch (the others finished)."""
         if rows == list(range(len(self.lengths))):
             return
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        index = host_tensor(rows, torch.long, self.device)
         for layer in self.kv.layers:
             layer.batch_select_indices(index)
         self.lengths = [self.lengths[r] for r in rows]

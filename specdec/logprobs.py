@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .device import to_host
+from .device import host_tensor, to_host
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's cap on top_logprobs)
 
@@ -26,7 +26,7 @@ def committed_logprobs(logits: torch.Tensor, path: list[int], tokens: list[int],
     tokens[i]: the token committed after path[i] (len(tokens) == len(path)). -> one TokenLogprob per token."""
     assert len(tokens) == len(path), (len(tokens), len(path))
     logprobs = logits[path].float().log_softmax(-1)  # [P, V], P = len(path)
-    chosen = logprobs.gather(-1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0]  # [P]
+    chosen = logprobs.gather(-1, host_tensor(tokens, torch.long, logprobs.device)[:, None])[:, 0]  # [P]
     top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())  # [P, k]
     chosen, top_ids, top_values = to_host(chosen, top_ids, top_values)  # one wait for the device
     return [TokenLogprob(tok, lp, list(zip(ids, values)))

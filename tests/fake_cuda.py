@@ -30,6 +30,14 @@ class FakeCudaGuards(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         _check_generator(func, args, kwargs)
+        if func in (torch.Tensor.to, torch.Tensor.cuda) and args[0].device.type == "cpu" and \
+                (func is torch.Tensor.cuda or _to_cuda(args, kwargs)):
+            dtype = next((a for a in [*args[1:], *kwargs.values()] if isinstance(a, torch.dtype)), args[0].dtype)
+            return torch.empty(args[0].shape, dtype=dtype, device=CUDA)  # a copy to the device: a fresh fake
+        if func is torch.Tensor.pin_memory:  # fakes have no memory to pin; CUDA pins CPU tensors only
+            if args[0].device.type != "cpu":
+                raise RuntimeError(f"pin_memory: a {args[0].device} tensor (only CPU tensors are pinned)")
+            return args[0]
         try:
             return func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as e:
@@ -49,6 +57,16 @@ class FakeCudaGuards(TorchFunctionMode):
                 t.fake_device = CUDA
         inputs = {id(t) for t in tensors}
         return tree_map(lambda t: _fresh_cuda(t) if isinstance(t, torch.Tensor) and id(t) not in inputs else t, out)
+
+
+def _to_cuda(args, kwargs) -> bool:
+    """Whether a .to()/.cuda() call asks for a CUDA device."""
+    if kwargs.get("device") is not None:
+        return torch.device(kwargs["device"]).type == "cuda"
+    for a in args[1:]:
+        if isinstance(a, torch.device) or (isinstance(a, str) and a.split(":")[0] in ("cuda", "cpu", "meta")):
+            return torch.device(a).type == "cuda"
+    return False
 
 
 def _fresh_cuda(t: torch.Tensor) -> torch.Tensor:
@@ -86,10 +104,9 @@ class DeviceGenerator(torch.Generator):
 
 
 def _check_as_cuda_would(func, args, tensors) -> None:
-    """What CUDA refuses: a CPU tensor (other than a 0-dim one) beside CUDA tensors; indices of a Python
-    index may be on the CPU (torch copies them over)."""
-    if func is torch.Tensor.__getitem__:
-        return
+    """What CUDA refuses: a CPU tensor (other than a 0-dim one) beside CUDA tensors in one op."""
+    if func in (torch.Tensor.__getitem__, torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.copy_):
+        return  # an index's indices may be on the CPU (torch copies them over); copies cross devices
     if func is torch.Tensor.__setitem__:
         tensors = [args[2]] if isinstance(args[2], torch.Tensor) else []
     cpu = [t for t in tensors if t.device.type == "cpu" and t.dim() > 0]

@@ -205,3 +205,42 @@ def test_rows_prefilled_off_the_batch_join_as_if_prefilled_in_it(target, draft, 
             check_cache(drafter.draft_lm, draft, prompts, lambda seq: len(seq) - (seq is not prompts[0]), "prefilled rows")
         trees[prefilled] = [t.tokens for t in drafter.propose(prompts, [Plan(3)] * 3, [GREEDY] * 3, [None] * 3)]
     assert trees[True] == trees[False]
+
+
+def test_a_forward_that_fails_midway_leaves_the_cache_as_it_was(target, reference, monkeypatch):
+    """Out of memory in the second layer, after the first appended its slots: every layer drops the
+    block, so the rows' next forward gives exactly the logits of a cache that never saw the failure."""
+    prompts = reference.prompts[:3]
+    lm, clean = CachedLM(target), CachedLM(target)
+    for cache in (lm, clean):
+        cache.reset(0)
+        cache.join([list(p) for p in prompts])
+    layer = target.model.layers[1].self_attn
+    forward = type(layer).forward
+
+    def out_of_memory(self, *args, **kwargs):
+        if self is layer:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return forward(self, *args, **kwargs)
+
+    step = [[p[-1]] for p in prompts]
+    monkeypatch.setattr(type(layer), "forward", out_of_memory)
+    size = lm.size
+    with pytest.raises(torch.OutOfMemoryError):
+        lm.prefill(step)
+    assert [layer.get_seq_length() for layer in lm.kv.layers] == [size] * len(lm.kv.layers)
+    monkeypatch.undo()
+    torch.testing.assert_close(lm.prefill(step), clean.prefill(step))
+
+
+def test_the_cache_grows_by_a_step_not_by_doubling(target):
+    """What a row holds stays within GROW_SLOTS of what it needs (doubling kept up to twice that)."""
+    from specdec.kvcache import GROW_SLOTS
+
+    lm = CachedLM(target)
+    lm.reset(0)
+    lm.join([[1] * 200])
+    for n in range(1, 100):
+        lm.prefill([[2] * 3])
+        held = lm.kv.layers[0].buf_k.shape[2]
+        assert lm.size <= held < lm.size + GROW_SLOTS

@@ -215,19 +215,6 @@ def test_greedy_matches_fresh_prompts(target, draft, seed, width):
     assert d["draft_time_s"] > 0 and d["verify_time_s"] > 0
 
 
-@pytest.mark.gpu
-def test_greedy_on_cuda(model_dirs, reference):
-    from specdec.loading import load_model
-
-    tgt = load_model(model_dirs.target, device="cuda")
-    drf = load_model(model_dirs.draft, device="cuda")
-    engine = SpeculativeEngine(CachedLM(tgt), ModelDrafter(CachedLM(drf), 2), SpecConfig(depth=4, width=2))
-    outs = engine.generate(reference.prompts, NEW_TOKENS)
-    plain = [hf_greedy(tgt, p, NEW_TOKENS)[0] for p in reference.prompts]
-    assert [o.token_ids for o in outs] == plain
-    assert torch.cuda.is_available()
-
-
 def test_greedy_with_eager_attention(model_dirs, reference):
     """CachedLM also drives models loaded with eager attention (an additive float mask)."""
     from transformers import AutoModelForCausalLM
