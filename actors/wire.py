@@ -203,6 +203,10 @@ def status_of(error: Exception) -> tuple[grpc.StatusCode, str, str]:
 def error_of_status(code: grpc.StatusCode, message: str, field: str = "") -> Exception:
     """The core's typed error for a status a target answered (a row's RowError, or a whole call's status)."""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
+        if not field:  # a whole call's status reads "field: reason" (InvalidArgument's own str)
+            named, sep, reason = message.partition(": ")
+            if sep and named and " " not in named:
+                field, message = named, reason
         return InvalidArgument(field, message) if field else ValueError(message)
     kind = {grpc.StatusCode.NOT_FOUND: UnknownRequest, grpc.StatusCode.ALREADY_EXISTS: RequestExists,
             grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted, grpc.StatusCode.UNAVAILABLE: Unavailable}

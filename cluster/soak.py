@@ -317,8 +317,11 @@ HOSTILE: dict[str, Hostile] = {
         params={"temperature": 0.8}, tree=lambda root, c: _drawn(root, c, _poisoned(c, 2, float("nan"))))),
     "link proposal with a negative probability": Hostile("link", "refused", lambda c: LinkCase(
         params={"temperature": 0.8}, tree=lambda root, c: _drawn(root, c, _poisoned(c, 2, -0.5)))),
-    "link proposal of another vocabulary's size": Hostile("link", "refused", lambda c: LinkCase(
+    # a draft whose (padded) vocabulary is smaller never proposes the rest: served as any tree
+    "link proposal of a smaller vocabulary": Hostile("link", "accepted", lambda c: LinkCase(
         params={"temperature": 0.8}, tree=lambda root, c: _drawn(root, c, vocab=max(2, c.vocab // 2)))),
+    "link proposal with mass past the target's vocabulary": Hostile("link", "refused", lambda c: LinkCase(
+        params={"temperature": 0.8}, tree=lambda root, c: _drawn(root, c, vocab=2 * c.vocab))),
     "link tree wider than its room (512 nodes)": Hostile("link", "refused",
                                                          lambda c: LinkCase(tree=lambda root, c: _wide(root, c, 512))),
     "link tree deeper than its room (256 nodes)": Hostile("link", "refused",
@@ -684,10 +687,10 @@ class FakeReplica:
         try:
             self._exchange(stub, case, rids, out)
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                self.link.invalidate()
             out.status, out.detail = e.code().name, e.details() or ""
         finally:
+            if out.status == "UNAVAILABLE":  # the group moved (rebuilt at another address): look it up again
+                self.link.invalidate()
             try:
                 stub.Close(self._tree_pb.CloseRequest(request_ids=rids), timeout=10)
             except grpc.RpcError:
@@ -818,6 +821,8 @@ def _judge_hostile(out: Outcome, references: GreedyReferences, down: list[tuple[
         if h.expect == "refused":
             wanted = " or ".join(sorted(h.want - CLEAR_ALWAYS))
             return f"{name}: accepted ({out.status}{': ' + out.detail if out.detail else ''}); it must be refused ({wanted})"
+        if h.transport == "link":  # served on the link: the target gave its tree a verdict
+            return None if out.tokens else f"{name}: {out.status} with no tokens"
         why = _judge_done(out, references)
         return f"{name}: {why}" if why else None
     if out.status in CLEAR_ALWAYS or out.status in h.want:

@@ -11,6 +11,7 @@ from .logprobs import MAX_LOGPROBS
 # Below this a temperature is refused, not sampled (vLLM and SGLang treat it as greedy: _SAMPLING_EPS):
 # the distribution it asks for is the argmax up to float32 rounding, so a client means 0 (greedy).
 MIN_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)  # the wire carries float32: beyond it is inf
 MAX_TOP_K = 2**31 - 1  # the wire's int32
 SEED_RANGE = range(-(2**63), 2**63)  # the wire's int64
 
@@ -27,9 +28,9 @@ class SamplingParams:
 
     def __post_init__(self):
         """The one check of sampling fields, wherever they come from (CLI, gRPC, HTTP, another actor)."""
-        if not (self.temperature == 0 or (MIN_TEMPERATURE <= self.temperature and math.isfinite(self.temperature))):
-            raise InvalidArgument("temperature", f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, "
-                                                 f"got {self.temperature}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):  # NaN fails too
+            raise InvalidArgument("temperature", f"must be 0 (greedy) or a number in [{MIN_TEMPERATURE}, "
+                                                 f"{MAX_TEMPERATURE:.4g}], got {self.temperature}")
         if not 0 <= self.top_k <= MAX_TOP_K:
             raise InvalidArgument("top_k", f"must be in 0..{MAX_TOP_K} (0 turns it off), got {self.top_k}")
         if not 0 < self.top_p <= 1:  # NaN fails this too

@@ -21,6 +21,7 @@ from .sampling import SamplingParams, make_generator
 from .tree import TokenTree, layout
 
 log = logging.getLogger(__name__)
+PROPOSAL_MASS_TOLERANCE = 1e-3  # float32 rounding a proposal may leave on ids the target does not have
 Outcome = Verdict | Exception  # a row's verdict, or the typed error that ended it alone
 
 
@@ -93,6 +94,10 @@ class TargetWorker:
         if not 0 <= min(tree.tokens) <= max(tree.tokens) < self.vocab_size:
             return InvalidArgument("tree.tokens", f"request {rid!r}: a token id outside the vocabulary "
                                                   f"[0, {self.vocab_size})")
+        for pid, q in enumerate(tree.proposals):  # a draft's padded vocabulary may be larger, never its mass
+            if q.numel() > self.vocab_size and float(q[self.vocab_size:].sum()) > PROPOSAL_MASS_TOLERANCE:
+                return InvalidArgument("tree.proposals", f"request {rid!r}: proposal {pid} puts mass on ids past "
+                                                         f"the target's vocabulary of {self.vocab_size}")
         if self.max_positions and len(seq) + tree.depth > self.max_positions:
             return InvalidArgument("tree.parents", f"request {rid!r}: the tree reaches position "
                                                    f"{len(seq) - 1 + tree.depth}, past the model's context of "

@@ -277,6 +277,7 @@ def _target_rank_arguments(security: LinkSecurity) -> tuple:
     import unittest.mock
     from pathlib import Path
 
+    from actors.security import SharedSecurity
     from cluster import placement
     from cluster.config import load_config
 
@@ -297,7 +298,7 @@ def _target_rank_arguments(security: LinkSecurity) -> tuple:
 
     config = load_config(Path(__file__).resolve().parent.parent / "configs" / "default.yaml")
     with unittest.mock.patch.object(placement, "TargetRank", Recorder):
-        placement.start_target_ranks(config, object(), "tag", security, timeout_s=30)
+        placement.start_target_ranks(config, object(), "tag", SharedSecurity.put(security), timeout_s=30)  # as start_topology
     (args,) = recorded
     return args
 

@@ -27,7 +27,7 @@ SAMPLED = SamplingParams(temperature=0.8, seed=7)
 @pytest.mark.parametrize("field, kwargs", [
     ("temperature", {"temperature": 1e-40}), ("temperature", {"temperature": MIN_TEMPERATURE / 2}),
     ("temperature", {"temperature": math.nan}), ("temperature", {"temperature": math.inf}),
-    ("temperature", {"temperature": -1.0}), ("top_p", {"temperature": 1.0, "top_p": math.nan}),
+    ("temperature", {"temperature": -1.0}), ("temperature", {"temperature": 1e300}),  # past float32: inf on the wire ("top_p", {"temperature": 1.0, "top_p": math.nan}),
     ("top_k", {"temperature": 1.0, "top_k": 2**31}), ("seed", {"temperature": 1.0, "seed": 2**63}),
     ("seed", {"temperature": 1.0, "seed": -(2**63) - 1}),
 ])
@@ -68,6 +68,9 @@ def _poisoned_tree(kind: str, root: int) -> TokenTree:
             node = tree.add(node, 1)
     elif kind == "bad_root":
         tree.tokens[0] = (root + 1) % VOCAB
+    elif kind == "proposal_past_the_vocabulary":  # mass on ids the target does not have
+        pid = tree.add_proposal(torch.full((2 * VOCAB,), 1.0 / (2 * VOCAB)))
+        tree.add(0, 2, pid, from_model=True)
     elif kind in ("nan_proposal", "negative_proposal"):
         q = torch.full((VOCAB,), 1.0 / VOCAB)
         q[2] = math.nan if kind == "nan_proposal" else -0.5
@@ -78,7 +81,8 @@ def _poisoned_tree(kind: str, root: int) -> TokenTree:
 
 
 WORKER_REFUSES = {"oov_token": InvalidArgument, "negative_token": InvalidArgument, "oversized_tree": InvalidArgument,
-                  "past_context": InvalidArgument, "bad_root": InvalidArgument}
+                  "past_context": InvalidArgument, "bad_root": InvalidArgument,
+                  "proposal_past_the_vocabulary": InvalidArgument}
 
 
 def _run_honest(scheduler, draft, prompts, hostile=None) -> list[tuple]:

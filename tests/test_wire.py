@@ -224,3 +224,16 @@ def test_generated_modules_are_up_to_date(tmp_path):
                     "--grpc_python_out=.", *protos], cwd=tmp_path, check=True)
     for made in (tmp_path / "protos").glob("*_pb2*.py*"):
         assert made.read_text() == (ROOT / "protos" / made.name).read_text(), f"{made.name} is stale: run protos/generate.sh"
+
+
+def test_a_whole_calls_invalid_argument_keeps_its_field():
+    """An Open refused as a whole (no RowError) says "field: reason"; the replica rebuilds InvalidArgument
+    naming the field, so the ingress maps it to 400 / INVALID_ARGUMENT, not to an untyped 500."""
+    import grpc
+
+    from actors.wire import error_of_status
+    from specdec.errors import InvalidArgument
+
+    e = error_of_status(grpc.StatusCode.INVALID_ARGUMENT, "params.temperature: must be 0 (greedy) or ...")
+    assert isinstance(e, InvalidArgument) and e.field == "params.temperature"
+    assert not isinstance(error_of_status(grpc.StatusCode.INVALID_ARGUMENT, "no field here"), InvalidArgument)
