@@ -1173,17 +1173,15 @@ def serve_locally(app_args: dict, servicer: str | None = None) -> Endpoints:
     `servicer` names the gRPC servicer function (default: the one `specdec serve` uses)."""
     from ray import serve
 
-    from .commands import serving_environment
-    from .config import app_config
+    from .commands import local_cluster, serving_environment
     from .serve_app import GRPC_SERVICER, build_app, default_models
 
-    cfg = app_config(app_args, default_models)
+    cfg, gpus, _ = local_cluster(app_args, default_models)  # logical GPUs where there is no CUDA, as specdec serve
     place = cfg.placement
-    actors = place.tensor_parallel_size + place.draft_replicas
     serving_environment(cfg.server)  # as specdec serve runs them: workers at nice 0, gRPC messages bounded
     ray.init(num_cpus=place.tensor_parallel_size * place.cpus_per_target_rank
              + place.draft_replicas * place.cpus_per_draft_replica + 1,
-             num_gpus=actors * place.gpus_per_actor, include_dashboard=False, log_to_driver=False)
+             num_gpus=gpus, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": app_args["http_port"]},
                 grpc_options={"port": app_args["grpc_port"], "grpc_servicer_functions": [servicer or GRPC_SERVICER]})
     serve.run(build_app(app_args), name="specdec", route_prefix="/")

@@ -100,10 +100,11 @@ def free_port() -> int:
 
 
 def start_serving(config: dict, root, num_cpus: int, num_gpus: int):
-    """Write `config` to root/specdec.yaml, start a local Ray cluster with logical GPUs and Serve on
-    the config's ports (loopback). -> the config file's path, for build_app or a Serve config. The file
-    says its GPUs are logical (placement.logical_gpus), as `specdec serve` does on a machine without CUDA:
-    otherwise the actors, given a GPU by Ray and seeing no CUDA, would refuse to start."""
+    """Write `config` to root/specdec.yaml, start a local Ray cluster with num_gpus GPUs and Serve on
+    the config's ports (loopback). -> the config file's path, for build_app or a Serve config. Without
+    CUDA the file says its GPUs are logical (placement.logical_gpus), as `specdec serve` does then:
+    otherwise the actors, given a GPU by Ray and seeing no CUDA, would refuse to start. With CUDA (the
+    GPU suite) they are real."""
     import ray
     import yaml
     from ray import serve
@@ -111,7 +112,7 @@ def start_serving(config: dict, root, num_cpus: int, num_gpus: int):
     from cluster.serve_app import GRPC_SERVICER
 
     path = root / "specdec.yaml"
-    placement = {**config.get("placement", {}), "logical_gpus": True}
+    placement = {**config.get("placement", {}), "logical_gpus": not torch.cuda.is_available()}
     path.write_text(yaml.safe_dump({**config, "placement": placement}))
     ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False)
     ports = config["server"]
