@@ -34,9 +34,10 @@ LOAD_SMOOTHING = 0.2  # weight of each forward in the batch's moving average
 
 @dataclass(frozen=True)
 class KvBudget:
-    """What the target may hold at once: rows (requests) and KV tokens, each request counted at its
-    most (prompt + max_new_tokens + the largest tree it may send); and how many requests may wait for
-    room in the admission queue."""
+    """What the target may hold at once: rows (requests) and KV slots, and how many requests may wait
+    for room in the admission queue. Each request reserves its most (prompt + max_new_tokens + the
+    largest tree it may send); the cache is rectangular (every row as long as the longest), so what the
+    requests hold is rows x the largest reservation (`slots`), and that is what max_tokens bounds."""
 
     max_rows: int = 64
     max_tokens: int = 65536
@@ -46,6 +47,11 @@ class KvBudget:
     def cost(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """The KV tokens a request reserves."""
         return prompt_tokens + max_new_tokens + self.tree_room
+
+    @staticmethod
+    def slots(reservations: list[int]) -> int:
+        """The KV slots per layer the cache holds at most for requests of these reservations."""
+        return len(reservations) * max(reservations, default=0)
 
 
 @dataclass
@@ -198,10 +204,11 @@ class TargetScheduler:
         with self._cv:
             # a closed request holds nothing: its row goes before the next forward
             held = {rid: tokens for rid, tokens in self._reserved.items() if rid not in self._leaving}
+            # kv_tokens_reserved: the slots the cache may come to hold for them (rows x the largest reservation)
             load = self._load if held else Load()  # an idle target has no batch
             return {"forwards": self.forwards, "largest_batch": self.largest_batch,
                     "forward_time_s": self.forward_time_s, "open_requests": len(held),
-                    "kv_tokens_reserved": sum(held.values()), "waiting": len(self._waiting),
+                    "kv_tokens_reserved": self.budget.slots(list(held.values())), "waiting": len(self._waiting),
                     "forward_costs": dict(self.costs.verify_table), "batch_tokens": load.batch_tokens,
                     "committed_per_forward": load.committed, "batch_rows": load.rows,
                     "idle_rows_closed": self.idle_rows_closed, "stall_time_s": self.stall_time_s,
@@ -236,7 +243,7 @@ class TargetScheduler:
             if self._left_waiting([*self._waiting, join]) > self.budget.max_waiting:
                 raise ResourceExhausted(
                     f"the target is full: running {len(self._reserved)} of max_running_requests "
-                    f"{self.budget.max_rows}, {sum(self._reserved.values())} of max_kv_tokens "
+                    f"{self.budget.max_rows}, {self.budget.slots(list(self._reserved.values()))} of max_kv_tokens "
                     f"{self.budget.max_tokens} reserved, waiting {self._left_waiting(self._waiting)} of "
                     f"max_waiting_requests {self.budget.max_waiting}; retry later")
             self._waiting.append(join)
@@ -245,10 +252,10 @@ class TargetScheduler:
 
     def _left_waiting(self, queue) -> int:
         """How many of these queued requests would still wait once the free budget is filled from the head."""
-        rows, tokens = len(self._reserved), sum(self._reserved.values())
+        held = list(self._reserved.values())
         for i, join in enumerate(queue):
-            rows, tokens = rows + 1, tokens + join.tokens
-            if rows > self.budget.max_rows or tokens > self.budget.max_tokens:
+            held.append(join.tokens)
+            if len(held) > self.budget.max_rows or self.budget.slots(held) > self.budget.max_tokens:
                 return len(queue) - i
         return 0
 
@@ -299,7 +306,7 @@ class TargetScheduler:
             return False
         head = self._waiting[0]
         return (len(self._reserved) < self.budget.max_rows
-                and sum(self._reserved.values()) + head.tokens <= self.budget.max_tokens)
+                and self.budget.slots([*self._reserved.values(), head.tokens]) <= self.budget.max_tokens)
 
     def _admit(self) -> list[_Join]:
         """The waiting requests that fit, in arrival order (the first that does not fit blocks the rest)."""

@@ -100,6 +100,21 @@ def test_plain_requests_share_forwards_and_equal_plain_decoding(target, referenc
     scheduler.stop()
 
 
+def test_kv_budget_counts_the_rectangular_cache(target):
+    """The cache holds every row as long as the longest: two requests reserving 200 and 100 slots hold
+    2 x 200 = 400 slots, over a budget of 300 though their sum (300) is not, so the second waits."""
+    scheduler = scheduler_for(target, max_tokens=300)
+    first, second = Collect(), Collect()
+    scheduler.decode("a", [1] * 4, GREEDY, 200 - 4 - 64, set(), first)  # reserves 200: 132 steps
+    scheduler.decode("b", [1] * 4, GREEDY, 100 - 4 - 64, set(), second)  # reserves 100
+    deadline = time.monotonic() + 10
+    while (stats := scheduler.stats())["open_requests"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert (stats["open_requests"], stats["waiting"]) == (1, 1) and stats["kv_tokens_reserved"] == 200
+    assert first.wait()[2] is None and second.wait()[2] is None  # b ran once a had left
+    scheduler.stop()
+
+
 def test_kv_budget_admits_in_arrival_order_and_bounds_rows(target, reference):
     """Room for two requests at once: the others wait, and every one still gets its exact tokens."""
     prompts = reference.prompts[:5]
