@@ -27,16 +27,24 @@ def _fake_cuda(t) -> bool:
 
 
 class FakeCudaGuards(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.blocking_copies = 0  # host-to-device copies that make the host wait (not from pinned memory)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         _check_generator(func, args, kwargs)
         if func in (torch.Tensor.to, torch.Tensor.cuda) and args[0].device.type == "cpu" and \
                 (func is torch.Tensor.cuda or _to_cuda(args, kwargs)):
+            if not (kwargs.get("non_blocking") or (len(args) > 2 and args[2] is True)) or \
+                    not getattr(args[0], "_pinned", False):
+                self.blocking_copies += 1
             dtype = next((a for a in [*args[1:], *kwargs.values()] if isinstance(a, torch.dtype)), args[0].dtype)
             return torch.empty(args[0].shape, dtype=dtype, device=CUDA)  # a copy to the device: a fresh fake
         if func is torch.Tensor.pin_memory:  # fakes have no memory to pin; CUDA pins CPU tensors only
             if args[0].device.type != "cpu":
                 raise RuntimeError(f"pin_memory: a {args[0].device} tensor (only CPU tensors are pinned)")
+            args[0]._pinned = True
             return args[0]
         try:
             return func(*args, **kwargs)
@@ -161,5 +169,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch, mode: FakeTensorMode) -> Iterator
     for module in (specdec.device, specdec.acceptance, specdec.drafters, specdec.logprobs, specdec.target):
         monkeypatch.setattr(module, "to_host", host)
     monkeypatch.setattr(torch, "Generator", DeviceGenerator)
-    with mode, FakeCudaGuards():
+    guards = FakeCudaGuards()
+    host.guards = guards
+    with mode, guards:
         yield host

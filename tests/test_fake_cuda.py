@@ -114,6 +114,19 @@ def test_the_target_verifies_on_the_device_with_bounded_host_transfers(gpu):
     assert transfers({"l": TokenTree.root(worker.last_token("l"))}) == 1 + 1 + 1  # argmax, sampling, logprobs
 
 
+def test_host_tensors_reach_the_device_without_blocking(gpu):
+    """What the host lays out for a forward (token ids, positions, masks, indices) is copied to the GPU
+    from pinned memory, without making the host wait: over drafting and verifying, no blocking copy."""
+    target, draft, host = gpu
+    worker = TargetWorker(CachedLM(target))
+    worker.add([("g", PROMPTS[0], GREEDY, 0), ("s", PROMPTS[1], SAMPLED, 0)])
+    trees = draft_steps(draft, "model+ngram", 2, [GREEDY, SAMPLED, GREEDY])[:2]
+    for t, rid in zip(trees, ("g", "s")):
+        t.tokens[0] = worker.last_token(rid)
+    worker.verify({"g": trees[0], "s": trees[1]})
+    assert host.guards.blocking_copies == 0
+
+
 # --- every tensor says its device ---------------------------------------------------------------------
 
 FACTORIES = {"zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "eye", "linspace", "rand", "randn",
