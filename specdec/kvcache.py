@@ -50,6 +50,23 @@ class Ragged:
 GROW_SLOTS = 256
 
 _BLOCK: contextvars.ContextVar[Ragged | None] = contextvars.ContextVar("specdec_ragged_block", default=None)
+
+
+@dataclass(frozen=True)
+class Positions:
+    """The positions of a CachedLM forward's queries [B, T] and of the slots they attend to [B, S + T]
+    (a committed slot's position is its index; the block's, its own), on the model's device: a layer
+    with a sliding window hides what lies `window` or more positions back (transformers' rule)."""
+
+    queries: torch.Tensor  # [B, T]
+    keys: torch.Tensor  # [B, S + T]
+
+    def within(self, window: int) -> torch.Tensor:
+        """[B, 1, T, S + T] bool: the key is fewer than `window` positions behind the query."""
+        return (self.queries[:, None, :, None] - self.keys[:, None, None, :]) < window
+
+
+_POSITIONS: contextvars.ContextVar[Positions | None] = contextvars.ContextVar("specdec_positions", default=None)
 INNER_ATTENTION = ("sdpa", "eager")  # the attention a CachedLM's model may come with
 
 
@@ -69,15 +86,35 @@ def ragged_attention(module, query, key, value, attention_mask, inner: str, **kw
         attend = sys.modules[type(module).__module__].eager_attention_forward
     else:
         attend = ALL_ATTENTION_FUNCTIONS[inner]
+    if (window := kwargs.get("sliding_window")) and (positions := _POSITIONS.get()) is not None:
+        attention_mask = _within_window(attention_mask, positions.within(window))
     if (block := _BLOCK.get()) is None:
         return attend(module, query, key, value, attention_mask, **kwargs)
     out, weights = attend(module, block.pad(query), key, value, attention_mask, **kwargs)  # [B, T, H, D]
     return block.pack(out), weights
 
 
+def _within_window(mask: torch.Tensor, near: torch.Tensor) -> torch.Tensor:
+    """A layer's mask [B, 1, T, S + T] (bool, or additive for eager attention) limited to `near`. A
+    CachedLM gives every layer one mask; a sliding-window layer (Mistral's, Gemma's local layers, Qwen2's
+    with use_sliding_window) says its window as it calls the attention, and this is where it applies."""
+    if mask.dtype == torch.bool:
+        return mask & near
+    return mask.masked_fill(~near, torch.finfo(mask.dtype).min)
+
+
 for _inner in INNER_ATTENTION:  # registered as attention and mask: transformers' own paths (generate) still work
     AttentionInterface.register(f"specdec_ragged_{_inner}", functools.partial(ragged_attention, inner=_inner))
     AttentionMaskInterface.register(f"specdec_ragged_{_inner}", ALL_MASK_ATTENTION_FUNCTIONS[_inner])
+
+
+def has_sliding_window(config) -> bool:
+    """Whether some layer of the model attends only within a window (transformers' config: a
+    sliding_window with use_sliding_window not off, or sliding_attention among layer_types)."""
+    config = config.get_text_config()
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return True
+    return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True) is not False
 
 
 def run_ragged_capable(model: PreTrainedModel) -> str:
@@ -204,6 +241,7 @@ class CachedLM:
         self.model = model
         self.device = model.device
         self.eager = run_ragged_capable(model) == "eager"
+        self.sliding = has_sliding_window(model.config)  # some layer attends within a window: positions needed
         self.reset(0)
 
     def reset(self, batch_size: int) -> None:
@@ -249,12 +287,24 @@ class CachedLM:
         row; with `keep` too, only those of these indices into them. A forward that fails (out of memory,
         say) leaves the cache as it was: every layer drops the slots it appended."""
         before = self.size
+        window = _POSITIONS.set(self._positions(positions, before)) if self.sliding else None
         try:
             return self._forward(tokens, block_mask, positions, extra_visible, sizes, keep)
         except BaseException:
             for layer in self.kv.layers:
                 layer.crop(max(0, layer.get_seq_length() - before))
             raise
+        finally:
+            if window is not None:
+                _POSITIONS.reset(window)
+
+    def _positions(self, positions: torch.Tensor, S: int) -> Positions:
+        """positions [B, T] of the block; the S slots before it hold positions 0.. (committed rows are
+        contiguous; an uncommitted slot a query sees is one of its ancestors in a tree, fewer positions
+        back than any window worth the name, and its index, never below its position, keeps it within)."""
+        queries = to_device(positions, self.device)  # [B, T]
+        before = torch.arange(S, device=self.device).expand(queries.shape[0], S)  # [B, S]
+        return Positions(queries, torch.cat([before, queries], dim=1))
 
     def _forward(self, tokens, block_mask, positions, extra_visible, sizes, keep) -> torch.Tensor:
         mask = self.attention_mask(block_mask, extra_visible)
