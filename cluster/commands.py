@@ -174,6 +174,7 @@ def serve_main(args) -> None:
     import ray
     from ray import serve
 
+    from .frontend import check_served_models
     from .serve_app import GRPC_SERVICER, build_app, default_models
 
     app_args = {"config": args.config, **{flag: getattr(args, flag) for flag in OVERRIDES}}
@@ -183,6 +184,7 @@ def serve_main(args) -> None:
     else:
         serving_environment(cfg.server)
         cfg, gpus, logical = local_cluster(app_args, default_models, args.num_gpus)
+        check_served_models(cfg)  # a model specdec cannot serve is refused here, before Ray starts
         if logical:
             print(f"specdec serve: {logical}", flush=True)
         place = cfg.placement

@@ -17,12 +17,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 import ray
-from transformers import AutoConfig, GenerationConfig
+from transformers import GenerationConfig
 
 from specdec.acceptance import acceptance_rate
 from specdec.adaptive import Costs, Load
 from specdec.errors import InvalidArgument, RequestFailed, ResourceExhausted, Unavailable
-from specdec.loading import eos_ids, load_tokenizer
+from specdec.loading import check_model, eos_ids, load_tokenizer
 from specdec.logprobs import TokenLogprob
 from specdec.sampling import SamplingParams
 
@@ -137,13 +137,22 @@ class Chunk:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of token_ids, when the request asked for them
 
 
+def check_served_models(cfg: ServeConfig):
+    """Every model the config serves (target, drafts) is one specdec decodes exactly, from its config alone,
+    before any actor takes a GPU (specdec.loading.check_supported; UnsupportedModel names the type and
+    why) -> the target's config."""
+    for path, _ in cfg.models.drafts().values():
+        check_model(path)
+    return check_model(cfg.models.target.path)
+
+
 class Frontend:
     def __init__(self, cfg: ServeConfig):
         self.cfg = cfg
         target = cfg.models.target.path
         self.tokenizer = load_tokenizer(target)
         self.eos = sorted(eos_ids(_generation_config(target), self.tokenizer))
-        self.context = getattr(AutoConfig.from_pretrained(target), "max_position_embeddings", None)
+        self.context = getattr(check_served_models(cfg), "max_position_embeddings", None)
         self.router = Router(cfg.routing)
         self.budget = kv_budget(cfg)  # as the target counts: a request that could never fit is refused here
         self.topology: Topology = start_topology(cfg)

@@ -34,3 +34,15 @@ class Unavailable(RuntimeError):
 class RequestFailed(RuntimeError):
     """One request failed inside a batched step (its row alone; the others go on): gRPC INTERNAL, HTTP 500.
     The message is for clients: it names no internals (details go to the logs)."""
+
+
+class UnsupportedModel(ValueError):
+    """A model specdec cannot serve exactly (an encoder-decoder, recurrent or state-space layers, attention
+    of its own): refused at load, from its config alone, naming the model type and why."""
+
+    def __init__(self, model_type: str, reason: str):
+        super().__init__(f"model type {model_type!r} is not supported: {reason}")
+        self.model_type, self.reason = model_type, reason
+
+    def __reduce__(self):  # crosses process boundaries (Ray) intact
+        return type(self), (self.model_type, self.reason)

@@ -3,9 +3,12 @@
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, DistributedConfig, PretrainedConfig,
+                          PreTrainedModel, PreTrainedTokenizerBase)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .cpu_linear import pack_linears
+from .errors import UnsupportedModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -16,10 +19,64 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PreTrainedModel:
-    """A causal LM from a local folder (or a hub id, for users with network), in eval mode."""
+# Families whose per-token state is not a KV cache that can be cut back to any position (recurrent,
+# state-space, linear-attention or hybrid layers): a rejected draft token cannot be rolled back exactly.
+RECURRENT = frozenset({
+    "mamba", "mamba2", "falcon_mamba", "jamba", "rwkv", "recurrent_gemma", "qwen3_next", "qwen3_5", "qwen3_5_moe",
+    "zamba", "zamba2", "bamba", "falcon_h1", "granitemoehybrid", "lfm2", "lfm2_moe", "xlstm", "minimax",
+    "nemotron_h", "plamo2", "kimi_linear", "olmo_hybrid",
+})
+# Causal LMs whose attention does not run through transformers' attention interface (ALiBi, or a path of
+# their own), so specdec's ragged attention (trees, rows of different lengths) never runs in them: a
+# forward would be wrong or crash (Falcon: "size of tensor a (29) must match ... b (22)").
+OWN_ATTENTION = frozenset({
+    "falcon", "bloom", "mpt", "gptj", "codegen", "gpt_neo", "gpt_neox_japanese", "xglm", "cpmant", "reformer",
+    "xlnet", "xlm", "big_bird", "rembert", "roformer", "prophetnet", "mvp", "trocr", "fuyu", "got_ocr2",
+})
+ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})  # config.layer_types specdec runs
+
+
+def check_supported(config: PretrainedConfig) -> None:
+    """Raise UnsupportedModel, naming the model type and why, for a model specdec cannot decode exactly;
+    from its config alone, before any weights load."""
+    model_type = getattr(config, "model_type", None) or type(config).__name__
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModel(model_type, "it is an encoder-decoder; specdec serves decoder-only causal LMs")
+    if model_type in RECURRENT:
+        raise UnsupportedModel(model_type, "it has recurrent or state-space layers, whose state cannot be rolled "
+                                           "back per token as a KV cache can when draft tokens are rejected")
+    others = sorted({t for t in getattr(config, "layer_types", None) or () if t not in ATTENTION_LAYERS})
+    if others:
+        raise UnsupportedModel(model_type, f"it has {', '.join(others)} layers, whose state cannot be rolled back "
+                                           "per token as a KV cache can when draft tokens are rejected")
+    if model_type in OWN_ATTENTION:
+        raise UnsupportedModel(model_type, "its attention (ALiBi or a path of its own) does not run through "
+                                           "transformers' attention interface, which specdec's tree and batched "
+                                           "attention needs")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UnsupportedModel(model_type, "it is not a causal language model (no AutoModelForCausalLM class)")
+
+
+def check_model(path: str) -> PretrainedConfig:
+    """check_supported for the model in a folder, from its config.json alone -> that config."""
     _check_exists(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    config = AutoConfig.from_pretrained(path)
+    check_supported(config)
+    return config
+
+
+def attention_for(config: PretrainedConfig) -> str:
+    """The inner attention to load a model with: sdpa where its class supports it, else eager (Gemma 2:
+    soft-capping); specdec wraps either (kvcache.run_ragged_capable)."""
+    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
+
+
+def load_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PreTrainedModel:
+    """A causal LM from a local folder (or a hub id, for users with network), in eval mode; a model specdec
+    cannot decode exactly is refused (UnsupportedModel) before its weights load."""
+    config = check_model(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention_for(config))
     return model.to(device).eval()
 
 
@@ -32,8 +89,9 @@ def load_served_model(path: str, dtype: torch.dtype = torch.float32, device: str
 def load_sharded_model(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """This rank's shard of a causal LM, split by transformers' own tensor-parallel plan across the
     ranks of the default torch.distributed group (which the caller has initialised)."""
-    _check_exists(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", tp_plan="auto")
+    config = check_model(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention_for(config),
+                                                 distributed_config=DistributedConfig(tp_plan="auto"))
     return model.eval()
 
 
