@@ -57,8 +57,8 @@ FAMILIES = {
 }
 # families expected to fail today, and why (strict: an xpass fails, so a fix must drop its entry)
 XFAIL: dict[str, str] = {
-    "gemma2": "specdec.loading asks for sdpa, which Gemma2ForCausalLM refuses at load (it needs eager: soft-capping)",
-    "falcon": "crashes in the forward (its own attention path is not ragged-capable: tensor sizes mismatch)",
+    "falcon": "refused at load (specdec.loading.check_supported): its attention bypasses "
+              "transformers' attention interface; before the refusal it crashed mid-forward",
     "qwen2_moe_sliding": "wrong tokens past the window: Qwen2MoeAttention does not pass sliding_window to the "
                          "attention function, and specdec.kvcache applies a window only from that argument",
 }
