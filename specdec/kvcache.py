@@ -86,12 +86,24 @@ def ragged_attention(module, query, key, value, attention_mask, inner: str, **kw
         attend = sys.modules[type(module).__module__].eager_attention_forward
     else:
         attend = ALL_ATTENTION_FUNCTIONS[inner]
-    if (window := kwargs.get("sliding_window")) and (positions := _POSITIONS.get()) is not None:
+    if (window := _window_of(module, kwargs)) and (positions := _POSITIONS.get()) is not None:
         attention_mask = _within_window(attention_mask, positions.within(window))
     if (block := _BLOCK.get()) is None:
         return attend(module, query, key, value, attention_mask, **kwargs)
     out, weights = attend(module, block.pad(query), key, value, attention_mask, **kwargs)  # [B, T, H, D]
     return block.pack(out), weights
+
+
+def _window_of(module, kwargs) -> int | None:
+    """The attention layer's window: as it says it to the attention (most families), or as its config's
+    layer_types says it (Qwen2-MoE's layers keep theirs to themselves)."""
+    if kwargs.get("sliding_window"):
+        return kwargs["sliding_window"]
+    config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    types = getattr(config, "layer_types", None)
+    if types and index is not None and types[index] == "sliding_attention":
+        return config.sliding_window
+    return None
 
 
 def _within_window(mask: torch.Tensor, near: torch.Tensor) -> torch.Tensor:

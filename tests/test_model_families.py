@@ -59,8 +59,6 @@ FAMILIES = {
 XFAIL: dict[str, str] = {
     "falcon": "refused at load (specdec.loading.check_supported): its attention bypasses "
               "transformers' attention interface; before the refusal it crashed mid-forward",
-    "qwen2_moe_sliding": "wrong tokens past the window: Qwen2MoeAttention does not pass sliding_window to the "
-                         "attention function, and specdec.kvcache applies a window only from that argument",
 }
 
 
