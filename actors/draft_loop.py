@@ -8,7 +8,6 @@ draft's cache back, stream the tokens. Requests join and leave between iteration
 The target is a Target: GrpcTarget (a target rank's specdec.v1.TargetService over gRPC), or a
 TargetScheduler in the same process (tests)."""
 
-import logging
 import asyncio
 import threading
 import time
@@ -28,13 +27,11 @@ from specdec.engine import Generation, emit, record_step
 from specdec.kvcache import Prefilled
 from specdec.errors import ResourceExhausted, Unavailable
 from specdec.sampling import SamplingParams, make_generator
+from specdec.target import Outcome
 from specdec.tree import TokenTree
 
 from . import wire
-from .streams import Sink
-
-log = logging.getLogger(__name__)
-Outcome = Verdict | Exception  # a row's verdict, or the typed error that ended it alone (TargetScheduler.verify)
+from .streams import Sink, tell
 
 
 class Target(Protocol):
@@ -102,7 +99,7 @@ class GrpcTarget:
                                      "(it waited in the admission queue); retry later")
         return _error(e)
 
-    def verify(self, trees: dict[str, TokenTree]) -> dict[str, Verdict | Exception]:
+    def verify(self, trees: dict[str, TokenTree]) -> dict[str, Outcome]:
         try:
             reply = self.stub.Verify(tree_pb.VerifyRequest(trees=[wire.tree_to_proto(rid, t)
                                                                   for rid, t in trees.items()]),
@@ -198,7 +195,7 @@ class DraftLoop:
             joining, self._joining = self._joining, []
             self._failure = error
         for r in joining:
-            _tell(r, [], True, error)
+            tell(r.rid, r.sink, [], r.out, True, error)
 
     def _loop(self) -> None:
         while True:
@@ -243,7 +240,7 @@ class DraftLoop:
         if close:
             self.target.close([r.rid for r in leaving])
             for r in leaving:
-                _tell(r, [], True, None)
+                tell(r.rid, r.sink, [], r.out, True, None)
 
     def _step(self) -> None:
         rows = self.rows
@@ -269,7 +266,8 @@ class DraftLoop:
         done = [r for r, _, more, _ in steps if not more]
         if done:  # before their last step goes out: a finished request holds nothing on the target
             self.target.close([r.rid for r in done])
-        deaf = [r for r, tokens, more, error in steps if not _tell(r, tokens, not more, error) and more]
+        deaf = [r for r, tokens, more, error in steps
+                if not tell(r.rid, r.sink, tokens, r.out, not more, error) and more]
         if deaf:  # a sink that failed ends its own request
             self.target.close([r.rid for r in deaf])
         self._drop(done + deaf, close=False)
@@ -317,7 +315,7 @@ class DraftLoop:
         if self.drafter is not None:
             self.drafter.start(0)
         for r in rows:
-            _tell(r, [], True, error)
+            tell(r.rid, r.sink, [], r.out, True, error)
 
 
 def _verdict(outcomes: dict[str, Outcome], rid: str) -> Verdict | None:
@@ -325,13 +323,3 @@ def _verdict(outcomes: dict[str, Outcome], rid: str) -> Verdict | None:
     outcome = outcomes.get(rid)
     return outcome if isinstance(outcome, Verdict) else None
 
-
-def _tell(r: DraftRequest, tokens: list[int], finished: bool, error: Exception | None) -> bool:
-    """Hand a request's step to its sink; a sink that raises ends its own request, never the loop.
-    -> whether the sink took it"""
-    try:
-        r.sink(tokens, r.out, finished, error)
-        return True
-    except Exception:  # noqa: BLE001 - the caller's fault is its own
-        log.exception("request %s: its sink failed; the request ends", r.rid)
-        return False

@@ -25,7 +25,7 @@ from specdec.sampling import SamplingParams
 from specdec.target import Outcome, TargetWorker
 from specdec.tree import TokenTree
 
-from .streams import Sink
+from .streams import Sink, tell
 
 log = logging.getLogger(__name__)
 CLOSED_KEPT = 4096
@@ -357,7 +357,7 @@ class TargetScheduler:
             for j in joining:
                 j.waiter.finish(error=e)
                 if j.plain:
-                    _tell(j.rid, j.plain, [], True, e)
+                    tell(j.rid, j.plain.sink, [], j.plain.out, True, e)
             return
         for j in joining:
             if j.plain:
@@ -420,24 +420,14 @@ class TargetScheduler:
         more = emit(plain.out, plain.seq, verdict, plain.max_new_tokens, plain.eos)
         if not more:
             self._finish_plain(rid)  # before its last step goes out: a finished request holds nothing
-        if not _tell(rid, plain, plain.out.token_ids[before:], not more, None) and more:
+        if not tell(rid, plain.sink, plain.out.token_ids[before:], plain.out, not more, None) and more:
             self._finish_plain(rid)  # its sink failed: nobody is left to hear the rest
 
     def _finish_plain(self, rid: str, error: Exception | None = None) -> None:
         plain = self._plain.pop(rid)
         if error is not None:
-            _tell(rid, plain, [], True, error)
+            tell(rid, plain.sink, [], plain.out, True, error)
         self.worker.remove([rid])
         with self._cv:
             self._reserved.pop(rid, None)
 
-
-def _tell(rid: str, plain: _Plain, tokens: list[int], finished: bool, error: Exception | None) -> bool:
-    """Hand a plain request's step to its sink; a sink that raises ends its own request, never the loop.
-    -> whether the sink took it"""
-    try:
-        plain.sink(tokens, plain.out, finished, error)
-        return True
-    except Exception:  # noqa: BLE001 - the caller's fault is its own
-        log.exception("request %s: its sink failed; the request ends", rid)
-        return False
