@@ -129,10 +129,17 @@ class ModelDrafter:
         if width < 1:
             raise ValueError(f"tree width must be >= 1, got {width}")
         self.lm, self.width = draft, width
+        self.vocab = draft.model.get_input_embeddings().num_embeddings  # ids the draft can read: [0, vocab)
 
     @property
     def draft_lm(self) -> CachedLM:
         return self.lm
+
+    def _readable(self, chunks: list[list[int]]) -> list[list[int]]:
+        """The target's tokens as the draft reads them: an id past the draft's embedding (a row of the
+        target's padded vocabulary, which a draft with the same tokenizer but a smaller embedding lacks)
+        reads as 0. Only the draft's guesses change; the target verifies every token."""
+        return [[t if t < self.vocab else 0 for t in chunk] for chunk in chunks]
 
     def match_length(self, row: int, seq: list[int]) -> int:
         return 0  # no n-gram guesses
@@ -142,7 +149,7 @@ class ModelDrafter:
         self.slot_of: list[dict[int, int]] = [{} for _ in range(batch_size)]
 
     def prefill_alone(self, prompts: list[list[int]]) -> Prefilled:
-        return self.lm.prefill_alone([p[:-1] for p in prompts])  # the last token is the first tree's root
+        return self.lm.prefill_alone(self._readable([p[:-1] for p in prompts]))  # the last token: the first root
 
     def add_rows(self, n: int, prefilled: Prefilled | None = None) -> None:
         if prefilled is None:
@@ -173,7 +180,7 @@ class ModelDrafter:
     def next_tokens(self, seqs: list[list[int]]) -> list[int]:
         """The draft's argmax after each seq, running what it has not seen (at least the last token)."""
         self.lm.truncate([len(seq) - 1 for seq in seqs])
-        logits = self.lm.prefill([seq[n:] for seq, n in zip(seqs, self.lm.lengths)])  # [B, V]
+        logits = self.lm.prefill(self._readable([seq[n:] for seq, n in zip(seqs, self.lm.lengths)]))  # [B, V]
         return logits.argmax(-1).tolist()
 
     def rollback(self, checkpoint: "_Assumed", kept: list[int | None]) -> None:
@@ -195,7 +202,7 @@ class ModelDrafter:
             return trees  # the draft catches up with these tokens next time
         self._hold_pending()  # rows given no depth may hold a tree drafted ahead
         # run what the draft has not seen yet; its last token is the root
-        logits = self.lm.prefill([seq[n:] for seq, n in zip(seqs, self.lm.lengths)])  # [B, V]
+        logits = self.lm.prefill(self._readable([seq[n:] for seq, n in zip(seqs, self.lm.lengths)]))  # [B, V]
         device = logits.device
         base = self.lm.size  # first slot of this tree's nodes
         frontier = [[0] for _ in range(B)]  # per row: node ids, one per column of `logits`

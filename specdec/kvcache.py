@@ -68,6 +68,10 @@ class Positions:
 
 _POSITIONS: contextvars.ContextVar[Positions | None] = contextvars.ContextVar("specdec_positions", default=None)
 INNER_ATTENTION = ("sdpa", "eager")  # the attention a CachedLM's model may come with
+# Families whose attention runs on a path of its own, not through transformers' attention interface, but
+# takes the 4D mask and position ids a CachedLM gives as they are (Falcon with rotary positions, GPT-J,
+# CodeGen): nothing can pack their ragged blocks, so those run padded (CachedLM.packs).
+OWN_PATH_ATTENTION = frozenset({"falcon", "gptj", "codegen"})
 
 
 @dataclass
@@ -130,13 +134,15 @@ def has_sliding_window(config) -> bool:
 
 
 def run_ragged_capable(model: PreTrainedModel) -> str:
-    """Switch the model's attention to its ragged-capable wrapper (once) -> its own attention (sdpa, eager)."""
+    """Switch the model's attention to its ragged-capable wrapper (once; not for a family whose attention
+    takes its own path) -> its own attention (sdpa, eager)."""
     name = model.config._attn_implementation
     inner = name.removeprefix("specdec_ragged_")
     if inner not in INNER_ATTENTION:
         raise ValueError(f"the model runs {name!r} attention; specdec runs models with {' or '.join(INNER_ATTENTION)} "
                          "attention (attn_implementation when loading)")
-    model.config._attn_implementation = f"specdec_ragged_{inner}"
+    if model.config.model_type not in OWN_PATH_ATTENTION:
+        model.config._attn_implementation = f"specdec_ragged_{inner}"
     return inner
 
 
@@ -253,6 +259,7 @@ class CachedLM:
         self.model = model
         self.device = model.device
         self.eager = run_ragged_capable(model) == "eager"
+        self.packs = model.config.model_type not in OWN_PATH_ATTENTION  # a ragged block runs packed, else padded
         self.sliding = has_sliding_window(model.config)  # some layer attends within a window: positions needed
         self.reset(0)
 
@@ -330,11 +337,29 @@ class CachedLM:
             return logits if keep is None or last else logits[keep]
         # [N] each real token's place in the block, row * T + slot: laid out on the host, from sizes alone
         index = host_tensor([b * T + j for b, n in enumerate(sizes) for j in range(n)], torch.long, self.device)
+        keep_t = host_tensor(keep, torch.long, self.device) if keep is not None else None
+        if not self.packs:
+            return self._run_padded(tokens, mask, positions, sizes, index, keep_t)
         block = Ragged(index, B, T)
-        keep_t = host_tensor(keep, torch.long, self.device) if keep is not None else 0
+        keep_t = 0 if keep_t is None else keep_t
         packed = [to_device(t, self.device).flatten()[index].unsqueeze(0) for t in (tokens, positions)]  # [1, N] each
         with _running_ragged(block):
             return self._run(*packed[:1], mask, *packed[1:], keep_t)[0]
+
+    def _run_padded(self, tokens, mask, positions, sizes, index, keep) -> torch.Tensor:
+        """A ragged block run whole, padding included -> logits [N, V] of the real tokens (or `keep`'s of them).
+        A padding slot sees itself alone among the block's slots, so its keys and values stay finite; no
+        real query sees it, now or later (it is never committed)."""
+        B, T = tokens.shape
+        S = mask.shape[-1] - T
+        slot = torch.arange(T, device=self.device)
+        padding = slot.view(1, T) >= host_tensor(sizes, torch.long, self.device).view(B, 1)  # [B, T]
+        sees_itself = padding[:, None, :, None] & (slot.view(1, 1, T, 1) == slot.view(1, 1, 1, T))  # [B, 1, T, T]
+        block = mask[..., S:]
+        block = block | sees_itself if mask.dtype == torch.bool else block.masked_fill(sees_itself, 0)
+        mask = torch.cat([mask[..., :S], block], dim=-1)
+        logits = self._run(tokens, mask, positions, 0).reshape(B * T, -1)[index]  # [N, V]
+        return logits if keep is None else logits[keep]
 
     def _run(self, tokens, mask, positions, logits_to_keep) -> torch.Tensor:
         out = self.model(

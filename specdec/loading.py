@@ -27,10 +27,12 @@ RECURRENT = frozenset({
     "nemotron_h", "plamo2", "kimi_linear", "olmo_hybrid",
 })
 # Causal LMs whose attention does not run through transformers' attention interface (ALiBi, or a path of
-# their own), so specdec's ragged attention (trees, rows of different lengths) never runs in them: a
-# forward would be wrong or crash (Falcon: "size of tensor a (29) must match ... b (22)").
+# their own) and does not take a CachedLM's mask and positions as they are, so a tree or rows of different
+# lengths would be wrong or crash (Falcon with ALiBi: "size of tensor a (29) must match ... b (22)"). ALiBi
+# derives each key's position from a 2D mask's running count, which cannot say a tree node's depth; GPT-Neo's
+# local layers window by cache slot, not by position. (Own paths that do take them: kvcache.OWN_PATH_ATTENTION.)
 OWN_ATTENTION = frozenset({
-    "falcon", "bloom", "mpt", "gptj", "codegen", "gpt_neo", "gpt_neox_japanese", "xglm", "cpmant", "reformer",
+    "bloom", "mpt", "gpt_neo", "gpt_neox_japanese", "xglm", "cpmant", "reformer",
     "xlnet", "xlm", "big_bird", "rembert", "roformer", "prophetnet", "mvp", "trocr", "fuyu", "got_ocr2",
 })
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})  # config.layer_types specdec runs
@@ -49,6 +51,9 @@ def check_supported(config: PretrainedConfig) -> None:
     if others:
         raise UnsupportedModel(model_type, f"it has {', '.join(others)} layers, whose state cannot be rolled back "
                                            "per token as a KV cache can when draft tokens are rejected")
+    if model_type == "falcon" and getattr(config, "alibi", False):
+        raise UnsupportedModel(model_type, "it uses ALiBi (alibi: true), which Falcon builds from a 2D mask's "
+                                           "running count of tokens; a tree's node positions cannot be said so")
     if model_type in OWN_ATTENTION:
         raise UnsupportedModel(model_type, "its attention (ALiBi or a path of its own) does not run through "
                                            "transformers' attention interface, which specdec's tree and batched "

@@ -11,10 +11,13 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from specdec import CachedLM, SpecConfig, SpeculativeEngine
+from actors.draft_loop import DraftLoop, DraftRequest
+from conftest import save_tokenizer
+from specdec import CachedLM, SamplingParams, SpecConfig, SpeculativeEngine
 from specdec.drafters import make_drafter
 from specdec.kvcache import has_sliding_window
-from specdec.loading import load_model
+from specdec.loading import check_same_vocabulary, load_model, load_tokenizer
+from test_grpc_trees import Collect, scheduler_for
 
 WINDOW, VOCAB, NEW = 16, 64, 40
 PROMPT_LENGTHS = (20, 7, 13)  # batched rows of different lengths; the shortest + NEW passes the window
@@ -53,13 +56,13 @@ FAMILIES = {
     "mixtral_sliding": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, **SW}, True),
     "qwen2_moe": ("qwen2_moe", MOE_QWEN, True),
     "qwen2_moe_sliding": ("qwen2_moe", {**MOE_QWEN, **SW, "use_sliding_window": True, "max_window_layers": 1}, True),
-    "falcon": ("falcon", {}, False),  # multi-query, rotary (not ALiBi)
+    "falcon": ("falcon", {}, False),  # Falcon-7B's shape: multi-query, parallel attention, rotary; own attention path
+    "falcon_new_arch": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2}, False),  # Falcon-40B/180B's
+    "gptj": ("gptj", {"n_embd": 64, "n_layer": 2, "n_head": 4, "rotary_dim": 8}, False),  # own attention path
+    "codegen": ("codegen", {"n_embd": 64, "n_layer": 2, "n_head": 4, "rotary_dim": 8}, False),  # own attention path
 }
 # families expected to fail today, and why (strict: an xpass fails, so a fix must drop its entry)
-XFAIL: dict[str, str] = {
-    "falcon": "refused at load (specdec.loading.check_supported): its attention bypasses "
-              "transformers' attention interface; before the refusal it crashed mid-forward",
-}
+XFAIL: dict[str, str] = {}
 
 
 def build_config(name: str):
@@ -122,6 +125,57 @@ def test_family_equals_generate(family, kind, width, depth):
     if kind == "none":
         assert [engine.generate([p], NEW)[0].token_ids for p in prompts()] == expected
     assert [o.token_ids for o in engine.generate(prompts(), NEW)] == expected
+
+
+def test_the_served_loops_equal_generate(family):
+    """The target's scheduler and a draft replica's loop in one process (as they serve): one plain row
+    and two speculative ones (a tree of width 2, depth 3) of different lengths, in shared forwards."""
+    target, draft, expected = family
+    scheduler = scheduler_for(target)
+    loop = DraftLoop(scheduler, make_drafter("model", CachedLM(draft), 2))
+    batch, sinks = prompts(), [Collect() for _ in PROMPT_LENGTHS]
+    try:
+        scheduler.decode("plain", batch[0], SamplingParams(), NEW, set(), sinks[0])
+        for i in (1, 2):
+            scheduler.open(f"spec{i}", batch[i], SamplingParams(), 0, NEW)
+            loop.join(DraftRequest(f"spec{i}", batch[i], SamplingParams(), NEW, set(), 3, sinks[i]))
+        assert [s.wait()[0] for s in sinks] == expected
+    finally:
+        scheduler.stop()
+
+
+# (target family, draft family, the target's vocabulary padded past the tokenizer's): one tokenizer
+CROSS = {
+    "qwen2 <- llama": ("qwen2", "llama", 0),
+    "mistral_sliding <- gpt2": ("mistral_sliding", "gpt2", 0),
+    "llama, padded <- qwen3": ("llama", "qwen3", 8),  # as Qwen2.5-7B's 152064 rows to -0.5B's 151936
+}
+
+
+@pytest.mark.parametrize("pair", CROSS)
+def test_a_draft_of_another_family(tmp_path, pair):
+    """A draft of another family than the target's, with the same tokenizer (and a smaller embedding
+    where the target's is padded): accepted at load, and the output equals the target's generate(), in
+    the engine and in the served loops. The draft is trained on nothing, so most of its tokens fail."""
+    target_family, draft_family, padding = CROSS[pair]
+    words = [f"w{i}" for i in range(1, VOCAB - 4)]
+    for name, family_name, vocab in (("target", target_family, VOCAB + padding), ("draft", draft_family, VOCAB)):
+        torch.manual_seed(len(name))
+        config = build_config(family_name)
+        config.vocab_size = vocab
+        model = AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(8)
+        model.save_pretrained(tmp_path / name)
+    save_tokenizer(tmp_path / "target", words)  # the target family's tokenizer, copied to the draft as a user would
+    load_tokenizer(str(tmp_path / "target")).save_pretrained(tmp_path / "draft")
+    check_same_vocabulary(load_tokenizer(str(tmp_path / "target")), load_tokenizer(str(tmp_path / "draft")))
+    target, draft = load_model(str(tmp_path / "target")), load_model(str(tmp_path / "draft"))
+    assert type(target) is not type(draft)
+    expected = [generate(target, p) for p in prompts()]
+    engine = SpeculativeEngine(CachedLM(target), make_drafter("model", CachedLM(draft), 2), SpecConfig(depth=3, width=2))
+    assert [o.token_ids for o in engine.generate(prompts(), NEW)] == expected
+    test_the_served_loops_equal_generate((target, draft, expected))
 
 
 def test_every_sliding_family_is_tested_past_its_window():
