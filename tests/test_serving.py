@@ -256,7 +256,7 @@ def test_client_deadline_stops_the_request(server, deadline_s):
     """A request whose deadline passes mid-way is stopped (cancelled at the ingress); it never runs to the
     end, wherever Serve's proxy stands when the deadline passes (cluster/grpc_proxy.py; before it, 3 of 58
     such requests ran on: docs/bench/deadline-cancels.txt). A deadline that passes before the request reaches the ingress is not
-    seen there (Serve's gRPC proxy does not pass deadlines on: the README's Reliability section); then
+    seen there (Serve's gRPC proxy does not pass deadlines on: docs/reliability.md); then
     nothing was streamed, and the test skips rather than assert what the server cannot know."""
     before = http(server, "/v1/stats")[1]["requests"]
     req = api.GenerateRequest(prompt="w3 w4", task_type="noise", max_new_tokens=200, speculation=api.SPECULATION_ON)
