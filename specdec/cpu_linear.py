@@ -3,9 +3,8 @@
 nn.Linear on a CPU calls MKL's sgemm, which runs the few rows of a decode step (1 to 16 tokens) far
 below its speed on many: on the bench target's shapes, 2 rows cost twice 1 row. oneDNN with each
 weight reordered once into its blocked layout (what torch.compile's freezing and IPEX do on CPUs)
-ran the bench target's whole forward 1.5x faster for one token, 2.0-2.2x for a tree of 2-9 tokens,
-1.5-1.8x for 8 rows and 1.9x for a prompt (docs/bench/cpu-linear.txt, one thread). The numbers
-differ from MKL's in float rounding only.
+runs them at the speed of their size (measured: docs/performance.md, "Linear layers through oneDNN").
+The numbers differ from MKL's in float rounding only.
 """
 
 import torch

@@ -87,7 +87,7 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu
 
 def load_served_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PreTrainedModel:
     """load_model, as specdec serves it: on a CPU, its linear layers run through oneDNN's packed
-    weights (specdec.cpu_linear): the bench target's forward runs 1.5-2.2x faster so."""
+    weights (specdec.cpu_linear)."""
     return pack_linears(load_model(path, dtype, device))
 
 
