@@ -5,6 +5,8 @@ from specdec.errors import InvalidArgument
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_STOP_CHARS = 256  # characters of one stop string: each step searches the text not yet sent for every one
 INCOMPLETE = "\ufffd"  # what decoding gives for the bytes of a character whose last bytes have not come yet
+SPLIT_AFTER = 16  # tokens waiting behind an incomplete character before the window looks for a place to split
+SPLIT_TRIES = 8  # places looked at, from the end; then again after as many more tokens
 
 
 class Detokenizer:
@@ -20,7 +22,9 @@ class Detokenizer:
     final: not while it ends in an incomplete character (a byte-level token may end in the first bytes
     of one) nor after a byte-fallback token "<0x..>" (sentencepiece decodes a run of them together, so
     the next one can still change the run's text). Special tokens are left out before decoding, as
-    skip_special_tokens does.
+    skip_special_tokens does. Text that keeps ending in undecodable bytes (a model repeating a lone
+    continuation byte) would keep the window growing: past SPLIT_AFTER tokens it is split where decoding
+    the two parts apart gives the same text (see _split); a run of byte-fallback tokens is not split.
 
     With stop strings, the request ends at the first token after which the text contains one: the text
     is cut where that stop string starts, and text that may still turn into one is held back until it
@@ -38,6 +42,7 @@ class Detokenizer:
         self._prefix_text: str | None = ""  # decode(_window[:_read]), once needed
         self._unsent = ""  # final text not handed out yet (held back, or waiting behind an incomplete character)
         self._tail = ""  # text of _window[_read:]: not final yet (it may still change)
+        self._split_at = SPLIT_AFTER  # tokens waiting after which _split is tried
 
     def add(self, ids: list[int], final: bool = False) -> tuple[int, str]:
         """A step's tokens -> (how many of them the request keeps, the text to send now). It keeps all
@@ -65,13 +70,37 @@ class Detokenizer:
         self._window += new
         if self._prefix_text is None:
             self._prefix_text = self._window_text(self._window[:self._read])
-        tail = self._window_text(self._window)[len(self._prefix_text):]
+        text = self._window_text(self._window)
+        tail = text[len(self._prefix_text):]
         if tail.endswith(INCOMPLETE) or self._byte_fallback(self._window[-1]):
             self._tail = tail
+            if len(self._window) - self._read >= self._split_at:
+                self._split(text)
             return
         self._unsent, self._tail = self._unsent + tail, ""
         del self._window[:self._read]  # this step's tokens are the next prefix
-        self._read, self._prefix_text = len(self._window), None
+        self._read, self._prefix_text, self._split_at = len(self._window), None, SPLIT_AFTER
+
+    def _split(self, text: str) -> None:
+        """Make final the text of the window up to a token r where decoding its two parts apart gives
+        the window's text, `text` (and the second part is not empty, nor r inside a byte-fallback run):
+        then nothing that comes later changes the first part. Byte-level decoding replaces a sequence
+        that cannot be completed by one \ufffd: had the bytes after r continued the one before, the two
+        parts apart would decode to more characters. A decoder that joins tokens with spaces or drops a
+        first token's leading space never splits so: the window then waits for a final end as before.
+        The window then starts at r, with no prefix."""
+        window = self._window
+        for r in range(len(window) - 1, max(self._read, len(window) - 1 - SPLIT_TRIES), -1):
+            if self._byte_fallback(window[r - 1]):
+                continue
+            first, second = self._window_text(window[:r]), self._window_text(window[r:])
+            if second and first + second == text and len(first) >= len(self._prefix_text):
+                self._unsent += first[len(self._prefix_text):]
+                self._tail = second
+                del window[:r]
+                self._read, self._prefix_text, self._split_at = 0, "", SPLIT_AFTER
+                return
+        self._split_at = len(window) - self._read + SPLIT_TRIES  # none here: look again later
 
     def _window_text(self, ids: list[int]) -> str:
         """The tokenizer's decode of some tokens (special ones were left out already). A tokenizer whose
@@ -98,9 +127,8 @@ class Detokenizer:
             new, self._unsent, self._tail = self._unsent + self._tail, "", ""
         elif self._tail.endswith(INCOMPLETE):
             return ""  # an incomplete character: wait for its next bytes
-        else:
-            unsent = self._unsent + self._tail
-            end = min(len(self._unsent), len(unsent) - self._held_back(unsent))
+        else:  # the tail may still change (a byte-fallback run): a stop string may go on into whatever it becomes
+            end = len(self._unsent) - self._held_back(self._unsent)
             new, self._unsent = self._unsent[:end], self._unsent[end:]
         self.sent += len(new)
         return new

@@ -284,6 +284,18 @@ def test_a_byte_fallback_run_is_decoded_together():
     assert stream(tokenizer, [[i] for i in ids], ())[1] == whole(tokenizer, ids)
 
 
+def test_text_before_an_open_byte_fallback_run_is_held_for_a_stop_string_going_on_into_it():
+    """"T" as a byte token, then a lone lead byte: the run's text turns from "T" into two \ufffd, and a
+    stop string "n\ufffd" is then met across "tion" and the run: "n" was not sent meanwhile."""
+    tokenizer = sentencepiece_like("llama")
+    tion = tokenizer.convert_tokens_to_ids("tion")
+    t, lead = (tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in (0x54, 0xC3))
+    assert whole(tokenizer, [tion, t]) == "tionT" and whole(tokenizer, [tion, t, lead]) == "tion\ufffd\ufffd"
+    assert tion != tokenizer.unk_token_id
+    kept, text, parts, stopped = stream(tokenizer, [[tion], [t], [lead]], ("n\ufffd",))
+    assert (kept, text, stopped) == ([tion, t, lead], "tio", True) and parts == ["tio", "", ""]
+
+
 class CountingDecodes:
     """A tokenizer that counts the tokens each decode call is given."""
 
@@ -319,3 +331,38 @@ def test_a_step_decodes_a_bounded_number_of_tokens(byte_level, stop):
     assert max(per_step) <= 20, max(per_step)  # tokens decoded per token of a step: 2000 at the end before
     first, last = per_step[:100], per_step[-100:]
     assert sum(last) / len(last) <= 2 * sum(first) / len(first) + 1
+
+
+@pytest.mark.parametrize("name", ["byte_level", "toy_byte_level", "bench"])
+def test_text_that_keeps_ending_in_undecodable_bytes_still_decodes_a_bounded_window(name, request):
+    """A model repeating lone continuation bytes (or the start of a character it never finishes): the
+    text always ends in \ufffd, and the window is split where that is exact, so a step still decodes a
+    bounded number of tokens; the text is still the whole decoding."""
+    import random
+
+    if name == "bench" and not SHARED_TOKENIZER.exists():
+        pytest.skip(f"{SHARED_TOKENIZER} is absent (the shared bench models)")
+    tokenizer = {"bench": lambda: load_tokenizer(str(SHARED_TOKENIZER)), "toy_byte_level": toy_byte_level,
+                 "byte_level": lambda: request.getfixturevalue("byte_level")}[name]()
+    byte = {b: tokenizer.convert_tokens_to_ids(_byte_char(b)) for b in (0x80, 0xE2, 0xF0)}
+    assert all(whole(tokenizer, [i]) == "\ufffd" for i in byte.values())
+    rng = random.Random(4)
+    for pattern in ([0x80], [0xE2], [0xF0, 0x80], [0xE2, 0x80, 0xE2]):
+        ids = [byte[pattern[i % len(pattern)]] for i in range(1000)]
+        counting = CountingDecodes(tokenizer)
+        detok, sent, per_step = Detokenizer(counting), "", []
+        for step in random_steps(rng, ids):
+            before = counting.decoded
+            sent += detok.add(step)[1]
+            per_step.append((counting.decoded - before) / len(step))
+        sent += detok.add([], final=True)[1]
+        assert sent == whole(tokenizer, ids), pattern
+        assert sum(per_step[-100:]) / 100 <= 50, (pattern, per_step[-20:])  # 1000 at the end without a split
+
+
+def _byte_char(b: int) -> str:
+    """The byte-level alphabet's character for byte b (GPT-2's bytes_to_unicode)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    if b in printable:
+        return chr(b)
+    return chr(256 + sorted(set(range(256)) - set(printable)).index(b))
