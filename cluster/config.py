@@ -19,11 +19,10 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 Port = Annotated[int, Field(ge=1, le=65535)]
 NonEmpty = Annotated[str, Field(min_length=1)]
 
-# Upper bounds of the speculation's shape: a tree of tree_width branches per depth, max_depth deep, costs a
+# Upper bounds of the speculation's shape: a tree of tree_width branches per depth, max_k deep, costs a
 # B x T x T attention mask and a KV reservation per row; beyond these a config is a mistake, not a tuning.
 MAX_TREE_WIDTH = 16  # speculation.tree_width
-MAX_TREE_DEPTH = 32  # speculation.max_depth
-MAX_K = 32  # routing.*.max_k: tokens drafted per step
+MAX_K = 32  # routing.*.max_k: tokens drafted per step (the tree's depth)
 MAX_REQUEST_BYTES = 2**31 - 1  # server.max_request_bytes: gRPC's own ceiling on a message
 
 # A task type (a request's task_type, a key of routing.task_types): the router keeps state per name and
@@ -88,18 +87,24 @@ class PlacementConfig(_Section):
 
 
 class SpeculationConfig(_Section):
+    """How drafts are made. How many tokens a step drafts is the router's choice per task type (by live
+    alpha and the target's load), up to routing.*.max_k."""
+
     drafter: DrafterKind = DrafterKind("model+ngram")
-    num_speculative_tokens: int | Literal["auto"] = "auto"
     tree_width: int = Field(1, ge=1, le=MAX_TREE_WIDTH)
-    max_depth: int = Field(8, ge=1, le=MAX_TREE_DEPTH)
     overlap: bool = False  # draft the next step while the target verifies this one (draft models only)
 
-    @field_validator("num_speculative_tokens", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _count_or_auto(cls, value: Any) -> Any:
-        if value == "auto" or (type(value) is int and value >= 0):
-            return value
-        raise ValueError(f"must be an integer >= 0 or 'auto' (got {value!r})")
+    def _removed_keys(cls, data: Any) -> Any:
+        """num_speculative_tokens and max_depth were accepted once but never read when serving."""
+        for key in sorted(REMOVED_SPECULATION_KEYS & set(data if isinstance(data, Mapping) else ())):
+            raise ValueError(f"{key} was removed (serving never read it): the router picks how many tokens a "
+                             f"step drafts per task type, up to routing.*.max_k; delete the key")
+        return data
+
+
+REMOVED_SPECULATION_KEYS = {"num_speculative_tokens", "max_depth"}
 
 
 class Thresholds(_Section):

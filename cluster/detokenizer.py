@@ -4,61 +4,148 @@ from specdec.errors import InvalidArgument
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_STOP_CHARS = 256  # characters of one stop string: each step searches the text not yet sent for every one
+INCOMPLETE = "\ufffd"  # what decoding gives for the bytes of a character whose last bytes have not come yet
+SPLIT_AFTER = 16  # tokens waiting behind an incomplete character before the window looks for a place to split
+SPLIT_TRIES = 8  # places looked at, from the end; then again after as many more tokens
 
 
 class Detokenizer:
-    """A request's text, step by step. The tokens are decoded whole each time, so tokens that split a
-    character (byte-level BPE) come out once the character is complete. With stop strings, the request
-    ends at the first token after which the text contains one: the text is cut where that stop string
-    starts, and text that may still turn into one is held back until it cannot (or the request ends)."""
+    """A request's text, step by step, always exactly `tokenizer.decode(ids, skip_special_tokens=True)`
+    of its tokens so far (the tokenizer's own decode; a tokenizer that cleans up spaces after decoding,
+    as transformers may for WordPiece ones, is not covered: see _window_text).
+
+    Incremental, as vLLM's detokenizer: each step decodes only a window of recent tokens, never the
+    whole request, so a token costs the same at the 2000th as at the first. The window starts at the
+    previous step's tokens (the prefix: decoding them again gives the context the new ones need, a
+    byte-level BPE's bytes or a sentencepiece token's leading space) and its new text is what decoding
+    the window adds to decoding the prefix alone. The window moves on only where the text so far is
+    final: not while it ends in an incomplete character (a byte-level token may end in the first bytes
+    of one) nor after a byte-fallback token "<0x..>" (sentencepiece decodes a run of them together, so
+    the next one can still change the run's text). Special tokens are left out before decoding, as
+    skip_special_tokens does. Text that keeps ending in undecodable bytes (a model repeating a lone
+    continuation byte) would keep the window growing: past SPLIT_AFTER tokens it is split where decoding
+    the two parts apart gives the same text (see _split); a run of byte-fallback tokens is not split.
+
+    With stop strings, the request ends at the first token after which the text contains one: the text
+    is cut where that stop string starts, and text that may still turn into one is held back until it
+    cannot (or the request ends)."""
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
         self.tokenizer, self.stop = tokenizer, stop
         self._borders = [_borders(s) for s in stop]  # each stop string's prefix function (KMP)
+        self._special = _special_ids(tokenizer) if tokenizer is not None else frozenset()
         self.ids: list[int] = []
-        self.text = ""  # decoded so far; cut at the stop string once one is found
         self.sent = 0  # characters of text handed out
         self.stopped = False  # a stop string was found: nothing more is wanted
+        self._window: list[int] = []  # the tokens decoded each step (special tokens left out)
+        self._read = 0  # _window[:_read] is the prefix: tokens whose text is in the text already
+        self._prefix_text: str | None = ""  # decode(_window[:_read]), once needed
+        self._unsent = ""  # final text not handed out yet (held back, or waiting behind an incomplete character)
+        self._tail = ""  # text of _window[_read:]: not final yet (it may still change)
+        self._split_at = SPLIT_AFTER  # tokens waiting after which _split is tried
 
     def add(self, ids: list[int], final: bool = False) -> tuple[int, str]:
         """A step's tokens -> (how many of them the request keeps, the text to send now). It keeps all
-        of them unless one completes a stop string: then it keeps up to that one."""
+        of them unless one completes a stop string: then it keeps up to that one. `final`: the request's
+        last call; everything left is sent."""
         if not self.stop:
             self.ids += ids
-            self.text = self._decode()
+            self._extend(ids)
             return len(ids), self._release(final)
         for kept, token in enumerate(ids, 1):  # token by token: the step may go past the stop string
             self.ids.append(token)
-            self.text = self._decode()
+            self._extend([token])
             cut = self._find_stop()
             if cut is not None:
-                self.text, self.stopped = self.text[:cut], True
+                self._unsent, self._tail, self.stopped = (self._unsent + self._tail)[:cut], "", True
                 return kept, self._release(final=True)
         return len(ids), self._release(final)
 
-    def _decode(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+    def _extend(self, ids: list[int]) -> None:
+        """Decode the window with a step's tokens: the text they add becomes final text unless it may
+        still change; then it stays the tail and the window waits for the next tokens."""
+        new = [t for t in ids if t not in self._special]
+        if not new:
+            return
+        self._window += new
+        if self._prefix_text is None:
+            self._prefix_text = self._window_text(self._window[:self._read])
+        text = self._window_text(self._window)
+        tail = text[len(self._prefix_text):]
+        if tail.endswith(INCOMPLETE) or self._byte_fallback(self._window[-1]):
+            self._tail = tail
+            if len(self._window) - self._read >= self._split_at:
+                self._split(text)
+            return
+        self._unsent, self._tail = self._unsent + tail, ""
+        del self._window[:self._read]  # this step's tokens are the next prefix
+        self._read, self._prefix_text, self._split_at = len(self._window), None, SPLIT_AFTER
+
+    def _split(self, text: str) -> None:
+        """Make final the text of the window up to a token r where decoding its two parts apart gives
+        the window's text, `text` (and the second part is not empty, nor r inside a byte-fallback run):
+        then nothing that comes later changes the first part. Byte-level decoding replaces a sequence
+        that cannot be completed by one \ufffd: had the bytes after r continued the one before, the two
+        parts apart would decode to more characters. A decoder that joins tokens with spaces or drops a
+        first token's leading space never splits so: the window then waits for a final end as before.
+        The window then starts at r, with no prefix."""
+        window = self._window
+        for r in range(len(window) - 1, max(self._read, len(window) - 1 - SPLIT_TRIES), -1):
+            if self._byte_fallback(window[r - 1]):
+                continue
+            first, second = self._window_text(window[:r]), self._window_text(window[r:])
+            if second and first + second == text and len(first) >= len(self._prefix_text):
+                self._unsent += first[len(self._prefix_text):]
+                self._tail = second
+                del window[:r]
+                self._read, self._prefix_text, self._split_at = 0, "", SPLIT_AFTER
+                return
+        self._split_at = len(window) - self._read + SPLIT_TRIES  # none here: look again later
+
+    def _window_text(self, ids: list[int]) -> str:
+        """The tokenizer's decode of some tokens (special ones were left out already). A tokenizer whose
+        decode cleans up spaces afterwards (" ." -> ".") would clean each window's text on its own,
+        which can differ from cleaning the whole; transformers does that for WordPiece tokenizers only
+        where asked (clean_up_tokenization_spaces), not for the BPE and sentencepiece ones LMs use."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _byte_fallback(self, token: int) -> bool:
+        """A sentencepiece byte-fallback token "<0xAB>": its run with the next ones decodes together."""
+        piece = self.tokenizer.convert_ids_to_tokens(token)
+        return isinstance(piece, str) and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
 
     def _find_stop(self) -> int | None:
         """Where the earliest stop string starts in the unsent text (text that could begin one is never sent)."""
-        found = [i for i in (self.text.find(s, self.sent) for s in self.stop) if i >= 0]
+        unsent = self._unsent + self._tail
+        found = [i for i in (unsent.find(s) for s in self.stop) if i >= 0]
         return min(found) if found else None
 
     def _release(self, final: bool) -> str:
-        end = len(self.text)
-        if not final:
-            if self.text.endswith("\ufffd"):
-                return ""  # an incomplete character: wait for its next bytes
-            end -= self._held_back(end)
-        new, self.sent = self.text[self.sent:end], end
+        """The text to send now: all that is left when final; else the final text not held back for a
+        stop string, and none while the text ends in an incomplete character."""
+        if final:
+            new, self._unsent, self._tail = self._unsent + self._tail, "", ""
+        elif self._tail.endswith(INCOMPLETE):
+            return ""  # an incomplete character: wait for its next bytes
+        else:  # the tail may still change (a byte-fallback run): a stop string may go on into whatever it becomes
+            end = len(self._unsent) - self._held_back(self._unsent)
+            new, self._unsent = self._unsent[:end], self._unsent[end:]
+        self.sent += len(new)
         return new
 
-    def _held_back(self, end: int) -> int:
-        """Characters at the end of the text that are the start of a stop string (a proper start: a
-        whole one ends the request): the longest over the stop strings, each found in one pass over
-        the last len(s) - 1 unsent characters (Knuth-Morris-Pratt), so linear in the stop strings' length."""
-        return max((_open_prefix(self.text[max(self.sent, end - len(s) + 1):end], s, borders)
+    def _held_back(self, unsent: str) -> int:
+        """Characters at the end of the unsent text that are the start of a stop string (a proper start:
+        a whole one ends the request): the longest over the stop strings, each found in one pass over
+        the last len(s) - 1 characters (Knuth-Morris-Pratt), so linear in the stop strings' length."""
+        return max((_open_prefix(unsent[max(0, len(unsent) - len(s) + 1):], s, borders)
                     for s, borders in zip(self.stop, self._borders)), default=0)
+
+
+def _special_ids(tokenizer) -> frozenset[int]:
+    """The tokens skip_special_tokens leaves out: the tokenizer's special tokens and its added tokens
+    marked special."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return frozenset(getattr(tokenizer, "all_special_ids", ())) | {i for i, t in added.items() if getattr(t, "special", False)}
 
 
 def _borders(s: str) -> list[int]:

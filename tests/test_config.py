@@ -44,8 +44,7 @@ def test_defaults():
     assert (p.tensor_parallel_size, p.draft_replicas, p.gpus_per_actor) == (1, 1, 1.0)
     assert (p.cpus_per_target_rank, p.cpus_per_draft_replica) == (1, 1)
     assert p.logical_gpus is False  # a GPU from Ray means a CUDA device (actors refuse to start without one)
-    assert config.speculation.drafter == "model+ngram" and config.speculation.num_speculative_tokens == "auto"
-    assert (config.speculation.tree_width, config.speculation.max_depth) == (1, 8)
+    assert config.speculation.drafter == "model+ngram" and config.speculation.tree_width == 1
     t = config.routing.default
     assert (t.on_alpha, t.off_alpha, t.min_samples, t.probe_fraction, t.ema, t.max_k, t.draft_cost_ratio) == (
         0.55, 0.35, 20, 0.05, 0.1, 8, 0.15)
@@ -56,8 +55,6 @@ def test_defaults():
     assert config.security.api_keys_file is None and config.security.internal_tls is None  # both off
     assert (s.max_running_requests, s.max_kv_tokens, s.max_waiting_requests, s.idle_row_timeout_s) == (
         64, 65536, 256, 30.0)
-    fixed = parse_config(with_section("speculation", {"num_speculative_tokens": 4}))
-    assert fixed.speculation.num_speculative_tokens == 4
 
 
 @pytest.mark.parametrize(
@@ -111,8 +108,14 @@ def test_defaults():
             "ops.yaml: server.max_waiting_requests: must be greater than or equal to 0 (got -1)",
         ),
         (
-            with_section("speculation", {"num_speculative_tokens": -1}),
-            "ops.yaml: speculation.num_speculative_tokens: must be an integer >= 0 or 'auto' (got -1)",
+            with_section("speculation", {"num_speculative_tokens": 4}),
+            "ops.yaml: speculation: num_speculative_tokens was removed (serving never read it): the router picks "
+            "how many tokens a step drafts per task type, up to routing.*.max_k; delete the key",
+        ),
+        (
+            with_section("speculation", {"max_depth": 8, "tree_width": 2}),
+            "ops.yaml: speculation: max_depth was removed (serving never read it): the router picks "
+            "how many tokens a step drafts per task type, up to routing.*.max_k; delete the key",
         ),
         ({"placement": {}}, "ops.yaml: models: required key missing"),
         (with_section("security", {"internal_tls": {"cert": "c.pem", "ca": "ca.pem"}}),
@@ -277,7 +280,6 @@ def test_serve_flags_override_the_file_and_are_checked_again(tmp_path):
 
 @pytest.mark.parametrize("section, values, key, limit", [
     ("speculation", {"drafter": "ngram", "tree_width": 17}, "speculation.tree_width", 16),
-    ("speculation", {"drafter": "ngram", "max_depth": 33}, "speculation.max_depth", 32),
     ("routing", {"default": {"max_k": 33}}, "routing.default.max_k", 32),
     ("routing", {"task_types": {"code": {"max_k": 1000}}}, "routing.task_types.code.max_k", 32),
     ("server", {"max_request_bytes": 2**31}, "server.max_request_bytes", 2**31 - 1),
@@ -287,12 +289,11 @@ def test_shape_and_size_bounds_name_the_key(section, values, key, limit):
 
 
 def test_bounds_are_the_named_constants_and_their_edges_load():
-    from cluster.config import MAX_K, MAX_TREE_DEPTH, MAX_TREE_WIDTH
+    from cluster.config import MAX_K, MAX_TREE_WIDTH
 
-    assert (MAX_TREE_WIDTH, MAX_TREE_DEPTH, MAX_K) == (16, 32, 32)
-    config = parse_config({**MINIMAL, "speculation": {"tree_width": MAX_TREE_WIDTH, "max_depth": MAX_TREE_DEPTH},
-                           "routing": {"default": {"max_k": MAX_K}}})
-    assert (config.speculation.tree_width, config.speculation.max_depth, config.routing.default.max_k) == (16, 32, 32)
+    assert (MAX_TREE_WIDTH, MAX_K) == (16, 32)
+    config = parse_config({**MINIMAL, "speculation": {"tree_width": MAX_TREE_WIDTH}, "routing": {"default": {"max_k": MAX_K}}})
+    assert (config.speculation.tree_width, config.routing.default.max_k) == (16, 32)
     assert config.server.max_request_bytes == 4 * 1024 * 1024 and config.routing.max_task_types == 64
     assert load_config(DEFAULT_YAML).server.max_request_bytes == 4194304
 

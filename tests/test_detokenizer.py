@@ -1,6 +1,8 @@
 """Stop strings and streamed text (cluster/detokenizer.py), on the served word-level tokenizer and on
 a byte-level one whose tokens can split a character."""
 
+from pathlib import Path
+
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -101,8 +103,7 @@ def test_held_back_text_is_the_longest_open_start_of_a_stop_string():
         text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 12)))
         sent = rng.randint(0, len(text))
         detok = Detokenizer(None, stop)
-        detok.text, detok.sent = text, sent
-        assert detok._held_back(len(text)) == held_back_by_brute_force(text[sent:], stop), (text, sent, stop)
+        assert detok._held_back(text[sent:]) == held_back_by_brute_force(text[sent:], stop), (text, sent, stop)
 
 
 def test_held_back_is_linear_in_the_stop_strings_length():
@@ -112,7 +113,256 @@ def test_held_back_is_linear_in_the_stop_strings_length():
 
     stop = tuple("a" * 200_000 + end for end in "bcde")
     detok = Detokenizer(None, stop)
-    detok.text = "a" * 200_000
     started = time.perf_counter()
-    assert detok._held_back(len(detok.text)) == 200_000
+    assert detok._held_back("a" * 200_000) == 200_000
     assert time.perf_counter() - started < 2  # ~0.3 s here; the quadratic check took ~5 s
+
+
+# --- incremental decoding: the same text as decoding every token at once ----------------------------
+
+SHARED_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "bench-models" / "target"
+PROSE = ("héllo wörld, naïve café 😀 👍🏽 日本語のテキスト — «quotes» 🇫🇷 ∑ x² ≤ ∞; Ünïcödé ok\n"
+         "The quick brown fox jumps over the lazy dog. 🦊🐶 Ελληνικά Русский עברית العربية\n")
+
+
+def training_texts() -> list[str]:
+    from specdec.default_models import read_texts, stdlib_sources
+
+    return read_texts(stdlib_sources(max_files=12)[0]) + [PROSE] * 20
+
+
+@pytest.fixture(scope="module")
+def byte_level():
+    """A GPT-2-style byte-level BPE trained as the default pair's is (specdec.default_models), small."""
+    from specdec.default_models import train_tokenizer
+
+    return train_tokenizer(training_texts(), vocab_size=600, max_chars=300_000)
+
+
+def sentencepiece_like(decoder: str) -> PreTrainedTokenizerFast:
+    """A sentencepiece-style BPE ("▁" for spaces, a leading one added) with byte fallback ("<0xAB>"
+    tokens for what the vocabulary lacks) and special <unk> <s> </s>. decoder "llama": Llama 2's chain
+    (Replace, ByteFallback, Fuse, Strip the leading space); "metaspace": the Metaspace decoder."""
+    import json
+
+    from tokenizers import normalizers, trainers
+
+    specials = ["<unk>", "<s>", "</s>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.train_from_iterator(training_texts()[:4] + [PROSE.replace("😀", "")],
+                            trainers.BpeTrainer(vocab_size=500, special_tokens=specials, show_progress=False))
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    spec["model"]["byte_fallback"] = True
+    tok = Tokenizer.from_str(json.dumps(spec))
+    if decoder == "llama":
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        tok.pre_tokenizer = None
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    else:
+        tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace(replacement="▁", prepend_scheme="first")])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def toy_byte_level() -> PreTrainedTokenizerFast:
+    """Bytes only, one token each (every multi-byte character split), and a special token."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>")
+
+
+TOKENIZERS = ["words", "byte_level", "toy_byte_level", "llama", "metaspace", "bench"]
+
+
+@pytest.fixture(scope="module", params=TOKENIZERS)
+def tokenizer(request):
+    name = request.param
+    if name == "bench":
+        if not SHARED_TOKENIZER.exists():
+            pytest.skip(f"{SHARED_TOKENIZER} is absent (the shared bench models)")
+        return load_tokenizer(str(SHARED_TOKENIZER))
+    if name in ("words", "byte_level"):
+        return request.getfixturevalue(name)
+    return toy_byte_level() if name == "toy_byte_level" else sentencepiece_like(name)
+
+
+def whole(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def random_steps(rng, ids: list[int]) -> list[list[int]]:
+    """ids cut into steps of 1 to 5 tokens, as speculative steps commit them."""
+    steps, i = [], 0
+    while i < len(ids):
+        n = rng.randint(1, 5)
+        steps.append(ids[i:i + n])
+        i += n
+    return steps
+
+
+def random_ids(rng, tokenizer, n: int) -> list[int]:
+    """Any tokens, special ones included; or, half the time, real text's tokens (whole characters, split
+    across tokens where the vocabulary has no token for them) with some random ones mixed in."""
+    vocab = len(tokenizer)
+    if rng.random() < 0.5:
+        return [rng.randrange(vocab) for _ in range(n)]
+    start = rng.randrange(len(PROSE))
+    ids = tokenizer((PROSE * 2)[start:start + 3 * n], add_special_tokens=False)["input_ids"][:n]
+    for _ in range(rng.randint(0, 3)):
+        ids.insert(rng.randint(0, len(ids)), rng.randrange(vocab))
+    return ids
+
+
+def test_streamed_text_is_the_whole_decoding(tokenizer):
+    """Random tokens in random steps: the text sent is never taken back (what was sent so far is the
+    start of the decoding of the tokens so far) and in all it is the decoding of all tokens at once."""
+    import random
+
+    rng = random.Random(1)
+    for _ in range(300):
+        ids = random_ids(rng, tokenizer, rng.randint(0, 40))
+        detok, sent, so_far = Detokenizer(tokenizer), "", []
+        for step in random_steps(rng, ids):
+            kept, new = detok.add(step)
+            so_far += step
+            sent += new
+            assert kept == len(step) and whole(tokenizer, so_far).startswith(sent), (ids, so_far, sent)
+        sent += detok.add([], final=True)[1]
+        assert sent == whole(tokenizer, ids), ids
+
+
+def stopped_by_whole_decoding(tokenizer, ids: list[int], stop: tuple[str, ...]) -> tuple[int, str, bool]:
+    """The reference: the first token after which the decoding of the tokens so far holds a stop
+    string, and that text cut where the earliest one starts -> (tokens kept, text, stopped)."""
+    for n in range(1, len(ids) + 1):
+        text = whole(tokenizer, ids[:n])
+        found = [i for i in (text.find(s) for s in stop) if i >= 0]
+        if found:
+            return n, text[:min(found)], True
+    return len(ids), whole(tokenizer, ids), False
+
+
+def test_stop_strings_cut_where_whole_decoding_would(tokenizer):
+    """Stop strings taken from the text itself, so they are met: the request keeps the tokens and the
+    text that decoding everything after each token would give."""
+    import random
+
+    rng = random.Random(2)
+    for _ in range(200):
+        ids = random_ids(rng, tokenizer, rng.randint(1, 40))
+        text = whole(tokenizer, ids)
+        stop = tuple(text[i:i + rng.randint(1, 4)] for i in (rng.randrange(len(text)) for _ in range(rng.randint(1, 2)))
+                     ) if text else ("zzz",)
+        kept, sent, _, stopped = stream(tokenizer, random_steps(rng, ids), stop)
+        n, expected, expected_stopped = stopped_by_whole_decoding(tokenizer, ids, stop)
+        assert (kept, sent, stopped) == (ids[:n], expected, expected_stopped), (ids, stop)
+
+
+def test_sentencepiece_leading_spaces_and_split_emoji():
+    """The cases the window is for: a sentencepiece token's leading space (dropped at the start of a
+    decoding only), and an emoji the vocabulary lacks, as four byte-fallback tokens."""
+    tokenizer = sentencepiece_like("llama")
+    text = "hello wörld 😀 the end"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len([i for i in ids if tokenizer.convert_ids_to_tokens(i).startswith("<0x")]) >= 4
+    kept, sent, parts, _ = stream(tokenizer, [[i] for i in ids], ())
+    assert sent == whole(tokenizer, ids) == text and not any("\ufffd" in p for p in parts)
+
+
+def test_a_byte_fallback_run_is_decoded_together():
+    """sentencepiece decodes a run of byte tokens as one: "é" then a lone continuation byte is three
+    "\ufffd", not "é\ufffd"; the é is not sent before the run ends."""
+    tokenizer = sentencepiece_like("llama")
+    byte = {b: tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in (0xC3, 0xA9)}
+    ids = [byte[0xC3], byte[0xA9], byte[0xA9], tokenizer.convert_tokens_to_ids("▁")]
+    assert whole(tokenizer, ids).startswith("\ufffd" * 3)
+    assert stream(tokenizer, [[i] for i in ids], ())[1] == whole(tokenizer, ids)
+
+
+def test_text_before_an_open_byte_fallback_run_is_held_for_a_stop_string_going_on_into_it():
+    """"T" as a byte token, then a lone lead byte: the run's text turns from "T" into two \ufffd, and a
+    stop string "n\ufffd" is then met across "tion" and the run: "n" was not sent meanwhile."""
+    tokenizer = sentencepiece_like("llama")
+    tion = tokenizer.convert_tokens_to_ids("tion")
+    t, lead = (tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in (0x54, 0xC3))
+    assert whole(tokenizer, [tion, t]) == "tionT" and whole(tokenizer, [tion, t, lead]) == "tion\ufffd\ufffd"
+    assert tion != tokenizer.unk_token_id
+    kept, text, parts, stopped = stream(tokenizer, [[tion], [t], [lead]], ("n\ufffd",))
+    assert (kept, text, stopped) == ([tion, t, lead], "tio", True) and parts == ["tio", "", ""]
+
+
+class CountingDecodes:
+    """A tokenizer that counts the tokens each decode call is given."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.decoded = tokenizer, 0
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def decode(self, ids, **kwargs):
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+@pytest.mark.parametrize("stop", [(), ("\n\n\n\n", "never in it")])
+def test_a_step_decodes_a_bounded_number_of_tokens(byte_level, stop):
+    """A 2000-token generation of real text (code, accents, emoji split across tokens), in steps of 1 to
+    5 tokens: each step decodes a few tokens however long the request is (decoding everything each
+    step decoded 2000 at the end), and the text is the whole decoding."""
+    import random
+
+    rng = random.Random(3)
+    ids = byte_level(("".join(training_texts()[:3]) + PROSE) * 2)["input_ids"][:2000]
+    assert len(ids) == 2000
+    counting = CountingDecodes(byte_level)
+    detok, sent, per_step = Detokenizer(counting, stop), "", []
+    for step in random_steps(rng, ids):
+        before = counting.decoded
+        sent += detok.add(step)[1]
+        per_step.append((counting.decoded - before) / len(step))
+    sent += detok.add([], final=True)[1]
+    assert sent == whole(byte_level, ids)
+    assert max(per_step) <= 20, max(per_step)  # tokens decoded per token of a step: 2000 at the end before
+    first, last = per_step[:100], per_step[-100:]
+    assert sum(last) / len(last) <= 2 * sum(first) / len(first) + 1
+
+
+@pytest.mark.parametrize("name", ["byte_level", "toy_byte_level", "bench"])
+def test_text_that_keeps_ending_in_undecodable_bytes_still_decodes_a_bounded_window(name, request):
+    """A model repeating lone continuation bytes (or the start of a character it never finishes): the
+    text always ends in \ufffd, and the window is split where that is exact, so a step still decodes a
+    bounded number of tokens; the text is still the whole decoding."""
+    import random
+
+    if name == "bench" and not SHARED_TOKENIZER.exists():
+        pytest.skip(f"{SHARED_TOKENIZER} is absent (the shared bench models)")
+    tokenizer = {"bench": lambda: load_tokenizer(str(SHARED_TOKENIZER)), "toy_byte_level": toy_byte_level,
+                 "byte_level": lambda: request.getfixturevalue("byte_level")}[name]()
+    byte = {b: tokenizer.convert_tokens_to_ids(_byte_char(b)) for b in (0x80, 0xE2, 0xF0)}
+    assert all(whole(tokenizer, [i]) == "\ufffd" for i in byte.values())
+    rng = random.Random(4)
+    for pattern in ([0x80], [0xE2], [0xF0, 0x80], [0xE2, 0x80, 0xE2]):
+        ids = [byte[pattern[i % len(pattern)]] for i in range(1000)]
+        counting = CountingDecodes(tokenizer)
+        detok, sent, per_step = Detokenizer(counting), "", []
+        for step in random_steps(rng, ids):
+            before = counting.decoded
+            sent += detok.add(step)[1]
+            per_step.append((counting.decoded - before) / len(step))
+        sent += detok.add([], final=True)[1]
+        assert sent == whole(tokenizer, ids), pattern
+        assert sum(per_step[-100:]) / 100 <= 50, (pattern, per_step[-20:])  # 1000 at the end without a split
+
+
+def _byte_char(b: int) -> str:
+    """The byte-level alphabet's character for byte b (GPT-2's bytes_to_unicode)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    if b in printable:
+        return chr(b)
+    return chr(256 + sorted(set(range(256)) - set(printable)).index(b))

@@ -79,10 +79,15 @@ def served(target):
 
 
 def wait_until_empty(scheduler: TargetScheduler, timeout: float = 10) -> None:
+    wait_for(lambda: not scheduler.stats()["open_requests"], scheduler.stats, timeout)
+
+
+def wait_for(condition, state, timeout: float = 30, every: float = 0.005) -> None:
+    """Poll `condition` until it holds; fail with `state()` (what was seen) after `timeout` seconds."""
     deadline = time.monotonic() + timeout
-    while scheduler.stats()["open_requests"]:
-        assert time.monotonic() < deadline, scheduler.stats()
-        time.sleep(0.01)
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {state()}"
+        time.sleep(every)
 
 
 def test_plain_requests_share_forwards_and_equal_plain_decoding(target, reference):
@@ -123,10 +128,12 @@ def test_kv_budget_admits_in_arrival_order_and_bounds_rows(target, reference):
     sinks, most = [Collect() for _ in prompts], 0
     for i, (prompt, sink) in enumerate(zip(prompts, sinks)):
         scheduler.decode(f"p{i}", prompt, GREEDY, NEW_TOKENS, set(), sink)
+    deadline = time.monotonic() + 120
     while not all(s.done.is_set() for s in sinks):
         stats = scheduler.stats()
         most = max(most, stats["open_requests"])
         assert stats["kv_tokens_reserved"] <= 2 * longest
+        assert time.monotonic() < deadline, f"not all finished within 120 s: {stats}"
         time.sleep(0.002)
     assert most <= 2 and scheduler.stats()["largest_batch"] <= 2
     assert [s.wait()[0] for s in sinks] == reference.continuations[:5]
@@ -370,8 +377,7 @@ def test_a_close_before_its_open_wins(target, reference):
         scheduler.open("late", reference.prompts[1], GREEDY, 0, 4)
     scheduler.open("holder", reference.prompts[1], GREEDY, 0, 4)  # takes the only row
     waiting = futures.ThreadPoolExecutor(1).submit(scheduler.open, "queued", reference.prompts[2], GREEDY, 0, 4)
-    while not scheduler.stats()["waiting"]:
-        time.sleep(0.005)
+    wait_for(lambda: scheduler.stats()["waiting"], scheduler.stats)
     scheduler.close(["queued"])
     with pytest.raises(KeyError, match="closed before it was admitted"):
         waiting.result(timeout=10)
@@ -387,8 +393,7 @@ def test_a_request_closed_on_the_target_mid_flight_ends_alone(served, draft, ref
     its loop go on."""
     scheduler, stub = served
     remote, _, (gone, stays) = on_one_loop(stub, draft, reference.prompts[0], ("gone", "stays"))
-    while not gone.tokens:
-        time.sleep(0.001)
+    wait_for(lambda: gone.tokens, lambda: gone.steps, every=0.001)
     remote.close(["gone"])
     tokens, _, error = gone.wait()
     assert error is None and len(tokens) < 200
@@ -417,8 +422,7 @@ def test_open_beyond_the_bound_is_refused_with_resource_exhausted(target, refere
     with serving(scheduler) as stub:
         stub.Open(open_request("running", prompt))
         waiting = futures.ThreadPoolExecutor(1).submit(stub.Open, open_request("waiting", prompt))
-        while not scheduler.stats()["waiting"]:
-            time.sleep(0.005)
+        wait_for(lambda: scheduler.stats()["waiting"], scheduler.stats)
         with pytest.raises(grpc.RpcError) as e:
             stub.Open(open_request("refused", prompt), timeout=10)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -431,8 +435,7 @@ def test_open_beyond_the_bound_is_refused_with_resource_exhausted(target, refere
         stub.Close(tree_pb.CloseRequest(request_ids=["running"]))
         waiting.result(timeout=10)
         third = futures.ThreadPoolExecutor(1).submit(stub.Open, open_request("third", prompt))
-        while not scheduler.stats()["waiting"]:
-            time.sleep(0.005)
+        wait_for(lambda: scheduler.stats()["waiting"], scheduler.stats)
         stub.Close(tree_pb.CloseRequest(request_ids=["waiting"]))
         third.result(timeout=10)
         stub.Close(tree_pb.CloseRequest(request_ids=["third"]))
@@ -506,14 +509,12 @@ def test_calls_beyond_max_concurrent_rpcs_are_refused_at_once(target, reference)
     with serving(scheduler, max_concurrent_rpcs=3) as stub:
         stub.Open(open_request("running", prompt), timeout=10)
         waiting = [stub.Open.future(open_request(f"waiting-{i}", prompt), timeout=60) for i in range(3)]
-        while scheduler.stats()["waiting"] < 3:
-            time.sleep(0.01)
+        wait_for(lambda: scheduler.stats()["waiting"] >= 3, scheduler.stats)
         with pytest.raises(grpc.RpcError) as e:
             stub.Verify(root_tree("running", prompt[-1]), timeout=10)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         for call in waiting:
             call.cancel()
-        while scheduler.stats()["waiting"]:
-            time.sleep(0.01)
+        wait_for(lambda: not scheduler.stats()["waiting"], scheduler.stats)
         stub.Close(tree_pb.CloseRequest(request_ids=["running"]))
         wait_until_empty(scheduler)

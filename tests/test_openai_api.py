@@ -345,10 +345,25 @@ def test_readme_curl_examples_work_as_written(server):
         assert reply["choices"][0]["finish_reason"] in ("stop", "length"), command
 
 
-def test_readme_openai_example_runs(server):
+def test_readme_openai_example_runs(server, client):
+    """The README's Python example, run as written, prints what it says: the greedy chat's text (the
+    same as asking again) with two alternatives for its first token, then both samples' streamed
+    pieces, then the usage of the two."""
     http = server.http
     (example,) = [b for b in readme_blocks("python") if "import openai" in b or "from openai" in b]
-    exec(compile(example.replace("http://localhost:8000", http), "README.md", "exec"), {})
+    printed = []
+    exec(compile(example.replace("http://localhost:8000", http), "README.md", "exec"),
+         {"print": lambda *args: printed.append(args)})
+    (content, top), *pieces, (usage,) = printed
+    again = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=32, temperature=0,
+                                           messages=[{"role": "user", "content": "read a file"}])
+    assert content == again.choices[0].message.content and content
+    assert len(top) == 2 and all(t.logprob <= 0 and isinstance(t.token, str) for t in top)
+    assert top[0].logprob >= top[1].logprob
+    pieces = [piece for (piece,) in pieces]  # each chunk's (index, text), one print argument
+    assert {index for index, _ in pieces} == {0, 1} and all(isinstance(text, str) for _, text in pieces)
+    assert 2 <= usage.completion_tokens <= 2 * 32 and usage.prompt_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
 def _joined(block: str) -> list[str]:

@@ -33,7 +33,7 @@ def config(model_dirs, replicas=2, tp=1, drafter="model+ngram", logical_gpus=Tru
     return parse_config({
         "models": {"target": {"path": model_dirs.target}, "draft": {"path": model_dirs.draft}},
         "placement": {"tensor_parallel_size": tp, "draft_replicas": replicas, "logical_gpus": logical_gpus},
-        "speculation": {"drafter": drafter, "num_speculative_tokens": 3},
+        "speculation": {"drafter": drafter},
         "routing": {"default": {}},
     })
 

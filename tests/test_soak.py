@@ -126,6 +126,7 @@ def test_a_plan_out_of_bounds_is_refused():
         SoakPlan(clients=0)
 
 
+@pytest.mark.timeout(1200)  # beyond the suite's 900 s: the soak's subprocess may take 600 s, after the models are built
 def test_a_short_soak_under_faults_keeps_every_promise(model_dirs, tmp_path):
     """The command as an operator runs it, on its own local cluster: about 25 s of mixed traffic with the
     hostile mix (on by default), a draft replica killed at 30% and the target rank at 60%."""
