@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "configs").rglob("*.yaml"))
 READY_S = 1500  # a first run builds the default pair
 PROMPT = "def parse_header(line):\n    "
+STARTING = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND)  # not up yet
 
 
 def test_there_are_examples():
@@ -60,7 +61,6 @@ def first_reply(server: subprocess.Popen, address: str, log: Path) -> api.Genera
             try:
                 return stub.Generate(request, timeout=60)
             except grpc.RpcError as e:
-                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND) \
-                        or time.monotonic() > deadline:
+                if e.code() not in STARTING or time.monotonic() > deadline:
                     raise AssertionError(f"{e.code().name}: {e.details()}\n{log.read_text()[-4000:]}") from None
             time.sleep(2)
