@@ -24,7 +24,8 @@ from .speculation import Speculation
 def add_serving_commands(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="serve over gRPC and HTTP on a local (or existing) Ray cluster")
     s.add_argument("--config", help="operator YAML (e.g. configs/default.yaml); default: the embedded default pair")
-    s.add_argument("--address", help="join this Ray cluster instead of starting a local one")
+    s.add_argument("--address", help="join this Ray cluster (its address, or auto: the one running on this machine) "
+                                     "instead of starting a local one")
     s.add_argument("--target", help="overrides models.target.path")
     s.add_argument("--draft", help="overrides models.draft.path")
     s.add_argument("--tensor-parallel-size", type=int, help="overrides placement.tensor_parallel_size")
