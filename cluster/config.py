@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
-from specdec.drafters import DrafterKind
+from specdec.drafter_kinds import DrafterKind
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Port = Annotated[int, Field(ge=1, le=65535)]
@@ -90,7 +90,7 @@ class SpeculationConfig(_Section):
     """How drafts are made. How many tokens a step drafts is the router's choice per task type (by live
     alpha and the target's load), up to routing.*.max_k."""
 
-    drafter: DrafterKind = DrafterKind("model+ngram")
+    drafter: DrafterKind = Field(DrafterKind("model+ngram"), validate_default=True)  # validated: its value, as parsed
     tree_width: int = Field(1, ge=1, le=MAX_TREE_WIDTH)
     overlap: bool = False  # draft the next step while the target verifies this one (draft models only)
 
@@ -239,12 +239,27 @@ class ServeConfig(_Section):
         return self
 
 
-def load_config(path: str | os.PathLike) -> ServeConfig:
+def load_config(path: str | os.PathLike, default_models: Callable[[], dict[str, str]] | None = None) -> ServeConfig:
+    """The config file at `path`. A file without a models section serves `default_models()` (the embedded
+    default pair) when that is given, as the example configs/default.yaml does; without it one is an error."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read config file ({getattr(e, 'strerror', None) or e})") from None
-    return parse_config(text, source=str(path))
+    data = _parse_yaml(text, str(path))
+    if default_models is not None and isinstance(data, Mapping) and "models" not in data:
+        data = {**data, "models": _models(default_models())}
+    return parse_config(data, source=str(path))
+
+
+def _given_models(args: Mapping) -> dict[str, str]:
+    """--target and --draft, when --target is given."""
+    return {name: args[name] for name in ("target", "draft") if args.get(name)} if args.get("target") else {}
+
+
+def _models(paths: dict[str, str]) -> dict:
+    """{"target": dir, "draft": dir} as a models section."""
+    return {name: {"path": path} for name, path in paths.items()}
 
 
 def parse_config(text_or_dict: str | Mapping, source: str = "<string>") -> ServeConfig:
@@ -345,16 +360,17 @@ OVERRIDES = {
 def app_config(args: Mapping, default_models: Callable[[], dict[str, str]]) -> ServeConfig:
     """The config that `specdec serve` and build_app run: the YAML at args["config"], or, without one,
     the models given by args["target"]/["draft"], or else `default_models()` (the embedded pair,
-    built only in that case); then every override in args that is not None, re-validated as a whole."""
-    if args.get("config"):
-        data = load_config(args["config"]).model_dump()
+    built only in that case, or for a file without a models section and no --target); then every
+    override in args that is not None, re-validated as a whole."""
+    if args.get("config"):  # a file without models: the command line's, else the default pair
+        data = load_config(args["config"], lambda: _given_models(args) or default_models()).model_dump()
     elif args.get("target"):  # as `specdec generate`: model+ngram with a draft, else ngram
         data = {"models": {"target": {"path": args["target"]}},
                 "speculation": {"drafter": "model+ngram" if args.get("draft") else "ngram"}}
     elif args.get("draft"):
         raise ConfigError("--draft without --target or --config: give the target too")
     else:
-        data = {"models": {name: {"path": path} for name, path in default_models().items()}}
+        data = {"models": _models(default_models())}
     for arg, (section, key) in OVERRIDES.items():
         if args.get(arg) is None:
             continue

@@ -6,7 +6,7 @@ the proxy waits for the ingress's next chunk: the cancel is raised there, and Se
 request. When it lands while the proxy writes a chunk to the client, gRPC drops the proxy's handler
 generator mid-way ("async generator ignored GeneratorExit" in the proxy's log) and the request runs
 on to its last token, unread, holding its rows on the target: 3 of 58 streams cut by a deadline
-mid-way, on the default pair (0 of 52 with this; docs/bench/deadline_cancels.py).
+mid-way, on the default pair (0 of 52 with this; tools/bench/deadline_cancels.py).
 
 `add_servicer` is what the Serve config names in `grpc_options.grpc_servicer_functions`; it runs in
 the proxy's process, so this module imports nothing heavy. It registers SpecDecode as generated, with

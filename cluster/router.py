@@ -10,36 +10,14 @@ back as it drains. Before the target has reported, K maximises expected_tokens(a
 (1 + K * draft_cost_ratio). While off, a `probe_fraction` of requests still speculates so that alpha
 stays live. A task type's `speculation: on | off` forces the decision."""
 
-import enum
 import threading
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from cluster.config import RoutingConfig, Thresholds
+from cluster.speculation import Speculation
 from specdec.acceptance import acceptance_rate
 from specdec.adaptive import Costs, Load, StepCosts, expected_tokens, goodput, step_costs_note
-
-
-
-class Speculation(enum.StrEnum):
-    """The client's wish: follow the router, force speculation on, force it off. In the protos these
-    are SPECULATION_<name> (specdec_api.proto); in the CLI and the HTTP API, either case."""
-
-    AUTO = "AUTO"
-    ON = "ON"
-    OFF = "OFF"
-
-    @classmethod
-    def parse(cls, value: str, field_name: str = "speculation") -> "Speculation":
-        """From a name in either case (HTTP, the CLI) or a proto enum name; ValueError naming the field."""
-        name = value.removeprefix("SPECULATION_").upper() if isinstance(value, str) else value
-        if name not in cls.__members__:
-            raise ValueError(f"{field_name} must be one of {', '.join(cls.__members__)}, got {value!r}")
-        return cls[name]
-
-    @property
-    def proto_name(self) -> str:
-        return f"SPECULATION_{self.name}"
 
 Mode = Literal["speculative", "plain", "probe"]
 DEFAULT_TASK = "default"  # the task type of requests without one, and of unknown ones beyond max_task_types

@@ -1,25 +1,23 @@
-"""specdec: lossless speculative decoding for Hugging Face causal LMs (pure PyTorch core)."""
+"""specdec: lossless speculative decoding for Hugging Face causal LMs (pure PyTorch core).
 
-from .adaptive import AdaptivePlanner, SpecConfig
-from .drafters import Drafter, DrafterKind, MergedDrafter, ModelDrafter, NgramDrafter, make_drafter
-from .engine import Generation, RequestStats, SpeculativeEngine
-from .kvcache import CachedLM
-from .sampling import SamplingParams
-from .tree import TokenTree
+The names below are imported on first use (PEP 562), so that importing a torch-free module of the
+package (specdec.drafter_kinds, specdec.prompts: the command line, the config model) does not import
+torch; `from specdec import SpeculativeEngine` works as before."""
 
-__all__ = [
-    "AdaptivePlanner",
-    "CachedLM",
-    "Drafter",
-    "DrafterKind",
-    "Generation",
-    "MergedDrafter",
-    "ModelDrafter",
-    "NgramDrafter",
-    "RequestStats",
-    "SamplingParams",
-    "SpecConfig",
-    "SpeculativeEngine",
-    "TokenTree",
-    "make_drafter",
-]
+import importlib
+
+_HOMES = {  # name -> the module of this package that defines it
+    "AdaptivePlanner": "adaptive", "SpecConfig": "adaptive",
+    "Drafter": "drafters", "MergedDrafter": "drafters", "ModelDrafter": "drafters", "NgramDrafter": "drafters",
+    "make_drafter": "drafters", "DrafterKind": "drafter_kinds",
+    "Generation": "engine", "RequestStats": "engine", "SpeculativeEngine": "engine",
+    "CachedLM": "kvcache", "SamplingParams": "sampling", "TokenTree": "tree",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'specdec' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)

@@ -17,6 +17,7 @@ from .drafters import make_drafter
 from .engine import SpecConfig, SpeculativeEngine
 from .kvcache import CachedLM
 from .loading import check_same_vocabulary, eos_ids, load_model, load_tokenizer, parse_dtype
+from .plain import hf_generate
 from .prompts import load_prompts
 from .sampling import SamplingParams
 
@@ -48,17 +49,15 @@ def engine_mode(name, target, drafter, config, eos, max_new, params):
     return Mode(name, run)
 
 
-def hf_mode(name, target, max_new, params, **kwargs):
-    sampling = {} if params.greedy else {"temperature": params.temperature, "top_k": params.top_k or None,
-                                         "top_p": params.top_p}
+def hf_mode(name, target, eos, max_new, params, **kwargs):
+    """transformers' own generate() (specdec.plain): `plain` without kwargs, an assisted mode with them."""
+    sampling = {} if params.greedy else {"do_sample": True, "temperature": params.temperature,
+                                         "top_k": params.top_k or None, "top_p": params.top_p}
 
     def run(prompt):
         if not params.greedy:
             torch.manual_seed(params.seed or 0)
-        ids = torch.tensor([prompt], device=target.device)
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                              do_sample=not params.greedy, **sampling, **kwargs)
-        return out[0, len(prompt):].tolist(), None
+        return hf_generate(target, prompt, max_new, sorted(eos), **sampling, **kwargs), None
 
     return Mode(name, run)
 
@@ -76,7 +75,7 @@ def build_modes(target, draft, eos, max_new, params, only: set[str] | None):
         "auto": lambda: (make_drafter("model", dlm(), 1), SpecConfig(depth=None)),
         "model+ngram-auto": lambda: (make_drafter("model+ngram", dlm(), 1), SpecConfig(depth=None)),
     }
-    modes = [hf_mode("plain", target, max_new, params)]
+    modes = [hf_mode("plain", target, eos, max_new, params)]
     for name, make in specs.items():
         if only is None or name in only:
             modes.append(engine_mode(name, target, *make(), eos, max_new, params))
@@ -86,7 +85,7 @@ def build_modes(target, draft, eos, max_new, params, only: set[str] | None):
     }
     for name, kw in hf.items():
         if only is None or name in only:
-            modes.append(hf_mode(name, target, max_new, params, **kw))
+            modes.append(hf_mode(name, target, eos, max_new, params, **kw))
     return modes
 
 

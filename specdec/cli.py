@@ -1,12 +1,12 @@
-"""The core's commands: generate, bench, distill, models (serve, client, bench-served: cluster/commands.py)."""
+"""The core's commands: generate, bench, distill, models (serve, client: cluster/commands.py; the `specdec`
+command with all of them: tools/commands.py). Parsing imports no torch; a command imports it when it runs."""
 
 import argparse
 import json
 import re
 import sys
 
-from .drafters import DrafterKind
-from .sampling import SamplingParams
+from .drafter_kinds import DrafterKind
 
 
 def parse_depth(text: str) -> int | str:
@@ -39,7 +39,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     """The core's commands (generate, bench, distill, models); the serving commands are added by
-    cluster/commands.py, which the `specdec` console script runs. -> (parser, its subcommands)"""
+    cluster/commands.py and the tools' by tools/commands.py, which the `specdec` console script runs.
+    -> (parser, its subcommands)"""
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -142,6 +143,7 @@ def cmd_generate(args) -> None:
     from .engine import SpeculativeEngine
     from .kvcache import CachedLM
     from .loading import check_same_vocabulary, eos_ids, load_served_model, load_tokenizer, parse_dtype
+    from .sampling import SamplingParams
 
     if args.num_samples < 1:
         raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")

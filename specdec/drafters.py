@@ -14,7 +14,6 @@ Drafting ahead (specdec.ahead) also uses:
   rollback(checkpoint, kept)      rows with kept[b] set go back to the checkpoint, keeping the
                                   first kept[b] nodes of the path they assumed"""
 
-import enum
 import logging
 from dataclasses import dataclass
 from typing import Protocol
@@ -22,6 +21,7 @@ from typing import Protocol
 import torch
 
 from .device import HOST, to_host
+from .drafter_kinds import DrafterKind
 from .kvcache import CachedLM, Prefilled
 from .ngram import NgramIndex
 from .sampling import SamplingParams, warp
@@ -358,15 +358,6 @@ class MergedDrafter:
         for row, (tree, seq, plan, p) in enumerate(zip(trees, seqs, plans, params)):
             tree.add_chain(self.ngram.guess(row, seq, plan.ngram), share_prefix=p.greedy)
         return trees
-
-
-class DrafterKind(enum.StrEnum):
-    """The drafters make_drafter builds, by name (`[k.value for k in DrafterKind]` lists them)."""
-
-    MODEL = "model"
-    NGRAM = "ngram"
-    MODEL_NGRAM = "model+ngram"
-    NONE = "none"
 
 
 def make_drafter(kind: DrafterKind | str, draft: CachedLM | None, width: int = 1) -> Drafter | None:

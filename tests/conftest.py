@@ -13,7 +13,6 @@ specdec.loading.load_model (plain nn.Linear), so the engine's tests cover both."
 import copy
 import random
 import shutil
-import socket
 from dataclasses import dataclass
 
 import pytest
@@ -24,6 +23,7 @@ from tokenizers.pre_tokenizers import Whitespace
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specdec.loading import load_model, load_served_model
+from specdec.plain import hf_greedy_margin
 
 VOCAB = 64
 NEW_TOKENS = 24  # tokens generated in the greedy equality tests
@@ -93,31 +93,21 @@ def served_target(model_dirs, root) -> str:
     return save_tokenizer(path, SERVED_WORDS, CHAT_TEMPLATE)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_serving(config: dict, root, num_cpus: int, num_gpus: int):
     """Write `config` to root/specdec.yaml, start a local Ray cluster with num_gpus GPUs and Serve on
     the config's ports (loopback). -> the config file's path, for build_app or a Serve config. Without
     CUDA the file says its GPUs are logical (placement.logical_gpus), as `specdec serve` does then:
     otherwise the actors, given a GPU by Ray and seeing no CUDA, would refuse to start. With CUDA (the
     GPU suite) they are real."""
-    import ray
     import yaml
-    from ray import serve
 
-    from cluster.serve_app import GRPC_SERVICER
+    from cluster.local import start_ray, start_serve
 
     path = root / "specdec.yaml"
     placement = {**config.get("placement", {}), "logical_gpus": not torch.cuda.is_available()}
     path.write_text(yaml.safe_dump({**config, "placement": placement}))
-    ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False)
-    ports = config["server"]
-    serve.start(http_options={"host": "127.0.0.1", "port": ports["http_port"]},
-                grpc_options={"port": ports["grpc_port"], "grpc_servicer_functions": [GRPC_SERVICER]})
+    start_ray(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False)
+    start_serve(config["server"]["http_port"], config["server"]["grpc_port"])
     return path
 
 
@@ -185,26 +175,6 @@ def make_prompts(seed: int, count: int) -> list[list[int]]:
     return prompts
 
 
-@torch.inference_mode()
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], float]:
-    """Plain greedy decoding by transformers' own generate -> (new tokens, smallest top-1/top-2 logit gap)."""
-    out = model.generate(
-        torch.tensor([prompt], device=model.device),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-        output_scores=True,
-        return_dict_in_generate=True,
-    )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    scores = torch.stack(out.scores)[:, 0].float()  # [N, V]
-    top2 = scores.topk(2, dim=-1).values
-    return tokens, float((top2[:, 0] - top2[:, 1]).min())
-
-
 @dataclass
 class Reference:
     prompts: list[list[int]]
@@ -218,7 +188,7 @@ def reference(target) -> Reference:
     candidates = [[5], [17, 42]] + make_prompts(seed=0, count=10) + make_prompts(seed=1, count=8)
     prompts, conts = [], []
     for p in candidates:
-        tokens, gap = hf_greedy(target, p, NEW_TOKENS)
+        tokens, gap = hf_greedy_margin(target, p, NEW_TOKENS)
         if gap >= MIN_GAP:
             prompts.append(p)
             conts.append(tokens)

@@ -24,7 +24,8 @@ from actors.target_service import TargetService
 from cluster.auth import API_KEYS_ENV, Unauthenticated, api_channel, authorize, load_api_keys
 from cluster.config import ConfigError
 from cluster.serve_app import build_app
-from conftest import free_port, served_target, start_serving
+from conftest import served_target, start_serving
+from cluster.local import free_port
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
 from protos import specdec_tree_pb2 as tree_pb
@@ -296,7 +297,7 @@ def _target_rank_arguments(security: LinkSecurity) -> tuple:
             rank.address.remote.return_value = ray.put("127.0.0.1:1")
             return rank
 
-    config = load_config(Path(__file__).resolve().parent.parent / "configs" / "default.yaml")
+    config = load_config(Path(__file__).resolve().parent.parent / "tools" / "bench" / "shared-pair.yaml")
     with unittest.mock.patch.object(placement, "TargetRank", Recorder):
         placement.start_target_ranks(config, object(), "tag", SharedSecurity.put(security), timeout_s=30)  # as start_topology
     (args,) = recorded
@@ -423,7 +424,7 @@ def test_grpc_needs_a_key(keyed_server):
 
 
 def test_specdec_client_sends_its_api_key(keyed_server, capsys, monkeypatch):
-    from cluster.commands import main
+    from tools.commands import main
 
     _, address = keyed_server
     base = ["client", "--address", address, "--prompt", "w5 w17", "--max-new-tokens", "2", "--json"]
@@ -449,7 +450,7 @@ class RecordingSpecDecode(api_grpc.SpecDecodeServicer):
 
 def test_specdec_client_speaks_tls_with_a_given_ca(tmp_path, capsys):
     """As through the TLS Ingress: the client trusts the CA in --tls-ca and still sends its key."""
-    from cluster.commands import main
+    from tools.commands import main
 
     tls = tls_files(tmp_path, "edge")
     servicer, server = RecordingSpecDecode(), grpc.server(futures.ThreadPoolExecutor(max_workers=2))

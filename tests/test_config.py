@@ -8,7 +8,9 @@ import yaml
 
 from cluster.config import ConfigError, app_config, load_config, parse_config, parse_live_config
 
-DEFAULT_YAML = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_YAML = ROOT / "configs" / "default.yaml"  # the example a clone serves: the embedded default pair
+SHARED_PAIR = ROOT / "tools" / "bench" / "shared-pair.yaml"  # the bench pair in ../shared
 MINIMAL = {"models": {"target": {"path": "t"}, "draft": {"path": "d"}}}
 
 
@@ -22,8 +24,25 @@ def config_error(data) -> str:
     return str(info.value)
 
 
-def test_default_yaml_loads():
-    config = load_config(DEFAULT_YAML)
+def test_default_yaml_serves_the_default_pair():
+    """configs/default.yaml has no models section: it serves the embedded default pair, and a file
+    without one is refused where no default is offered."""
+    config = load_config(DEFAULT_YAML, lambda: {"target": "dt", "draft": "dd"})
+    assert (config.models.target.path, config.models.draft.path) == ("dt", "dd")
+    with pytest.raises(ConfigError, match="models"):
+        load_config(DEFAULT_YAML)
+    cfg = app_config({"config": str(DEFAULT_YAML), "target": "t", "draft": "d"}, never_called)
+    assert (cfg.models.target.path, cfg.models.draft.path) == ("t", "d")  # --target and --draft fill it
+
+
+def test_the_shared_pair_config_is_the_default_one_with_the_bench_models():
+    shared = load_config(SHARED_PAIR)
+    assert shared == load_config(DEFAULT_YAML, lambda: {"target": "../shared/bench-models/target",
+                                                        "draft": "../shared/bench-models/draft"})
+
+
+def test_shared_pair_yaml_loads():
+    config = load_config(SHARED_PAIR)
     assert config.models.target.path == "../shared/bench-models/target"
     assert config.models.draft.path == "../shared/bench-models/draft"
     assert set(config.routing.task_types) == {"code", "prose"}
@@ -32,7 +51,7 @@ def test_default_yaml_loads():
 
 
 def test_round_trip():
-    config = load_config(DEFAULT_YAML)
+    config = load_config(SHARED_PAIR)
     assert parse_config(yaml.safe_dump(config.model_dump())) == config
     assert parse_config(config.model_dump()) == config
 
@@ -216,9 +235,10 @@ def test_live_config_refuses_whole_naming_the_key(data, expected):
     assert expected in str(info.value).splitlines()
 
 
-def test_default_yaml_says_its_gpus_are_logical():
-    """configs/default.yaml runs the small CPU models: Ray's GPUs there are logical slots."""
-    assert load_config(DEFAULT_YAML).placement.logical_gpus is True
+def test_example_configs_say_their_gpus_are_logical():
+    """configs/default.yaml and the shared pair's run small CPU models: Ray's GPUs there are logical slots."""
+    assert load_config(DEFAULT_YAML, lambda: {"target": "t", "draft": "d"}).placement.logical_gpus is True
+    assert load_config(SHARED_PAIR).placement.logical_gpus is True
 
 
 def test_fractional_gpus_with_tensor_parallelism_are_refused():
@@ -295,7 +315,7 @@ def test_bounds_are_the_named_constants_and_their_edges_load():
     config = parse_config({**MINIMAL, "speculation": {"tree_width": MAX_TREE_WIDTH}, "routing": {"default": {"max_k": MAX_K}}})
     assert (config.speculation.tree_width, config.routing.default.max_k) == (16, 32)
     assert config.server.max_request_bytes == 4 * 1024 * 1024 and config.routing.max_task_types == 64
-    assert load_config(DEFAULT_YAML).server.max_request_bytes == 4194304
+    assert load_config(SHARED_PAIR).server.max_request_bytes == 4194304
 
 
 @pytest.mark.parametrize("name", ["a b", "x" * 65, "ünï", "default", "code/../x"])

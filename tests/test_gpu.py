@@ -11,7 +11,8 @@ sharing it and on a GPU each; and the forward timings the router reads waiting f
 import pytest
 import torch
 
-from conftest import NEW_TOKENS, hf_greedy
+from conftest import NEW_TOKENS
+from specdec.plain import hf_greedy
 from specdec import CachedLM, SamplingParams, SpecConfig, SpeculativeEngine
 from specdec.drafters import make_drafter
 from specdec.loading import load_model
@@ -45,7 +46,7 @@ def test_greedy_on_cuda_equals_plain_decoding(cuda_pair, reference, kind, width,
     drafter = make_drafter(kind, CachedLM(draft), width)
     engine = SpeculativeEngine(CachedLM(target), drafter, SpecConfig(depth=depth, width=width))
     outs = engine.generate(reference.prompts, NEW_TOKENS)
-    plain = [hf_greedy(target, p, NEW_TOKENS)[0] for p in reference.prompts]
+    plain = [hf_greedy(target, p, NEW_TOKENS) for p in reference.prompts]
     assert [o.token_ids for o in outs] == plain
 
 
@@ -121,7 +122,7 @@ def test_tensor_parallel_over_nccl_equals_plain_decoding(model_dirs, reference, 
                 runs = [topo.target.decode.options(num_returns="streaming").remote(f"r{i}", p, GREEDY, NEW_TOKENS, [])
                         for i, p in enumerate(prompts)]
             target = load_model(model_dirs.target, device=CUDA)
-            assert [collect(run)["token_ids"] for run in runs] == [hf_greedy(target, p, NEW_TOKENS)[0] for p in prompts]
+            assert [collect(run)["token_ids"] for run in runs] == [hf_greedy(target, p, NEW_TOKENS) for p in prompts]
         finally:
             topo.shutdown()
     finally:
@@ -139,7 +140,8 @@ def test_served_greedy_on_gpus_equals_plain_decoding(model_dirs, tmp_path, gpus_
     from ray import serve
 
     from cluster.serve_app import build_app
-    from conftest import free_port, served_target, start_serving
+    from conftest import served_target, start_serving
+    from cluster.local import free_port
     from protos import specdec_api_pb2 as api
     from protos import specdec_api_pb2_grpc as api_grpc
     from specdec.loading import load_tokenizer
@@ -157,7 +159,7 @@ def test_served_greedy_on_gpus_equals_plain_decoding(model_dirs, tmp_path, gpus_
         for prompt in ["w5 w17 w3", "w1 w2 w1 w2 w1 w2", "w40 w41 w42"]:
             reply = stub.Generate(api.GenerateRequest(prompt=prompt, max_new_tokens=20, speculation=api.SPECULATION_ON),
                                   timeout=300)
-            assert list(reply.token_ids) == hf_greedy(target, tokenizer(prompt)["input_ids"], 20)[0]
+            assert list(reply.token_ids) == hf_greedy(target, tokenizer(prompt)["input_ids"], 20)
     finally:
         serve.shutdown()
         ray.shutdown()

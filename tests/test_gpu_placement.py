@@ -13,7 +13,7 @@ import torch
 
 from actors import lockstep
 from actors.target_rank import NoCudaError, device_for_actor
-from conftest import free_port
+from cluster.local import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -204,11 +204,11 @@ def never_called() -> dict:
     (4, None, 4, False),  # CUDA: this machine's GPUs, real
 ])
 def test_a_local_cluster_without_cuda_declares_logical_gpus(monkeypatch, cuda, num_gpus, gpus, logical):
-    from cluster import commands
+    from cluster import local
 
-    monkeypatch.setattr(commands, "_local_gpus", lambda: cuda)
+    monkeypatch.setattr(local, "_local_gpus", lambda: cuda)
     app_args = {"target": "t", "draft": "d"}
-    cfg, declared, note = commands.local_cluster(app_args, never_called, num_gpus)
+    cfg, declared, note = local.local_cluster(app_args, never_called, num_gpus)
     assert declared == gpus and cfg.placement.logical_gpus is logical
     assert app_args.get("logical_gpus") is (True if logical else None)  # what build_app(app_args) serves
     assert (note is not None) is logical
@@ -218,12 +218,10 @@ def test_a_local_cluster_without_cuda_declares_logical_gpus(monkeypatch, cuda, n
 
 def test_serve_takes_every_override_as_a_flag():
     """serve_main reads each of OVERRIDES from its arguments: --logical-gpus among them, None unless given."""
-    from cluster.commands import add_serving_commands
     from cluster.config import OVERRIDES
-    from specdec import cli
+    from tools.commands import build_parser
 
-    parser, sub = cli.build_parser()
-    add_serving_commands(sub)
+    parser = build_parser()
     args = parser.parse_args(["serve"])
     assert all(getattr(args, flag) is None for flag in OVERRIDES)
     assert parser.parse_args(["serve", "--logical-gpus"]).logical_gpus is True

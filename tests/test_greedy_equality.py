@@ -8,7 +8,8 @@ from specdec import CachedLM, ModelDrafter, SamplingParams, SpecConfig, Speculat
 from specdec.adaptive import Costs
 from specdec.drafters import make_drafter
 
-from conftest import NEW_TOKENS, hf_greedy
+from conftest import NEW_TOKENS
+from specdec.plain import hf_greedy_margin
 
 
 CONFIGS = [
@@ -200,7 +201,7 @@ def test_greedy_matches_fresh_prompts(target, draft, seed, width):
 
     prompts, refs = [], []
     for p in make_prompts(seed=seed, count=9):
-        tokens, gap = hf_greedy(target, p, 32)
+        tokens, gap = hf_greedy_margin(target, p, 32)
         if gap >= MIN_GAP:
             prompts.append(p)
             refs.append(tokens)

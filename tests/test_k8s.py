@@ -200,7 +200,7 @@ def test_configmap_mounted_as_directory_in_every_pod(profile):
 
 @pytest.mark.parametrize("profile", PROFILES)
 def test_every_pod_runs_ray_workers_at_nice_0_as_specdec_serve_does(profile):
-    from cluster.commands import WORKER_NICENESS
+    from cluster.local import WORKER_NICENESS
 
     for group in pod_groups(rayservice(profile)):
         (container,) = group["template"]["spec"]["containers"]

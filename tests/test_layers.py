@@ -1,4 +1,4 @@
-"""The layers run one way, specdec/ <- actors/ <- cluster/, and the core imports neither Ray nor gRPC:
+"""The layers run one way, specdec/ <- actors/ <- cluster/ <- tools/, and the core imports neither Ray nor gRPC:
 import-linter's contracts in pyproject.toml, checked here on the repo and, to show the check can
 fail, on a copy with one upward import added."""
 
@@ -26,7 +26,7 @@ def test_imports_keep_the_layers():
 
 
 def test_an_upward_import_breaks_the_contract(tmp_path):
-    for name in ("specdec", "actors", "cluster", "protos"):
+    for name in ("specdec", "actors", "cluster", "protos", "tools"):
         shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
     streams = tmp_path / "actors" / "streams.py"

@@ -13,8 +13,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from cluster.serve_app import GRPC_SERVICER, build_app
-from conftest import free_port, served_target
+from cluster.local import free_port, start_ray, start_serve
+from cluster.serve_app import build_app
+from conftest import served_target
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
 
@@ -38,10 +39,9 @@ def cluster(model_dirs, tmp_path_factory):
     path = root / "specdec.yaml"
     path.write_text(yaml.safe_dump(config))
     metrics_port = free_port()
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False,
-             _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000})
-    serve.start(http_options={"host": "127.0.0.1", "port": free_port()},
-                grpc_options={"port": config["server"]["grpc_port"], "grpc_servicer_functions": [GRPC_SERVICER]})
+    start_ray(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False,
+              _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000})
+    start_serve(free_port(), config["server"]["grpc_port"])
     serve.run(build_app({"config": str(path)}), name="specdec", route_prefix="/")
     channel = grpc.insecure_channel(f"127.0.0.1:{config['server']['grpc_port']}")
     stub = api_grpc.SpecDecodeStub(channel)

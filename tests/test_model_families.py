@@ -16,11 +16,13 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from actors.draft_loop import DraftLoop, DraftRequest
-from conftest import free_port, save_tokenizer
+from cluster.local import free_port
+from conftest import save_tokenizer
 from specdec import CachedLM, SamplingParams, SpecConfig, SpeculativeEngine
 from specdec.drafters import make_drafter
 from specdec.kvcache import has_sliding_window
 from specdec.loading import check_same_vocabulary, load_model, load_tokenizer
+from specdec.plain import hf_greedy
 from test_grpc_trees import Collect, scheduler_for
 
 WINDOW, VOCAB, NEW = 16, 64, 40
@@ -84,12 +86,6 @@ def prompts() -> list[list[int]]:
     return [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-@torch.inference_mode()
-def generate(model, prompt: list[int]) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)
-    return out[0, len(prompt):].tolist()
-
 
 def _params():
     return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=XFAIL[n])) if n in XFAIL else n
@@ -117,7 +113,7 @@ def save_pair(name: str, root: Path) -> tuple[str, str]:
 def family(request, tmp_path_factory):
     """(target, draft, generate()'s tokens for prompts()), both loaded back the real way."""
     target, draft = (load_model(path) for path in save_pair(request.param, tmp_path_factory.mktemp(request.param)))
-    return target, draft, [generate(target, p) for p in prompts()]
+    return target, draft, [hf_greedy(target, p, NEW) for p in prompts()]
 
 
 @pytest.mark.parametrize("kind, width, depth", [("none", 1, 0), ("model", 1, 4), ("model", 2, 3)],
@@ -178,7 +174,7 @@ def test_a_draft_of_another_family(tmp_path, pair):
     check_same_vocabulary(load_tokenizer(str(tmp_path / "target")), load_tokenizer(str(tmp_path / "draft")))
     target, draft = load_model(str(tmp_path / "target")), load_model(str(tmp_path / "draft"))
     assert type(target) is not type(draft)
-    expected = [generate(target, p) for p in prompts()]
+    expected = [hf_greedy(target, p, NEW) for p in prompts()]
     engine = SpeculativeEngine(CachedLM(target), make_drafter("model", CachedLM(draft), 2), SpecConfig(depth=3, width=2))
     assert [o.token_ids for o in engine.generate(prompts(), NEW)] == expected
     test_the_served_loops_equal_generate((target, draft, expected))
@@ -194,7 +190,7 @@ def test_tensor_parallel_two_ranks_equal_generate(tmp_path, name):
     tree in lockstep: the tokens equal the unsharded model's generate(), and a rank holds a part of it."""
     target_dir, draft_dir = save_pair(name, tmp_path)
     target = load_model(target_dir)
-    expected = [generate(target, p) for p in prompts()]
+    expected = [hf_greedy(target, p, NEW) for p in prompts()]
     spec = json.dumps({"prompts": prompts(), "new": NEW})
     port, root = str(free_port()), str(TP_RANK.parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *sys.path]), "OMP_NUM_THREADS": "1"}
@@ -224,7 +220,7 @@ def test_bfloat16_agreement(tmp_path, name):
     from a one-token step, which may flip a near-tie. Plain decoding in the engine against generate(),
     and a tree against plain decoding, both in bfloat16; measured, printed, and held to a floor."""
     target, draft = (load_model(path, dtype=torch.bfloat16) for path in save_pair(name, tmp_path))
-    reference = [generate(target, p) for p in prompts()]
+    reference = [hf_greedy(target, p, NEW) for p in prompts()]
     plain = [o.token_ids for o in SpeculativeEngine(CachedLM(target), None).generate(prompts(), NEW)]
     tree = SpeculativeEngine(CachedLM(target), make_drafter("model", CachedLM(draft), 2), SpecConfig(depth=3, width=2))
     spec = tree.generate(prompts(), NEW)

@@ -21,11 +21,13 @@ import ray
 import torch
 from ray import serve
 
-from cluster.commands import GRPC_MESSAGE_SIZE_ENV, serving_environment
+from cluster.local import GRPC_MESSAGE_SIZE_ENV, serving_environment
 from cluster.config import ServerConfig
 from cluster.openai_api import OpenAIServer
 from cluster.serve_app import build_app
-from conftest import CHAT_ROLES, SERVED_WORDS, free_port, hf_greedy, save_tokenizer, served_target, start_serving
+from conftest import CHAT_ROLES, SERVED_WORDS, save_tokenizer, served_target, start_serving
+from cluster.local import free_port
+from specdec.plain import hf_greedy
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
 from specdec.loading import load_tokenizer
@@ -83,7 +85,7 @@ def tokenizer(server):
 
 def greedy(target, tokenizer, prompt: str | list[int], n: int) -> list[int]:
     ids = tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
-    return hf_greedy(target, ids, n)[0]
+    return hf_greedy(target, ids, n)
 
 
 def cut_at_stop(tokenizer, tokens: list[int], stop: str) -> tuple[list[int], str]:
@@ -300,7 +302,7 @@ def test_grpc_stop_n_and_logprobs(server, tokenizer, target):
 
 
 def test_specdec_client_flags(server, tokenizer, target, capsys):
-    from cluster.commands import main
+    from tools.commands import main
 
     want = greedy(target, tokenizer, PROMPT, 10)
     stop = " ".join(tokenizer.decode(want).split()[4:6])

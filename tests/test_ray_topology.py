@@ -13,7 +13,8 @@ from cluster.config import parse_config
 from specdec.loading import load_model
 from cluster.frontend import Frontend, Request
 from cluster.placement import start_topology
-from conftest import NEW_TOKENS, hf_greedy, served_target
+from conftest import NEW_TOKENS, served_target
+from specdec.plain import hf_greedy
 from protos import specdec_tree_pb2 as tree_pb
 from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.errors import InvalidArgument, ResourceExhausted, Unavailable
@@ -161,7 +162,7 @@ def test_a_tensor_parallel_group_that_loses_a_rank_is_rebuilt(cluster, model_dir
     frontend = Frontend(cfg)
     try:
         prompt = "w5 w17 w3"
-        want = hf_greedy(target, frontend.tokenizer(prompt)["input_ids"], NEW_TOKENS)[0]
+        want = hf_greedy(target, frontend.tokenizer(prompt)["input_ids"], NEW_TOKENS)
         assert asyncio.run(complete(frontend, prompt, NEW_TOKENS)) == want
         with pytest.raises(InvalidArgument, match=r"max_new_tokens: .* = 317 KV tokens, over .* max_kv_tokens 300"):
             frontend.admit(Request(prompt=prompt, max_new_tokens=250))  # 3 + 250 + 64: it could never fit

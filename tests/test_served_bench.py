@@ -13,8 +13,8 @@ import pytest
 import torch
 from conftest import served_target
 
-from cluster.commands import main
-from cluster.served_bench import percentile
+from tools.commands import main
+from tools.served_bench import percentile
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
 from specdec.loading import load_model, load_tokenizer
@@ -211,7 +211,7 @@ def test_bad_client_count_is_a_one_line_error(bench_setup):
 
 
 def test_references_run_on_a_gpu_when_this_process_has_one(monkeypatch):
-    from cluster.served_bench import reference_device
+    from tools.served_bench import reference_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert reference_device() == "cuda"

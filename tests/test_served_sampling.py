@@ -14,7 +14,8 @@ import ray
 from ray import serve
 
 from cluster.serve_app import build_app
-from conftest import SMALL_VOCAB, free_port, save_tokenizer, start_serving
+from conftest import SMALL_VOCAB, save_tokenizer, start_serving
+from cluster.local import free_port
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
 from specdec.sampling import SamplingParams

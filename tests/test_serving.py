@@ -22,7 +22,9 @@ from ray.serve.schema import ServeDeploySchema
 from transformers import LlamaForCausalLM
 
 from cluster.placement import NAMESPACE
-from conftest import VOCAB, _llama_config, free_port, hf_greedy, served_target, start_serving
+from conftest import VOCAB, _llama_config, served_target, start_serving
+from cluster.local import free_port
+from specdec.plain import hf_greedy
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
 
@@ -78,7 +80,7 @@ def server(model_dirs, tmp_path_factory):
 
 
 def expected(server: Server, target, prompt: str, n: int) -> list[int]:
-    return hf_greedy(target, server.tokenizer(prompt)["input_ids"], n)[0]
+    return hf_greedy(target, server.tokenizer(prompt)["input_ids"], n)
 
 
 def http(server: Server, path: str, body: dict | bytes | None = None,
@@ -316,7 +318,7 @@ def _replicas():
 
 
 def test_specdec_client_command(server, target, capsys):
-    from cluster.commands import main
+    from tools.commands import main
 
     address = f"127.0.0.1:{server.config['server']['grpc_port']}"
     main(["client", "--address", address, "--prompt", PROMPTS[0], "--max-new-tokens", "6", "--json"])

@@ -13,6 +13,7 @@ from specdec import CachedLM, SamplingParams, SpecConfig, SpeculativeEngine
 from specdec.drafters import make_drafter
 from specdec.kvcache import has_sliding_window
 from specdec.loading import load_model
+from specdec.plain import hf_greedy
 from test_grpc_trees import Collect, scheduler_for
 
 WINDOW, VOCAB, NEW = 16, 64, 48
@@ -47,12 +48,6 @@ def prompts() -> list[list[int]]:
     return [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (20, 7, 33)]
 
 
-@torch.inference_mode()
-def generate(model, prompt: list[int]) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)
-    return out[0, len(prompt):].tolist()
-
 
 def test_the_families_slide(family):
     target, _ = family
@@ -66,7 +61,7 @@ def test_decoding_past_the_window_equals_generate(family, kind, width, depth):
     engine = SpeculativeEngine(CachedLM(target), make_drafter(kind, CachedLM(draft), width),
                                SpecConfig(depth=depth or None, width=width))
     batch = prompts()  # batched: rows of different lengths in one forward
-    assert [o.token_ids for o in engine.generate(batch, NEW)] == [generate(target, p) for p in batch]
+    assert [o.token_ids for o in engine.generate(batch, NEW)] == [hf_greedy(target, p, NEW) for p in batch]
 
 
 def test_the_served_loops_past_the_window_equal_generate(family):
@@ -79,5 +74,5 @@ def test_the_served_loops_past_the_window_equal_generate(family):
     for i in (1, 2):
         scheduler.open(f"spec{i}", batch[i], SamplingParams(), 0, NEW)
         loop.join(DraftRequest(f"spec{i}", batch[i], SamplingParams(), NEW, set(), 3, sinks[i]))
-    assert [s.wait()[0] for s in sinks] == [generate(target, p) for p in batch]
+    assert [s.wait()[0] for s in sinks] == [hf_greedy(target, p, NEW) for p in batch]
     scheduler.stop()

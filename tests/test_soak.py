@@ -11,10 +11,10 @@ import sys
 import pytest
 import yaml
 
-from cluster.served_bench import AGREEMENT_FLOOR, GreedyReferences
-from cluster.soak import (HOSTILE, MemoryWatch, Outcome, Shot, SoakPlan, build_report, draw_shot, greedy_references,
-                         judge, text_report)
 from conftest import served_target
+from tools.served_bench import AGREEMENT_FLOOR, GreedyReferences
+from tools.soak import (HOSTILE, MemoryWatch, Outcome, Shot, SoakPlan, build_report, draw_shot, greedy_references,
+                        judge, text_report)
 
 REFERENCES = GreedyReferences([[5, 6, 7, 8, 9, 10]])  # float32: greedy output must equal it
 BF16_REFERENCES = GreedyReferences([[5, 6, 7, 8, 9, 10]], dtype="bfloat16")
@@ -65,7 +65,7 @@ def test_the_reference_decodes_in_the_served_dtype(model_dirs, tmp_path):
     and the same tokens as transformers' own bfloat16 greedy decode of the served model."""
     import torch
 
-    from cluster.served_bench import hf_greedy
+    from specdec.plain import hf_greedy
     from specdec.loading import eos_ids, load_served_model, load_tokenizer
 
     target = served_target(model_dirs, tmp_path)
@@ -142,7 +142,7 @@ def test_a_short_soak_under_faults_keeps_every_promise(model_dirs, tmp_path):
                for task in ["code", "prose"] * 4]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    run = subprocess.run([sys.executable, "-c", "from cluster.commands import main; main()", "soak", "--config", str(tmp_path / "soak.yaml"),
+    run = subprocess.run([sys.executable, "-c", "from tools.commands import main; main()", "soak", "--config", str(tmp_path / "soak.yaml"),
                           "--minutes", "0.42", "--clients", "3", "--max-new-tokens", "16",
                           "--prompts", str(tmp_path / "prompts.jsonl"), "--json"],
                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
@@ -169,7 +169,7 @@ def test_a_short_soak_under_faults_keeps_every_promise(model_dirs, tmp_path):
 
 
 def test_memory_is_measured_from_after_each_actors_warm_up():
-    from cluster.soak import MemoryWatch
+    from tools.soak import MemoryWatch
 
     watch = MemoryWatch()
     for t in range(0, 100, 10):  # a target rank, steady after loading
@@ -265,7 +265,8 @@ def test_hostile_client_shots_are_judged_by_their_promise(strict):
     """Every gRPC and HTTP kind, sent for real: a server that takes everything breaks the promise of every
     kind that must be refused (and keeps the others'); one that refuses everything clearly, and answers 413
     before reading an oversized body, keeps it for those and breaks it for the kinds that must be served."""
-    from cluster.soak import Endpoints, HostileContext, Sender
+    from cluster.local import Endpoints
+    from tools.soak import HostileContext, Sender
 
     http_server, http_url = _http_server(strict)
     grpc_server, grpc_address = _grpc_server(strict)
@@ -370,7 +371,7 @@ def test_the_fake_replicas_malformed_messages_are_judged_by_their_promise(strict
 
     if "RowError" not in pb.DESCRIPTOR.message_types_by_name:
         pytest.skip("VerifyResult has no per-tree error yet")
-    from cluster.soak import FakeReplica, HostileContext, Outcome
+    from tools.soak import FakeReplica, HostileContext, Outcome
 
     target = _FakeTarget(strict)
     replica = FakeReplica(target, HostileContext(vocab=_FakeTarget.VOCAB))

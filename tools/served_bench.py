@@ -34,12 +34,12 @@ from dataclasses import dataclass, field
 import grpc
 
 from actors.security import bearer
+from cluster.auth import api_channel
+from cluster.speculation import Speculation
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
 from specdec.prompts import load_prompts
 
-from .auth import api_channel
-from .router import Speculation
 
 TIMING_KEYS = ("forwards", "forward_s", "steps", "step_round_trip_s", "draft_s", "drafted_ahead")  # GET /v1/stats
 REFERENCES = ("generate", "generate_batch")
@@ -351,18 +351,9 @@ def measure_references(target: str, rows: list[dict], max_new_tokens: int, off_o
     return out
 
 
-def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: list[int]) -> list[int]:
-    """transformers generate(), greedy, on one prompt -> its new tokens (plain decoding: the reference
-    every served greedy output must equal)."""
-    import torch
-
-    ids = torch.tensor([prompt], device=model.device)
-    seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0)
-    return seq[0, len(prompt):].tolist()
-
-
 def _generate_one_by_one(model, prompts: list[list[int]], max_new_tokens: int, eos: list[int]) -> dict:
+    from specdec.plain import hf_greedy
+
     hf_greedy(model, prompts[0], min(4, max_new_tokens), eos)  # warm-up, not timed
     t0 = time.perf_counter()
     outputs = [hf_greedy(model, p, max_new_tokens, eos) for p in prompts]

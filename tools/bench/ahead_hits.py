@@ -1,7 +1,7 @@
 """How often drafting ahead holds, in one process (bench pair, first 4 code prompts, 64 greedy tokens,
-model+ngram), with and without overlap: python docs/bench/ahead_hits.py (from the repository root).
+model+ngram), with and without overlap: python -m tools.bench.ahead_hits (from the repository root).
 The run quoted in issue #10 session 4 note; tokens/s here are only as good as the machine is quiet."""
-import sys, time, json, torch
+import threading, time, torch
 torch.set_num_threads(1)
 from specdec.loading import load_model
 from specdec.prompts import load_prompts
@@ -12,8 +12,24 @@ from specdec.drafters import make_drafter
 from specdec.kvcache import CachedLM
 from specdec.target import TargetWorker
 from specdec.sampling import SamplingParams
-sys.path.insert(0, 'tests')
-from test_grpc_trees import Collect
+
+
+class Collect:
+    """A request's sink: its tokens and, once it finishes, its stats."""
+
+    def __init__(self):
+        self.tokens, self.stats, self.done = [], None, threading.Event()
+
+    def __call__(self, tokens, out, finished, error):
+        self.tokens += tokens
+        if finished:
+            self.stats = out.stats.to_dict()
+            self.done.set()
+
+    def wait(self, timeout: float = 600):
+        assert self.done.wait(timeout), "the request never finished"
+
+
 T = load_model('../shared/bench-models/target'); D = load_model('../shared/bench-models/draft')
 tok = AutoTokenizer.from_pretrained('../shared/bench-models/target')
 rows = [r for r in load_prompts('../shared/prompts/public.jsonl')]

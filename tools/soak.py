@@ -46,10 +46,11 @@ from dataclasses import asdict, dataclass, field
 import grpc
 import ray
 
+from cluster.local import Endpoints, free_port, serve_locally
+from cluster.placement import NAMESPACE
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
 
-from .placement import NAMESPACE
 from .served_bench import AGREEMENT_FLOOR, GreedyReferences, agreement, first_divergence
 
 SERVE_NAMESPACE = "serve"  # where Ray Serve names its controller, proxies and replicas
@@ -95,12 +96,6 @@ class SoakPlan:
                 raise ValueError(f"soak: {name} must be a fraction of the run in (0, 1), got {at}")
         if not 0 <= self.hostile_share <= 1 or self.task_type_burst < 1:
             raise ValueError("soak: needs hostile_share in [0, 1] and task_type_burst >= 1")
-
-
-@dataclass(frozen=True)
-class Endpoints:
-    grpc: str  # host:port of specdec.v1.SpecDecode
-    http: str  # http://host:port
 
 
 @dataclass(frozen=True)
@@ -1006,17 +1001,15 @@ def greedy_references(target_dir: str, prompts: list[dict], max_new_tokens: int,
     """Plain decoding of every prompt: transformers generate(), greedy, on the target as it is served
     (specdec.loading.load_served_model, in the served dtype), encoded as the ingress encodes; on `device`,
     by default a GPU when this process has one (as the served target then does), else the CPU."""
-    import torch
-
     from specdec.loading import eos_ids, load_served_model, load_tokenizer, parse_dtype
+    from specdec.plain import hf_greedy
 
-    from .served_bench import hf_greedy, reference_device
+    from .served_bench import reference_device
 
     device = device or reference_device()
     tokenizer, model = load_tokenizer(target_dir), load_served_model(target_dir, parse_dtype(dtype), device)
     eos = sorted(eos_ids(model.generation_config, tokenizer))
-    with torch.inference_mode():
-        outputs = [hf_greedy(model, tokenizer(p["prompt"])["input_ids"], max_new_tokens, eos) for p in prompts]
+    outputs = [hf_greedy(model, tokenizer(p["prompt"])["input_ids"], max_new_tokens, eos) for p in prompts]
     return GreedyReferences(outputs, dtype, str(model.device))
 
 
@@ -1159,42 +1152,13 @@ def text_report(report: dict) -> str:
 # --- the command -------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve_locally(app_args: dict, servicer: str | None = None) -> Endpoints:
-    """A new local Ray cluster (logical GPUs, as `specdec serve` starts on a CPU machine) and Serve on
-    loopback: HTTP on 127.0.0.1, both on the ports in app_args (free ones: the config's may be taken).
-    `servicer` names the gRPC servicer function (default: the one `specdec serve` uses)."""
-    from ray import serve
-
-    from .commands import local_cluster, serving_environment
-    from .serve_app import GRPC_SERVICER, build_app, default_models
-
-    cfg, gpus, _ = local_cluster(app_args, default_models)  # logical GPUs where there is no CUDA, as specdec serve
-    place = cfg.placement
-    serving_environment(cfg.server)  # as specdec serve runs them: workers at nice 0, gRPC messages bounded
-    ray.init(num_cpus=place.tensor_parallel_size * place.cpus_per_target_rank
-             + place.draft_replicas * place.cpus_per_draft_replica + 1,
-             num_gpus=gpus, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": app_args["http_port"]},
-                grpc_options={"port": app_args["grpc_port"], "grpc_servicer_functions": [servicer or GRPC_SERVICER]})
-    serve.run(build_app(app_args), name="specdec", route_prefix="/")
-    return Endpoints(f"127.0.0.1:{app_args['grpc_port']}", f"http://127.0.0.1:{app_args['http_port']}")
-
-
 def soak_main(args) -> None:
     from ray import serve
 
     from specdec.prompts import load_prompts
 
-    from .config import app_config
-    from .serve_app import default_models
+    from cluster.config import app_config
+    from cluster.serve_app import default_models
 
     no_kills = {"kill_draft_at": None, "kill_target_at": None} if args.no_kills else {}
     hostile = {"hostile_share": args.hostile_share} if args.hostile_share is not None else {}

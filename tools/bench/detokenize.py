@@ -1,7 +1,7 @@
 """CPU time the ingress spends turning a request's tokens into text (cluster/detokenizer.py), per token,
 for a 2000-token generation streamed one token per step, with and without stop strings.
 
-    PYTHONPATH=. python docs/bench/detokenize.py [tokenizer folder]
+    python -m tools.bench.detokenize [tokenizer folder]
 
 The tokenizer is ../shared/bench-models/target's (byte-level BPE, 8192 tokens) unless another folder is
 named; the ids are Python source text (this repository's) encoded with it. Prints, for each case, the

@@ -2,7 +2,7 @@
 batch of rows whose trees differ in size (plain rows are a lone root). Each case alternates the two
 forwards on the same cache for 40 rounds and prints their medians.
 
-    python docs/bench/ragged_forward.py [--threads 1] > docs/bench/ragged-forward.txt
+    python -m tools.bench.ragged_forward [--threads 1] > docs/bench/ragged-forward.txt
 """
 
 import argparse

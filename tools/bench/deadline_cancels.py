@@ -4,8 +4,8 @@ the named servicer function, then sends `--requests` GenerateStream calls whose 
 pass mid-stream, one at a time, and counts from /v1/stats how each one ended at the ingress: cancelled,
 or completed although its client had gone. One JSON line.
 
-    python docs/bench/deadline_cancels.py --config configs/default.yaml                     # add_servicer
-    python docs/bench/deadline_cancels.py --config configs/default.yaml \\
+    python -m tools.bench.deadline_cancels --config tools/bench/shared-pair.yaml                     # add_servicer
+    python -m tools.bench.deadline_cancels --config tools/bench/shared-pair.yaml \\
         --servicer protos.specdec_api_pb2_grpc.add_SpecDecodeServicer_to_server          # as generated
 """
 
@@ -17,10 +17,11 @@ import grpc
 import ray
 from ray import serve
 
+from cluster.local import free_port, serve_locally
 from cluster.serve_app import GRPC_SERVICER
-from cluster.soak import free_port, get_json as get, serve_locally
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
+from tools.soak import get_json as get
 
 PROMPT = "def parse_header(line):\n    "
 DEADLINES_S = (0.2, 0.4, 0.6, 0.8, 1.0)

@@ -7,7 +7,7 @@ the stream's UNAVAILABLE, the wait until /healthz answers 200 again, and the ing
 the same request must give the same tokens as before the first kill. One JSON line per run, with the
 machine's load average (other work slows a rebuild down: it starts a process and loads a model).
 
-    python docs/bench/recovery.py --config configs/default.yaml --runs 3
+    python -m tools.bench.recovery --config tools/bench/shared-pair.yaml --runs 3
 """
 
 import argparse
@@ -19,10 +19,11 @@ import grpc
 import ray
 from ray import serve
 
+from cluster.local import free_port, serve_locally
 from cluster.placement import NAMESPACE
-from cluster.soak import free_port, get_json as get, named_actors, serve_locally
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
+from tools.soak import get_json as get, named_actors
 
 PROMPT = "def parse_header(line):\n    "
 

@@ -4,7 +4,7 @@ oneDNN-packed models, the code prompts of public.jsonl, 64 greedy tokens, model+
 Whatever the serving layers cost, the served path cannot beat these ratios with this pair on this CPU.
 The one argument is the torch thread count (default 1, as `specdec serve` gives each actor).
 
-    python docs/bench/inprocess_bound.py [threads] >> docs/bench/inprocess-bound.txt   # from the repository root
+    python -m tools.bench.inprocess_bound [threads] >> docs/bench/inprocess-bound.txt   # from the repository root
 """
 import sys
 import threading

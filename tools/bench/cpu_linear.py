@@ -2,7 +2,7 @@
 process on the bench target: its linear layers alone, and the whole target forward through CachedLM
 at the token counts a decode step runs (one row of 1-9 tokens, 8 rows of 1 and 5), and a prompt.
 
-    python docs/bench/cpu_linear.py [--model ../shared/bench-models/target] [--threads 1]
+    python -m tools.bench.cpu_linear [--model ../shared/bench-models/target] [--threads 1]
 """
 
 import argparse

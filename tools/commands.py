@@ -1,0 +1,79 @@
+"""The `specdec` command (the console script): the core's commands (specdec/cli.py: generate, bench,
+distill, models), the serving ones (cluster/commands.py: serve, client) and the tools' (bench-served,
+soak). Parsing a command line imports no torch: `specdec client` and `specdec bench-served` start in a
+fraction of a second; the commands that run models import it when they run."""
+
+import argparse
+from typing import get_args
+
+from cluster import commands as serving
+from cluster.config import Dtype
+from cluster.speculation import Speculation
+from specdec import cli
+
+from .served_bench import bench_main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser, sub = cli.build_parser()
+    serving.add_serving_commands(sub)
+    add_tool_commands(sub)
+    return parser
+
+
+def add_tool_commands(sub: argparse._SubParsersAction) -> None:
+    sb = sub.add_parser("bench-served", help="a running server's tokens/s and time per output token: clients x "
+                                             "speculation off/on/auto, with transformers as reference lines")
+    sb.add_argument("--address", default="localhost:9000", help="host:port of specdec.v1.SpecDecode")
+    serving.add_connection_arguments(sb)
+    sb.add_argument("--http", default="http://localhost:8000",
+                    help="the server's HTTP root, for its step timing in GET /v1/stats ('' to skip it)")
+    sb.add_argument("--prompts", required=True, help="JSONL rows with 'prompt' and 'task_type'")
+    sb.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16],
+                    help="concurrent clients, one grid row each (default 1 2 4 8 16)")
+    sb.add_argument("--modes", nargs="+", type=Speculation.parse, choices=list(Speculation),
+                    default=[Speculation.OFF, Speculation.ON, Speculation.AUTO], metavar="{off,on,auto}",
+                    help="default off on auto; off always runs first (every other mode must equal it)")
+    sb.add_argument("--max-new-tokens", type=int, default=64)
+    sb.add_argument("--limit", type=int, help="use only the first N prompts of each task type")
+    sb.add_argument("--target", metavar="DIR", help="the served target's model folder: measure transformers "
+                    "generate() and generate_batch on it in this process, after the grid (default: no references)")
+    sb.add_argument("--dtype", choices=get_args(Dtype), default="float32",
+                    help="the server's target dtype (its models.target.dtype): the references run in it; a server "
+                         "in another dtype than float32 is held to its greedy agreement with off, not equality")
+    sb.add_argument("--timeout", type=float, default=600, help="deadline per request in seconds (default 600)")
+    sb.add_argument("--json", action="store_true", help='end with one JSON line {"rows": [...], "references": {...}}')
+    sb.add_argument("--plot", metavar="PNG", help="write tokens/s against clients, one line per mode, "
+                                                  "the references as horizontal lines")
+
+    so = sub.add_parser("soak", help="mixed traffic and faults (a draft replica, then a target rank, killed) for a "
+                                     "bounded time on a local cluster of its own (loopback); checks and reports")
+    so.add_argument("--config", help="operator YAML (examples: configs/); default: the embedded default pair")
+    so.add_argument("--minutes", type=float, default=10.0, help="how long the traffic runs (default 10)")
+    so.add_argument("--max-requests", type=int, default=1_000_000, help="stop after this many requests")
+    so.add_argument("--clients", type=int, default=4, help="concurrent clients (default 4)")
+    so.add_argument("--max-new-tokens", type=int, default=32, help="each request asks for 4..N tokens (default 32)")
+    so.add_argument("--prompts", help="JSONL rows with 'prompt' and 'task_type' (default: a few built-in code and "
+                                      "prose prompts)")
+    so.add_argument("--seed", type=int, default=0, help="seeds the traffic's random mix")
+    so.add_argument("--no-kills", action="store_true", help="traffic only: kill nothing")
+    so.add_argument("--hostile-share", type=float, default=None,
+                    help="share of shots from the hostile mix (default 0.1; 0: none)")
+    so.add_argument("--json", action="store_true", help="end with the report as one JSON line")
+
+
+def soak_main(args) -> None:
+    from .soak import soak_main as run  # the soak imports ray, which no other command needs at start
+
+    run(args)
+
+
+COMMANDS = cli.COMMANDS | serving.COMMANDS | {"bench-served": bench_main, "soak": soak_main}
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli.main(argv, build_parser(), COMMANDS)
+
+
+if __name__ == "__main__":
+    main()
