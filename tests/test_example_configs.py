@@ -29,6 +29,7 @@ def test_there_are_examples():
     assert EXAMPLES, "configs/ holds no example config"
 
 
+@pytest.mark.timeout(READY_S + 300)  # past the suite's per-test timeout: a first run builds the default pair
 @pytest.mark.parametrize("config", EXAMPLES, ids=[str(p.relative_to(ROOT)) for p in EXAMPLES])
 def test_serve_answers_a_request_with_each_example_config(config, tmp_path):
     grpc_port, http_port = free_port(), free_port()
