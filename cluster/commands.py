@@ -93,6 +93,8 @@ def serve_main(args) -> None:
         if logical:
             print(f"specdec serve: {logical}", flush=True)
         start_ray(num_cpus=max(os.cpu_count() or 1, actor_cpus(cfg) + 1), num_gpus=gpus)  # logical CPUs: threads may share cores
+    stop = threading.Event()  # SIGTERM from here on stops the server cleanly, even while it still deploys;
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # after ray.init, whose core worker installs its own
     server = cfg.server
     start_serve(server.http_port, server.grpc_port, host="0.0.0.0")
     serve.run(build_app(app_args), name="specdec", route_prefix="/")
@@ -101,8 +103,6 @@ def serve_main(args) -> None:
           f"  HTTP, OpenAI's API          http://localhost:{server.http_port}/v1 (models, completions, "
           f"chat/completions)\n"
           f"  stats: specdec client --stats; stop with Ctrl-C", flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         stop.wait()
     except KeyboardInterrupt:
