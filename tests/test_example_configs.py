@@ -5,6 +5,8 @@ The examples serve the embedded default pair: built on first use (about 9 minute
 cached under the user's cache directory), so the first run of this test on a machine takes that long."""
 
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -27,22 +29,41 @@ STARTING = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED, grpc.Sta
 
 def test_there_are_examples():
     assert EXAMPLES, "configs/ holds no example config"
+    assert readme_commands("serve") == [["serve"]] and readme_commands("client"), "the README's commands moved"
+
+
+def readme_commands(program: str) -> list[list[str]]:
+    """The README's shell lines that run `specdec <program>`, as argument lists."""
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    lines = [re.sub(r"\s+#.*$", "", line).strip() for block in blocks for line in block.splitlines()]
+    return [shlex.split(line)[1:] for line in lines if line.startswith(f"specdec {program}")]
+
+
+SERVES = [["serve", "--config", str(p)] for p in EXAMPLES] + readme_commands("serve")
 
 
 @pytest.mark.timeout(READY_S + 300)  # past the suite's per-test timeout: a first run builds the default pair
-@pytest.mark.parametrize("config", EXAMPLES, ids=[str(p.relative_to(ROOT)) for p in EXAMPLES])
-def test_serve_answers_a_request_with_each_example_config(config, tmp_path):
+@pytest.mark.parametrize("command", SERVES, ids=[" ".join(c).replace(str(ROOT) + "/", "") for c in SERVES])
+def test_serve_answers_a_request_with_each_example_config(command, tmp_path):
+    """Each example config, and the README's own `specdec serve`; on the latter, the README's
+    `specdec client` lines too, as written (but the address)."""
     grpc_port, http_port = free_port(), free_port()
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
         server = subprocess.Popen(
-            [sys.executable, "-m", "tools.commands", "serve", "--config", str(config),
-             "--grpc-port", str(grpc_port), "--http-port", str(http_port)],
+            [sys.executable, "-m", "tools.commands", *command, "--grpc-port", str(grpc_port),
+             "--http-port", str(http_port)],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         reply = first_reply(server, f"127.0.0.1:{grpc_port}", log)
         assert reply.token_ids and reply.finish_reason in ("length", "stop"), reply
+        if command in readme_commands("serve"):
+            for client in readme_commands("client"):
+                run = subprocess.run([sys.executable, "-m", "tools.commands", *client, "--address",
+                                      f"127.0.0.1:{grpc_port}"], cwd=ROOT, capture_output=True, text=True,
+                                     timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                assert run.returncode == 0 and run.stdout.strip(), (client, run.stdout, run.stderr)
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=120) == 0, log.read_text()[-3000:]
     finally:
