@@ -1,7 +1,9 @@
 """The one table from an error to what a client gets: a gRPC status code, an HTTP status and OpenAI's
-error type. Typed errors (specdec.errors, and the ingress's own) carry messages written for clients;
-any other error is internal: the client gets a generic message with a short id, and the full error
-(a remote traceback, say) goes to the log under that id, never to the client."""
+error type. The gRPC codes of the core's errors are actors/wire.py's ERROR_CODES (the target's service
+answers with them too); this table adds the HTTP half and the ingress's own errors. Typed errors
+(specdec.errors, and the ingress's own) carry messages written for clients; any other error is
+internal: the client gets a generic message with a short id, and the full error (a remote traceback,
+say) goes to the log under that id, never to the client."""
 
 import logging
 import uuid
@@ -9,6 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from actors import wire
 from specdec.errors import InvalidArgument, RequestFailed, ResourceExhausted, Unavailable
 
 from .auth import Unauthenticated
@@ -31,12 +34,18 @@ class Status:
 
 INTERNAL = Status(grpc.StatusCode.INTERNAL, 500, "internal_error")
 
+
+def _core(kind: type[Exception], http: int, openai_type: str) -> Status:
+    """A core error's status: its gRPC code as the target's service answers it too (actors.wire.ERROR_CODES)."""
+    return Status(wire.code_of(kind), http, openai_type)
+
+
 # First match wins (a QueueFull is a ResourceExhausted).
 STATUSES: list[tuple[type[Exception], Status]] = [
-    (InvalidArgument, Status(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error")),
+    (InvalidArgument, _core(InvalidArgument, 400, "invalid_request_error")),
     (RequestTooLarge, Status(grpc.StatusCode.RESOURCE_EXHAUSTED, 413, "invalid_request_error")),
-    (ResourceExhausted, Status(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_exceeded")),
-    (Unavailable, Status(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable")),
+    (ResourceExhausted, _core(ResourceExhausted, 429, "rate_limit_exceeded")),
+    (Unavailable, _core(Unavailable, 503, "service_unavailable")),
     (Unauthenticated, Status(grpc.StatusCode.UNAUTHENTICATED, 401, "invalid_request_error")),
     (RequestFailed, INTERNAL),  # one request's row failed in a batched step: its message is for clients
 ]

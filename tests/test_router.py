@@ -276,33 +276,33 @@ def test_a_noisy_cost_table_that_extrapolates_to_nothing_still_plans():
 def test_the_router_sees_step_costs_of_the_last_seconds_not_since_start():
     """Speculative steps measured cheap at one client, then dear under load: the view follows the load,
     and a measured draft cost replaces draft_cost_ratio."""
-    from cluster.frontend import RecentSteps
+    from actors.records import TargetStats
+    from cluster.telemetry import RecentSteps, StepTiming
 
-    timing = {"steps": 0, "step_round_trip_s": 0.0, "draft_s": 0.0, "drafted_ahead": 0, "drafted": 0,
-              "draft_depths": 0}
+    timing = StepTiming()
     def target(forwards, forward_s, stall_s=0.0, committed=None):  # one tree per forward, no stall
-        return {"forwards": forwards, "forward_time_s": forward_s, "stall_time_s": stall_s,
-                "committed_tokens": 3 * forwards if committed is None else committed,
-                "trees_verified": forwards, "tree_loop_time_s": forward_s}
+        return TargetStats(forwards=forwards, forward_time_s=forward_s, stall_time_s=stall_s,
+                           committed_tokens=3 * forwards if committed is None else committed,
+                           trees_verified=forwards, tree_loop_time_s=forward_s)
 
-    recent = RecentSteps().observe(dict(timing), target(0, 0.0))
+    recent = RecentSteps().observe(timing, target(0, 0.0))
     forwards, forward_s = 0, 0.0
     for _ in range(20):  # idle: 10 steps a second, 25 ms round trips on 20 ms forwards, 4 draft forwards at
         # 3 ms (and 2 n-gram tokens, which cost nothing, beside them)
-        timing = timing | {"steps": timing["steps"] + 10, "step_round_trip_s": timing["step_round_trip_s"] + 0.25,
-                           "draft_s": timing["draft_s"] + 0.12, "drafted": timing["drafted"] + 60,
-                           "draft_depths": timing["draft_depths"] + 40}
+        timing = replace(timing, steps=timing.steps + 10, step_round_trip_s=timing.step_round_trip_s + 0.25,
+                         draft_s=timing.draft_s + 0.12, drafted=timing.drafted + 60,
+                         draft_depths=timing.draft_depths + 40)
         forwards, forward_s = forwards + 10, forward_s + 0.2
-        recent = recent.observe(dict(timing), target(forwards, forward_s))
+        recent = recent.observe(timing, target(forwards, forward_s))
     assert recent.hop_s == pytest.approx(0.005) and recent.draft_s_per_depth == pytest.approx(0.003)
     for _ in range(20):  # loaded: 120 ms round trips on 40 ms forwards, drafting at 10 ms a depth
-        timing = timing | {"steps": timing["steps"] + 10, "step_round_trip_s": timing["step_round_trip_s"] + 1.2,
-                           "draft_s": timing["draft_s"] + 0.4, "drafted": timing["drafted"] + 40,
-                           "draft_depths": timing["draft_depths"] + 40}
+        timing = replace(timing, steps=timing.steps + 10, step_round_trip_s=timing.step_round_trip_s + 1.2,
+                         draft_s=timing.draft_s + 0.4, drafted=timing.drafted + 40,
+                         draft_depths=timing.draft_depths + 40)
         forwards, forward_s = forwards + 10, forward_s + 0.4
-        recent = recent.observe(dict(timing), target(forwards, forward_s))
+        recent = recent.observe(timing, target(forwards, forward_s))
     assert recent.hop_s == pytest.approx(0.08, rel=0.01) and recent.draft_s_per_depth == pytest.approx(0.01, rel=0.01)
-    assert RecentSteps().observe(dict(timing), target(5, 0.1)).observe(dict(timing), target(1, 0.01)).hop_s == 0  # rebuilt
+    assert RecentSteps().observe(timing, target(5, 0.1)).observe(timing, target(1, 0.01)).hop_s == 0  # rebuilt
     view = TargetView(CPU_TARGET, Load(1, 1, 1), recent.hop_s, 0.0, recent.draft_s_per_depth)
     assert view.step_costs(draft_cost_ratio=0.15).draft_forward == pytest.approx(0.01, rel=0.01)
     router = Router(routing())
@@ -358,27 +358,25 @@ def test_the_hop_is_the_round_trip_less_the_time_the_trees_spent_in_the_target()
     """A tree waits in the target for a forward in flight, the stall and its own forward: all come out
     of the hop. A prefill run while no tree waited (one client: the next request's prefill comes between
     its steps) does not."""
-    from cluster.frontend import RecentSteps
+    from actors.records import TargetStats
+    from cluster.telemetry import RecentSteps, StepTiming
 
-    timing = {"steps": 0, "step_round_trip_s": 0.0, "draft_s": 0.0, "drafted_ahead": 0, "drafted": 0,
-              "draft_depths": 0}
-    counts = dict.fromkeys(("forwards", "forward_time_s", "stall_time_s", "committed_tokens", "trees_verified",
-                            "tree_loop_time_s"), 0)
-    recent = RecentSteps().observe(dict(timing), counts)
+    timing = StepTiming()
+    recent = RecentSteps().observe(timing, TargetStats())
     # 10 trees, 30 ms round trips, each waited through a 20 ms forward and a 6 ms prefill: 4 ms of hop
-    timing = timing | {"steps": 10, "step_round_trip_s": 0.3, "draft_s": 0.1, "drafted": 40, "draft_depths": 40}
-    counts = {"forwards": 10, "forward_time_s": 0.2, "stall_time_s": 0.06, "committed_tokens": 30,
-              "trees_verified": 10, "tree_loop_time_s": 0.26}
-    recent = recent.observe(dict(timing), counts)
+    timing = StepTiming(steps=10, step_round_trip_s=0.3, draft_s=0.1, drafted=40, draft_depths=40)
+    counts = TargetStats(forwards=10, forward_time_s=0.2, stall_time_s=0.06, committed_tokens=30,
+                         trees_verified=10, tree_loop_time_s=0.26)
+    recent = recent.observe(timing, counts)
     assert recent.stall_s_per_token == pytest.approx(0.002) and recent.hop_s == pytest.approx(0.004)
     # 10 more trees, 24 ms round trips on 20 ms forwards; 60 ms of prefill ran, but while no tree waited
-    timing = timing | {"steps": 20, "step_round_trip_s": 0.54, "draft_s": 0.2, "drafted": 80, "draft_depths": 80}
-    counts = {"forwards": 20, "forward_time_s": 0.4, "stall_time_s": 0.12, "committed_tokens": 60,
-              "trees_verified": 20, "tree_loop_time_s": 0.46}
-    recent = recent.observe(dict(timing), counts)
+    timing = StepTiming(steps=20, step_round_trip_s=0.54, draft_s=0.2, drafted=80, draft_depths=80)
+    counts = TargetStats(forwards=20, forward_time_s=0.4, stall_time_s=0.12, committed_tokens=60,
+                         trees_verified=20, tree_loop_time_s=0.46)
+    recent = recent.observe(timing, counts)
     assert recent.hop_s == pytest.approx(0.004) and recent.stall_s_per_token == pytest.approx(0.002)
-    counts = counts | {"forwards": 40, "forward_time_s": 0.8, "committed_tokens": 120}
-    recent = recent.observe(dict(timing), counts)  # 20 plain forwards, no prefill: the stall falls, the hop holds
+    counts = replace(counts, forwards=40, forward_time_s=0.8, committed_tokens=120)
+    recent = recent.observe(timing, counts)  # 20 plain forwards, no prefill: the stall falls, the hop holds
     assert recent.stall_s_per_token == pytest.approx(0.002 * (1 - 0.3)) and recent.hop_s == pytest.approx(0.004)
 
 
@@ -397,8 +395,8 @@ def test_the_scheduler_counts_the_loop_time_its_trees_waited_through(target):
         verdict = scheduler.verify({"a": TokenTree.root(3)})["a"]
         scheduler.verify({"a": TokenTree.root(verdict.tokens[-1])})
         stats = scheduler.stats()
-        assert stats["trees_verified"] == 2
-        assert stats["forward_time_s"] <= stats["tree_loop_time_s"] < stats["forward_time_s"] + 0.5
+        assert stats.trees_verified == 2
+        assert stats.forward_time_s <= stats.tree_loop_time_s < stats.forward_time_s + 0.5
     finally:
         scheduler.stop()
 
@@ -452,8 +450,8 @@ def test_the_scheduler_times_device_work_and_leaves_a_sizes_cold_first_forward_o
         scheduler.stop()
     sync = ("sync", "cuda:0")
     assert events[:6] == [sync, "add", sync, sync, "verify", sync]  # the stall's end waited for the prefill
-    assert stats["stall_time_s"] >= 0.05  # the prefill's device time, which no forward is charged with now
-    assert stats["forwards"] == 3 and list(stats["forward_costs"]) == [1]  # 3 forwards of 1 token, the first left out
+    assert stats.stall_time_s >= 0.05  # the prefill's device time, which no forward is charged with now
+    assert stats.forwards == 3 and list(stats.forward_costs) == [1]  # 3 forwards of 1 token, the first left out
 
 
 def test_task_types_beyond_max_task_types_fold_into_default():
