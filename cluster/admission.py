@@ -124,9 +124,7 @@ class Admission:
         check_stop(req.stop)
         if not 1 <= req.n <= limits.max_n:
             raise InvalidArgument("n", f"must be in 1..{limits.max_n} (server.max_n), got {req.n}")
-        req.sampling()  # InvalidArgument naming the field
-        if req.speculation not in Speculation.__members__:
-            raise InvalidArgument("speculation", f"must be one of {', '.join(Speculation.__members__)}")
+        req.sampling()  # InvalidArgument naming the field (speculation is parsed by the converters)
 
     def _prompt_ids(self, req: Request) -> list[int]:
         return self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
