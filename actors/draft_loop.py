@@ -138,7 +138,7 @@ class DraftRequest:
     sink: Sink
     stream: int = 0  # separates the random streams of samples that share a seed
     seq: list[int] = field(init=False)
-    out: Generation = field(default_factory=lambda: Generation([], "length"))
+    out: Generation = field(default_factory=lambda: Generation([]))
     gen: torch.Generator | None = field(init=False, default=None)  # its draws, on the draft's device (DraftLoop)
     next_tree: TokenTree | None = None  # drafted ahead, while the target verified the last step
     draft_prefill: Prefilled | None = None  # its prompt in the draft's cache, run while it was opened (DraftLoop.prefill)

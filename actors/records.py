@@ -1,20 +1,11 @@
 """The typed records the actors hand the ingress: a request's step (StepUpdate, what an actor stream
-yields), why a request ended (FinishReason), and what the target's scheduler reports of itself
+yields, with the core's FinishReason on its last) and what the target's scheduler reports of itself
 (TargetStats). Each crosses Ray as it is (pickled), never as a dict read by key."""
 
-import enum
 from dataclasses import asdict, dataclass, field, replace
 
-from specdec.engine import Generation, RequestStats
+from specdec.engine import FinishReason, Generation, RequestStats
 from specdec.logprobs import TokenLogprob
-
-
-class FinishReason(enum.StrEnum):
-    """Why a request ended; its value is the wire's and the HTTP API's string (GenerateResponse.finish_reason,
-    OpenAI's finish_reason)."""
-
-    STOP = "stop"  # an eos token or a stop string
-    LENGTH = "length"  # max_new_tokens, or the room the model's context left
 
 
 @dataclass(frozen=True)
@@ -31,8 +22,7 @@ class StepUpdate:
     def of(cls, tokens: list[int], out: Generation, finished: bool) -> "StepUpdate":
         """The step a loop hands its sink (from the loop's thread): a copy of what the loop goes on changing."""
         logprobs = out.logprobs[len(out.logprobs) - len(tokens):] if out.logprobs and tokens else []
-        return cls(list(tokens), replace(out.stats), logprobs,
-                   FinishReason(out.finish_reason) if finished else None)
+        return cls(list(tokens), replace(out.stats), logprobs, out.finish_reason if finished else None)
 
     @property
     def finished(self) -> bool:

@@ -105,7 +105,7 @@ class _Plain:
     eos: set[int]
     sink: Sink
     seq: list[int]
-    out: Generation = field(default_factory=lambda: Generation([], "length"))
+    out: Generation = field(default_factory=lambda: Generation([]))
 
 
 

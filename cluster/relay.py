@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 import ray
 
-from actors.records import FinishReason, StepUpdate
+from actors.records import StepUpdate
 from specdec.acceptance import acceptance_rate
-from specdec.engine import RequestStats
+from specdec.engine import FinishReason, RequestStats
 from specdec.logprobs import TokenLogprob
 
 from . import metrics

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from actors.closed import RecentlyClosed
-from actors.records import HELD, FinishReason, StepUpdate, TargetStats
-from specdec.engine import Generation
+from actors.records import HELD, StepUpdate, TargetStats
+from specdec.engine import FinishReason, Generation
 from specdec.logprobs import TokenLogprob
 
 
@@ -16,7 +16,7 @@ def test_finish_reasons_are_the_wire_and_http_strings():
 
 
 def test_a_step_update_is_a_copy_of_what_the_loop_goes_on_changing():
-    out = Generation([5, 6, 7], "stop", logprobs=[TokenLogprob(t, -1.0, []) for t in (5, 6, 7)])
+    out = Generation([5, 6, 7], FinishReason.STOP, logprobs=[TokenLogprob(t, -1.0, []) for t in (5, 6, 7)])
     out.stats.steps, out.stats.accepted = 2, 1
     step = StepUpdate.of([6, 7], out, finished=False)
     out.stats.steps += 1
