@@ -7,7 +7,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field, replace
 
-from specdec.errors import InvalidArgument, ResourceExhausted, Unavailable
+from specdec.errors import InvalidArgument, Unavailable
 from specdec.sampling import SamplingParams
 
 from actors.scheduler import KvBudget
@@ -16,6 +16,7 @@ from . import metrics
 from .config import ServeConfig, task_type_problem
 from .detokenizer import check_stop
 from .router import DEFAULT_TASK, Router, Speculation
+from .statuses import QueueFull, event_of
 from .supervisor import TargetSupervisor
 
 # A prompt of more characters than max_prompt_tokens * MAX_CHARS_PER_TOKEN is refused before it is tokenized:
@@ -23,10 +24,6 @@ from .supervisor import TargetSupervisor
 # comes near (their longest tokens are runs of spaces or punctuation of a few dozen characters). A word-level
 # tokenizer that maps an unknown word of any length to one token is the exception: such prompts are refused.
 MAX_CHARS_PER_TOKEN = 256
-
-
-class QueueFull(ResourceExhausted):
-    """Too many requests admitted and unfinished in this ingress replica (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
 
 
 @dataclass(frozen=True)
@@ -103,9 +100,7 @@ class Admission:
         try:
             yield task_type
         except (InvalidArgument, Unavailable, QueueFull) as e:
-            reason = ("refused_invalid" if isinstance(e, InvalidArgument) else
-                      "unavailable" if isinstance(e, Unavailable) else "refused_queue_full")
-            metrics.count_event(task_type, reason)
+            metrics.count_event(task_type, event_of(e))
             raise
 
     def _check(self, req: Request) -> None:

@@ -22,6 +22,7 @@ from .config import RoutingConfig, ServeConfig
 from .placement import Topology, kv_budget
 from .relay import ACTOR_GONE, Chunk, Relay
 from .router import Router
+from .statuses import event_of
 from .supervisor import TargetSupervisor
 from .telemetry import RouterTelemetry, StepTiming
 
@@ -67,8 +68,8 @@ class Frontend:
                 yield chunk
         except Exception as e:  # noqa: BLE001 - re-raised, as the typed error it amounts to where there is one
             error = await self._typed(e, epoch)
-            if isinstance(error, (Unavailable, ResourceExhausted)):
-                meter.event("unavailable" if isinstance(error, Unavailable) else "refused_target_full")
+            if isinstance(error, (Unavailable, ResourceExhausted)):  # a lost group or a full target
+                meter.event(event_of(error))
             if error is e:
                 raise
             raise error from e

@@ -97,7 +97,7 @@ class SpecDecodeIngress:
         cfg = ServeConfig.model_validate(config)
         self.api_keys = auth.load_api_keys(cfg.security.api_keys_file, os.environ)  # before the slow start
         check_served_models(cfg)  # before any actor takes a GPU
-        self.frontend = Frontend(cfg, start_topology(cfg))
+        self.frontend = Frontend(cfg, start_topology(cfg))  # the actors are this replica's: they go with it
         self.openai = OpenAIServer(self.frontend, Path(self.frontend.cfg.models.target.path).name)
         self.responses = grpc_api.Responses(self.frontend.tokenizer)
 

@@ -1,6 +1,7 @@
 """The one table from an error to what a client gets: a gRPC status code, an HTTP status and OpenAI's
 error type. The gRPC codes of the core's errors are actors/wire.py's ERROR_CODES (the target's service
-answers with them too); this table adds the HTTP half and the ingress's own errors. Typed errors
+answers with them too); this table adds the HTTP half and the ingress's own errors (RequestTooLarge,
+QueueFull), and EVENTS names a refusal in the ingress's metrics. Typed errors
 (specdec.errors, and the ingress's own) carry messages written for clients; any other error is
 internal: the client gets a generic message with a short id, and the full error (a remote traceback,
 say) goes to the log under that id, never to the client."""
@@ -23,6 +24,10 @@ class RequestTooLarge(ValueError):
     """A request body or message over server.max_request_bytes (HTTP 413, gRPC RESOURCE_EXHAUSTED)."""
 
     field = "body"
+
+
+class QueueFull(ResourceExhausted):
+    """Too many requests admitted and unfinished in this ingress replica (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,17 @@ STATUSES: list[tuple[type[Exception], Status]] = [
     (RequestFailed, INTERNAL),  # one request's row failed in a batched step: its message is for clients
 ]
 TYPED = tuple(kind for kind, _ in STATUSES)
+
+# A refused or lost request's event in the ingress's metrics (cluster/metrics.py count_event); first match wins.
+EVENTS: list[tuple[type[Exception], str]] = [
+    (InvalidArgument, "refused_invalid"), (QueueFull, "refused_queue_full"),
+    (ResourceExhausted, "refused_target_full"), (Unavailable, "unavailable"),
+]
+
+
+def event_of(error: BaseException) -> str | None:
+    """The metrics event of a refusal or a loss (None: not one)."""
+    return next((event for kind, event in EVENTS if isinstance(error, kind)), None)
 
 
 @dataclass(frozen=True)
