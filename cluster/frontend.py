@@ -7,6 +7,7 @@ The topology is started by the Frontend's owner (the Serve deployment) and hande
 target group is rebuilt in place (cluster/supervisor.py); meanwhile requests fail fast with Unavailable."""
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 
 import ray
 from transformers import GenerationConfig
@@ -20,11 +21,28 @@ from . import metrics
 from .admission import Admission, Admitted
 from .config import RoutingConfig, ServeConfig
 from .placement import Topology, kv_budget
-from .relay import ACTOR_GONE, Chunk, Relay
-from .router import Router
+from .relay import ACTOR_GONE, Chunk, Relay, Served
+from .router import Router, TaskTypeStats
 from .statuses import event_of
 from .supervisor import TargetSupervisor
 from .telemetry import RouterTelemetry, StepTiming
+
+
+@dataclass(frozen=True)
+class IngressStats:
+    """The ingress's report: GET /v1/stats (to_json), GetStats (cluster/grpc_api.py)."""
+
+    task_types: dict[str, TaskTypeStats]
+    task_types_folded: int
+    requests: Served
+    in_flight: int
+    timing: dict  # the target's forwards, forward_s, stall_s (None while unknown) and this ingress's StepTiming
+    target: dict  # the supervisor's state and what the target holds (HELD; None while unknown)
+
+    def to_json(self) -> dict:
+        return {"task_types": {name: task.to_dict() for name, task in self.task_types.items()},
+                "task_types_folded": self.task_types_folded, "requests": self.requests.to_dict(),
+                "in_flight": self.in_flight, "timing": self.timing, "target": self.target}
 
 
 def check_served_models(cfg: ServeConfig):
@@ -90,7 +108,7 @@ class Frontend:
             return self.supervisor.unavailable(epoch)
         return error
 
-    async def stats(self) -> dict:
+    async def stats(self) -> "IngressStats":
         """The router's view, this ingress's requests and step timing, and the target group: up or down
         (why, rebuilds, the last recovery's seconds) and what it holds (None while unreachable)."""
         target = await self.telemetry.target_stats()
@@ -99,10 +117,8 @@ class Frontend:
         else:
             timing = {"forwards": target.forwards, "forward_s": target.forward_time_s, "stall_s": target.stall_time_s}
             held = target.held()
-        timing |= self.timing.to_dict()
-        return {"task_types": self.router.stats(), "task_types_folded": self.router.folded,
-                "requests": self.relay.served.to_dict(), "in_flight": self.admission.in_flight,
-                "timing": timing, "target": self.supervisor.stats() | held}
+        return IngressStats(self.router.stats(), self.router.folded, replace(self.relay.served), self.admission.in_flight,
+                            timing | self.timing.to_dict(), self.supervisor.stats() | held)
 
     def shutdown(self) -> None:
         self.telemetry.stop()

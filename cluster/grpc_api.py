@@ -10,6 +10,7 @@ from actors import wire
 
 from .admission import Request
 from .detokenizer import token_text
+from .frontend import IngressStats
 from .relay import Chunk, SpeculationStats
 from .router import Speculation
 from .samples import Sample
@@ -55,14 +56,11 @@ def stats_proto(stats: SpeculationStats) -> api.SpeculationStats:
                                 steps=stats.steps, alpha=stats.alpha)
 
 
-def stats_response(stats: dict) -> api.GetStatsResponse:
-    """/v1/stats (Frontend.stats) as GetStats answers it."""
+def stats_response(stats: IngressStats) -> api.GetStatsResponse:
     return api.GetStatsResponse(task_types=[
-        api.TaskTypeStats(task_type=name, alpha=s["alpha"], decision=s["decision"], k=s["k"],
-                          samples=s["samples"], requests=s["requests"], reason=s["reason"],
-                          goodput=s["goodput"] or {})
-        for name, s in stats["task_types"].items()], target=_target_proto(stats["target"]),
-        in_flight=stats["in_flight"])
+        api.TaskTypeStats(task_type=name, alpha=s.alpha, decision=s.decision, k=s.k, samples=s.samples,
+                          requests=s.requests, reason=s.reason, goodput=s.goodput or {})
+        for name, s in stats.task_types.items()], target=_target_proto(stats.target), in_flight=stats.in_flight)
 
 
 def _target_proto(target: dict) -> api.TargetStats:

@@ -190,7 +190,7 @@ class SpecDecodeIngress:
 
     @http_app.get("/v1/stats")
     async def stats(self) -> dict:
-        return await self.frontend.stats()
+        return (await self.frontend.stats()).to_json()
 
     @http_app.get("/healthz")
     async def healthz(self):
