@@ -31,6 +31,7 @@ from specdec.target import Outcome
 from specdec.tree import TokenTree
 
 from . import wire
+from .closed import RecentlyClosed
 from .streams import Sink, tell
 
 
@@ -137,7 +138,7 @@ class DraftRequest:
     sink: Sink
     stream: int = 0  # separates the random streams of samples that share a seed
     seq: list[int] = field(init=False)
-    out: Generation = field(default_factory=lambda: Generation([], "length"))
+    out: Generation = field(default_factory=lambda: Generation([]))
     gen: torch.Generator | None = field(init=False, default=None)  # its draws, on the draft's device (DraftLoop)
     next_tree: TokenTree | None = None  # drafted ahead, while the target verified the last step
     draft_prefill: Prefilled | None = None  # its prompt in the draft's cache, run while it was opened (DraftLoop.prefill)
@@ -163,7 +164,7 @@ class DraftLoop:
         self._verifier = ThreadPoolExecutor(1, thread_name_prefix="verify") if self.overlap else None
         self.rows: list[DraftRequest] = []  # batch order: the drafter's rows
         self._joining: list[DraftRequest] = []
-        self._cancelled: set[str] = set()
+        self._cancelled = RecentlyClosed()  # a cancel may come before its request joins: kept until it is seen
         self._failure: Exception | None = None  # every request in the loop ends with it before the next step
         self._cv = threading.Condition()
         if drafter is not None:
@@ -203,14 +204,12 @@ class DraftLoop:
                 self._cv.wait_for(lambda: self.rows or self._joining)
                 joining, self._joining = self._joining, []
                 failure, self._failure = self._failure, None
-                cancelled = set(self._cancelled)
             try:
                 if failure is not None:
                     self._fail(failure)
                 self._add(joining)
-                stopped = [r for r in self.rows if r.rid in cancelled]
-                with self._cv:  # a cancel may come before its request joins: kept until it is seen
-                    self._cancelled -= {r.rid for r in stopped}
+                with self._cv:
+                    stopped = [r for r in self.rows if self._cancelled.take(r.rid)]
                 self._drop(stopped, close=True)
                 if self.rows:
                     self._step()

@@ -12,14 +12,13 @@ from specdec.kvcache import CachedLM
 from specdec.loading import load_served_model, parse_dtype
 from specdec.sampling import SamplingParams
 
+from .closed import RecentlyClosed
 from .draft_loop import DraftLoop, DraftRequest, GrpcTarget
 from .metrics import StepTimer
 from .security import LinkSecurity, SharedSecurity, resolve, target_channel
 from .streams import StepStream
 from .target_rank import device_for_actor, use_assigned_cpus
 
-
-EARLY_CANCELS_KEPT = 4096
 
 
 @ray.remote
@@ -47,9 +46,7 @@ class DraftReplica:
         self.step_timer = StepTimer(name.rsplit("-", 1)[0])  # draft-<i>-<topology tag> -> draft-<i>
         self.loops: dict[str, DraftLoop] = {}  # per draft model: its task type, or "" for the rest
         self.running: dict[str, DraftLoop] = {}  # request id -> its loop
-        # cancelled before their generate call began here (the most recent few: a cancel that raced a
-        # request's normal end would otherwise stay forever)
-        self.cancelled_early: dict[str, None] = {}
+        self.cancelled_early = RecentlyClosed()  # cancelled before their generate call began here
 
     def ready(self) -> bool:
         return True
@@ -65,8 +62,7 @@ class DraftReplica:
         `stream` separates the random streams of samples that share a seed. `target_address`: the
         target group's TargetService as the caller knows it (None: the one this replica has); a new one
         (the group was rebuilt) is connected to first."""
-        if request_id in self.cancelled_early:  # its caller gave up before it started: never open it
-            del self.cancelled_early[request_id]
+        if self.cancelled_early.take(request_id):  # its caller gave up before it started: never open it
             return
         if target_address is not None and target_address != self.target_address:
             self._connect(target_address)
@@ -90,9 +86,7 @@ class DraftReplica:
         if loop := self.running.get(request_id):
             loop.cancel(request_id)
         else:
-            self.cancelled_early[request_id] = None
-            if len(self.cancelled_early) > EARLY_CANCELS_KEPT:
-                del self.cancelled_early[next(iter(self.cancelled_early))]
+            self.cancelled_early.add(request_id)
 
     def _connect(self, address: str) -> None:
         """Send trees to the target group at `address` from now on (a rebuilt group: a Ray restart of this

@@ -7,8 +7,12 @@ made on first use, in the process that uses it (LazyMetric)."""
 import functools
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ray.util.metrics import Counter, Gauge, Histogram
+
+if TYPE_CHECKING:  # a type only: this module stays light (no torch) for whoever imports it
+    from .records import TargetStats
 
 GAUGES_EVERY_S = 1.0  # Ray stops exporting a gauge that is not set again for ~20 s
 SECONDS_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
@@ -71,16 +75,16 @@ def observe_forward(seconds: float) -> None:
     verify_step().observe(seconds, {"replica": "target"})
 
 
-def publish_target(stats: Callable[[], dict]) -> None:
+def publish_target(stats: Callable[[], "TargetStats"]) -> None:
     """The target's gauges from its scheduler's stats(), every GAUGES_EVERY_S, for as long as the process
     lives (rank 0 runs it on a thread of its own)."""
     closed = 0
     while True:
         now = stats()
-        target_open_requests().set(now["open_requests"])
-        target_waiting_requests().set(now["waiting"])
-        target_kv_tokens_reserved().set(now["kv_tokens_reserved"])
-        if now["idle_rows_closed"] > closed:
-            target_idle_rows_closed().inc(now["idle_rows_closed"] - closed)
-            closed = now["idle_rows_closed"]
+        target_open_requests().set(now.open_requests)
+        target_waiting_requests().set(now.waiting)
+        target_kv_tokens_reserved().set(now.kv_tokens_reserved)
+        if now.idle_rows_closed > closed:
+            target_idle_rows_closed().inc(now.idle_rows_closed - closed)
+            closed = now.idle_rows_closed
         time.sleep(GAUGES_EVERY_S)

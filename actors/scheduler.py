@@ -25,10 +25,11 @@ from specdec.sampling import SamplingParams
 from specdec.target import Outcome, TargetWorker
 from specdec.tree import TokenTree
 
+from .closed import RecentlyClosed
+from .records import TargetStats
 from .streams import Sink, tell
 
 log = logging.getLogger(__name__)
-CLOSED_KEPT = 4096
 LOAD_SMOOTHING = 0.2  # weight of each forward in the batch's moving average
 
 
@@ -104,7 +105,7 @@ class _Plain:
     eos: set[int]
     sink: Sink
     seq: list[int]
-    out: Generation = field(default_factory=lambda: Generation([], "length"))
+    out: Generation = field(default_factory=lambda: Generation([]))
 
 
 
@@ -131,10 +132,8 @@ class TargetScheduler:
         self.tree_loop_time_s = 0.0
         self._cv = threading.Condition()
         self._waiting: collections.deque[_Join] = collections.deque()  # admission queue, in arrival order
-        # closed before they were opened (a caller that gave up while its Open was on the way): a later
-        # open of one of these is refused, so no row outlives its caller; the most recent few are kept
-        self._closed_early: dict[str, None] = {}
-        self._closed: dict[str, None] = {}  # the most recently closed requests, whose late trees get no verdict
+        self._closed_early = RecentlyClosed()  # closed before they were opened: a later open is refused
+        self._closed = RecentlyClosed()  # closed after they were opened: their late trees get no verdict
         self._leaving: list[str] = []
         self._trees: dict[str, tuple[TokenTree, _Waiter]] = {}  # sent by replicas for the next forward
         self._plain: dict[str, _Plain] = {}
@@ -200,20 +199,18 @@ class TargetScheduler:
             self._leaving += rids
             self._cv.notify()
 
-    def stats(self) -> dict:
+    def stats(self) -> TargetStats:
         with self._cv:
             # a closed request holds nothing: its row goes before the next forward
             held = {rid: tokens for rid, tokens in self._reserved.items() if rid not in self._leaving}
-            # kv_tokens_reserved: the slots the cache may come to hold for them (rows x the largest reservation)
             load = self._load if held else Load()  # an idle target has no batch
-            return {"forwards": self.forwards, "largest_batch": self.largest_batch,
-                    "forward_time_s": self.forward_time_s, "open_requests": len(held),
-                    "kv_tokens_reserved": self.budget.slots(list(held.values())), "waiting": len(self._waiting),
-                    "forward_costs": dict(self.costs.verify_table), "batch_tokens": load.batch_tokens,
-                    "committed_per_forward": load.committed, "batch_rows": load.rows,
-                    "idle_rows_closed": self.idle_rows_closed, "stall_time_s": self.stall_time_s,
-                    "committed_tokens": self.committed_tokens, "trees_verified": self.trees_verified,
-                    "tree_loop_time_s": self.tree_loop_time_s}
+            return TargetStats(
+                forwards=self.forwards, forward_time_s=self.forward_time_s, stall_time_s=self.stall_time_s,
+                committed_tokens=self.committed_tokens, trees_verified=self.trees_verified,
+                tree_loop_time_s=self.tree_loop_time_s, largest_batch=self.largest_batch, open_requests=len(held),
+                kv_tokens_reserved=self.budget.slots(list(held.values())), waiting=len(self._waiting),
+                idle_rows_closed=self.idle_rows_closed, forward_costs=dict(self.costs.verify_table),
+                batch_tokens=load.batch_tokens, committed_per_forward=load.committed, batch_rows=load.rows)
 
     def stop(self) -> None:
         with self._cv:
@@ -237,8 +234,7 @@ class TargetScheduler:
         with self._cv:
             if join.rid in self._reserved or any(j.rid == join.rid for j in self._waiting):
                 raise RequestExists(f"request {join.rid!r} is already in the batch")
-            if join.rid in self._closed_early or join.rid in self._leaving:
-                self._closed_early.pop(join.rid, None)
+            if self._closed_early.take(join.rid) or join.rid in self._leaving:
                 raise UnknownRequest(f"request {join.rid!r} was closed before it was opened")
             if self._left_waiting([*self._waiting, join]) > self.budget.max_waiting:
                 raise ResourceExhausted(
@@ -326,9 +322,7 @@ class TargetScheduler:
                 if rid not in self._reserved:
                     self._close_early(rid)
                 else:
-                    self._closed[rid] = None
-                    if len(self._closed) > CLOSED_KEPT:
-                        del self._closed[next(iter(self._closed))]
+                    self._closed.add(rid)
                 self._reserved.pop(rid, None)
                 self._last_tree.pop(rid, None)
                 self._plain.pop(rid, None)
@@ -340,9 +334,7 @@ class TargetScheduler:
             self._waiting.remove(j)
             j.waiter.finish(error=UnknownRequest(f"request {rid!r} was closed before it was admitted"))
         if not waiting:
-            self._closed_early[rid] = None
-            if len(self._closed_early) > CLOSED_KEPT:
-                del self._closed_early[next(iter(self._closed_early))]
+            self._closed_early.add(rid)
 
     def _add(self, joining: list[_Join]) -> None:
         if not joining:

@@ -8,6 +8,8 @@ from collections.abc import AsyncIterator, Callable
 
 from specdec.engine import Generation
 
+from .records import StepUpdate
+
 Sink = Callable[[list[int], Generation, bool, Exception | None], None]  # a step: new tokens, so far, finished, error
 log = logging.getLogger(__name__)
 
@@ -24,31 +26,25 @@ def tell(rid: str, sink: Sink, tokens: list[int], out: Generation, finished: boo
 
 
 class StepStream:
-    """The sink a step loop calls (from its thread) and the items the actor yields: {"tokens",
-    "stats"} per step ("logprobs" of the tokens too when the request asked for them), the last one
-    with "finish_reason" too."""
+    """The sink a step loop calls (from its thread) and the items the actor yields: a StepUpdate per
+    step, the last one with its finish reason."""
 
     def __init__(self):
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
 
     def __call__(self, tokens: list[int], out: Generation, finished: bool, error: Exception | None) -> None:
-        part = {"tokens": list(tokens), "stats": out.stats.to_dict()}
-        if out.logprobs and tokens:
-            part["logprobs"] = out.logprobs[len(out.logprobs) - len(tokens):]
-        if finished:
-            part["finish_reason"] = out.finish_reason
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, (part, error))
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, (StepUpdate.of(tokens, out, finished), error))
 
     def cancel(self) -> None:
         """End the stream now (its request was stopped); the loop's later calls are ignored."""
         self._loop.call_soon_threadsafe(self._queue.put_nowait, None)
 
-    async def items(self) -> AsyncIterator[dict]:
+    async def items(self) -> AsyncIterator[StepUpdate]:
         while (item := await self._queue.get()) is not None:
-            part, error = item
+            step, error = item
             if error is not None:
                 raise error
-            yield part
-            if "finish_reason" in part:
+            yield step
+            if step.finished:
                 return

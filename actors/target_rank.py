@@ -6,6 +6,7 @@ draft replicas send over gRPC (specdec.v1.TargetService); ranks > 0 mirror rank 
 import asyncio
 import os
 import threading
+from dataclasses import replace
 
 import ray
 import torch
@@ -20,6 +21,7 @@ from specdec.target import TargetWorker
 
 from . import metrics
 from .lockstep import LockstepWorker, follow
+from .records import TargetStats
 from .scheduler import KvBudget, TargetScheduler
 from .security import RPC_HEADROOM, LinkSecurity, SharedSecurity, host_port, resolve, serve_target
 from .streams import StepStream
@@ -133,10 +135,10 @@ class TargetRank:
         if stream := self.streams.get(request_id):
             stream.cancel()
 
-    def stats(self) -> dict:
+    def stats(self) -> TargetStats:
         if self.scheduler is None:  # a rank > 0
-            return {"weights_held": self.weights_held}
-        return {"weights_held": self.weights_held, **self.scheduler.stats()}
+            return TargetStats(weights_held=self.weights_held)
+        return replace(self.scheduler.stats(), weights_held=self.weights_held)
 
 
 def _local_numel(model: torch.nn.Module) -> int:

@@ -15,8 +15,6 @@ import logging
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
-
 from protos import specdec_tree_pb2 as tree_pb
 from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.errors import InvalidArgument

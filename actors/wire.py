@@ -169,12 +169,16 @@ def sampling_to_proto(p: SamplingParams) -> tree_pb.SamplingParams:
                                   logprobs=p.logprobs)
 
 
-def sampling_from_proto(req: api.GenerateRequest | tree_pb.SamplingParams) -> SamplingParams:
-    """ValueError naming the field when temperature, top_k, top_p or logprobs is out of range."""
-    return SamplingParams(temperature=req.temperature, top_k=req.top_k,
-                          top_p=req.top_p if req.HasField("top_p") else 1.0,
-                          seed=req.seed if req.HasField("seed") else None,
-                          logprobs=req.logprobs if req.HasField("logprobs") else None)
+def sampling_fields(msg: api.GenerateRequest | tree_pb.SamplingParams) -> dict:
+    """A message's sampling fields by SamplingParams's names, an unset optional one as its default."""
+    return {"temperature": msg.temperature, "top_k": msg.top_k, "top_p": msg.top_p if msg.HasField("top_p") else 1.0,
+            "seed": msg.seed if msg.HasField("seed") else None,
+            "logprobs": msg.logprobs if msg.HasField("logprobs") else None}
+
+
+def sampling_from_proto(msg: api.GenerateRequest | tree_pb.SamplingParams) -> SamplingParams:
+    """InvalidArgument naming the field when temperature, top_k, top_p, seed or logprobs is out of range."""
+    return SamplingParams(**sampling_fields(msg))
 
 
 # --- the core's typed errors <-> gRPC status codes (whole calls and single rows) -------------------------------
@@ -188,10 +192,15 @@ ERROR_CODES = [(UnknownRequest, grpc.StatusCode.NOT_FOUND), (RequestExists, grpc
 INTERNAL_MESSAGE = "the target failed on this request"  # what an untyped error tells the caller (details: logs)
 
 
+def code_of(kind: type[Exception]) -> grpc.StatusCode | None:
+    """The gRPC status code of one of the core's typed errors (None: untyped)."""
+    return next((code for typed, code in ERROR_CODES if issubclass(kind, typed)), None)
+
+
 def status_of(error: Exception) -> tuple[grpc.StatusCode, str, str]:
     """-> (code, field, message) for an error of the core; `field` only for InvalidArgument (its message is
     then the reason alone). An untyped error is INTERNAL with a message that names no internals (it is logged)."""
-    code = next((code for kind, code in ERROR_CODES if isinstance(error, kind)), None)
+    code = code_of(type(error))
     if code is None:
         log.error("untyped error answered as INTERNAL: %r", error, exc_info=error)
         return grpc.StatusCode.INTERNAL, "", INTERNAL_MESSAGE

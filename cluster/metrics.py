@@ -3,10 +3,14 @@ TPOT, the target group's availability and recoveries) through Ray's metrics API;
 (step latencies, what the target holds) are in actors/metrics.py, and docs/metrics.md lists them all."""
 
 import time
+from typing import TYPE_CHECKING
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from actors.metrics import LazyMetric, seconds_histogram
+
+if TYPE_CHECKING:
+    from .router import TaskTypeStats
 
 RECOVERY_BUCKETS = [1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600]  # seconds: loading a model takes a while
 
@@ -42,16 +46,16 @@ def count_event(task_type: str, event: str) -> None:
     request_events().inc(tags={"task_type": task_type, "event": event})
 
 
-def publish_gauges(in_flight: int, routing: dict[str, dict], target_serving: bool) -> None:
+def publish_gauges(in_flight: int, routing: dict[str, "TaskTypeStats"], target_serving: bool) -> None:
     """The ingress's gauges: its queue depth, the target group's availability, and per task type of
     Router.stats() the alpha (once measured) and the decision."""
     queue_depth().set(in_flight)
     target_up().set(int(target_serving))
     for task_type, stats in routing.items():
         tags = {"task_type": task_type}
-        alpha().set(stats["alpha"], tags)  # None: not set
-        speculation_on().set(int(stats["decision"] == "on"), tags)
-        for mode, value in (stats.get("goodput") or {}).items():
+        alpha().set(stats.alpha, tags)  # None: not set
+        speculation_on().set(int(stats.decision == "on"), tags)
+        for mode, value in (stats.goodput or {}).items():
             router_goodput().set(value, {**tags, "mode": mode})
 
 

@@ -21,7 +21,9 @@ from specdec.errors import InvalidArgument
 from specdec.logprobs import TokenLogprob
 
 from .detokenizer import token_text
-from .frontend import Admitted, Chunk, Frontend, Request
+from .admission import Admitted, Request
+from .frontend import Frontend
+from .relay import Chunk
 from .router import Speculation
 from .samples import Sample, gather_samples, run_samples
 from .statuses import RequestTooLarge, client_error
@@ -331,7 +333,7 @@ class OpenAIServer:
         """The frontend's admission (tokenizing off the event loop); a bad field named as the body names
         it (names: Request -> body)."""
         try:
-            return await self.frontend.admit_async(request)
+            return await self.frontend.admission.admit_async(request)
         except InvalidArgument as e:
             name = names.get(e.field, e.field)
             raise HttpError(400, f"{name}: {e.reason}", name) from None
@@ -355,7 +357,7 @@ class OpenAIServer:
         samples = await gather_samples(self.frontend, job)
         return {**head, "object": shape.object, "choices": [shape.choice(s) for s in samples],
                 "usage": _usage(len(job.prompt_ids), sum(len(s.token_ids) for s in samples)),
-                "speculation": samples[0].stats}
+                "speculation": samples[0].stats.to_dict()}
 
     async def _events(self, first: tuple[int, Chunk] | None, chunks: AsyncIterator[tuple[int, Chunk]], job: Admitted,
                       shape: _Completions | _Chat, head: dict, usage: bool) -> AsyncIterator[str]:
@@ -370,7 +372,7 @@ class OpenAIServer:
                 completion_tokens += len(chunk.token_ids)
                 event = {**head, "choices": [shape.chunk_choice(index, chunk)]}
                 event |= {"usage": None} if usage else {}
-                yield _sse(event | ({"speculation": chunk.stats} if chunk.finish_reason else {}))
+                yield _sse(event | ({"speculation": chunk.stats.to_dict()} if chunk.finish_reason else {}))
                 item = await anext(chunks, None)
         except Exception as e:  # noqa: BLE001 - ends the stream with its error, whatever it was
             error = HttpError.of(e)

@@ -11,7 +11,7 @@ back as it drains. Before the target has reported, K maximises expected_tokens(a
 stays live. A task type's `speculation: on | off` forces the decision."""
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Literal, get_args
 
 from cluster.config import RoutingConfig, Thresholds
@@ -39,6 +39,22 @@ class Plan:
     k: int  # 0 when not speculating
     reason: str
     goodput: dict[str, float] | None = None  # tokens/s the target would commit: "plain", "speculative"
+
+
+@dataclass(frozen=True)
+class TaskTypeStats:
+    """What the router reports of a task type (/v1/stats "task_types", GetStats's TaskTypeStats)."""
+
+    alpha: float | None  # None until measured
+    decision: str  # "on" / "off": what AUTO requests get now
+    k: int  # for AUTO requests; 0 when off
+    reason: str
+    goodput: dict[str, float] | None  # the estimates behind the decision; None before the target reports
+    samples: int  # acceptance reports taken
+    requests: dict[str, int]  # routed, by mode
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -149,23 +165,16 @@ class Router:
             for task_type, state in self._tasks.items():
                 _decide(state, routing.thresholds(task_type))
 
-    def stats(self) -> dict[str, dict]:
+    def stats(self) -> dict[str, TaskTypeStats]:
         """Per task type: alpha, decision ("on"/"off") and k for AUTO requests, the reason, the goodput
         estimates behind it (None before the target reports), samples, requests by mode."""
         with self._lock:
             return {task_type: self._task_stats(task_type, state) for task_type, state in self._tasks.items()}
 
-    def _task_stats(self, task_type: str, state: _TaskState) -> dict:
+    def _task_stats(self, task_type: str, state: _TaskState) -> TaskTypeStats:
         plan = self._plan(state, self._routing.thresholds(task_type))
-        return {
-            "alpha": state.alpha,
-            "decision": "on" if plan.speculative else "off",
-            "k": plan.k,
-            "reason": plan.reason,
-            "goodput": plan.goodput,
-            "samples": state.samples,
-            "requests": dict(state.requests),
-        }
+        return TaskTypeStats(state.alpha, "on" if plan.speculative else "off", plan.k, plan.reason, plan.goodput,
+                             state.samples, dict(state.requests))
 
     def _plan(self, state: _TaskState, thresholds: Thresholds) -> Plan:
         """What AUTO requests get: forced by the config, off below the alpha bounds, else the K (or

@@ -5,9 +5,12 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from specdec.engine import FinishReason
 from specdec.logprobs import TokenLogprob
 
-from .frontend import Admitted, Chunk, Frontend
+from .admission import Admitted
+from .frontend import Frontend
+from .relay import Chunk, SpeculationStats
 
 
 @dataclass
@@ -18,8 +21,8 @@ class Sample:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    stats: dict = field(default_factory=dict)
+    finish_reason: FinishReason | None = None
+    stats: SpeculationStats | None = None
 
     def add(self, chunk: Chunk) -> None:
         self.text += chunk.text

@@ -9,22 +9,19 @@ import logging
 import os
 from pathlib import Path
 
-import grpc
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse
 from ray import serve
 
 from protos import specdec_api_pb2 as api
-from specdec.errors import InvalidArgument
-from specdec.logprobs import TokenLogprob
 
-from . import auth
+from . import auth, grpc_api
+from .admission import Admitted
 from .config import ConfigError, ServeConfig, app_config, parse_live_config
-from .detokenizer import token_text
-from .frontend import Admitted, Frontend, Request
+from .frontend import Frontend, check_served_models
 from .openai_api import HttpError, OpenAIServer, read_body
-from .router import Speculation
-from .samples import Sample, gather_samples, run_samples
+from .placement import start_topology
+from .samples import gather_samples, run_samples
 from .statuses import client_error
 
 log = logging.getLogger(__name__)
@@ -33,11 +30,6 @@ GRPC_SERVICER = "cluster.grpc_proxy.add_servicer"  # SpecDecode on Serve's gRPC 
 
 
 # The helpers come before the deployment: Serve pickles the ingress class as it is decorated.
-def _stats_proto(stats: dict) -> api.SpeculationStats:
-    return api.SpeculationStats(speculative=stats["speculative"], drafted=stats["drafted"],
-                                accepted=stats["accepted"], steps=stats["steps"], alpha=stats["alpha"])
-
-
 def _header(scope, name: bytes) -> str | None:
     value = dict(scope["headers"]).get(name)  # ASGI gives header names lower-cased
     return value.decode("latin-1") if value is not None else None
@@ -67,11 +59,6 @@ class RequireApiKey:
 def _ingress_api_keys():
     """The keys of the ingress replica this runs in (its process serves one ingress)."""
     return serve.get_replica_context().servable_object.api_keys
-
-
-def _target_proto(target: dict) -> api.TargetStats:
-    """/v1/stats's target section as GetStats's TargetStats (unknown counts, while it is down, left unset)."""
-    return api.TargetStats(**{key: value for key, value in target.items() if value is not None})
 
 
 HEALTH_TIMEOUT_S = 5.0  # rank 0 must answer /healthz's ping within this
@@ -109,8 +96,10 @@ class SpecDecodeIngress:
     def __init__(self, config: dict):
         cfg = ServeConfig.model_validate(config)
         self.api_keys = auth.load_api_keys(cfg.security.api_keys_file, os.environ)  # before the slow start
-        self.frontend = Frontend(cfg)
+        check_served_models(cfg)  # before any actor takes a GPU
+        self.frontend = Frontend(cfg, start_topology(cfg))  # the actors are this replica's: they go with it
         self.openai = OpenAIServer(self.frontend, Path(self.frontend.cfg.models.target.path).name)
+        self.responses = grpc_api.Responses(self.frontend.tokenizer)
 
     def reconfigure(self, user_config: dict) -> None:
         """Serve calls this with the deployment's user_config at start and whenever it changes (KubeRay
@@ -139,7 +128,7 @@ class SpecDecodeIngress:
         self._authorize_grpc(grpc_context)
         with _status(grpc_context):
             job = await self._admit_grpc(request)
-            first, *more = [self._sample_proto(s) for s in await gather_samples(self.frontend, job)]
+            first, *more = [self.responses.sample(s) for s in await gather_samples(self.frontend, job)]
         first.more_samples.extend(more)
         return first
 
@@ -148,21 +137,13 @@ class SpecDecodeIngress:
         with _status(grpc_context):
             job = await self._admit_grpc(request)
             async for index, chunk in run_samples(self.frontend, job):
-                yield api.GenerateResponse(index=index, text=chunk.text, token_ids=chunk.token_ids,
-                                           finish_reason=chunk.finish_reason or "",
-                                           stats=_stats_proto(chunk.stats) if chunk.finish_reason else None,
-                                           logprobs=self._logprobs_proto(chunk.logprobs))
+                yield self.responses.chunk(index, chunk)
 
     async def GetStats(self, request: api.GetStatsRequest, grpc_context) -> api.GetStatsResponse:
         self._authorize_grpc(grpc_context)
         with _status(grpc_context):
             stats = await self.frontend.stats()
-        return api.GetStatsResponse(task_types=[
-            api.TaskTypeStats(task_type=name, alpha=s["alpha"], decision=s["decision"], k=s["k"],
-                              samples=s["samples"], requests=s["requests"], reason=s["reason"],
-                              goodput=s["goodput"] or {})
-            for name, s in stats["task_types"].items()], target=_target_proto(stats["target"]),
-            in_flight=stats["in_flight"])
+        return grpc_api.stats_response(stats)
 
     def _authorize_grpc(self, grpc_context) -> None:
         """The call's `authorization` metadata carries one of the API keys (if any are set); else
@@ -170,34 +151,13 @@ class SpecDecodeIngress:
         try:
             auth.authorize(self.api_keys, dict(grpc_context.invocation_metadata()).get("authorization"))
         except auth.Unauthenticated as e:
-            grpc_context.set_code(grpc.StatusCode.UNAUTHENTICATED)
-            grpc_context.set_details(str(e))
+            seen = client_error(e)
+            grpc_context.set_code(seen.status.grpc)
+            grpc_context.set_details(seen.message)
             raise
 
     async def _admit_grpc(self, request: api.GenerateRequest) -> Admitted:
-        try:
-            speculation = Speculation.parse(api.Speculation.Name(request.speculation))
-        except ValueError:  # a number the enum does not name (proto3 enums take any)
-            raise InvalidArgument("speculation", f"must be one of {', '.join(api.Speculation.keys())}") from None
-        req = Request(prompt=request.prompt, task_type=request.task_type, max_new_tokens=request.max_new_tokens,
-                      temperature=request.temperature, top_k=request.top_k,
-                      top_p=request.top_p if request.HasField("top_p") else 1.0,
-                      seed=request.seed if request.HasField("seed") else None,
-                      speculation=speculation,
-                      stop=tuple(request.stop), n=request.n or 1,
-                      logprobs=request.logprobs if request.HasField("logprobs") else None)
-        return await self.frontend.admit_async(req)
-
-    def _sample_proto(self, s: Sample) -> api.GenerateResponse:
-        return api.GenerateResponse(index=s.index, text=s.text, token_ids=s.token_ids, finish_reason=s.finish_reason,
-                                    stats=_stats_proto(s.stats), logprobs=self._logprobs_proto(s.logprobs))
-
-    def _logprobs_proto(self, entries: list[TokenLogprob]) -> list[api.TokenLogprob]:
-        def one(token: int, logprob: float, top=()) -> api.TokenLogprob:
-            return api.TokenLogprob(token_id=token, token=token_text(self.frontend.tokenizer, token), logprob=logprob,
-                                    top=[one(t, lp) for t, lp in top])
-
-        return [one(e.token, e.logprob, e.top) for e in entries]
+        return await self.frontend.admission.admit_async(grpc_api.request_from_proto(request))
 
     # --- HTTP: OpenAI's API (cluster/openai_api.py) ------------------------------------------------
 
@@ -230,7 +190,7 @@ class SpecDecodeIngress:
 
     @http_app.get("/v1/stats")
     async def stats(self) -> dict:
-        return await self.frontend.stats()
+        return (await self.frontend.stats()).to_json()
 
     @http_app.get("/healthz")
     async def healthz(self):

@@ -1,7 +1,10 @@
 """The one table from an error to what a client gets: a gRPC status code, an HTTP status and OpenAI's
-error type. Typed errors (specdec.errors, and the ingress's own) carry messages written for clients;
-any other error is internal: the client gets a generic message with a short id, and the full error
-(a remote traceback, say) goes to the log under that id, never to the client."""
+error type. The gRPC codes of the core's errors are actors/wire.py's ERROR_CODES (the target's service
+answers with them too); this table adds the HTTP half and the ingress's own errors (RequestTooLarge,
+QueueFull), and EVENTS names a refusal in the ingress's metrics. Typed errors
+(specdec.errors, and the ingress's own) carry messages written for clients; any other error is
+internal: the client gets a generic message with a short id, and the full error (a remote traceback,
+say) goes to the log under that id, never to the client."""
 
 import logging
 import uuid
@@ -9,6 +12,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from actors import wire
 from specdec.errors import InvalidArgument, RequestFailed, ResourceExhausted, Unavailable
 
 from .auth import Unauthenticated
@@ -22,6 +26,10 @@ class RequestTooLarge(ValueError):
     field = "body"
 
 
+class QueueFull(ResourceExhausted):
+    """Too many requests admitted and unfinished in this ingress replica (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
+
+
 @dataclass(frozen=True)
 class Status:
     grpc: grpc.StatusCode
@@ -31,16 +39,33 @@ class Status:
 
 INTERNAL = Status(grpc.StatusCode.INTERNAL, 500, "internal_error")
 
+
+def _core(kind: type[Exception], http: int, openai_type: str) -> Status:
+    """A core error's status: its gRPC code as the target's service answers it too (actors.wire.ERROR_CODES)."""
+    return Status(wire.code_of(kind), http, openai_type)
+
+
 # First match wins (a QueueFull is a ResourceExhausted).
 STATUSES: list[tuple[type[Exception], Status]] = [
-    (InvalidArgument, Status(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error")),
+    (InvalidArgument, _core(InvalidArgument, 400, "invalid_request_error")),
     (RequestTooLarge, Status(grpc.StatusCode.RESOURCE_EXHAUSTED, 413, "invalid_request_error")),
-    (ResourceExhausted, Status(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_exceeded")),
-    (Unavailable, Status(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable")),
+    (ResourceExhausted, _core(ResourceExhausted, 429, "rate_limit_exceeded")),
+    (Unavailable, _core(Unavailable, 503, "service_unavailable")),
     (Unauthenticated, Status(grpc.StatusCode.UNAUTHENTICATED, 401, "invalid_request_error")),
     (RequestFailed, INTERNAL),  # one request's row failed in a batched step: its message is for clients
 ]
 TYPED = tuple(kind for kind, _ in STATUSES)
+
+# A refused or lost request's event in the ingress's metrics (cluster/metrics.py count_event); first match wins.
+EVENTS: list[tuple[type[Exception], str]] = [
+    (InvalidArgument, "refused_invalid"), (QueueFull, "refused_queue_full"),
+    (ResourceExhausted, "refused_target_full"), (Unavailable, "unavailable"),
+]
+
+
+def event_of(error: BaseException) -> str | None:
+    """The metrics event of a refusal or a loss (None: not one)."""
+    return next((event for kind, event in EVENTS if isinstance(error, kind)), None)
 
 
 @dataclass(frozen=True)

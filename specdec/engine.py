@@ -5,6 +5,7 @@
           sequence plus one token of the target's own
   commit  both caches keep only the accepted path, the tokens are emitted, the planner learns"""
 
+import enum
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -46,10 +47,18 @@ class RequestStats:
         return {**asdict(self), "alpha": self.alpha, "mean_accepted_length": self.mean_accepted_length}
 
 
+class FinishReason(enum.StrEnum):
+    """Why a generation ended; its value is the string the APIs carry (gRPC GenerateResponse.finish_reason,
+    OpenAI's finish_reason)."""
+
+    STOP = "stop"  # an eos token (or, in the ingress, a stop string)
+    LENGTH = "length"  # max_new_tokens, or the room the model's context left
+
+
 @dataclass
 class Generation:
     token_ids: list[int]
-    finish_reason: str  # "stop" (eos) or "length"
+    finish_reason: FinishReason = FinishReason.LENGTH
     stats: RequestStats = field(default_factory=RequestStats)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, when the request asked for them
 
@@ -75,7 +84,7 @@ def emit(gen: Generation, seq: list[int], v: Verdict, max_new_tokens: int, eos: 
         seq.append(tok)
         gen.stats.new_tokens += 1
         if tok in eos:
-            gen.finish_reason = "stop"
+            gen.finish_reason = FinishReason.STOP
             return False
         if len(gen.token_ids) >= max_new_tokens:
             return False
@@ -120,7 +129,7 @@ class SpeculativeEngine:
         t0 = self._clock()
         worker = self._start(prompts, params, streams)
         prefill_s = self._clock() - t0
-        out = [Generation([], "length", RequestStats(prefill_time_s=prefill_s)) for _ in range(B)]
+        out = [Generation([], stats=RequestStats(prefill_time_s=prefill_s)) for _ in range(B)]
         seqs = [list(p) for p in prompts]
         states = [RowState() for _ in range(B)]
         rows = list(range(B))  # batch row -> request index

@@ -101,7 +101,7 @@ def start_target(scheduler, security: LinkSecurity) -> tuple[grpc.Server, str]:
 
 def held(scheduler) -> tuple[int, int]:
     stats = scheduler.stats()
-    return stats["open_requests"], stats["waiting"]
+    return stats.open_requests, stats.waiting
 
 
 def call(channel: grpc.Channel, method: str, request):

@@ -79,7 +79,7 @@ def served(target):
 
 
 def wait_until_empty(scheduler: TargetScheduler, timeout: float = 10) -> None:
-    wait_for(lambda: not scheduler.stats()["open_requests"], scheduler.stats, timeout)
+    wait_for(lambda: not scheduler.stats().open_requests, scheduler.stats, timeout)
 
 
 def wait_for(condition, state, timeout: float = 30, every: float = 0.005) -> None:
@@ -99,8 +99,8 @@ def test_plain_requests_share_forwards_and_equal_plain_decoding(target, referenc
     assert [s.wait()[0] for s in sinks] == reference.continuations[:6]
     assert all(s.finish_reason == "length" and len(s.steps) == NEW_TOKENS for s in sinks)  # one token a step
     stats = scheduler.stats()
-    assert stats["largest_batch"] == len(prompts)  # every plain row in one forward
-    assert stats["forwards"] < len(prompts) * NEW_TOKENS
+    assert stats.largest_batch == len(prompts)  # every plain row in one forward
+    assert stats.forwards < len(prompts) * NEW_TOKENS
     wait_until_empty(scheduler)
     scheduler.stop()
 
@@ -113,9 +113,9 @@ def test_kv_budget_counts_the_rectangular_cache(target):
     scheduler.decode("a", [1] * 4, GREEDY, 200 - 4 - 64, set(), first)  # reserves 200: 132 steps
     scheduler.decode("b", [1] * 4, GREEDY, 100 - 4 - 64, set(), second)  # reserves 100
     deadline = time.monotonic() + 10
-    while (stats := scheduler.stats())["open_requests"] == 0 and time.monotonic() < deadline:
+    while (stats := scheduler.stats()).open_requests == 0 and time.monotonic() < deadline:
         time.sleep(0.001)
-    assert (stats["open_requests"], stats["waiting"]) == (1, 1) and stats["kv_tokens_reserved"] == 200
+    assert (stats.open_requests, stats.waiting) == (1, 1) and stats.kv_tokens_reserved == 200
     assert first.wait()[2] is None and second.wait()[2] is None  # b ran once a had left
     scheduler.stop()
 
@@ -131,11 +131,11 @@ def test_kv_budget_admits_in_arrival_order_and_bounds_rows(target, reference):
     deadline = time.monotonic() + 120
     while not all(s.done.is_set() for s in sinks):
         stats = scheduler.stats()
-        most = max(most, stats["open_requests"])
-        assert stats["kv_tokens_reserved"] <= 2 * longest
+        most = max(most, stats.open_requests)
+        assert stats.kv_tokens_reserved <= 2 * longest
         assert time.monotonic() < deadline, f"not all finished within 120 s: {stats}"
         time.sleep(0.002)
-    assert most <= 2 and scheduler.stats()["largest_batch"] <= 2
+    assert most <= 2 and scheduler.stats().largest_batch <= 2
     assert [s.wait()[0] for s in sinks] == reference.continuations[:5]
     with pytest.raises(ValueError, match="over the target's budget"):
         scheduler.decode("huge", [1] * 8, GREEDY, 3 * longest, set(), Collect())  # a prompt within the context
@@ -163,7 +163,7 @@ def test_draft_loops_over_grpc_equal_plain_decoding(served, target, draft, refer
     assert [s.wait()[0] for s in sinks] == reference.continuations[:6]
     if kind != "none":
         assert any(len(step) > 1 for s in sinks[:5] for step in s.steps)  # drafts were accepted
-    assert scheduler.stats()["largest_batch"] >= 3  # trees of both loops and the plain row shared forwards
+    assert scheduler.stats().largest_batch >= 3  # trees of both loops and the plain row shared forwards
     wait_until_empty(scheduler)  # every request was closed
 
 
@@ -184,8 +184,8 @@ def test_drafting_ahead_keeps_greedy_output_exact(served, target, draft, referen
         loop.join(DraftRequest(f"a{i}", prompt, GREEDY, NEW_TOKENS, set(), 3, sink))
         time.sleep(0.05 * i)
     assert [s.wait()[0] for s in sinks] == reference.continuations[:5]
-    ahead = [s.stats["drafted_ahead"] for s in sinks]
-    steps = [s.stats["steps"] for s in sinks]
+    ahead = [s.stats.drafted_ahead for s in sinks]
+    steps = [s.stats.steps for s in sinks]
     if self_draft:  # only a request's first step (and one after another joined) is drafted in the open
         assert all(a >= n / 2 for a, n in zip(ahead, steps)), (ahead, steps)
     else:
@@ -359,9 +359,9 @@ def test_sampling_through_the_loops_keeps_the_targets_distribution(small_target,
     with ThreadPoolExecutor(32) as pool:
         list(pool.map(start, range(m)))
     outcomes = Counter(tuple(s.wait()[0]) for s in sinks)
-    assert scheduler.stats()["largest_batch"] > 32  # the samples really shared forwards
+    assert scheduler.stats().largest_batch > 32  # the samples really shared forwards
     assert sum(len(step) > 1 for s in sinks for step in s.steps) > 0  # and drafts were accepted
-    ahead = sum(s.stats["drafted_ahead"] for s in sinks)
+    ahead = sum(s.stats.drafted_ahead for s in sinks)
     assert (ahead > 0) == overlap, ahead
     assert chi_square_pvalue(outcomes, exact_joint(small_target, PROMPT, n_tokens, params), m) > P_MIN
     scheduler.stop()
@@ -377,13 +377,13 @@ def test_a_close_before_its_open_wins(target, reference):
         scheduler.open("late", reference.prompts[1], GREEDY, 0, 4)
     scheduler.open("holder", reference.prompts[1], GREEDY, 0, 4)  # takes the only row
     waiting = futures.ThreadPoolExecutor(1).submit(scheduler.open, "queued", reference.prompts[2], GREEDY, 0, 4)
-    wait_for(lambda: scheduler.stats()["waiting"], scheduler.stats)
+    wait_for(lambda: scheduler.stats().waiting, scheduler.stats)
     scheduler.close(["queued"])
     with pytest.raises(KeyError, match="closed before it was admitted"):
         waiting.result(timeout=10)
     scheduler.close(["holder"])
     wait_until_empty(scheduler)
-    assert scheduler.stats()["waiting"] == 0
+    assert scheduler.stats().waiting == 0
     scheduler.stop()
 
 
@@ -422,7 +422,7 @@ def test_open_beyond_the_bound_is_refused_with_resource_exhausted(target, refere
     with serving(scheduler) as stub:
         stub.Open(open_request("running", prompt))
         waiting = futures.ThreadPoolExecutor(1).submit(stub.Open, open_request("waiting", prompt))
-        wait_for(lambda: scheduler.stats()["waiting"], scheduler.stats)
+        wait_for(lambda: scheduler.stats().waiting, scheduler.stats)
         with pytest.raises(grpc.RpcError) as e:
             stub.Open(open_request("refused", prompt), timeout=10)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -435,7 +435,7 @@ def test_open_beyond_the_bound_is_refused_with_resource_exhausted(target, refere
         stub.Close(tree_pb.CloseRequest(request_ids=["running"]))
         waiting.result(timeout=10)
         third = futures.ThreadPoolExecutor(1).submit(stub.Open, open_request("third", prompt))
-        wait_for(lambda: scheduler.stats()["waiting"], scheduler.stats)
+        wait_for(lambda: scheduler.stats().waiting, scheduler.stats)
         stub.Close(tree_pb.CloseRequest(request_ids=["waiting"]))
         third.result(timeout=10)
         stub.Close(tree_pb.CloseRequest(request_ids=["third"]))
@@ -451,12 +451,12 @@ def test_a_row_without_trees_is_closed_after_the_idle_timeout(target, draft, ref
     with serving(scheduler) as stub:
         stub.Open(open_request("abandoned", prompt))
         _, _, (busy,) = on_one_loop(stub, draft, prompt, ("busy",))
-        assert scheduler.stats()["open_requests"] == 2
+        assert scheduler.stats().open_requests == 2
         tokens, _, error = busy.wait()
         assert error is None and len(tokens) == 200
-        assert scheduler.stats()["idle_rows_closed"] == 1  # while the busy one ran
+        assert scheduler.stats().idle_rows_closed == 1  # while the busy one ran
         wait_until_empty(scheduler)
-        assert scheduler.stats()["kv_tokens_reserved"] == 0
+        assert scheduler.stats().kv_tokens_reserved == 0
         assert not stub.Verify(root_tree("abandoned", prompt[-1])).results
 
 
@@ -471,7 +471,7 @@ def test_waiting_opens_hold_no_thread_and_do_not_starve_verify(target, reference
         threads = threading.active_count()
         waiting = [stub.Open.future(open_request(f"waiting-{i}", prompt), timeout=60) for i in range(80)]
         deadline = time.monotonic() + 30
-        while scheduler.stats()["waiting"] < 80:
+        while scheduler.stats().waiting < 80:
             assert time.monotonic() < deadline, scheduler.stats()
             time.sleep(0.01)
         assert threading.active_count() < threads + 16  # no thread per waiting Open
@@ -480,7 +480,7 @@ def test_waiting_opens_hold_no_thread_and_do_not_starve_verify(target, reference
         assert list(reply.results[0].path) == [0] and time.monotonic() - t0 < 5
         for call in waiting:
             call.cancel()
-        while scheduler.stats()["waiting"]:
+        while scheduler.stats().waiting:
             assert time.monotonic() < deadline + 30, scheduler.stats()
             time.sleep(0.01)
         stub.Close(tree_pb.CloseRequest(request_ids=["running"]))
@@ -495,7 +495,7 @@ def test_an_open_past_its_deadline_is_resource_exhausted_and_leaves_the_queue(ta
         with pytest.raises(ResourceExhausted, match="no room for the request within 0.5 s"):
             GrpcTarget(stub, open_timeout_s=0.5).open("late", prompt, GREEDY, 0, 8)
         deadline = time.monotonic() + 10
-        while scheduler.stats()["waiting"]:  # the target dropped it when the call was cancelled
+        while scheduler.stats().waiting:  # the target dropped it when the call was cancelled
             assert time.monotonic() < deadline, scheduler.stats()
             time.sleep(0.01)
         stub.Close(tree_pb.CloseRequest(request_ids=["running"]))
@@ -509,12 +509,12 @@ def test_calls_beyond_max_concurrent_rpcs_are_refused_at_once(target, reference)
     with serving(scheduler, max_concurrent_rpcs=3) as stub:
         stub.Open(open_request("running", prompt), timeout=10)
         waiting = [stub.Open.future(open_request(f"waiting-{i}", prompt), timeout=60) for i in range(3)]
-        wait_for(lambda: scheduler.stats()["waiting"] >= 3, scheduler.stats)
+        wait_for(lambda: scheduler.stats().waiting >= 3, scheduler.stats)
         with pytest.raises(grpc.RpcError) as e:
             stub.Verify(root_tree("running", prompt[-1]), timeout=10)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         for call in waiting:
             call.cancel()
-        wait_for(lambda: not scheduler.stats()["waiting"], scheduler.stats)
+        wait_for(lambda: not scheduler.stats().waiting, scheduler.stats)
         stub.Close(tree_pb.CloseRequest(request_ids=["running"]))
         wait_until_empty(scheduler)

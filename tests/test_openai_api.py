@@ -437,7 +437,8 @@ class Edge:
 
 def edge(tmp_path, monkeypatch, server: dict | None = None, routing: dict | None = None) -> Edge:
     """OpenAIServer over a Frontend whose actors are faked (no Ray): admission as served."""
-    from cluster import frontend as frontend_module
+    from cluster import metrics
+    from cluster.admission import Admission
     from cluster.config import ServeConfig
     from cluster.frontend import Frontend
     from cluster.placement import kv_budget
@@ -448,10 +449,6 @@ def edge(tmp_path, monkeypatch, server: dict | None = None, routing: dict | None
                                       "speculation": {"drafter": "ngram"}, "server": server or {},
                                       "routing": routing or {}})
     tokenizer = load_tokenizer(save_tokenizer(tmp_path, SERVED_WORDS, CHAT_TEMPLATE))
-    frontend = object.__new__(Frontend)
-    frontend.cfg, frontend.context, frontend.eos, frontend.in_flight = cfg, 256, [], 0
-    frontend.router, frontend.budget = Router(cfg.routing), kv_budget(cfg)
-    frontend.supervisor = SimpleNamespace(check=lambda: None)
     tokenized_on = []
 
     def tokenize(*args, **kwargs):
@@ -459,12 +456,16 @@ def edge(tmp_path, monkeypatch, server: dict | None = None, routing: dict | None
         tokenized_on.append(threading.current_thread())
         return tokenizer(*args, **kwargs)
 
+    frontend = object.__new__(Frontend)
+    frontend.cfg, frontend.context, frontend.eos, frontend.router = cfg, 256, [], Router(cfg.routing)
     frontend.tokenizer = type("Tokenizer", (), {"__call__": staticmethod(tokenize),
                                                 "chat_template": tokenizer.chat_template,
                                                 "apply_chat_template": staticmethod(tokenizer.apply_chat_template),
                                                 "decode": staticmethod(tokenizer.decode)})()
+    frontend.admission = Admission(cfg, frontend.tokenizer, frontend.context, frontend.router, kv_budget(cfg),
+                                   SimpleNamespace(check=lambda: None))
     events = []
-    monkeypatch.setattr(frontend_module.metrics, "count_event", lambda task_type, event: events.append((task_type, event)))
+    monkeypatch.setattr(metrics, "count_event", lambda task_type, event: events.append((task_type, event)))
     return Edge(OpenAIServer(frontend, "target"), frontend, events, tokenized_on)
 
 
@@ -528,7 +529,7 @@ def test_refusals_count_under_the_folded_task_type(tmp_path, monkeypatch):
 def test_prompts_are_tokenized_off_the_event_loop_and_bounded_before(tmp_path, monkeypatch):
     import threading
 
-    from cluster.frontend import MAX_CHARS_PER_TOKEN
+    from cluster.admission import MAX_CHARS_PER_TOKEN
 
     e = edge(tmp_path, monkeypatch, server={"max_prompt_tokens": 8})
     e.frontend.generate = fail_generate(RuntimeError("stop here"))

@@ -160,7 +160,7 @@ def test_a_prompt_outside_the_vocabulary_or_a_negative_count_is_refused_at_the_d
         scheduler.open_then("bad", [1, 2], GREEDY, 0, -1000, lambda error: None)
     with pytest.raises(InvalidArgument, match="max_new_tokens"):
         scheduler.decode("bad", [1, 2], GREEDY, -1000, set(), Collect())
-    assert scheduler.stats()["open_requests"] == 0
+    assert scheduler.stats().open_requests == 0
 
 
 def test_a_sink_that_raises_ends_its_own_request(target, draft, reference, clean_run):

@@ -11,7 +11,8 @@ import torch
 
 from cluster.config import parse_config
 from specdec.loading import load_model
-from cluster.frontend import Frontend, Request
+from cluster.admission import Request
+from cluster.frontend import Frontend
 from cluster.placement import start_topology
 from conftest import NEW_TOKENS, served_target
 from specdec.plain import hf_greedy
@@ -53,9 +54,9 @@ def test_every_actor_gets_its_own_gpu_and_requests_equal_plain_decoding(cluster,
                 .remote(f"r{i}", p, GREEDY, NEW_TOKENS, depth=3) for i, p in enumerate(prompts)]
         outs = [collect(run) for run in runs]
         assert [o["token_ids"] for o in outs] == reference.continuations[:6]
-        assert sum(o["stats"]["accepted"] for o in outs) > 0
+        assert sum(o["stats"].accepted for o in outs) > 0
         stats = ray.get(topo.target_ranks[0].stats.remote())
-        assert stats["open_requests"] == 0 and stats["forwards"] > 0
+        assert stats.open_requests == 0 and stats.forwards > 0
         assert_refuses_strangers(topo)
     finally:
         topo.shutdown()
@@ -71,7 +72,7 @@ def assert_refuses_strangers(topo) -> None:
         with pytest.raises(grpc.RpcError) as e:
             tree_grpc.TargetServiceStub(channel).Open(open_request, timeout=30)
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert ray.get(topo.target.stats.remote())["open_requests"] == 0
+    assert ray.get(topo.target.stats.remote()).open_requests == 0
     if host != "127.0.0.1":
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             with pytest.raises(grpc.RpcError) as e:
@@ -97,8 +98,8 @@ def test_tensor_parallel_target_equals_plain_decoding(cluster, model_dirs, targe
         assert len(set(ray.get([r.gpu_ids.remote() for r in topo.target_ranks])[0] +
                        ray.get(topo.target_ranks[1].gpu_ids.remote()))) == 2
         if replicas:
-            assert sum(o["stats"]["accepted"] for o in outs) > 0
-        held = [ray.get(r.stats.remote())["weights_held"] for r in topo.target_ranks]
+            assert sum(o["stats"].accepted for o in outs) > 0
+        held = [ray.get(r.stats.remote()).weights_held for r in topo.target_ranks]
         whole = sum(p.numel() for p in load_model(model_dirs.target).parameters())  # nn.Linear weights included
         assert held[0] == held[1] < 0.8 * whole  # each rank holds a shard, not the whole model
     finally:
@@ -159,16 +160,16 @@ def test_a_tensor_parallel_group_that_loses_a_rank_is_rebuilt(cluster, model_dir
                         "placement": {"tensor_parallel_size": 2, "draft_replicas": 0, "logical_gpus": True},
                         "speculation": {"drafter": "none"},
                         "server": {"max_running_requests": 1, "max_waiting_requests": 0, "max_kv_tokens": 300}})
-    frontend = Frontend(cfg)
+    frontend = Frontend(cfg, start_topology(cfg))
     try:
         prompt = "w5 w17 w3"
         want = hf_greedy(target, frontend.tokenizer(prompt)["input_ids"], NEW_TOKENS)
         assert asyncio.run(complete(frontend, prompt, NEW_TOKENS)) == want
         with pytest.raises(InvalidArgument, match=r"max_new_tokens: .* = 317 KV tokens, over .* max_kv_tokens 300"):
-            frontend.admit(Request(prompt=prompt, max_new_tokens=250))  # 3 + 250 + 64: it could never fit
+            frontend.admission.admit(Request(prompt=prompt, max_new_tokens=250))  # 3 + 250 + 64: it could never fit
 
         async def killed_mid_request() -> float:
-            chunks = frontend.generate(frontend.admit(Request(prompt=prompt, max_new_tokens=200)))
+            chunks = frontend.generate(frontend.admission.admit(Request(prompt=prompt, max_new_tokens=200)))
             await anext(chunks)
             with pytest.raises(ResourceExhausted, match="waiting 0 of max_waiting_requests 0"):
                 await complete(frontend, prompt, 4)
@@ -194,14 +195,14 @@ def test_a_tensor_parallel_group_that_loses_a_rank_is_rebuilt(cluster, model_dir
 
 async def complete(frontend: Frontend, prompt: str, max_new_tokens: int) -> list[int]:
     """A greedy request through the frontend, as the ingress runs it -> its tokens."""
-    job = frontend.admit(Request(prompt=prompt, max_new_tokens=max_new_tokens))
+    job = frontend.admission.admit(Request(prompt=prompt, max_new_tokens=max_new_tokens))
     return [token async for chunk in frontend.generate(job) for token in chunk.token_ids]
 
 
 def collect(stream) -> dict:
-    """A request's actor stream -> {"token_ids", "finish_reason", "stats"}."""
-    tokens, last = [], {}
+    """A request's actor stream (StepUpdates) -> {"token_ids", "finish_reason", "stats"}."""
+    tokens, last = [], None
     for ref in stream:
         last = ray.get(ref, timeout=120)
-        tokens += last["tokens"]
-    return {"token_ids": tokens, "finish_reason": last["finish_reason"], "stats": last["stats"]}
+        tokens += last.tokens
+    return {"token_ids": tokens, "finish_reason": last.finish_reason, "stats": last.stats}

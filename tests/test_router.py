@@ -28,8 +28,8 @@ def test_high_alpha_stays_on():
         report_alpha(router, "code", 0.99)
         decision = router.route("code")
         assert decision.speculative and not decision.probe and decision.k == 8
-    assert router.stats()["code"]["decision"] == "on"
-    assert router.stats()["code"]["alpha"] == pytest.approx(0.99)
+    assert router.stats()["code"].decision == "on"
+    assert router.stats()["code"].alpha == pytest.approx(0.99)
 
 
 def test_low_alpha_switches_off_after_min_samples_then_probes_at_the_configured_fraction():
@@ -37,32 +37,32 @@ def test_low_alpha_switches_off_after_min_samples_then_probes_at_the_configured_
     for _ in range(MIN_SAMPLES - 1):
         assert router.route("prose").speculative  # optimistic until enough reports
         report_alpha(router, "prose", 0.05)
-    assert router.stats()["prose"]["decision"] == "on"
+    assert router.stats()["prose"].decision == "on"
     report_alpha(router, "prose", 0.05)
-    assert router.stats()["prose"]["decision"] == "off"
+    assert router.stats()["prose"].decision == "off"
 
     decisions = [router.route("prose") for _ in range(100)]
     probes = [d for d in decisions if d.probe]
     assert len(probes) == 25 and all(d.speculative and d.k >= 1 for d in probes)
     assert decisions[3].probe and not decisions[0].probe  # evenly spread: every 4th request
     assert all(d == Decision(speculative=False, probe=False, k=0) for d in decisions if not d.probe)
-    assert router.stats()["prose"]["requests"] == {"speculative": MIN_SAMPLES - 1, "plain": 75, "probe": 25}
+    assert router.stats()["prose"].requests == {"speculative": MIN_SAMPLES - 1, "plain": 75, "probe": 25}
 
 
 def test_probe_reports_bring_a_task_type_back_on():
     router = Router(routing(probe_fraction=0.5, ema=0.1))
     report_alpha(router, "prose", 0.05, times=MIN_SAMPLES)
-    assert router.stats()["prose"]["decision"] == "off"
+    assert router.stats()["prose"].decision == "off"
     # with ema 0.1, reports of 1.0 lift alpha from 0.05 to >= 0.55 after 8 of them (1 - 0.95 * 0.9^n)
     probe_reports = 0
-    while router.stats()["prose"]["decision"] == "off":
+    while router.stats()["prose"].decision == "off":
         decision = router.route("prose")
         if decision.probe:
             report_alpha(router, "prose", 1.0)
             probe_reports += 1
     assert probe_reports == 8
-    assert router.stats()["prose"]["samples"] == MIN_SAMPLES + 8
-    k = best_k(router.stats()["prose"]["alpha"], Thresholds())
+    assert router.stats()["prose"].samples == MIN_SAMPLES + 8
+    k = best_k(router.stats()["prose"].alpha, Thresholds())
     assert router.route("prose") == Decision(speculative=True, probe=False, k=k)
 
 
@@ -71,7 +71,7 @@ def test_hysteresis_keeps_the_decision_between_off_and_on():
     decisions = []
     for alpha in (0.45, 0.2, 0.45, 0.54, 0.55, 0.36, 0.35, 0.34):
         report_alpha(router, "chat", alpha)
-        decisions.append(router.stats()["chat"]["decision"])
+        decisions.append(router.stats()["chat"].decision)
     assert decisions == ["on", "off", "off", "off", "on", "on", "on", "off"]
 
 
@@ -89,8 +89,8 @@ def test_requested_on_and_off_override_the_decision():
     assert forced.speculative and not forced.probe and forced.k >= 1
     assert router.route("code", "OFF") == Decision(speculative=False, probe=False, k=0)  # on, yet forced off
     assert router.route("code", "AUTO").speculative
-    assert router.stats()["prose"]["requests"] == {"speculative": 1, "plain": 1, "probe": 0}
-    assert router.stats()["code"]["requests"] == {"speculative": 1, "plain": 1, "probe": 0}
+    assert router.stats()["prose"].requests == {"speculative": 1, "plain": 1, "probe": 0}
+    assert router.stats()["code"].requests == {"speculative": 1, "plain": 1, "probe": 0}
     with pytest.raises(ValueError, match="requested must be one of AUTO, ON, OFF, got 'on'"):
         router.route("code", "on")
 
@@ -104,26 +104,26 @@ def test_unknown_task_types_use_default_thresholds_with_their_own_state():
     for task_type in ("code", "poetry", "legal"):
         report_alpha(router, task_type, 0.1, times=5)
     stats = router.stats()
-    assert stats["code"]["decision"] == "on"  # needs 50 reports
-    assert stats["poetry"]["decision"] == "off" and stats["legal"]["decision"] == "off"  # default: 5
+    assert stats["code"].decision == "on"  # needs 50 reports
+    assert stats["poetry"].decision == "off" and stats["legal"].decision == "off"  # default: 5
     report_alpha(router, "legal", 0.9, times=30)
-    assert router.stats()["poetry"]["alpha"] == pytest.approx(0.1)  # legal's reports are its own
+    assert router.stats()["poetry"].alpha == pytest.approx(0.1)  # legal's reports are its own
 
 
 def test_update_routing_takes_effect_and_keeps_alpha():
     router = Router(routing())
     report_alpha(router, "code", 0.45, times=MIN_SAMPLES)  # between off (0.35) and on (0.55): stays on
     router.route("code")
-    assert router.stats()["code"]["decision"] == "on"
+    assert router.stats()["code"].decision == "on"
 
     router.update_routing(routing(off_alpha=0.5, on_alpha=0.7))
     stats = router.stats()["code"]
-    assert stats["decision"] == "off"  # at once, without waiting for a report
-    assert stats["alpha"] == pytest.approx(0.45) and stats["samples"] == MIN_SAMPLES
-    assert stats["requests"]["speculative"] == 1
+    assert stats.decision == "off"  # at once, without waiting for a report
+    assert stats.alpha == pytest.approx(0.45) and stats.samples == MIN_SAMPLES
+    assert stats.requests["speculative"] == 1
 
     router.update_routing(RoutingConfig(default=Thresholds(min_samples=100)))  # not enough reports: keep
-    assert router.stats()["code"]["decision"] == "off"
+    assert router.stats()["code"].decision == "off"
 
 
 def test_update_routing_changes_k():
@@ -168,7 +168,7 @@ def test_stats_shape():
     router = Router(routing())
     router.route("code")
     report_alpha(router, "code", 0.8)
-    assert router.stats() == {
+    assert {name: task.to_dict() for name, task in router.stats().items()} == {
         "code": {
             "alpha": pytest.approx(0.8),
             "decision": "on",
@@ -180,7 +180,7 @@ def test_stats_shape():
         }
     }
     router.update_routing(routing(on_alpha=0.9, off_alpha=0.85, min_samples=1))
-    assert router.stats()["code"]["decision"] == "off" and router.stats()["code"]["k"] == 0
+    assert router.stats()["code"].decision == "off" and router.stats()["code"].k == 0
 
 
 def test_concurrent_requests_are_all_counted():
@@ -198,8 +198,8 @@ def test_concurrent_requests_are_all_counted():
     for thread in threads:
         thread.join()
     stats = router.stats()["prose"]
-    assert stats["requests"] == {"speculative": 0, "plain": 1000, "probe": 1000}
-    assert stats["samples"] == MIN_SAMPLES + 1000
+    assert stats.requests == {"speculative": 0, "plain": 1000, "probe": 1000}
+    assert stats.samples == MIN_SAMPLES + 1000
 
 
 # a CPU-like target: one token costs 13 ms, 8 cost 32 ms, and beyond that every token costs ~2.8 ms
@@ -216,14 +216,14 @@ def test_goodput_turns_speculation_off_under_load_and_back_on_as_it_drains():
     router.observe_target(cpu(0))
     idle = router.route("code")
     assert idle.speculative and idle.k >= 2
-    assert "commits the most" in router.stats()["code"]["reason"]
+    assert "commits the most" in router.stats()["code"].reason
     router.observe_target(cpu(40))  # 40 plain rows
     busy = router.route("code")
     assert not busy.speculative or busy.probe
     stats = router.stats()["code"]
-    assert stats["decision"] == "off" and "plain decoding commits more" in stats["reason"]
-    assert stats["goodput"]["plain"] > stats["goodput"]["speculative"]
-    assert stats["alpha"] == pytest.approx(0.8)  # alpha is not what turned it off
+    assert stats.decision == "off" and "plain decoding commits more" in stats.reason
+    assert stats.goodput["plain"] > stats.goodput["speculative"]
+    assert stats.alpha == pytest.approx(0.8)  # alpha is not what turned it off
     router.observe_target(cpu(0))  # drained
     assert router.route("code") == idle
 
@@ -234,7 +234,7 @@ def test_goodput_k_shrinks_as_the_batch_grows_and_with_dear_drafts():
     ks = []
     for load in (0, 4, 16):
         router.observe_target(cpu(load))
-        ks.append(router.stats()["code"]["k"])
+        ks.append(router.stats()["code"].k)
     assert ks[0] > ks[-1] >= 0 and ks == sorted(ks, reverse=True), ks
     flat = Costs(verify_table={1: 0.02, 64: 0.021})  # a GPU: batching is free
     router.observe_target(TargetView(flat, Load(16, 16, 16)))
@@ -253,10 +253,10 @@ def test_forced_decisions_per_task_type():
     router.observe_target(cpu(40))  # and a load where goodput says plain
     assert router.route("code").speculative
     assert [router.route("chat").speculative for _ in range(5)] == [False] * 5  # no probes either
-    assert router.stats()["chat"]["reason"] == "forced off by routing"
+    assert router.stats()["chat"].reason == "forced off by routing"
     assert router.route("chat", "ON").speculative  # a request's own wish still wins
     report_alpha(router, "prose", 0.01)
-    assert router.stats()["prose"]["reason"].startswith("alpha 0.01 fell below off_alpha")
+    assert router.stats()["prose"].reason.startswith("alpha 0.01 fell below off_alpha")
 
 
 def test_a_target_that_has_run_one_batch_size_is_enough_to_plan():
@@ -265,7 +265,7 @@ def test_a_target_that_has_run_one_batch_size_is_enough_to_plan():
     assert router.route("code").k >= 1
     # plain: the 2 rows running and one more commit 3 tokens per forward of 3 tokens, the one size
     # measured (0.01 s): 300 tokens/s
-    assert router.stats()["code"]["goodput"]["plain"] == pytest.approx(3 / 0.01)
+    assert router.stats()["code"].goodput["plain"] == pytest.approx(3 / 0.01)
 
 
 def test_a_noisy_cost_table_that_extrapolates_to_nothing_still_plans():
@@ -275,39 +275,39 @@ def test_a_noisy_cost_table_that_extrapolates_to_nothing_still_plans():
     router.route("code")
     # plain: 101 rows' forward of 101 tokens extrapolates below 0 s, so it costs the cheapest entry
     # seen (0.001 s): 101 tokens per 0.001 s
-    assert router.stats()["code"]["goodput"]["plain"] == pytest.approx(101 / 0.001)
+    assert router.stats()["code"].goodput["plain"] == pytest.approx(101 / 0.001)
 
 
 def test_the_router_sees_step_costs_of_the_last_seconds_not_since_start():
     """Speculative steps measured cheap at one client, then dear under load: the view follows the load,
     and a measured draft cost replaces draft_cost_ratio."""
-    from cluster.frontend import RecentSteps
+    from actors.records import TargetStats
+    from cluster.telemetry import RecentSteps, StepTiming
 
-    timing = {"steps": 0, "step_round_trip_s": 0.0, "draft_s": 0.0, "drafted_ahead": 0, "drafted": 0,
-              "draft_depths": 0}
+    timing = StepTiming()
     def target(forwards, forward_s, stall_s=0.0, committed=None):  # one tree per forward, no stall
-        return {"forwards": forwards, "forward_time_s": forward_s, "stall_time_s": stall_s,
-                "committed_tokens": 3 * forwards if committed is None else committed,
-                "trees_verified": forwards, "tree_loop_time_s": forward_s}
+        return TargetStats(forwards=forwards, forward_time_s=forward_s, stall_time_s=stall_s,
+                           committed_tokens=3 * forwards if committed is None else committed,
+                           trees_verified=forwards, tree_loop_time_s=forward_s)
 
-    recent = RecentSteps().observe(dict(timing), target(0, 0.0))
+    recent = RecentSteps().observe(timing, target(0, 0.0))
     forwards, forward_s = 0, 0.0
     for _ in range(20):  # idle: 10 steps a second, 25 ms round trips on 20 ms forwards, 4 draft forwards at
         # 3 ms (and 2 n-gram tokens, which cost nothing, beside them)
-        timing = timing | {"steps": timing["steps"] + 10, "step_round_trip_s": timing["step_round_trip_s"] + 0.25,
-                           "draft_s": timing["draft_s"] + 0.12, "drafted": timing["drafted"] + 60,
-                           "draft_depths": timing["draft_depths"] + 40}
+        timing = replace(timing, steps=timing.steps + 10, step_round_trip_s=timing.step_round_trip_s + 0.25,
+                         draft_s=timing.draft_s + 0.12, drafted=timing.drafted + 60,
+                         draft_depths=timing.draft_depths + 40)
         forwards, forward_s = forwards + 10, forward_s + 0.2
-        recent = recent.observe(dict(timing), target(forwards, forward_s))
+        recent = recent.observe(timing, target(forwards, forward_s))
     assert recent.hop_s == pytest.approx(0.005) and recent.draft_s_per_depth == pytest.approx(0.003)
     for _ in range(20):  # loaded: 120 ms round trips on 40 ms forwards, drafting at 10 ms a depth
-        timing = timing | {"steps": timing["steps"] + 10, "step_round_trip_s": timing["step_round_trip_s"] + 1.2,
-                           "draft_s": timing["draft_s"] + 0.4, "drafted": timing["drafted"] + 40,
-                           "draft_depths": timing["draft_depths"] + 40}
+        timing = replace(timing, steps=timing.steps + 10, step_round_trip_s=timing.step_round_trip_s + 1.2,
+                         draft_s=timing.draft_s + 0.4, drafted=timing.drafted + 40,
+                         draft_depths=timing.draft_depths + 40)
         forwards, forward_s = forwards + 10, forward_s + 0.4
-        recent = recent.observe(dict(timing), target(forwards, forward_s))
+        recent = recent.observe(timing, target(forwards, forward_s))
     assert recent.hop_s == pytest.approx(0.08, rel=0.01) and recent.draft_s_per_depth == pytest.approx(0.01, rel=0.01)
-    assert RecentSteps().observe(dict(timing), target(5, 0.1)).observe(dict(timing), target(1, 0.01)).hop_s == 0  # rebuilt
+    assert RecentSteps().observe(timing, target(5, 0.1)).observe(timing, target(1, 0.01)).hop_s == 0  # rebuilt
     view = TargetView(CPU_TARGET, Load(1, 1, 1), recent.hop_s, 0.0, recent.draft_s_per_depth)
     assert view.step_costs(draft_cost_ratio=0.15).draft_forward == pytest.approx(0.01, rel=0.01)
     router = Router(routing())
@@ -315,7 +315,7 @@ def test_the_router_sees_step_costs_of_the_last_seconds_not_since_start():
     router.observe_target(TargetView(CPU_TARGET, Load(1, 1, 1), hop_s=0.005))
     assert router.route("code").speculative  # cheap steps, as configured: speculating pays beside one row
     router.observe_target(view)
-    assert router.stats()["code"]["decision"] == "off"  # as measured under load, it does not
+    assert router.stats()["code"].decision == "off"  # as measured under load, it does not
 
 
 def test_speculation_does_not_keep_itself_on_when_the_batch_is_already_speculating():
@@ -327,7 +327,7 @@ def test_speculation_does_not_keep_itself_on_when_the_batch_is_already_speculati
     for load in (Load(batch_tokens=8, committed=8, rows=8), Load(batch_tokens=72, committed=32, rows=8)):
         router.observe_target(TargetView(CPU_TARGET, load, hop_s=0.003))
         stats = router.stats()["code"]
-        decisions.append((stats["decision"], stats["k"], stats["goodput"]))
+        decisions.append((stats.decision, stats.k, stats.goodput))
     assert decisions[0] == decisions[1]
     assert decisions[0][0] == "off"  # 9 rows on this CPU-like target: plain commits more
 
@@ -347,13 +347,13 @@ def test_plain_rows_wait_through_the_loops_stall_and_speculating_rows_draft_thro
         router.observe_target(TargetView(CPU_TARGET, load, hop_s=0.003, draft_s_per_depth=0.002, stall_s_per_token=stall))
         rates.append(router.stats()["code"])
     (free, stalled), rows = rates, 9
-    assert free["decision"] == "off" and stalled["decision"] == "on"
-    plain_step = rows / free["goodput"]["plain"]  # seconds per forward of 9 rows, plain
-    assert stalled["goodput"]["plain"] == pytest.approx(rows / (plain_step + rows * 0.004), rel=0.01)
-    k, tokens = stalled["k"], rows * expected_tokens(0.8, stalled["k"])
+    assert free.decision == "off" and stalled.decision == "on"
+    plain_step = rows / free.goodput["plain"]  # seconds per forward of 9 rows, plain
+    assert stalled.goodput["plain"] == pytest.approx(rows / (plain_step + rows * 0.004), rel=0.01)
+    k, tokens = stalled.k, rows * expected_tokens(0.8, stalled.k)
     away = k * 0.002 + 0.003
     forward = CPU_TARGET.verify(rows * (k + 1))
-    assert stalled["goodput"]["speculative"] == pytest.approx(tokens / (forward + away + tokens * 0.004 - away), rel=0.01)
+    assert stalled.goodput["speculative"] == pytest.approx(tokens / (forward + away + tokens * 0.004 - away), rel=0.01)
     costs = StepCosts(CPU_TARGET, draft_forward=0.002, hop=0.003, stall_per_token=0.0001)  # a stall the drafting hides
     assert goodput(costs, load, 0.8, 2) == pytest.approx(goodput(replace(costs, stall_per_token=0.0), load, 0.8, 2))
     assert goodput(costs, load, 0.8, 0) < goodput(replace(costs, stall_per_token=0.0), load, 0.8, 0)
@@ -363,27 +363,25 @@ def test_the_hop_is_the_round_trip_less_the_time_the_trees_spent_in_the_target()
     """A tree waits in the target for a forward in flight, the stall and its own forward: all come out
     of the hop. A prefill run while no tree waited (one client: the next request's prefill comes between
     its steps) does not."""
-    from cluster.frontend import RecentSteps
+    from actors.records import TargetStats
+    from cluster.telemetry import RecentSteps, StepTiming
 
-    timing = {"steps": 0, "step_round_trip_s": 0.0, "draft_s": 0.0, "drafted_ahead": 0, "drafted": 0,
-              "draft_depths": 0}
-    counts = dict.fromkeys(("forwards", "forward_time_s", "stall_time_s", "committed_tokens", "trees_verified",
-                            "tree_loop_time_s"), 0)
-    recent = RecentSteps().observe(dict(timing), counts)
+    timing = StepTiming()
+    recent = RecentSteps().observe(timing, TargetStats())
     # 10 trees, 30 ms round trips, each waited through a 20 ms forward and a 6 ms prefill: 4 ms of hop
-    timing = timing | {"steps": 10, "step_round_trip_s": 0.3, "draft_s": 0.1, "drafted": 40, "draft_depths": 40}
-    counts = {"forwards": 10, "forward_time_s": 0.2, "stall_time_s": 0.06, "committed_tokens": 30,
-              "trees_verified": 10, "tree_loop_time_s": 0.26}
-    recent = recent.observe(dict(timing), counts)
+    timing = StepTiming(steps=10, step_round_trip_s=0.3, draft_s=0.1, drafted=40, draft_depths=40)
+    counts = TargetStats(forwards=10, forward_time_s=0.2, stall_time_s=0.06, committed_tokens=30,
+                         trees_verified=10, tree_loop_time_s=0.26)
+    recent = recent.observe(timing, counts)
     assert recent.stall_s_per_token == pytest.approx(0.002) and recent.hop_s == pytest.approx(0.004)
     # 10 more trees, 24 ms round trips on 20 ms forwards; 60 ms of prefill ran, but while no tree waited
-    timing = timing | {"steps": 20, "step_round_trip_s": 0.54, "draft_s": 0.2, "drafted": 80, "draft_depths": 80}
-    counts = {"forwards": 20, "forward_time_s": 0.4, "stall_time_s": 0.12, "committed_tokens": 60,
-              "trees_verified": 20, "tree_loop_time_s": 0.46}
-    recent = recent.observe(dict(timing), counts)
+    timing = StepTiming(steps=20, step_round_trip_s=0.54, draft_s=0.2, drafted=80, draft_depths=80)
+    counts = TargetStats(forwards=20, forward_time_s=0.4, stall_time_s=0.12, committed_tokens=60,
+                         trees_verified=20, tree_loop_time_s=0.46)
+    recent = recent.observe(timing, counts)
     assert recent.hop_s == pytest.approx(0.004) and recent.stall_s_per_token == pytest.approx(0.002)
-    counts = counts | {"forwards": 40, "forward_time_s": 0.8, "committed_tokens": 120}
-    recent = recent.observe(dict(timing), counts)  # 20 plain forwards, no prefill: the stall falls, the hop holds
+    counts = replace(counts, forwards=40, forward_time_s=0.8, committed_tokens=120)
+    recent = recent.observe(timing, counts)  # 20 plain forwards, no prefill: the stall falls, the hop holds
     assert recent.stall_s_per_token == pytest.approx(0.002 * (1 - 0.3)) and recent.hop_s == pytest.approx(0.004)
 
 
@@ -402,8 +400,8 @@ def test_the_scheduler_counts_the_loop_time_its_trees_waited_through(target):
         verdict = scheduler.verify({"a": TokenTree.root(3)})["a"]
         scheduler.verify({"a": TokenTree.root(verdict.tokens[-1])})
         stats = scheduler.stats()
-        assert stats["trees_verified"] == 2
-        assert stats["forward_time_s"] <= stats["tree_loop_time_s"] < stats["forward_time_s"] + 0.5
+        assert stats.trees_verified == 2
+        assert stats.forward_time_s <= stats.tree_loop_time_s < stats.forward_time_s + 0.5
     finally:
         scheduler.stop()
 
@@ -457,8 +455,8 @@ def test_the_scheduler_times_device_work_and_leaves_a_sizes_cold_first_forward_o
         scheduler.stop()
     sync = ("sync", "cuda:0")
     assert events[:6] == [sync, "add", sync, sync, "verify", sync]  # the stall's end waited for the prefill
-    assert stats["stall_time_s"] >= 0.05  # the prefill's device time, which no forward is charged with now
-    assert stats["forwards"] == 3 and list(stats["forward_costs"]) == [1]  # 3 forwards of 1 token, the first left out
+    assert stats.stall_time_s >= 0.05  # the prefill's device time, which no forward is charged with now
+    assert stats.forwards == 3 and list(stats.forward_costs) == [1]  # 3 forwards of 1 token, the first left out
 
 
 def test_task_types_beyond_max_task_types_fold_into_default():

@@ -1,0 +1,155 @@
+"""Admission: a client's request (Request, whatever transport it came over) checked field by field,
+tokenized, held to the model's context and the target's KV budget, and given a place under the ingress's
+queue limit -> Admitted, the record the request is run from until its last chunk."""
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field, replace
+
+from specdec.errors import InvalidArgument, Unavailable
+from specdec.sampling import SamplingParams
+
+from actors.scheduler import KvBudget
+
+from . import metrics
+from .config import ServeConfig, task_type_problem
+from .detokenizer import check_stop
+from .router import DEFAULT_TASK, Router, Speculation
+from .statuses import QueueFull, event_of
+from .supervisor import TargetSupervisor
+
+# A prompt of more characters than max_prompt_tokens * MAX_CHARS_PER_TOKEN is refused before it is tokenized:
+# it would fit only if its tokens were longer than this on average, which no subword vocabulary we know of
+# comes near (their longest tokens are runs of spaces or punctuation of a few dozen characters). A word-level
+# tokenizer that maps an unknown word of any length to one token is the exception: such prompts are refused.
+MAX_CHARS_PER_TOKEN = 256
+
+
+@dataclass(frozen=True)
+class Request:
+    """A client's request, transport aside (field names as in specdec_api.proto): what the gRPC converter
+    (cluster/grpc_api.py) and the HTTP one (cluster/openai_api.py) make of a call."""
+
+    prompt: str
+    task_type: str = ""
+    max_new_tokens: int | None = 16  # None: as many as server.max_new_tokens and the model's context allow
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    speculation: Speculation = Speculation.AUTO
+    stop: tuple[str, ...] = ()  # generation ends once the text contains one of these (cut from it)
+    n: int = 1  # independent samples of the prompt, each with its own random stream
+    logprobs: int | None = None  # see SamplingParams
+    add_special_tokens: bool = True  # False for a prompt that a chat template rendered with its own
+
+    def sampling(self) -> SamplingParams:
+        """Its sampling settings (InvalidArgument naming the first bad field)."""
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed, self.logprobs)
+
+
+@dataclass
+class Admitted:
+    """A checked request: its prompt tokens and sampling settings as the actors take them."""
+
+    request: Request  # with max_new_tokens set
+    prompt_ids: list[int]
+    params: SamplingParams
+    task_type: str  # as routed and as the draft replicas take it: "" means the default thresholds
+    admitted_at: float = field(default_factory=time.perf_counter)
+
+
+class Admission:
+    """The ingress's door: checks, tokenizes and counts the requests in flight (each sample holds a place
+    until it ends: release)."""
+
+    def __init__(self, cfg: ServeConfig, tokenizer, context: int | None, router: Router, budget: KvBudget,
+                 supervisor: TargetSupervisor):
+        self.limits, self.tokenizer, self.context = cfg.server, tokenizer, context
+        self.router, self.budget, self.supervisor = router, budget, supervisor
+        self.in_flight = 0  # samples admitted and not yet ended
+
+    def admit(self, req: Request) -> Admitted:
+        """Check every field (InvalidArgument names the first bad one), that the target group is up
+        (Unavailable), and take a queue place (QueueFull). Tokenizes in the caller's thread: on the
+        event loop, use admit_async."""
+        with self._counted(req) as task_type:
+            self._check(req)
+            return self._admitted(req, self._prompt_ids(req), task_type)
+
+    async def admit_async(self, req: Request) -> Admitted:
+        """admit, with the prompt tokenized in a worker thread: a long prompt holds up no other request's
+        stream (the checks that need no tokens come first, and bound the prompt's length)."""
+        with self._counted(req) as task_type:
+            self._check(req)
+            ids = await asyncio.to_thread(self._prompt_ids, req)
+            return self._admitted(req, ids, task_type)
+
+    def release(self) -> None:
+        """A sample has ended: its place is free."""
+        self.in_flight -= 1
+
+    @contextlib.contextmanager
+    def _counted(self, req: Request):
+        """-> the name the request's task type is routed and counted under (Router.fold; default for an
+        invalid one); a refusal is counted under it."""
+        task_type = DEFAULT_TASK if task_type_problem(req.task_type) else self.router.fold(req.task_type or DEFAULT_TASK)
+        if task_type != (req.task_type or DEFAULT_TASK) and not task_type_problem(req.task_type):
+            metrics.task_types_folded().inc()
+        try:
+            yield task_type
+        except (InvalidArgument, Unavailable, QueueFull) as e:
+            metrics.count_event(task_type, event_of(e))
+            raise
+
+    def _check(self, req: Request) -> None:
+        """The checks that need no tokens."""
+        limits = self.limits
+        if problem := task_type_problem(req.task_type):
+            raise InvalidArgument("task_type", problem)
+        if not req.prompt:
+            raise InvalidArgument("prompt", "must not be empty")
+        most = min(limits.max_request_bytes, limits.max_prompt_tokens * MAX_CHARS_PER_TOKEN)
+        if len(req.prompt) > most:
+            raise InvalidArgument("prompt", f"is {len(req.prompt)} characters, over the {most} that a prompt of "
+                                            f"max_prompt_tokens {limits.max_prompt_tokens} tokens may have")
+        if req.max_new_tokens is not None and not 0 < req.max_new_tokens <= limits.max_new_tokens:
+            raise InvalidArgument("max_new_tokens", f"must be in 1..{limits.max_new_tokens}, got {req.max_new_tokens}")
+        check_stop(req.stop)
+        if not 1 <= req.n <= limits.max_n:
+            raise InvalidArgument("n", f"must be in 1..{limits.max_n} (server.max_n), got {req.n}")
+        req.sampling()  # InvalidArgument naming the field (speculation is parsed by the converters)
+
+    def _prompt_ids(self, req: Request) -> list[int]:
+        return self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+
+    def _admitted(self, req: Request, ids: list[int], task_type: str) -> Admitted:
+        limits = self.limits
+        if not ids:
+            raise InvalidArgument("prompt", "encodes to no tokens")
+        if len(ids) > limits.max_prompt_tokens:
+            raise InvalidArgument("prompt", f"is {len(ids)} tokens, over the limit of {limits.max_prompt_tokens}")
+        max_new_tokens = req.max_new_tokens or self._room(len(ids))
+        if self.context and len(ids) + max_new_tokens > self.context:
+            raise InvalidArgument("prompt", f"{len(ids)} prompt tokens + max_new_tokens {max_new_tokens} exceed "
+                                           f"the model's context of {self.context} tokens")
+        if (cost := self.budget.cost(len(ids), max_new_tokens)) > self.budget.max_tokens:
+            raise InvalidArgument("max_new_tokens" if req.max_new_tokens else "prompt",
+                                  f"{len(ids)} prompt tokens + max_new_tokens {max_new_tokens} + "
+                                  f"{self.budget.tree_room} for a tree = {cost} KV tokens, over the target's "
+                                  f"max_kv_tokens {self.budget.max_tokens}")
+        self.supervisor.check()
+        if self.in_flight + req.n > limits.max_queued_requests:
+            raise QueueFull(f"{self.in_flight} requests are queued or running (max_queued_requests "
+                            f"{limits.max_queued_requests}, a request of n samples takes n); retry later")
+        self.in_flight += req.n  # each sample gives its place back as it ends (release)
+        return Admitted(replace(req, max_new_tokens=max_new_tokens), ids, req.sampling(),
+                        "" if task_type == DEFAULT_TASK else task_type)
+
+    def _room(self, prompt_tokens: int) -> int:
+        """The most new tokens a request may ask for after this prompt: within the model's context and the
+        target's KV budget (at least 1)."""
+        room = self.context - prompt_tokens if self.context else self.limits.max_new_tokens
+        kv_room = self.budget.max_tokens - self.budget.cost(prompt_tokens, 0)
+        return max(1, min(room, kv_room, self.limits.max_new_tokens))
