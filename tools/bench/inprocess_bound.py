@@ -23,13 +23,6 @@ from specdec.sampling import SamplingParams
 from specdec.target import TargetWorker
 
 MODELS, PROMPTS, NEW_TOKENS = "../shared/bench-models", "../shared/prompts/public.jsonl", 64
-THREADS = int(sys.argv[1]) if len(sys.argv) > 1 else 1
-torch.set_num_threads(THREADS)
-tokenizer = AutoTokenizer.from_pretrained(f"{MODELS}/target")
-prompts = [tokenizer(r["prompt"])["input_ids"] for r in load_prompts(PROMPTS) if r.get("task_type") == "code"]
-scheduler = TargetScheduler(TargetWorker(CachedLM(load_served_model(f"{MODELS}/target"))))
-drafts = DraftLoop(scheduler, make_drafter("model+ngram", CachedLM(load_served_model(f"{MODELS}/draft")), 1),
-                   overlap=False)
 
 
 def run(clients: int, k: int) -> tuple[float, float, dict]:
@@ -70,16 +63,28 @@ def run(clients: int, k: int) -> tuple[float, float, dict]:
     return sum(map(len, outputs.values())) / wall, per_forward, outputs
 
 
-run(1, 0)  # warm-up
-lines = [f"# {len(prompts)} code prompts, {NEW_TOKENS} greedy tokens, {THREADS} torch thread(s), in one process"]
-plain = {}
-for clients in (1, 8):
-    plain[clients] = run(clients, 0)
-    lines.append(f"off  clients {clients}: {plain[clients][0]:6.1f} tok/s  {plain[clients][1]:5.1f} ms/forward")
-lines.append(f"off  8 clients / 1 client: {plain[8][0] / plain[1][0]:.2f}x")
-for k in (2, 3, 4, 6):
-    rate, per_forward, outputs = run(1, k)
-    lines.append(f"on K={k} clients 1: {rate:6.1f} tok/s  {per_forward:5.1f} ms/forward  {rate / plain[1][0]:.2f}x off"
-                 f"  identical to off: {outputs == plain[1][2]}")
-print("\n".join(lines))
-scheduler.stop()
+def main(threads: int) -> None:
+    global prompts, scheduler, drafts  # what run() and its clients use
+    torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(f"{MODELS}/target")
+    prompts = [tokenizer(r["prompt"])["input_ids"] for r in load_prompts(PROMPTS) if r.get("task_type") == "code"]
+    scheduler = TargetScheduler(TargetWorker(CachedLM(load_served_model(f"{MODELS}/target"))))
+    drafts = DraftLoop(scheduler, make_drafter("model+ngram", CachedLM(load_served_model(f"{MODELS}/draft")), 1),
+                       overlap=False)
+    run(1, 0)  # warm-up
+    lines = [f"# {len(prompts)} code prompts, {NEW_TOKENS} greedy tokens, {threads} torch thread(s), in one process"]
+    plain = {}
+    for clients in (1, 8):
+        plain[clients] = run(clients, 0)
+        lines.append(f"off  clients {clients}: {plain[clients][0]:6.1f} tok/s  {plain[clients][1]:5.1f} ms/forward")
+    lines.append(f"off  8 clients / 1 client: {plain[8][0] / plain[1][0]:.2f}x")
+    for k in (2, 3, 4, 6):
+        rate, per_forward, outputs = run(1, k)
+        lines.append(f"on K={k} clients 1: {rate:6.1f} tok/s  {per_forward:5.1f} ms/forward  {rate / plain[1][0]:.2f}x off"
+                     f"  identical to off: {outputs == plain[1][2]}")
+    print("\n".join(lines))
+    scheduler.stop()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
