@@ -3,6 +3,7 @@ benchmarks in tools/bench and the tests share. Ray and Serve are imported inside
 that a command which only parses its arguments does not pay for them."""
 
 import os
+import random
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,11 +30,41 @@ class Endpoints:
     http: str  # http://host:port
 
 
+# Ports free_port hands out: above Ray's worker ports (10002-19999 by default) and below the kernel's
+# ephemeral range, which Ray's own processes and every outgoing connection take ports from: a port picked
+# there (bind to port 0) could be taken between the pick and the server's bind ("Address already in use").
+PORTS_FROM = 20000
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port free on the loopback interface now (a server started soon after may bind it)."""
+    """A TCP port no one listens on now, on any interface, outside the ephemeral range, and not handed
+    out before by this process (a server started soon after may bind it)."""
+    ports = list(range(PORTS_FROM, _ephemeral_ports_start())) or [0]  # none below it here: let the kernel pick
+    random.shuffle(ports)
+    for port in ports:
+        if port not in _handed_out and (port := _bound(port)):
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no free TCP port in [{PORTS_FROM}, {_ephemeral_ports_start()})")
+
+
+def _ephemeral_ports_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bound(port: int) -> int:
+    """The port a socket could bind on every interface (port 0: the kernel's choice), else 0."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("0.0.0.0", port))
+            return s.getsockname()[1]
+        except OSError:
+            return 0
 
 
 def run_workers_at_nice_0() -> None:
