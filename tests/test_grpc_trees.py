@@ -184,8 +184,8 @@ def test_drafting_ahead_keeps_greedy_output_exact(served, target, draft, referen
         loop.join(DraftRequest(f"a{i}", prompt, GREEDY, NEW_TOKENS, set(), 3, sink))
         time.sleep(0.05 * i)
     assert [s.wait()[0] for s in sinks] == reference.continuations[:5]
-    ahead = [s.stats.drafted_ahead for s in sinks]
-    steps = [s.stats.steps for s in sinks]
+    ahead = [s.stats["drafted_ahead"] for s in sinks]
+    steps = [s.stats["steps"] for s in sinks]
     if self_draft:  # only a request's first step (and one after another joined) is drafted in the open
         assert all(a >= n / 2 for a, n in zip(ahead, steps)), (ahead, steps)
     else:
@@ -361,7 +361,7 @@ def test_sampling_through_the_loops_keeps_the_targets_distribution(small_target,
     outcomes = Counter(tuple(s.wait()[0]) for s in sinks)
     assert scheduler.stats().largest_batch > 32  # the samples really shared forwards
     assert sum(len(step) > 1 for s in sinks for step in s.steps) > 0  # and drafts were accepted
-    ahead = sum(s.stats.drafted_ahead for s in sinks)
+    ahead = sum(s.stats["drafted_ahead"] for s in sinks)
     assert (ahead > 0) == overlap, ahead
     assert chi_square_pvalue(outcomes, exact_joint(small_target, PROMPT, n_tokens, params), m) > P_MIN
     scheduler.stop()
