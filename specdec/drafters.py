@@ -141,6 +141,10 @@ class ModelDrafter:
         reads as 0. Only the draft's guesses change; the target verifies every token."""
         return [[t if t < self.vocab else 0 for t in chunk] for chunk in chunks]
 
+    def _unseen(self, seqs: list[list[int]]) -> list[list[int]]:
+        """Each row's tokens the draft has not run yet, as it reads them."""
+        return self._readable([seq[n:] for seq, n in zip(seqs, self.lm.lengths)])
+
     def match_length(self, row: int, seq: list[int]) -> int:
         return 0  # no n-gram guesses
 
@@ -180,7 +184,7 @@ class ModelDrafter:
     def next_tokens(self, seqs: list[list[int]]) -> list[int]:
         """The draft's argmax after each seq, running what it has not seen (at least the last token)."""
         self.lm.truncate([len(seq) - 1 for seq in seqs])
-        logits = self.lm.prefill(self._readable([seq[n:] for seq, n in zip(seqs, self.lm.lengths)]))  # [B, V]
+        logits = self.lm.prefill(self._unseen(seqs))  # [B, V]
         return logits.argmax(-1).tolist()
 
     def rollback(self, checkpoint: "_Assumed", kept: list[int | None]) -> None:
@@ -202,7 +206,7 @@ class ModelDrafter:
             return trees  # the draft catches up with these tokens next time
         self._hold_pending()  # rows given no depth may hold a tree drafted ahead
         # run what the draft has not seen yet; its last token is the root
-        logits = self.lm.prefill(self._readable([seq[n:] for seq, n in zip(seqs, self.lm.lengths)]))  # [B, V]
+        logits = self.lm.prefill(self._unseen(seqs))  # [B, V]
         device = logits.device
         base = self.lm.size  # first slot of this tree's nodes
         frontier = [[0] for _ in range(B)]  # per row: node ids, one per column of `logits`

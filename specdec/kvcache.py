@@ -259,7 +259,7 @@ class CachedLM:
         self.model = model
         self.device = model.device
         self.eager = run_ragged_capable(model) == "eager"
-        self.packs = model.config.model_type not in OWN_PATH_ATTENTION  # a ragged block runs packed, else padded
+        self.packs = model.config._attn_implementation.startswith("specdec_ragged_")  # else a ragged block runs padded
         self.sliding = has_sliding_window(model.config)  # some layer attends within a window: positions needed
         self.reset(0)
 
