@@ -14,6 +14,7 @@ import grpc
 
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
+from specdec.drafter_kinds import DrafterKind
 
 from .auth import API_KEY_ENV, api_channel
 from .config import OVERRIDES, app_config
@@ -26,8 +27,10 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--config", help="operator YAML (e.g. configs/default.yaml); default: the embedded default pair")
     s.add_argument("--address", help="join this Ray cluster (its address, or auto: the one running on this machine) "
                                      "instead of starting a local one")
-    s.add_argument("--target", help="overrides models.target.path")
-    s.add_argument("--draft", help="overrides models.draft.path")
+    s.add_argument("--target", help="overrides models.target.path (a model folder or a .gguf file)")
+    s.add_argument("--draft", help="overrides models.draft.path (a model folder or a .gguf file)")
+    s.add_argument("--drafter", choices=[k.value for k in DrafterKind],
+                   help="overrides speculation.drafter (ngram or none serve the default target before its draft is built)")
     s.add_argument("--tensor-parallel-size", type=int, help="overrides placement.tensor_parallel_size")
     s.add_argument("--draft-replicas", type=int, help="overrides placement.draft_replicas")
     s.add_argument("--grpc-port", type=int, help="overrides server.grpc_port")

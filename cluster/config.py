@@ -233,23 +233,36 @@ class ServeConfig(_Section):
     @model_validator(mode="after")
     def _draft_for_model_drafters(self) -> "ServeConfig":
         drafter = self.speculation.drafter
-        if drafter in (DrafterKind("model"), DrafterKind("model+ngram")) and not self.models.drafts():
+        if DrafterKind(drafter).uses_model and not self.models.drafts():
             raise ValueError(f"speculation.drafter {str(drafter)!r} needs models.draft (or models.task_drafts); "
                              f"without a draft model use drafter ngram or none")
         return self
 
 
-def load_config(path: str | os.PathLike, default_models: Callable[[], dict[str, str]] | None = None) -> ServeConfig:
-    """The config file at `path`. A file without a models section serves `default_models()` (the embedded
-    default pair) when that is given, as the example configs/default.yaml does; without it one is an error."""
+DefaultModels = Callable[[bool], dict[str, str]]  # with_draft -> {"target": dir[, "draft": dir]}
+
+
+def load_config(path: str | os.PathLike, default_models: DefaultModels | None = None,
+                drafter: str | None = None) -> ServeConfig:
+    """The config file at `path`. A file without a models section serves `default_models(with_draft)` (the
+    embedded default pair, with its draft only if the drafter, `drafter` or else the file's, runs a model)
+    when that is given, as the example configs/default.yaml does; without it one is an error."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read config file ({getattr(e, 'strerror', None) or e})") from None
     data = _parse_yaml(text, str(path))
     if default_models is not None and isinstance(data, Mapping) and "models" not in data:
-        data = {**data, "models": _models(default_models())}
+        data = {**data, "models": _models(default_models(_uses_model(drafter, data)))}
     return parse_config(data, source=str(path))
+
+
+def _uses_model(drafter: str | None, data: Mapping) -> bool:
+    """Whether the drafter (given, else the config's, else the default) runs a draft model; an unknown name
+    answers True and is refused by the validation that follows."""
+    name = drafter or ((data.get("speculation") if isinstance(data.get("speculation"), Mapping) else None)
+                       or {}).get("drafter") or SpeculationConfig().drafter
+    return name not in set(DrafterKind) or DrafterKind(name).uses_model
 
 
 def _given_models(args: Mapping) -> dict[str, str]:
@@ -353,24 +366,25 @@ OVERRIDES = {
     "target": ("models", "target"), "draft": ("models", "draft"),
     "tensor_parallel_size": ("placement", "tensor_parallel_size"), "draft_replicas": ("placement", "draft_replicas"),
     "grpc_port": ("server", "grpc_port"), "http_port": ("server", "http_port"),
-    "logical_gpus": ("placement", "logical_gpus"),
+    "logical_gpus": ("placement", "logical_gpus"), "drafter": ("speculation", "drafter"),
 }
 
 
-def app_config(args: Mapping, default_models: Callable[[], dict[str, str]]) -> ServeConfig:
+def app_config(args: Mapping, default_models: DefaultModels) -> ServeConfig:
     """The config that `specdec serve` and build_app run: the YAML at args["config"], or, without one,
     the models given by args["target"]/["draft"], or else `default_models()` (the embedded pair,
     built only in that case, or for a file without a models section and no --target); then every
     override in args that is not None, re-validated as a whole."""
     if args.get("config"):  # a file without models: the command line's, else the default pair
-        data = load_config(args["config"], lambda: _given_models(args) or default_models()).model_dump()
+        data = load_config(args["config"], lambda with_draft: _given_models(args) or default_models(with_draft),
+                           args.get("drafter")).model_dump()
     elif args.get("target"):  # as `specdec generate`: model+ngram with a draft, else ngram
         data = {"models": {"target": {"path": args["target"]}},
                 "speculation": {"drafter": "model+ngram" if args.get("draft") else "ngram"}}
     elif args.get("draft"):
         raise ConfigError("--draft without --target or --config: give the target too")
     else:
-        data = {"models": _models(default_models())}
+        data = {"models": _models(default_models(_uses_model(args.get("drafter"), {})))}
     for arg, (section, key) in OVERRIDES.items():
         if args.get(arg) is None:
             continue

@@ -229,8 +229,9 @@ def build_app(args: dict) -> serve.Application:
     return ingress.bind(cfg.model_dump())
 
 
-def default_models() -> dict[str, str]:
-    """The embedded default pair (built on first use): {"target": dir, "draft": dir}."""
+def default_models(with_draft: bool = True) -> dict[str, str]:
+    """The embedded default pair (built on first use): {"target": dir, "draft": dir}; without the draft
+    (not built) when the drafter runs no model."""
     from specdec.default_models import default_pair
 
-    return default_pair()
+    return default_pair(with_draft=with_draft)

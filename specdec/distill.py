@@ -89,7 +89,7 @@ def generated_corpus(target: PreTrainedModel, tokenizer, num_tokens: int, seed: 
 
 
 def kl_loss(target: PreTrainedModel, draft: PreTrainedModel):
-    """batch [B, S] -> mean over positions of KL(p_target || q_draft)."""
+    """batch [B, S] -> mean over positions of KL(p_target || q_draft) (the target runs on every batch)."""
 
     def loss(batch: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -99,6 +99,32 @@ def kl_loss(target: PreTrainedModel, draft: PreTrainedModel):
         return F.kl_div(logq[..., :V].flatten(0, 1), logp[..., :V].flatten(0, 1), log_target=True, reduction="batchmean")
 
     return loss
+
+
+def sampled_text_loss(target: PreTrainedModel, draft: PreTrainedModel):
+    """batch [B, S] of text the target sampled at temperature 1 -> the draft's cross-entropy on it. Its
+    expectation over p's samples is H(p) + KL(p || q), so minimising it distils p without running the target
+    on each batch (sequence-level distillation: Kim and Rush, 2016)."""
+
+    def loss(batch: torch.Tensor) -> torch.Tensor:
+        return draft(input_ids=batch, labels=batch).loss
+
+    return loss
+
+
+@torch.no_grad()
+def init_embedding(draft: PreTrainedModel, target: PreTrainedModel) -> None:
+    """The draft's (tied) embedding starts as the target's, projected on its top principal directions when
+    the draft is narrower: E_d [V, h] = E_t [V, H] @ W [H, h]. Tokens the target treats alike start alike."""
+    e_t = target.get_input_embeddings().weight.float()  # [V, H]
+    e_d = draft.get_input_embeddings().weight  # [V, h]
+    rows, h = min(e_t.shape[0], e_d.shape[0]), e_d.shape[1]
+    if h >= e_t.shape[1]:
+        e_d[:rows, : e_t.shape[1]] = e_t[:rows].to(e_d.dtype)
+        return
+    _, _, w = torch.pca_lowrank(e_t, q=h, center=False)  # w [H, h]
+    proj = e_t[:rows] @ w
+    e_d[:rows] = (proj * (e_d[:rows].norm(dim=1).mean() / proj.norm(dim=1).mean())).to(e_d.dtype)
 
 
 @torch.no_grad()
@@ -128,6 +154,8 @@ def distill(
     cfg: TrainConfig = TrainConfig(),
     resume: bool = False,
     on_step=None,
+    objective=kl_loss,  # (target, draft) -> (batch -> loss): kl_loss, or sampled_text_loss on the target's samples
+    embedding_from_target: bool = False,  # init_embedding: start from the target's (projected) embedding
 ) -> dict:
     """Train a draft for `target` and save it (with the tokenizer) to out_dir; returns a summary."""
     out = Path(out_dir)
@@ -135,8 +163,10 @@ def distill(
     target.eval().requires_grad_(False)
     torch.manual_seed(cfg.seed)
     draft = LlamaForCausalLM(draft_config(target, layers, hidden)).to(target.device)
+    if embedding_from_target:
+        init_embedding(draft, target)
     before = evaluate(target, draft, heldout)
-    result = train(draft, kl_loss(target, draft), tokens, cfg, out / "checkpoint", resume, "distill", on_step)
+    result = train(draft, objective(target, draft), tokens, cfg, out / "checkpoint", resume, "distill", on_step)
     after = evaluate(target, draft, heldout)
     draft.save_pretrained(out)
     tokenizer.save_pretrained(out)

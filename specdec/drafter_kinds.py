@@ -11,3 +11,8 @@ class DrafterKind(enum.StrEnum):
     NGRAM = "ngram"
     MODEL_NGRAM = "model+ngram"
     NONE = "none"
+
+    @property
+    def uses_model(self) -> bool:
+        """Whether this drafter runs a draft model (so a draft must be given, or built for the default pair)."""
+        return self in (DrafterKind.MODEL, DrafterKind.MODEL_NGRAM)

@@ -9,6 +9,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from .cpu_linear import pack_linears
 from .errors import UnsupportedModel
+from .gguf import is_gguf, model_folder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,9 +64,8 @@ def check_supported(config: PretrainedConfig) -> None:
 
 
 def check_model(path: str) -> PretrainedConfig:
-    """check_supported for the model in a folder, from its config.json alone -> that config."""
-    _check_exists(path)
-    config = AutoConfig.from_pretrained(path)
+    """check_supported for the model in a folder (or a GGUF file), from its config.json alone -> that config."""
+    config = AutoConfig.from_pretrained(local_folder(path))
     check_supported(config)
     return config
 
@@ -81,7 +81,8 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu
     """A causal LM from a local folder (or a hub id, for users with network), in eval mode; a model specdec
     cannot decode exactly is refused (UnsupportedModel) before its weights load."""
     config = check_model(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention_for(config))
+    model = AutoModelForCausalLM.from_pretrained(local_folder(path), dtype=dtype,
+                                                 attn_implementation=attention_for(config))
     return model.to(device).eval()
 
 
@@ -95,14 +96,14 @@ def load_sharded_model(path: str, dtype: torch.dtype = torch.float32) -> PreTrai
     """This rank's shard of a causal LM, split by transformers' own tensor-parallel plan across the
     ranks of the default torch.distributed group (which the caller has initialised)."""
     config = check_model(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention_for(config),
+    model = AutoModelForCausalLM.from_pretrained(local_folder(path), dtype=dtype,
+                                                 attn_implementation=attention_for(config),
                                                  distributed_config=DistributedConfig(tp_plan="auto"))
     return model.eval()
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    _check_exists(path)
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(local_folder(path))
 
 
 def eos_ids(generation_config, tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -121,6 +122,16 @@ def check_same_vocabulary(target: PreTrainedTokenizerBase, draft: PreTrainedToke
             f"the target's tokenizer ({len(tv)} tokens) and the draft's ({len(dv)} tokens) differ "
             f"(e.g. {differ}); speculative decoding needs one vocabulary: use a draft trained with the target's tokenizer"
         )
+
+
+def local_folder(path: str) -> str:
+    """The folder transformers loads for a model path: a folder (or a hub id, for users with network) as it
+    is, a `.gguf` file's converted folder (specdec.gguf: converted once, cached); FileNotFoundError naming a
+    local path that does not exist."""
+    if is_gguf(path):
+        return model_folder(path)
+    _check_exists(path)
+    return path
 
 
 def _check_exists(path: str) -> None:

@@ -27,7 +27,7 @@ def config_error(data) -> str:
 def test_default_yaml_serves_the_default_pair():
     """configs/default.yaml has no models section: it serves the embedded default pair, and a file
     without one is refused where no default is offered."""
-    config = load_config(DEFAULT_YAML, lambda: {"target": "dt", "draft": "dd"})
+    config = load_config(DEFAULT_YAML, lambda with_draft: {"target": "dt", "draft": "dd"})
     assert (config.models.target.path, config.models.draft.path) == ("dt", "dd")
     with pytest.raises(ConfigError, match="models"):
         load_config(DEFAULT_YAML)
@@ -37,7 +37,7 @@ def test_default_yaml_serves_the_default_pair():
 
 def test_the_shared_pair_config_is_the_default_one_with_the_bench_models():
     shared = load_config(SHARED_PAIR)
-    assert shared == load_config(DEFAULT_YAML, lambda: {"target": "../shared/bench-models/target",
+    assert shared == load_config(DEFAULT_YAML, lambda with_draft: {"target": "../shared/bench-models/target",
                                                         "draft": "../shared/bench-models/draft"})
 
 
@@ -237,7 +237,7 @@ def test_live_config_refuses_whole_naming_the_key(data, expected):
 
 def test_example_configs_say_their_gpus_are_logical():
     """configs/default.yaml and the shared pair's run small CPU models: Ray's GPUs there are logical slots."""
-    assert load_config(DEFAULT_YAML, lambda: {"target": "t", "draft": "d"}).placement.logical_gpus is True
+    assert load_config(DEFAULT_YAML, lambda with_draft: {"target": "t", "draft": "d"}).placement.logical_gpus is True
     assert load_config(SHARED_PAIR).placement.logical_gpus is True
 
 
@@ -261,7 +261,7 @@ def test_whole_gpus_per_rank_or_logical_ones_are_allowed(placement):
 # --- what `specdec serve` and build_app run ---
 
 
-def never_called() -> dict:
+def never_called(with_draft: bool = True) -> dict:
     raise AssertionError("the default pair was built although models were given")
 
 
@@ -275,8 +275,24 @@ def test_command_line_models_need_no_default_pair():
 
 
 def test_no_models_given_uses_the_default_pair():
-    cfg = app_config({}, lambda: {"target": "dt", "draft": "dd"})
+    cfg = app_config({}, lambda with_draft: {"target": "dt", "draft": "dd"})
     assert (cfg.models.target.path, cfg.models.draft.path) == ("dt", "dd")
+
+
+def test_a_drafter_without_a_model_does_not_build_the_default_draft(tmp_path):
+    asked = []
+
+    def default_models(with_draft: bool) -> dict:
+        asked.append(with_draft)
+        return {"target": "dt", "draft": "dd"} if with_draft else {"target": "dt"}
+
+    cfg = app_config({"drafter": "ngram"}, default_models)
+    assert cfg.models.draft is None and cfg.speculation.drafter == "ngram" and asked == [False]
+    path = tmp_path / "ops.yaml"
+    path.write_text(yaml.safe_dump({"speculation": {"drafter": "none"}}))
+    assert app_config({"config": str(path)}, default_models).models.draft is None and asked[-1] is False
+    assert app_config({"config": str(path), "drafter": "model"}, default_models).models.draft.path == "dd"
+    assert app_config({}, default_models).speculation.drafter == "model+ngram" and asked[-1] is True
 
 
 def test_serve_flags_override_the_file_and_are_checked_again(tmp_path):

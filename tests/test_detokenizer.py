@@ -126,15 +126,15 @@ PROSE = ("héllo wörld, naïve café 😀 👍🏽 日本語のテキスト —
 
 
 def training_texts() -> list[str]:
-    from specdec.default_models import read_texts, stdlib_sources
+    from specdec.fast_pair import read_texts, stdlib_sources
 
     return read_texts(stdlib_sources(max_files=12)[0]) + [PROSE] * 20
 
 
 @pytest.fixture(scope="module")
 def byte_level():
-    """A GPT-2-style byte-level BPE trained as the default pair's is (specdec.default_models), small."""
-    from specdec.default_models import train_tokenizer
+    """A GPT-2-style byte-level BPE trained as the fast pair's is (specdec.fast_pair), small."""
+    from specdec.fast_pair import train_tokenizer
 
     return train_tokenizer(training_texts(), vocab_size=600, max_chars=300_000)
 

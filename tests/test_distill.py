@@ -1,4 +1,4 @@
-"""Distillation and the embedded default pair, at tiny scale (seconds)."""
+"""Distillation and the fast pair, at tiny scale (seconds)."""
 
 import json
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-import specdec.default_models as dm
+import specdec.fast_pair as fp
 from specdec.cli import main
 from specdec.distill import distill, draft_config, generated_corpus, split_heldout
 from specdec.engine import SpeculativeEngine
@@ -82,20 +82,20 @@ def test_distill_cli(setup, tmp_path, capsys):
         main(["distill", "--target", target_dir, "--out", str(tmp_path / "e"), "--corpus", str(tmp_path / "missing")])
 
 
-TINY = dm.DefaultSpec(seed=3, vocab_size=300, target_layers=1, target_hidden=32, target_steps=3, draft_layers=1,
+TINY = fp.FastSpec(seed=3, vocab_size=300, target_layers=1, target_hidden=32, target_steps=3, draft_layers=1,
                       draft_hidden=16, draft_steps=3, batch_size=2, seq_len=16, tokenizer_chars=40_000, max_files=6)
 
 
-def test_default_build_is_reproducible_and_loads(tmp_path):
-    a = dm.default_pair(TINY, root=tmp_path / "a", log=lambda m: None)
-    b = dm.default_pair(TINY, root=tmp_path / "b", log=lambda m: None)
+def test_fast_build_is_reproducible_and_loads(tmp_path):
+    a = fp.fast_pair(TINY, root=tmp_path / "a", log=lambda m: None)
+    b = fp.fast_pair(TINY, root=tmp_path / "b", log=lambda m: None)
     for role in ("target", "draft"):
         sa = AutoModelForCausalLM.from_pretrained(a[role]).state_dict()
         sb = AutoModelForCausalLM.from_pretrained(b[role]).state_dict()
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa), role
-    assert (tmp_path / "a").joinpath(f"default-{TINY.key()}", "target", "tokenizer.json").read_text() == \
-        (tmp_path / "b").joinpath(f"default-{TINY.key()}", "target", "tokenizer.json").read_text()
-    report = json.loads((tmp_path / "a" / f"default-{TINY.key()}" / "build.json").read_text())
+    assert (tmp_path / "a").joinpath(f"fast-{TINY.key()}", "target", "tokenizer.json").read_text() == \
+        (tmp_path / "b").joinpath(f"fast-{TINY.key()}", "target", "tokenizer.json").read_text()
+    report = json.loads((tmp_path / "a" / f"fast-{TINY.key()}" / "build.json").read_text())
     assert {"before_distillation", "after_distillation"} <= set(report["heldout"])
     # usable as a pair: same vocabulary, and the engine runs on it
     tok = load_tokenizer(a["target"])
@@ -106,25 +106,25 @@ def test_default_build_is_reproducible_and_loads(tmp_path):
     engine = SpeculativeEngine(CachedLM(load_model(a["target"])), None)
     assert len(engine.generate([tok("def f(x):")["input_ids"]], 5)[0].token_ids) >= 1
     # a different seed is a different build
-    assert dm.DefaultSpec(seed=4).key() != dm.DefaultSpec(seed=3).key()
+    assert fp.FastSpec(seed=4).key() != fp.FastSpec(seed=3).key()
 
 
-def test_default_pair_is_cached_and_rebuilt_on_request(tmp_path):
+def test_fast_pair_is_cached_and_rebuilt_on_request(tmp_path):
     messages = []
-    dm.default_pair(TINY, root=tmp_path, log=messages.append)
-    built = tmp_path / f"default-{TINY.key()}" / "build.json"
+    fp.fast_pair(TINY, root=tmp_path, log=messages.append)
+    built = tmp_path / f"fast-{TINY.key()}" / "build.json"
     stamp = built.stat().st_mtime_ns
-    dm.default_pair(TINY, root=tmp_path, log=messages.append)
+    fp.fast_pair(TINY, root=tmp_path, log=messages.append)
     assert built.stat().st_mtime_ns == stamp and "building" in messages[0] and "building" not in messages[-1]
-    dm.default_pair(TINY, root=tmp_path, rebuild=True, log=messages.append)
+    fp.fast_pair(TINY, root=tmp_path, rebuild=True, log=messages.append)
     assert built.stat().st_mtime_ns != stamp
 
 
-def test_models_default_cli_json(tmp_path, capsys, monkeypatch):
+def test_models_fast_cli_json(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(dm, "DefaultSpec", lambda seed: TINY)
-    main(["models", "default", "--json"])
+    monkeypatch.setattr(fp, "FastSpec", lambda seed: TINY)
+    main(["models", "fast", "--json"])
     captured = capsys.readouterr()
     pair = json.loads(captured.out.strip().splitlines()[-1])
     assert pair["target"].startswith(str(tmp_path / "specdec")) and pair["draft"].endswith("draft")
-    assert "building the default model pair" in captured.err and str(tmp_path) in captured.err
+    assert "building the fast model pair" in captured.err and str(tmp_path) in captured.err

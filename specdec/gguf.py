@@ -1,0 +1,127 @@
+"""GGUF files (llama.cpp's format, the way most small models ship) as a model path: a `.gguf` file is
+dequantized by transformers once, saved as a safetensors folder in the cache keyed by the file's hash,
+and every later load reads that folder. A file transformers cannot read is refused naming why."""
+
+import fcntl
+import hashlib
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+from .cache_dir import cache_root
+from .errors import UnsupportedModel
+
+GGUF_MAGIC = b"GGUF"
+SUFFIX = ".gguf"
+FORMAT = 1  # bump when the conversion changes what it writes
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    return str(path).lower().endswith(SUFFIX)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+_HASHES: dict[tuple[str, int, int], str] = {}  # (resolved path, size, mtime) -> sha256, per process
+
+
+def _hash_of(file: Path) -> str:
+    """The file's sha256, hashed once per process for one version of a file (a load asks three times)."""
+    st = file.stat()
+    key = (str(file.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _HASHES:
+        _HASHES[key] = file_sha256(file)
+    return _HASHES[key]
+
+
+def check_gguf_file(path: Path) -> None:
+    """FileNotFoundError / ValueError naming the file when it is missing or is not a GGUF file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ValueError(f"{str(path)!r} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
+
+
+def model_folder(path: str, root: Path | None = None, log=None) -> str:
+    """The transformers folder to load for a model path: the path itself, or for a `.gguf` file its
+    converted folder in the cache (converted on first use)."""
+    if not is_gguf(path):
+        return path
+    file = Path(path).expanduser()
+    check_gguf_file(file)
+    out = (root or cache_root()) / "gguf" / f"{_hash_of(file)[:20]}-v{FORMAT}"
+    with _locked(out.with_name(out.name + ".lock")):  # two actors on one node convert it once
+        if not (out / "config.json").exists():
+            if log is not None:
+                log(f"specdec: converting {file.name} (GGUF) once into {out}")
+            convert(file, out)
+    return str(out)
+
+
+def convert(file: Path, out: Path, eos_token_ids: list[int] | None = None) -> None:
+    """Dequantize a GGUF file to float32 and save it with its tokenizer (and chat template) as a
+    safetensors folder at `out` (atomically). `eos_token_ids`: the generation's stop tokens, if not the file's.
+    UnsupportedModel when transformers cannot read the file's architecture or quantization, or specdec
+    cannot decode the model exactly (specdec.loading.check_supported)."""
+    try:
+        import gguf  # noqa: F401  (transformers needs it to read GGUF)
+    except ImportError:
+        raise ValueError("reading a GGUF file needs the `gguf` package: pip install gguf") from None
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .loading import check_supported
+
+    where = dict(pretrained_model_name_or_path=str(file.parent), gguf_file=file.name)
+    try:
+        config = AutoConfig.from_pretrained(**where)
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise UnsupportedModel(_gguf_architecture(file), f"transformers cannot read this GGUF file ({e})") from None
+    check_supported(config)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(**where)
+        loaded = AutoModelForCausalLM.from_pretrained(**where)
+    except (ValueError, KeyError, NotImplementedError, RuntimeError) as e:
+        raise UnsupportedModel(config.model_type, f"transformers cannot dequantize this GGUF file ({e})") from None
+    # A model loaded from GGUF refuses save_pretrained ("quantized with gguf"): its weights go into a plain one.
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    if eos_token_ids is not None:
+        model.generation_config.eos_token_id = eos_token_ids
+    tmp = out.with_name(out.name + f".converting-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
+def _gguf_architecture(file: Path) -> str:
+    """The file's general.architecture, for an error message ("unknown" when unreadable)."""
+    try:
+        from gguf import GGUFReader
+
+        field = GGUFReader(file).fields["general.architecture"]
+        return bytes(field.parts[field.data[0]]).decode()
+    except Exception:  # noqa: BLE001 (only for naming the model in an error)
+        return "unknown"
+
+
+@contextmanager
+def _locked(lock: Path):
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
