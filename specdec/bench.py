@@ -102,7 +102,7 @@ def run_bench(args) -> None:
     eos = eos_ids(target.generation_config, tokenizer)
     only = set(args.modes.split(",")) if args.modes else None
     modes = build_modes(target, draft, eos, args.max_new_tokens, params, only)
-    rows = load_prompts(args.prompts, args.limit)
+    rows = load_prompts(args.prompts, args.limit, tokenizer)
     prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]
 
     for mode in modes:  # warm-up (and adaptive K's one-time calibration), not timed

@@ -63,7 +63,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
 
     b = sub.add_parser("bench", help="side-by-side benchmark against plain decoding and transformers")
     add_model_args(b)
-    b.add_argument("--prompts", required=True, help="JSONL rows with 'prompt' and 'task_type'")
+    b.add_argument("--prompts", required=True, help="JSONL rows with 'task_type' and 'prompt' text or chat 'messages' "
+                        "(rendered by the target's chat template)")
     b.add_argument("--max-new-tokens", type=int, default=64)
     b.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     b.add_argument("--seed", type=int, default=0)

@@ -100,15 +100,16 @@ FORMAT = 1  # bump when the draft's build changes in a way DefaultSpec does not 
 
 @dataclass(frozen=True)
 class DefaultSpec:
-    """How the default draft is built: the budget is what it takes on 2 CPU cores (fewer minutes on more)."""
+    """How the default draft is built: counts, not deadlines, so a build is the same on every machine (about
+    12 minutes on 2 idle CPU cores; see docs/architecture.md)."""
 
     seed: int = 0
     draft_layers: int = 2
     draft_hidden: int = 256
-    answer_minutes: float = 4.0  # the target writes answers for this long
-    answer_tokens: int = 192  # at most, per answer
+    answers: int = 128  # the target answers this many instructions
+    answer_tokens: int = 128  # at most, per answer
     answer_batch: int = 16  # answers written together (one batched forward per token)
-    train_minutes: float = 6.0  # the draft learns them for this long
+    train_steps: int = 240  # the draft learns them for this many steps
     batch_size: int = 16
     seq_len: int = 128
     lr: float = 2e-3
@@ -129,8 +130,8 @@ def default_pair(spec: DefaultSpec = DefaultSpec(), rebuild: bool = False, root:
     if rebuild:
         shutil.rmtree(out, ignore_errors=True)
     if not (out / "build.json").exists():
-        log(f"specdec: building the default draft (once, about {spec.answer_minutes + spec.train_minutes:g} minutes "
-            f"on 2 CPU cores) into {out}; n-gram drafting needs no draft: specdec serve --drafter ngram")
+        log(f"specdec: building the default draft (once: about 12 minutes on 2 CPU cores) into {out}; "
+            "n-gram drafting needs none: specdec serve --drafter ngram serves at once")
         build_draft(spec, target, out, log)
     return {"target": target, "draft": str(out / "draft")}
 
@@ -167,50 +168,46 @@ def instructions(count: int, seed: int) -> list[str]:
     return [rng.choice(TASKS).format(m=m, d=d) for m, d in (rng.choice(topics) for _ in range(count))]
 
 
-def target_answers(target, tokenizer, spec: DefaultSpec, log) -> list[list[int]]:
-    """The target's own sampled chat answers (temperature 1: learning them is distilling its distribution),
-    written for spec.answer_minutes -> [prompt + answer] token lists."""
+def target_answers(target, tokenizer, spec: DefaultSpec) -> list[list[int]]:
+    """The target's own sampled chat answers to spec.answers instructions (temperature 1: learning them is
+    distilling its distribution) -> [prompt + answer] token lists."""
+    from tqdm import tqdm
+
     from .engine import SpeculativeEngine
     from .kvcache import CachedLM
     from .loading import eos_ids
     from .sampling import SamplingParams
 
     engine = SpeculativeEngine(CachedLM(target), None, eos_token_ids=eos_ids(target.generation_config, tokenizer))
-    deadline, texts, rounds = time.monotonic() + spec.answer_minutes * 60, [], 0
-    from tqdm import tqdm
-
-    bar = tqdm(total=int(spec.answer_minutes * 60), desc="target answers", unit="s", mininterval=1.0)
-    t0 = time.monotonic()
-    while time.monotonic() < deadline:
-        asks = instructions(spec.answer_batch, spec.seed * 10_000 + rounds)
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True,
-                                                 tokenize=True, return_dict=False) for a in asks]
-        outs = engine.generate(prompts, spec.answer_tokens, SamplingParams(temperature=1.0, seed=spec.seed + rounds))
-        texts += [p + o.token_ids for p, o in zip(prompts, outs)]
-        rounds += 1
-        bar.n = min(bar.total, int(time.monotonic() - t0))
-        bar.set_postfix(answers=len(texts))
-        bar.refresh()
-    bar.close()
-    log(f"specdec: the target wrote {len(texts)} answers ({sum(map(len, texts))} tokens with their prompts)")
+    asks = instructions(spec.answers, spec.seed)
+    texts = []
+    with tqdm(total=len(asks), desc="target answers", unit="answer", mininterval=1.0) as bar:
+        for start in range(0, len(asks), spec.answer_batch):
+            prompts = [tokenizer.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False)
+                       for a in asks[start : start + spec.answer_batch]]
+            outs = engine.generate(prompts, spec.answer_tokens, SamplingParams(temperature=1.0, seed=spec.seed + start))
+            texts += [p + o.token_ids for p, o in zip(prompts, outs)]
+            bar.update(len(prompts))
     return texts
 
 
 def build_draft(spec: DefaultSpec, target_dir: str, out: Path, log=print) -> dict:
     """Distil the default draft into out/draft (atomically: a half-built draft is never left there)."""
     from .distill import distill, remove_checkpoint, sampled_text_loss, split_heldout
-    from .loading import load_model, load_tokenizer
+    from .loading import load_served_model, load_tokenizer
     from .training import TrainConfig
 
     t0 = time.perf_counter()
     tmp = out.with_name(out.name + ".building")
     shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer, target = load_tokenizer(target_dir), load_model(target_dir)
+    tokenizer, target = load_tokenizer(target_dir), load_served_model(target_dir)
     torch.manual_seed(spec.seed)
-    texts = target_answers(target, tokenizer, spec, log)
+    texts = target_answers(target, tokenizer, spec)
+    log(f"specdec: the target wrote {len(texts)} answers ({sum(map(len, texts))} tokens with their prompts)")
     tokens = torch.tensor([t for text in texts for t in text], dtype=torch.long, device=HOST)  # [N]
     train_tokens, heldout = split_heldout(tokens)
-    cfg = TrainConfig(steps=None, minutes=spec.train_minutes, batch_size=spec.batch_size, seq_len=spec.seq_len,
+    cfg = TrainConfig(steps=spec.train_steps, batch_size=spec.batch_size, seq_len=spec.seq_len,
                       lr=spec.lr, seed=spec.seed, checkpoint_every=10**9, bf16=True)
     summary = distill(target, tokenizer, tmp / "draft", train_tokens, heldout, spec.draft_layers, spec.draft_hidden,
                       cfg, objective=sampled_text_loss, embedding_from_target=True)

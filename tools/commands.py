@@ -28,7 +28,8 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
     serving.add_connection_arguments(sb)
     sb.add_argument("--http", default="http://localhost:8000",
                     help="the server's HTTP root, for its step timing in GET /v1/stats ('' to skip it)")
-    sb.add_argument("--prompts", required=True, help="JSONL rows with 'prompt' and 'task_type'")
+    sb.add_argument("--prompts", required=True, help="JSONL rows with 'task_type' and 'prompt' text or chat 'messages' "
+                        "(rendered by the target's chat template)")
     sb.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16],
                     help="concurrent clients, one grid row each (default 1 2 4 8 16)")
     sb.add_argument("--modes", nargs="+", type=Speculation.parse, choices=list(Speculation),
@@ -36,8 +37,9 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
                     help="default off on auto; off always runs first (every other mode must equal it)")
     sb.add_argument("--max-new-tokens", type=int, default=64)
     sb.add_argument("--limit", type=int, help="use only the first N prompts of each task type")
-    sb.add_argument("--target", metavar="DIR", help="the served target's model folder: measure transformers "
-                    "generate() and generate_batch on it in this process, after the grid (default: no references)")
+    sb.add_argument("--target", metavar="DIR", help="the served target's model folder: its chat template renders "
+                    "chat rows, and transformers generate() and generate_batch on it are measured in this process after "
+                    "the grid (default: no references; chat rows need it)")
     sb.add_argument("--dtype", choices=get_args(Dtype), default="float32",
                     help="the server's target dtype (its models.target.dtype): the references run in it; a server "
                          "in another dtype than float32 is held to its greedy agreement with off, not equality")

@@ -121,7 +121,7 @@ def bench_main(args) -> None:
         raise ValueError(f"--clients must be >= 1, got {args.clients}")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    rows = load_prompts(args.prompts, args.limit)
+    rows = load_prompts(args.prompts, args.limit, _tokenizer(args.target))
     modes = [Speculation.OFF] + [m for m in dict.fromkeys(args.modes) if m != Speculation.OFF]
     if max(args.clients) > len(rows):
         print(f"bench-served: {len(rows)} prompts: cells with more clients than that run at most {len(rows)} "
@@ -157,6 +157,15 @@ def bench_main(args) -> None:
         plot(results, references, args.plot, args)
     if args.json:
         print(json.dumps({"rows": results, "references": references}))
+
+
+def _tokenizer(target: str | None):
+    """The served target's tokenizer, which renders chat rows (None without --target)."""
+    if target is None:
+        return None
+    from specdec.loading import load_tokenizer
+
+    return load_tokenizer(target)
 
 
 # --- the grid -----------------------------------------------------------------------------------------
