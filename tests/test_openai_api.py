@@ -358,7 +358,7 @@ def test_readme_openai_example_runs(server, client):
          {"print": lambda *args: printed.append(args)})
     (content, top), *pieces, (usage,) = printed
     again = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=32, temperature=0,
-                                           messages=[{"role": "user", "content": "read a file"}])
+                                           messages=[{"role": "user", "content": "What is a hash table?"}])
     assert content == again.choices[0].message.content and content
     assert len(top) == 2 and all(t.logprob <= 0 and isinstance(t.token, str) for t in top)
     assert top[0].logprob >= top[1].logprob
