@@ -101,7 +101,7 @@ def best_k(alpha: float, thresholds: Thresholds) -> int:
 class Router:
     """Thread-safe: serving calls route() and report() from many requests at once."""
 
-    def __init__(self, routing: RoutingConfig, shape: DraftShape = DraftShape()):
+    def __init__(self, routing: RoutingConfig, shape: DraftShape):
         """shape: what the draft replicas draft (speculation.*): a step of K verifies trees of shape.nodes(K)."""
         self._routing, self.shape = routing, shape
         self._tasks: dict[str, _TaskState] = {}
