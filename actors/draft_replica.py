@@ -6,7 +6,8 @@ import asyncio
 import ray
 
 from protos import specdec_tree_pb2_grpc as tree_grpc
-from specdec.drafters import make_drafter
+from specdec.drafter_kinds import DraftShape
+from specdec.drafters import Drafter, make_drafter
 from specdec.errors import Unavailable
 from specdec.kvcache import CachedLM
 from specdec.loading import load_served_model, parse_dtype
@@ -25,10 +26,10 @@ from .target_rank import device_for_actor, use_assigned_cpus
 class DraftReplica:
     """Async: a request is a stream fed by its draft model's loop, not a thread."""
 
-    def __init__(self, drafts: dict[str, tuple[str, str]], target_address: str, drafter: str = "model+ngram",
-                 width: int = 1, overlap: bool = True, *, security: LinkSecurity | SharedSecurity,
-                 logical_gpus: bool = False):
+    def __init__(self, drafts: dict[str, tuple[str, str]], target_address: str, shape: DraftShape = DraftShape(),
+                 overlap: bool = True, *, security: LinkSecurity | SharedSecurity, logical_gpus: bool = False):
         """drafts: task type -> (model folder, dtype); the "" entry drafts for every other task type.
+        shape: the drafter, its tree width and its proposals' entries (speculation.*).
         overlap: draft each step while the target verifies the one before (actors.draft_loop).
         security: the topology's secret (sent on every call to the target) and TLS files, if any; through
         Ray's object store (SharedSecurity), so that it is not among the actor's creation arguments.
@@ -37,8 +38,8 @@ class DraftReplica:
         device = device_for_actor(logical_gpus)  # before anything loads: a wrong image fails here
         self.models = {task: load_served_model(path, parse_dtype(dtype), device)
                        for task, (path, dtype) in drafts.items()}
-        self.drafter, self.width, self.overlap = drafter, width, overlap
-        make_drafter(drafter, CachedLM(self.models[""]) if "" in self.models else None, width)  # fail at start
+        self.shape, self.overlap = shape, overlap
+        self._make_drafter(self.models.get(""))  # fail at start
         self.security, self.target_address = resolve(security), target_address
         self.channel = target_channel(target_address, self.security)
         self.target = GrpcTarget(tree_grpc.TargetServiceStub(self.channel))  # shared by the loops
@@ -101,6 +102,11 @@ class DraftReplica:
         key = task_type if task_type in self.models else ""
         if key not in self.loops:
             model = self.models.get(key)
-            drafter = make_drafter(self.drafter, CachedLM(model) if model is not None else None, self.width)
-            self.loops[key] = DraftLoop(self.target, drafter, on_step=self.step_timer, overlap=self.overlap)
+            self.loops[key] = DraftLoop(self.target, self._make_drafter(model), on_step=self.step_timer,
+                                        overlap=self.overlap)
         return self.loops[key]
+
+    def _make_drafter(self, model) -> Drafter | None:
+        shape = self.shape
+        return make_drafter(shape.drafter, CachedLM(model) if model is not None else None, shape.width,
+                            shape.proposal_top_k)

@@ -19,9 +19,10 @@ from pathlib import Path
 import grpc
 
 # Both directions of the draft -> target link. The largest real message is a VerifyRequest or its
-# response for every running request of a replica: trees of tens of nodes, logprobs of at most 20
-# alternatives per token, well under 1 MiB at hundreds of requests. gRPC's own default caps only
-# what a server receives (4 MiB); this caps both ends.
+# response for every running request of a replica: trees of tens of nodes, each sampled one's proposals
+# proposal_top_k (id, probability) pairs (~45 KB a tree of width 3, 8 deep), logprobs of at most 20
+# alternatives per token; a replica splits its trees into as many Verify calls as this limit needs
+# (wire.verify_requests). gRPC's own default caps only what a server receives (4 MiB); this caps both ends.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MESSAGE_LIMITS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]

@@ -17,27 +17,69 @@ from specdec.errors import (InvalidArgument, RequestExists, RequestFailed, Resou
                             UnknownRequest)
 from specdec.logprobs import TokenLogprob
 from specdec.sampling import SamplingParams
-from specdec.tree import DELTA, TokenTree
+from specdec.drafter_kinds import MAX_PROPOSAL_TOP_K
+from specdec.tree import DELTA, Proposal, TokenTree
 
 
 def tree_to_proto(request_id: str, tree: TokenTree) -> tree_pb.CandidateTree:
-    # the proposals leave the draft's device in one copy per tree, not one per node
-    host = torch.stack(tree.proposals).detach().to(HOST, torch.float32) if tree.proposals else []
     return tree_pb.CandidateTree(
         request_id=request_id,
         tokens=tree.tokens,
         parents=tree.parents,
         proposal_ids=tree.proposal_ids,
-        proposals=[tree_pb.Proposal(probs=q.numpy().tobytes(), vocab=q.numel()) for q in host],
+        proposals=_proposals_to_proto(tree.proposals),
         from_model=tree.from_model,
         guess=tree.guess,
     )
 
 
+def _proposals_to_proto(proposals: list[Proposal]) -> list[tree_pb.Proposal]:
+    """Each proposal's entries of nonzero probability; they leave the draft's device in one copy per tree."""
+    if not proposals:
+        return []
+    ids = torch.cat([q.ids for q in proposals]).to(HOST, torch.int32)  # [E]
+    probs = torch.cat([q.probs for q in proposals]).detach().to(HOST, torch.float32)  # [E]
+    out, at = [], 0
+    for q in proposals:
+        kept = probs[at:at + len(q)] > 0
+        out.append(tree_pb.Proposal(ids=ids[at:at + len(q)][kept].numpy().tobytes(),
+                                    probs=probs[at:at + len(q)][kept].numpy().tobytes()))
+        at += len(q)
+    return out
+
+
+# A tree's place in a VerifyRequest beyond its own bytes: its field's tag and length (a varint of <= 5 bytes).
+TREE_FRAMING_BYTES = 6
+
+
+def verify_requests(trees: dict[str, TokenTree], limit: int) -> tuple[list[tree_pb.VerifyRequest], dict[str, Exception]]:
+    """The trees as VerifyRequests of at most `limit` bytes each (the link's message limit), in order, as few
+    as fit, and the requests whose tree alone is over the limit, each with its own error (RequestFailed,
+    naming its size and the limit): it fails its request, never the others sent beside it."""
+    messages, refused = [], {}
+    batch, size = [], 0
+    for rid, tree in trees.items():
+        msg = tree_to_proto(rid, tree)
+        n = msg.ByteSize() + TREE_FRAMING_BYTES
+        if n > limit:
+            refused[rid] = RequestFailed(f"its candidate tree ({len(tree)} nodes, {len(tree.proposals)} proposals) "
+                                         f"is {n} bytes, over the draft-to-target link's message limit of {limit} "
+                                         "bytes (a smaller speculation.proposal_top_k, tree_width or max_k fits)")
+            continue
+        if batch and size + n > limit:
+            messages.append(tree_pb.VerifyRequest(trees=batch))
+            batch, size = [], 0
+        batch.append(msg)
+        size += n
+    if batch:
+        messages.append(tree_pb.VerifyRequest(trees=batch))
+    return messages, refused
+
+
 # What the target takes from another process at most, before any work (held here, at the wire; the
 # target also holds each tree to its own `tree_room` and token ids to its vocabulary, which it knows).
 MAX_WIRE_TREE_NODES = 4096  # nodes of one candidate tree (a tree of n nodes costs an n x n mask per row)
-MAX_WIRE_VOCAB = 1 << 20  # entries of one proposal (float32: 4 MiB; the largest vocabularies are ~256k)
+MAX_WIRE_VOCAB = 1 << 20  # token ids a proposal may name: [0, MAX_WIRE_VOCAB) (the largest vocabularies are ~256k)
 PROB_SUM_TOLERANCE = 1e-3  # |sum(q) - 1| allowed: float32 sums of a softmax over ~10^5 entries stay well inside
 MAX_REQUEST_ID_CHARS = 128
 
@@ -83,9 +125,9 @@ def tree_from_proto(msg: tree_pb.CandidateTree, index: int = 0) -> tuple[str, To
     proposals = [_proposal_from_proto(p, f"{at}.proposals[{i}]") for i, p in enumerate(msg.proposals)]
     for i, q in enumerate(proposals):  # a drafted token was drawn from its proposal: q(token) > 0
         drawn = tokens[1:][pids[1:] == i]  # the root is committed, not drawn
-        if drawn.numel() and (int(drawn.max()) >= q.numel() or not (q[drawn] > 0).all()):
+        if not torch.isin(drawn, q.ids).all():
             raise InvalidArgument(f"{at}.tokens", f"a node drawn from proposal {i} holds a token that proposal "
-                                                  "gives no probability (or one outside its vocabulary)")
+                                                  "gives no probability")
     depths = [0] * n
     for i in range(1, n):
         depths[i] = depths[msg.parents[i]] + 1
@@ -95,23 +137,31 @@ def tree_from_proto(msg: tree_pb.CandidateTree, index: int = 0) -> tuple[str, To
     return msg.request_id, tree
 
 
-def _proposal_from_proto(p: tree_pb.Proposal, field: str) -> torch.Tensor:
-    """A proposal's q [vocab] (float32), checked to be a distribution: finite, non-negative, summing to 1."""
-    if not 1 <= p.vocab <= MAX_WIRE_VOCAB:
-        raise InvalidArgument(f"{field}.vocab", f"must be in 1..{MAX_WIRE_VOCAB}, got {p.vocab}")
-    if len(p.probs) != 4 * p.vocab:
-        raise InvalidArgument(f"{field}.probs", f"{len(p.probs)} bytes for a vocabulary of {p.vocab} "
-                                                "(float32: 4 bytes each)")
-    q = torch.frombuffer(bytearray(p.probs), dtype=torch.float32)
+def _proposal_from_proto(p: tree_pb.Proposal, field: str) -> Proposal:
+    """A proposal's q, checked to be a distribution: 1..MAX_PROPOSAL_TOP_K distinct ids in the wire's range,
+    each with a finite probability > 0, summing to 1."""
+    if len(p.ids) % 4 or not 1 <= len(p.ids) // 4 <= MAX_PROPOSAL_TOP_K:
+        raise InvalidArgument(f"{field}.ids", f"{len(p.ids)} bytes: must hold 1..{MAX_PROPOSAL_TOP_K} token ids "
+                                              "(int32: 4 bytes each)")
+    if len(p.probs) != len(p.ids):
+        raise InvalidArgument(f"{field}.probs", f"{len(p.probs)} bytes for {len(p.ids) // 4} ids "
+                                                "(float32: 4 bytes each, one per id)")
+    ids = torch.frombuffer(bytearray(p.ids), dtype=torch.int32).to(torch.long)  # [m]
+    if not ((ids >= 0) & (ids < MAX_WIRE_VOCAB)).all():
+        raise InvalidArgument(f"{field}.ids", f"token ids must be in 0..{MAX_WIRE_VOCAB - 1}")
+    if ids.unique().numel() != ids.numel():
+        raise InvalidArgument(f"{field}.ids", "a token id appears twice (each entry is one token's probability)")
+    q = torch.frombuffer(bytearray(p.probs), dtype=torch.float32)  # [m]
     if not torch.isfinite(q).all():
         raise InvalidArgument(f"{field}.probs", "probabilities must be finite (NaN or infinity found)")
-    if (q < 0).any():
-        raise InvalidArgument(f"{field}.probs", f"probabilities must be >= 0, got {float(q.min())}")
+    if (q <= 0).any():
+        raise InvalidArgument(f"{field}.probs", f"probabilities must be > 0 (an id of none is left out), "
+                                                f"got {float(q.min())}")
     total = float(q.sum(dtype=torch.float64))
     if abs(total - 1) > PROB_SUM_TOLERANCE:
         raise InvalidArgument(f"{field}.probs", f"probabilities must sum to 1 (within {PROB_SUM_TOLERANCE}), "
                                                 f"got {total:.6g}")
-    return q
+    return Proposal(ids, q)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
-from specdec.drafter_kinds import DrafterKind
+from specdec.drafter_kinds import DEFAULT_PROPOSAL_TOP_K, MAX_PROPOSAL_TOP_K, DrafterKind, DraftShape
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Port = Annotated[int, Field(ge=1, le=65535)]
@@ -92,7 +92,13 @@ class SpeculationConfig(_Section):
 
     drafter: DrafterKind = Field(DrafterKind("model+ngram"), validate_default=True)  # validated: its value, as parsed
     tree_width: int = Field(1, ge=1, le=MAX_TREE_WIDTH)
+    # a sampled draft draws from (and ships) its q cut to this many likeliest tokens: bounds a tree's bytes
+    proposal_top_k: int = Field(DEFAULT_PROPOSAL_TOP_K, ge=1, le=MAX_PROPOSAL_TOP_K)
     overlap: bool = False  # draft the next step while the target verifies this one (draft models only)
+
+    def shape(self) -> DraftShape:
+        """What the draft replicas draft, and the router prices."""
+        return DraftShape(DrafterKind(self.drafter), self.tree_width, self.proposal_top_k)
 
     @model_validator(mode="before")
     @classmethod

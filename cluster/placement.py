@@ -89,7 +89,7 @@ def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
                                  max_concurrency=ACTOR_CONCURRENCY,
                                  max_restarts=-1, scheduling_strategy=_on(groups[1], i),
                                  name=f"draft-{i}-{topo.tag}", namespace=NAMESPACE)
-            .remote(models.drafts(), topo.target_address, spec.drafter, spec.tree_width, spec.overlap,
+            .remote(models.drafts(), topo.target_address, spec.shape(), spec.overlap,
                     security=topo.shared, logical_gpus=place.logical_gpus)
             for i in range(n_drafts)]
         ray.get([d.ready.remote() for d in topo.drafts], timeout=timeout_s)
@@ -122,11 +122,11 @@ def start_target_ranks(cfg: ServeConfig, pg: PlacementGroup, tag: str, security:
 
 
 def kv_budget(cfg: ServeConfig) -> KvBudget:
-    """The target's bounds, from server.*; a tree's room from speculation and routing: the draft model's
-    tree_width x K nodes and the n-gram guess's K, for the largest K any task type may be given."""
+    """The target's bounds, from server.*; a tree's room from speculation and routing: the nodes past the
+    root of the drafter's tree (DraftShape.nodes) for the largest K any task type may be given."""
     routing = cfg.routing
     k = max([routing.default.max_k, *(t.max_k for t in routing.task_types.values())])
-    tree_room = max(KvBudget.tree_room, (cfg.speculation.tree_width + 1) * k)
+    tree_room = max(KvBudget.tree_room, cfg.speculation.shape().nodes(k) - 1)
     return KvBudget(cfg.server.max_running_requests, cfg.server.max_kv_tokens, cfg.server.max_waiting_requests,
                     tree_room)
 

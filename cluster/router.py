@@ -18,6 +18,7 @@ from cluster.config import RoutingConfig, Thresholds
 from cluster.speculation import Speculation
 from specdec.acceptance import acceptance_rate
 from specdec.adaptive import Costs, Load, StepCosts, expected_tokens, goodput, step_costs_note
+from specdec.drafter_kinds import DraftShape
 
 Mode = Literal["speculative", "plain", "probe"]
 DEFAULT_TASK = "default"  # the task type of requests without one, and of unknown ones beyond max_task_types
@@ -100,8 +101,9 @@ def best_k(alpha: float, thresholds: Thresholds) -> int:
 class Router:
     """Thread-safe: serving calls route() and report() from many requests at once."""
 
-    def __init__(self, routing: RoutingConfig):
-        self._routing = routing
+    def __init__(self, routing: RoutingConfig, shape: DraftShape):
+        """shape: what the draft replicas draft (speculation.*): a step of K verifies trees of shape.nodes(K)."""
+        self._routing, self.shape = routing, shape
         self._tasks: dict[str, _TaskState] = {}
         self.folded = 0  # requests whose unknown task type was folded into default (routing.max_task_types)
         self._target: TargetView | None = None  # unknown until the target reports
@@ -190,10 +192,11 @@ class Router:
         if self._target is None or not self._target.costs.verify_table:
             return Plan(True, _k_from_alpha(state, thresholds), f"{known}; no target step costs yet")
         costs, load = self._target.step_costs(thresholds.draft_cost_ratio), self._target.load
-        gains = {k: goodput(costs, load, alpha, k) for k in range(thresholds.max_k + 1)}
+        gains = {k: goodput(costs, load, alpha, k, self.shape.nodes(k)) for k in range(thresholds.max_k + 1)}
         k = max(range(1, thresholds.max_k + 1), key=gains.get)
         rates = {"plain": round(gains[0], 1), "speculative": round(gains[k], 1)}
-        at = f"at {load.rows:.1f} rows, {load.batch_tokens:.0f} batch tokens ({step_costs_note(costs, load, k)})"
+        note = step_costs_note(costs, load, k, self.shape.nodes(k))
+        at = f"at {load.rows:.1f} rows, {load.batch_tokens:.0f} batch tokens ({note})"
         if state.samples < thresholds.min_samples:  # speculate to measure alpha before trusting it
             return Plan(True, k, f"{known}; measuring alpha ({state.samples} of min_samples "
                                  f"{thresholds.min_samples} reports), K={k} by goodput {at}", rates)

@@ -49,12 +49,12 @@ class CloseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("probs", "vocab")
+    __slots__ = ("ids", "probs")
+    IDS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
-    VOCAB_FIELD_NUMBER: _ClassVar[int]
+    ids: bytes
     probs: bytes
-    vocab: int
-    def __init__(self, probs: _Optional[bytes] = ..., vocab: _Optional[int] = ...) -> None: ...
+    def __init__(self, ids: _Optional[bytes] = ..., probs: _Optional[bytes] = ...) -> None: ...
 
 class CandidateTree(_message.Message):
     __slots__ = ("request_id", "tokens", "parents", "proposal_ids", "proposals", "from_model", "guess")

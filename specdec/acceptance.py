@@ -18,7 +18,7 @@ import torch
 from .device import to_host
 from .logprobs import TokenLogprob
 from .sampling import SamplingParams, warp
-from .tree import DELTA, TokenTree
+from .tree import DELTA, TokenTree, dense_proposals
 
 
 def acceptance_rate(accepted: float, tried: float) -> float | None:
@@ -90,13 +90,10 @@ def accept_sampling(
 
 
 def _proposals(tree: TokenTree, V: int, device: torch.device) -> torch.Tensor | None:
-    """The tree's proposals [P, V] over the target's vocabulary of V, on `device` in one copy: a draft
-    with a smaller (padded) vocabulary never proposes the rest (zeros); ids past V are the target's none."""
-    if not tree.proposals:
-        return None
-    qs = torch.stack([q.to(torch.float32) for q in tree.proposals])  # [P, V'] where they were drafted
-    qs = torch.nn.functional.pad(qs, (0, max(0, V - qs.shape[-1])))[:, :V]
-    return qs.to(device, non_blocking=True)
+    """The tree's proposals as dense q [P, V] over the target's vocabulary of V, on `device`: a draft with
+    a larger (padded) vocabulary gives the ids past V no mass the target keeps (the target refuses a
+    proposal that puts more than rounding there, specdec.target)."""
+    return dense_proposals(tree.proposals, V, device) if tree.proposals else None
 
 
 def _proposal(tree: TokenTree, node: int, qs: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

@@ -296,24 +296,27 @@ class StepCosts:
     stall_per_token: float = 0.0
 
 
-def step_forward(costs: StepCosts, load: Load, k: int) -> float:
-    """Seconds of the target's forward when the batch (the rows running now and one more) drafts K deep."""
+def step_forward(costs: StepCosts, load: Load, nodes: int) -> float:
+    """Seconds of the target's forward when every row of the batch (the rows running now and one more)
+    brings a tree of `nodes` nodes, root included (1: a plain step)."""
     # a table measured in noise can extrapolate to nothing: a forward costs at least the cheapest seen
-    return max(costs.target.verify(round((load.rows + 1) * (k + 1))), min(costs.target.verify_table.values()))
+    return max(costs.target.verify(round((load.rows + 1) * nodes)), min(costs.target.verify_table.values()))
 
 
-def step_costs_note(costs: StepCosts, load: Load, k: int) -> str:
-    """The measured costs behind goodput() for plain decoding and K, in words (milliseconds)."""
-    return (f"plain step {step_forward(costs, load, 0) * 1e3:.1f} ms; K={k} step {step_forward(costs, load, k) * 1e3:.1f} ms"
+def step_costs_note(costs: StepCosts, load: Load, k: int, nodes: int) -> str:
+    """The measured costs behind goodput() for plain decoding and K (trees of `nodes`), in words (milliseconds)."""
+    return (f"plain step {step_forward(costs, load, 1) * 1e3:.1f} ms; K={k} step ({nodes}-node trees) "
+            f"{step_forward(costs, load, nodes) * 1e3:.1f} ms"
             f" forward + {k}x{costs.draft_forward * 1e3:.2f} ms draft + {costs.hop * 1e3:.1f} ms hop;"
             f" stall {costs.stall_per_token * 1e3:.1f} ms per token")
 
 
-def goodput(costs: StepCosts, load: Load, alpha: float, k: int) -> float:
+def goodput(costs: StepCosts, load: Load, alpha: float, k: int, nodes: int) -> float:
     """Tokens per second the target commits if its whole batch (the rows running now and one more)
     decodes plain (K = 0) or speculates K deep, as TurboSpec (arXiv 2406.14066) weighs speculation
     against batch size: R rows commit R tokens per forward of R tokens plain, and R * E[tokens | alpha,
-    K] per step of a forward of R(K + 1) tokens plus its draft and hop. Both owe the loop's stall
+    K] per step of a forward of R x `nodes` tokens (each row's tree as drafted: K + 1 for a chain, more for
+    a tree or an n-gram branch beside it) plus its draft and hop. Both owe the loop's stall
     (prefilling joining requests) per token they commit: plain rows wait through all of it, a plain step
     that left it out would look cheaper than it is; speculating rows are away drafting for K drafts and
     a hop per step, and the loop, idle meanwhile, prefills then, so only the stall beyond that time
@@ -323,4 +326,4 @@ def goodput(costs: StepCosts, load: Load, alpha: float, k: int) -> float:
     away = k * costs.draft_forward + costs.hop if k else 0.0  # the target's idle time per step
     tokens = (load.rows + 1) * expected_tokens(alpha, k)
     stall = max(0.0, tokens * costs.stall_per_token - away)
-    return tokens / (step_forward(costs, load, k) + away + stall)
+    return tokens / (step_forward(costs, load, nodes) + away + stall)

@@ -1,7 +1,8 @@
-"""The drafters' names, without torch: the command line and the config model list them (and `specdec
-client` starts without importing torch); specdec/drafters.py builds them."""
+"""The drafters' names and the shape of what they draft, without torch: the command line and the config
+model list them (and `specdec client` starts without importing torch); specdec/drafters.py builds them."""
 
 import enum
+from dataclasses import dataclass
 
 
 class DrafterKind(enum.StrEnum):
@@ -16,3 +17,31 @@ class DrafterKind(enum.StrEnum):
     def uses_model(self) -> bool:
         """Whether this drafter runs a draft model (so a draft must be given, or built for the default pair)."""
         return self in (DrafterKind.MODEL, DrafterKind.MODEL_NGRAM)
+
+# A sampled draft draws each node's children from the `proposal_top_k` likeliest tokens of its q, renormalised,
+# and ships that q alone (specdec.tree.Proposal): a tree's bytes on the wire grow with nodes x proposal_top_k,
+# never with the vocabulary. 256 entries of 8 bytes: a tree of width 3, 8 deep (22 proposals) is ~45 KB.
+DEFAULT_PROPOSAL_TOP_K = 256
+MAX_PROPOSAL_TOP_K = 4096  # the most entries a proposal may have, here and on the wire
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """What a draft replica's trees are made of (speculation.drafter, tree_width, proposal_top_k): the
+    replica drafts with it and the router prices a step's verify by its node count."""
+
+    drafter: DrafterKind = DrafterKind.MODEL_NGRAM
+    width: int = 1
+    proposal_top_k: int = DEFAULT_PROPOSAL_TOP_K
+
+    def __post_init__(self):
+        object.__setattr__(self, "drafter", DrafterKind(self.drafter))
+
+    def nodes(self, k: int) -> int:
+        """The most nodes (root included) of a tree drafted K deep: the draft model's `width` branches per
+        depth (a dynamic tree when greedy, `width` chains when sampling: width x K either way) and the
+        n-gram guess's K; a lone root without a drafter."""
+        kind = self.drafter
+        model = self.width * k if kind.uses_model else 0
+        ngram = k if kind in (DrafterKind.NGRAM, DrafterKind.MODEL_NGRAM) else 0
+        return 1 + model + ngram

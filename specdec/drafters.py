@@ -21,11 +21,11 @@ from typing import Protocol
 import torch
 
 from .device import HOST, to_host
-from .drafter_kinds import DrafterKind
+from .drafter_kinds import DEFAULT_PROPOSAL_TOP_K, MAX_PROPOSAL_TOP_K, DrafterKind
 from .kvcache import CachedLM, Prefilled
 from .ngram import NgramIndex
 from .sampling import SamplingParams, warp
-from .tree import TokenTree
+from .tree import Proposal, TokenTree
 
 log = logging.getLogger(__name__)
 
@@ -121,14 +121,18 @@ class ModelDrafter:
     the `width` candidates of highest cumulative log-probability become the next frontier.
     Sampling: the root gets `width` children drawn i.i.d. from q, and each then grows a chain with one
     child drawn from q per depth; every drawn child stays in the tree, which keeps the tree valid for
-    multi-step speculative sampling."""
+    multi-step speculative sampling. q is the draft's warped distribution cut to its `proposal_top_k`
+    likeliest tokens and renormalised (top_proposal): the children are drawn from that q and the tree
+    carries it, so the target tests them against the q they came from (any q keeps sampling exact)."""
 
     uses_model, uses_ngram = True, False
 
-    def __init__(self, draft: CachedLM, width: int = 1):
+    def __init__(self, draft: CachedLM, width: int = 1, proposal_top_k: int = DEFAULT_PROPOSAL_TOP_K):
         if width < 1:
             raise ValueError(f"tree width must be >= 1, got {width}")
-        self.lm, self.width = draft, width
+        if not 1 <= proposal_top_k <= MAX_PROPOSAL_TOP_K:
+            raise ValueError(f"proposal_top_k must be in 1..{MAX_PROPOSAL_TOP_K}, got {proposal_top_k}")
+        self.lm, self.width, self.proposal_top_k = draft, width, proposal_top_k
         self.vocab = draft.model.get_input_embeddings().num_embeddings  # ids the draft can read: [0, vocab)
 
     @property
@@ -258,7 +262,7 @@ class ModelDrafter:
             parent_col[greedy_rows] = flat // W
             tokens[greedy_rows] = top_tok.view(len(greedy_rows), F * W).gather(1, flat)
             new_cum[greedy_rows] = best
-        qs = {}  # sampled row -> q [F, V] its new nodes were drawn from
+        qs = {}  # sampled row -> q as (ids [F, m], probs [F, m]): what its new nodes were drawn from
         for b in range(B):
             if depths[b] < depth or params[b].greedy:
                 continue  # greedy: drawn above; or this row's tree stopped a depth ago (it sat the last forward out)
@@ -267,12 +271,13 @@ class ModelDrafter:
             # a broken q (NaN logits, say) is swapped for a uniform one, so the draw cannot fail on the
             # device; the row is dropped below, once the host sees `ok`
             q = torch.where(ok[b], q, torch.full_like(q, 1.0 / V))
+            ids, probs = top_proposal(q, self.proposal_top_k)  # [F, m] each: the q the children are drawn from
             if depth == 1:
-                tokens[b] = torch.multinomial(q[0], W, replacement=True, generator=gens[b])
+                tokens[b] = ids[0, torch.multinomial(probs[0], W, replacement=True, generator=gens[b])]
             else:
-                tokens[b] = torch.multinomial(q, 1, generator=gens[b]).view(W)
+                tokens[b] = ids.gather(1, torch.multinomial(probs, 1, generator=gens[b])).view(W)
                 parent_col[b] = torch.arange(W, device=device)
-            qs[b] = q
+            qs[b] = ids, probs
         pcols, toks, oks = to_host(parent_col, tokens, ok)  # the one device-to-host transfer of this depth
         for b in range(B):
             if depths[b] < depth:
@@ -282,12 +287,20 @@ class ModelDrafter:
                             b, depth - 1)
                 depths[b] = depth - 1
                 continue
-            pids = [trees[b].add_proposal(qs[b][f]) for f in range(F)] if b in qs else None
+            pids = [trees[b].add_proposal(Proposal(qs[b][0][f], qs[b][1][f])) for f in range(F)] if b in qs else None
             frontier[b] = [
                 trees[b].add(frontier[b][pc], tok, -1 if pids is None else pids[pc], from_model=True)
                 for pc, tok in zip(pcols[b], toks[b])
             ]
         return parent_col, tokens, new_cum
+
+
+def top_proposal(q: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [F, V] -> (ids [F, m], probs [F, m]), m = min(top_k, V): each row's m likeliest tokens and their
+    probabilities renormalised to sum to 1, the proposal a draft draws from and ships. Entries of
+    probability 0 (q's own top-k or top-p cut them) stay, with 0: nothing draws them."""
+    probs, ids = q.topk(min(top_k, q.shape[-1]), dim=-1)  # [F, m]
+    return ids, probs / probs.sum(-1, keepdim=True)
 
 
 def _is_distribution(q: torch.Tensor) -> torch.Tensor:
@@ -364,7 +377,8 @@ class MergedDrafter:
         return trees
 
 
-def make_drafter(kind: DrafterKind | str, draft: CachedLM | None, width: int = 1) -> Drafter | None:
+def make_drafter(kind: DrafterKind | str, draft: CachedLM | None, width: int = 1,
+                 proposal_top_k: int = DEFAULT_PROPOSAL_TOP_K) -> Drafter | None:
     """The drafter of this kind (a DrafterKind or its name); the model-based ones need a draft LM."""
     try:
         kind = DrafterKind(kind)
@@ -376,5 +390,5 @@ def make_drafter(kind: DrafterKind | str, draft: CachedLM | None, width: int = 1
         return NgramDrafter()
     if draft is None:
         raise ValueError(f"drafter {kind.value!r} needs a draft model (--draft DIR)")
-    model = ModelDrafter(draft, width)
+    model = ModelDrafter(draft, width, proposal_top_k)
     return model if kind is DrafterKind.MODEL else MergedDrafter(model, NgramDrafter())

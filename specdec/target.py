@@ -94,15 +94,21 @@ class TargetWorker:
         if not 0 <= min(tree.tokens) <= max(tree.tokens) < self.vocab_size:
             return InvalidArgument("tree.tokens", f"request {rid!r}: a token id outside the vocabulary "
                                                   f"[0, {self.vocab_size})")
-        for pid, q in enumerate(tree.proposals):  # a draft's padded vocabulary may be larger, never its mass
-            if q.numel() > self.vocab_size and float(q[self.vocab_size:].sum()) > PROPOSAL_MASS_TOLERANCE:
-                return InvalidArgument("tree.proposals", f"request {rid!r}: proposal {pid} puts mass on ids past "
-                                                         f"the target's vocabulary of {self.vocab_size}")
+        if tree.proposals and (pid := self._past_vocabulary(tree)) is not None:
+            return InvalidArgument("tree.proposals", f"request {rid!r}: proposal {pid} puts mass on ids past "
+                                                     f"the target's vocabulary of {self.vocab_size}")
         if self.max_positions and len(seq) + tree.depth > self.max_positions:
             return InvalidArgument("tree.parents", f"request {rid!r}: the tree reaches position "
                                                    f"{len(seq) - 1 + tree.depth}, past the model's context of "
                                                    f"{self.max_positions} positions")
         return None
+
+    def _past_vocabulary(self, tree: TokenTree) -> int | None:
+        """The first proposal of the tree that puts more than rounding on ids past the vocabulary (a draft's
+        padded vocabulary may be larger, never its mass), or None; one wait for the device per tree."""
+        past = torch.stack([torch.where(q.ids >= self.vocab_size, q.probs, 0).sum() for q in tree.proposals])  # [P]
+        (over,) = to_host(past > PROPOSAL_MASS_TOLERANCE)
+        return next((pid for pid, bad in enumerate(over) if bad), None)
 
     @torch.inference_mode()
     def verify(self, trees: dict[Hashable, TokenTree], max_nodes: int | None = None) -> tuple[dict[Hashable, Outcome], int]:

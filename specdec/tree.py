@@ -13,13 +13,36 @@ from .device import HOST
 DELTA = -1  # proposal id of a deterministic guess (n-gram): its proposal distribution is a point mass
 
 
+@dataclass(frozen=True)
+class Proposal:
+    """A proposal distribution q, sparse: the tokens it may give mass and their probabilities (entries of
+    probability 0 may pad it). The draft draws a node's children from exactly this q, and the target's
+    acceptance uses exactly this q, so however it was truncated, sampling stays lossless; and a tree's size
+    on the wire is bounded by its entries, not by the vocabulary."""
+
+    ids: torch.Tensor  # [m] long, distinct token ids
+    probs: torch.Tensor  # [m] float32, q(ids); sums to 1
+
+    def __post_init__(self):
+        assert self.ids.dim() == 1 and self.ids.shape == self.probs.shape, (self.ids.shape, self.probs.shape)
+
+    @classmethod
+    def of(cls, q: torch.Tensor) -> "Proposal":
+        """The sparse form of a dense q [V]: its entries of nonzero probability."""
+        (ids,) = q.nonzero(as_tuple=True)
+        return cls(ids, q[ids].to(torch.float32))
+
+    def __len__(self) -> int:
+        return self.ids.numel()
+
+
 @dataclass
 class TokenTree:
     tokens: list[int]
     parents: list[int]  # parents[0] == -1
     depths: list[int]
     proposal_ids: list[int]  # per node: index into `proposals`, or DELTA
-    proposals: list[torch.Tensor] = field(default_factory=list)  # each [V]: q that children were drawn from
+    proposals: list[Proposal] = field(default_factory=list)  # each: the q that children were drawn from
     from_model: list[bool] = field(default_factory=list)  # per node: proposed by the draft model
     guess: list[int] = field(default_factory=list)  # the n-gram guess grafted on (add_chain)
 
@@ -47,7 +70,7 @@ class TokenTree:
         self.proposal_ids.append(proposal_id)
         return len(self.tokens) - 1
 
-    def add_proposal(self, q: torch.Tensor) -> int:
+    def add_proposal(self, q: Proposal) -> int:
         self.proposals.append(q)
         return len(self.proposals) - 1
 
@@ -86,6 +109,18 @@ class TokenTree:
             else:
                 node = self.add(node, token)
                 kids = None  # below a new node there is nothing to share
+
+
+def dense_proposals(proposals: list[Proposal], vocab: int, device: torch.device) -> torch.Tensor:
+    """The proposals as dense rows q [P, vocab] on `device`, built there from their entries in one copy,
+    without waiting for it: mass on ids past `vocab` (a draft's padded vocabulary) is dropped."""
+    sizes = [len(q) for q in proposals]
+    rows = torch.repeat_interleave(torch.arange(len(proposals), device=HOST), torch.tensor(sizes, device=HOST))  # [E]
+    ids = torch.cat([q.ids.to(device, torch.long, non_blocking=True) for q in proposals])  # [E]
+    probs = torch.cat([q.probs.to(device, torch.float32, non_blocking=True) for q in proposals])  # [E]
+    ids = torch.where(ids < vocab, ids, vocab)  # past the vocabulary: a spare column, cut below
+    qs = torch.zeros(len(proposals), vocab + 1, dtype=torch.float32, device=device)  # [P, vocab + 1]
+    return qs.index_put_((rows.to(device, non_blocking=True), ids), probs, accumulate=True)[:, :vocab]
 
 
 def ancestor_mask(parents: list[int]) -> torch.Tensor:

@@ -265,29 +265,33 @@ def test_errors_come_back_as_status_codes(served):
     stub.Close(tree_pb.CloseRequest(request_ids=["a", "never-opened"]))
 
 
-def proposal(probs) -> tree_pb.Proposal:
+def proposal(probs, ids=None) -> tree_pb.Proposal:
+    """A sparse proposal: `probs` of tokens `ids` (0, 1, ... unless given)."""
     import numpy as np
 
-    return tree_pb.Proposal(probs=np.asarray(probs, dtype=np.float32).tobytes(), vocab=len(probs))
+    ids = range(len(probs)) if ids is None else ids
+    return tree_pb.Proposal(ids=np.asarray(ids, dtype=np.int32).tobytes(),
+                            probs=np.asarray(probs, dtype=np.float32).tobytes())
 
 
 def hostile_trees(root: int):
     """(name, a tree of request "bad" that the wire refuses, the field it names)."""
-    def drawn(q, token=1):  # a node drawn from proposal 0
+    def drawn(q, token=1, ids=None):  # a node drawn from proposal 0
         return tree_pb.CandidateTree(request_id="bad", tokens=[root, token], parents=[-1, 0], proposal_ids=[-1, 0],
-                                     from_model=[True, True], proposals=[proposal(q)])
+                                     from_model=[True, True], proposals=[proposal(q, ids)])
     yield "NaN proposal", drawn([0.5, float("nan"), 0.5]), "trees[1].proposals[0].probs"
     yield "negative proposal", drawn([0.6, 0.6, -0.2]), "trees[1].proposals[0].probs"
+    yield "zero entry", drawn([0.5, 0.5, 0.0]), "trees[1].proposals[0].probs"
     yield "unnormalised proposal", drawn([0.2, 0.2, 0.2]), "trees[1].proposals[0].probs"
-    yield "infinite proposal", drawn([float("inf"), 0.0, 0.0]), "trees[1].proposals[0].probs"
-    yield "token q never proposed", drawn([0.5, 0.0, 0.5]), "trees[1].tokens"
+    yield "infinite proposal", drawn([float("inf"), 0.5, 0.5]), "trees[1].proposals[0].probs"
+    yield "token q never proposed", drawn([0.5, 0.5], ids=[0, 2]), "trees[1].tokens"
     yield "token beyond the proposal", drawn([0.5, 0.5], token=7), "trees[1].tokens"
-    yield "zero vocab", tree_pb.CandidateTree(request_id="bad", tokens=[root, 1], parents=[-1, 0], proposal_ids=[-1, 0],
-                                              from_model=[True, True], proposals=[tree_pb.Proposal(vocab=0)]), \
-        "trees[1].proposals[0].vocab"
-    yield "huge vocab", tree_pb.CandidateTree(request_id="bad", tokens=[root, 1], parents=[-1, 0], proposal_ids=[-1, 0],
-                                              from_model=[True, True], proposals=[tree_pb.Proposal(vocab=1 << 30)]), \
-        "trees[1].proposals[0].vocab"
+    yield "repeated id", drawn([0.25, 0.5, 0.25], ids=[1, 2, 1]), "trees[1].proposals[0].ids"
+    yield "negative id", drawn([0.5, 0.5], ids=[1, -2]), "trees[1].proposals[0].ids"
+    yield "no entries", tree_pb.CandidateTree(request_id="bad", tokens=[root, 1], parents=[-1, 0], proposal_ids=[-1, 0],
+                                              from_model=[True, True], proposals=[tree_pb.Proposal()]), \
+        "trees[1].proposals[0].ids"
+    yield "too many entries", drawn([1 / 5000] * 5000), "trees[1].proposals[0].ids"
     yield "huge tree", tree_msg("bad", [root] + [1] * 5000, parents=[-1] + [0] * 5000), "trees[1].tokens"
     yield "negative token", tree_msg("bad", [root, -3]), "trees[1].tokens"
     yield "negative guess", tree_msg("bad", [root], guess=[-1]), "trees[1].guess"

@@ -17,7 +17,7 @@ from specdec.errors import InvalidArgument, RequestFailed
 from specdec.kvcache import CachedLM
 from specdec.sampling import MIN_TEMPERATURE, SamplingParams, make_generator, warp
 from specdec.target import TargetWorker
-from specdec.tree import TokenTree
+from specdec.tree import Proposal, TokenTree
 from test_grpc_trees import Collect, scheduler_for, wait_until_empty
 
 GREEDY = SamplingParams()
@@ -69,12 +69,12 @@ def _poisoned_tree(kind: str, root: int) -> TokenTree:
     elif kind == "bad_root":
         tree.tokens[0] = (root + 1) % VOCAB
     elif kind == "proposal_past_the_vocabulary":  # mass on ids the target does not have
-        pid = tree.add_proposal(torch.full((2 * VOCAB,), 1.0 / (2 * VOCAB)))
+        pid = tree.add_proposal(Proposal.of(torch.full((2 * VOCAB,), 1.0 / (2 * VOCAB))))
         tree.add(0, 2, pid, from_model=True)
     elif kind in ("nan_proposal", "negative_proposal"):
         q = torch.full((VOCAB,), 1.0 / VOCAB)
         q[2] = math.nan if kind == "nan_proposal" else -0.5
-        pid = tree.add_proposal(q)
+        pid = tree.add_proposal(Proposal.of(q))
         tree.add(0, 2, pid, from_model=True)
         tree.add(0, 3, pid, from_model=True)
     return tree

@@ -8,9 +8,11 @@ import pytest
 
 from cluster.config import RoutingConfig, Thresholds
 from cluster.router import Decision, Router, TargetView, best_k
-from specdec.adaptive import Costs, Load
+from specdec.adaptive import Costs, Load, expected_tokens
+from specdec.drafter_kinds import DrafterKind, DraftShape
 
 MIN_SAMPLES = 20
+CHAIN = DraftShape(DrafterKind.MODEL, width=1)  # a draft model's chain: a step of K verifies K + 1 nodes
 
 
 def routing(**default) -> RoutingConfig:
@@ -23,7 +25,7 @@ def report_alpha(router: Router, task_type: str, alpha: float, times: int = 1) -
 
 
 def test_high_alpha_stays_on():
-    router = Router(routing())
+    router = Router(routing(), CHAIN)
     for _ in range(100):
         report_alpha(router, "code", 0.99)
         decision = router.route("code")
@@ -33,7 +35,7 @@ def test_high_alpha_stays_on():
 
 
 def test_low_alpha_switches_off_after_min_samples_then_probes_at_the_configured_fraction():
-    router = Router(routing(probe_fraction=0.25))
+    router = Router(routing(probe_fraction=0.25), CHAIN)
     for _ in range(MIN_SAMPLES - 1):
         assert router.route("prose").speculative  # optimistic until enough reports
         report_alpha(router, "prose", 0.05)
@@ -50,7 +52,7 @@ def test_low_alpha_switches_off_after_min_samples_then_probes_at_the_configured_
 
 
 def test_probe_reports_bring_a_task_type_back_on():
-    router = Router(routing(probe_fraction=0.5, ema=0.1))
+    router = Router(routing(probe_fraction=0.5, ema=0.1), CHAIN)
     report_alpha(router, "prose", 0.05, times=MIN_SAMPLES)
     assert router.stats()["prose"].decision == "off"
     # with ema 0.1, reports of 1.0 lift alpha from 0.05 to >= 0.55 after 8 of them (1 - 0.95 * 0.9^n)
@@ -67,7 +69,7 @@ def test_probe_reports_bring_a_task_type_back_on():
 
 
 def test_hysteresis_keeps_the_decision_between_off_and_on():
-    router = Router(RoutingConfig(default=Thresholds(min_samples=1, ema=1.0, on_alpha=0.55, off_alpha=0.35)))
+    router = Router(RoutingConfig(default=Thresholds(min_samples=1, ema=1.0, on_alpha=0.55, off_alpha=0.35)), CHAIN)
     decisions = []
     for alpha in (0.45, 0.2, 0.45, 0.54, 0.55, 0.36, 0.35, 0.34):
         report_alpha(router, "chat", alpha)
@@ -76,13 +78,13 @@ def test_hysteresis_keeps_the_decision_between_off_and_on():
 
 
 def test_no_switch_before_min_samples_even_for_extreme_alpha():
-    router = Router(routing())
+    router = Router(routing(), CHAIN)
     report_alpha(router, "x", 0.0, times=MIN_SAMPLES - 1)
     assert router.route("x").speculative
 
 
 def test_requested_on_and_off_override_the_decision():
-    router = Router(routing(probe_fraction=0.0))
+    router = Router(routing(probe_fraction=0.0), CHAIN)
     report_alpha(router, "prose", 0.05, times=MIN_SAMPLES)
     assert router.route("prose") == Decision(speculative=False, probe=False, k=0)
     forced = router.route("prose", "ON")
@@ -100,7 +102,7 @@ def test_unknown_task_types_use_default_thresholds_with_their_own_state():
         default=Thresholds(min_samples=5, off_alpha=0.3),
         task_types={"code": Thresholds(min_samples=50, off_alpha=0.3)},
     )
-    router = Router(config)
+    router = Router(config, CHAIN)
     for task_type in ("code", "poetry", "legal"):
         report_alpha(router, task_type, 0.1, times=5)
     stats = router.stats()
@@ -111,7 +113,7 @@ def test_unknown_task_types_use_default_thresholds_with_their_own_state():
 
 
 def test_update_routing_takes_effect_and_keeps_alpha():
-    router = Router(routing())
+    router = Router(routing(), CHAIN)
     report_alpha(router, "code", 0.45, times=MIN_SAMPLES)  # between off (0.35) and on (0.55): stays on
     router.route("code")
     assert router.stats()["code"].decision == "on"
@@ -127,7 +129,7 @@ def test_update_routing_takes_effect_and_keeps_alpha():
 
 
 def test_update_routing_changes_k():
-    router = Router(routing())
+    router = Router(routing(), CHAIN)
     report_alpha(router, "code", 0.9, times=MIN_SAMPLES)
     assert router.route("code").k == 8
     router.update_routing(routing(max_k=3))
@@ -140,7 +142,7 @@ def test_k_grows_with_alpha_and_is_zero_for_plain():
     assert ks == sorted(ks) and ks[0] == 1 and ks[-1] == thresholds.max_k
     assert best_k(0.9, Thresholds(draft_cost_ratio=0.9)) < best_k(0.9, Thresholds(draft_cost_ratio=0.05))
 
-    router = Router(routing(off_alpha=0.0, on_alpha=0.01))  # never off
+    router = Router(routing(off_alpha=0.0, on_alpha=0.01), CHAIN)  # never off
     k_by_alpha = []
     for alpha in (0.1, 0.5, 0.8, 0.95):
         task_type = f"t{alpha}"
@@ -151,12 +153,12 @@ def test_k_grows_with_alpha_and_is_zero_for_plain():
 
 
 def test_k_before_any_report_uses_on_alpha():
-    router = Router(routing(on_alpha=0.9, off_alpha=0.1))
+    router = Router(routing(on_alpha=0.9, off_alpha=0.1), CHAIN)
     assert router.route("new").k == best_k(0.9, Thresholds(on_alpha=0.9, off_alpha=0.1))
 
 
 def test_reports_that_tried_nothing_are_ignored_and_bad_ones_refused():
-    router = Router(routing())
+    router = Router(routing(), CHAIN)
     router.report("code", accepted=0, tried=0)
     assert router.stats() == {}
     for accepted, tried in ((5, 4), (-1, 4)):
@@ -165,7 +167,7 @@ def test_reports_that_tried_nothing_are_ignored_and_bad_ones_refused():
 
 
 def test_stats_shape():
-    router = Router(routing())
+    router = Router(routing(), CHAIN)
     router.route("code")
     report_alpha(router, "code", 0.8)
     assert {name: task.to_dict() for name, task in router.stats().items()} == {
@@ -184,7 +186,7 @@ def test_stats_shape():
 
 
 def test_concurrent_requests_are_all_counted():
-    router = Router(routing(probe_fraction=0.5))
+    router = Router(routing(probe_fraction=0.5), CHAIN)
     report_alpha(router, "prose", 0.0, times=MIN_SAMPLES)
 
     def serve():
@@ -211,7 +213,7 @@ def cpu(load: float) -> TargetView:
 
 
 def test_goodput_turns_speculation_off_under_load_and_back_on_as_it_drains():
-    router = Router(routing())
+    router = Router(routing(), CHAIN)
     report_alpha(router, "code", 0.8, times=MIN_SAMPLES)
     router.observe_target(cpu(0))
     idle = router.route("code")
@@ -229,7 +231,7 @@ def test_goodput_turns_speculation_off_under_load_and_back_on_as_it_drains():
 
 
 def test_goodput_k_shrinks_as_the_batch_grows_and_with_dear_drafts():
-    router = Router(routing(max_k=8, draft_cost_ratio=0.02))
+    router = Router(routing(max_k=8, draft_cost_ratio=0.02), CHAIN)
     report_alpha(router, "code", 0.9, times=MIN_SAMPLES)
     ks = []
     for load in (0, 4, 16):
@@ -248,7 +250,7 @@ def test_goodput_k_shrinks_as_the_batch_grows_and_with_dear_drafts():
 def test_forced_decisions_per_task_type():
     router = Router(RoutingConfig(default=Thresholds(min_samples=1),
                                   task_types={"chat": Thresholds(speculation="off", probe_fraction=1.0),
-                                              "code": Thresholds(speculation="on", min_samples=1)}))
+                                              "code": Thresholds(speculation="on", min_samples=1)}), CHAIN)
     report_alpha(router, "code", 0.01)  # far below off_alpha: forced on anyway
     router.observe_target(cpu(40))  # and a load where goodput says plain
     assert router.route("code").speculative
@@ -260,7 +262,7 @@ def test_forced_decisions_per_task_type():
 
 
 def test_a_target_that_has_run_one_batch_size_is_enough_to_plan():
-    router = Router(routing())
+    router = Router(routing(), CHAIN)
     router.observe_target(TargetView(Costs(verify_table={3: 0.01}), Load(2, 2, 2)))
     assert router.route("code").k >= 1
     # plain: the 2 rows running and one more commit 3 tokens per forward of 3 tokens, the one size
@@ -270,7 +272,7 @@ def test_a_target_that_has_run_one_batch_size_is_enough_to_plan():
 
 def test_a_noisy_cost_table_that_extrapolates_to_nothing_still_plans():
     """Measured in noise, 16 tokens can look cheaper than 8: extrapolated to 100 tokens that is 0 s."""
-    router = Router(routing())
+    router = Router(routing(), CHAIN)
     router.observe_target(TargetView(Costs(verify_table={8: 0.01, 16: 0.001}), Load(100, 100, 100)))
     router.route("code")
     # plain: 101 rows' forward of 101 tokens extrapolates below 0 s, so it costs the cheapest entry
@@ -310,7 +312,7 @@ def test_the_router_sees_step_costs_of_the_last_seconds_not_since_start():
     assert RecentSteps().observe(timing, target(5, 0.1)).observe(timing, target(1, 0.01)).hop_s == 0  # rebuilt
     view = TargetView(CPU_TARGET, Load(1, 1, 1), recent.hop_s, 0.0, recent.draft_s_per_depth)
     assert view.step_costs(draft_cost_ratio=0.15).draft_forward == pytest.approx(0.01, rel=0.01)
-    router = Router(routing())
+    router = Router(routing(), CHAIN)
     report_alpha(router, "code", 0.8, times=MIN_SAMPLES)
     router.observe_target(TargetView(CPU_TARGET, Load(1, 1, 1), hop_s=0.005))
     assert router.route("code").speculative  # cheap steps, as configured: speculating pays beside one row
@@ -321,7 +323,7 @@ def test_the_router_sees_step_costs_of_the_last_seconds_not_since_start():
 def test_speculation_does_not_keep_itself_on_when_the_batch_is_already_speculating():
     """The same 8 rows, all plain or all speculating 8 deep: the batch's tokens differ ninefold, the
     choice must not (a row added to an already dear forward would make speculation look cheap)."""
-    router = Router(routing(max_k=8))
+    router = Router(routing(max_k=8), CHAIN)
     report_alpha(router, "code", 0.8, times=MIN_SAMPLES)
     decisions = []
     for load in (Load(batch_tokens=8, committed=8, rows=8), Load(batch_tokens=72, committed=32, rows=8)):
@@ -339,7 +341,7 @@ def test_plain_rows_wait_through_the_loops_stall_and_speculating_rows_draft_thro
     a lot (requests joining under load) can make speculation pay where plain decoding won without it."""
     from specdec.adaptive import StepCosts, expected_tokens, goodput
 
-    router = Router(routing(max_k=8))
+    router = Router(routing(max_k=8), CHAIN)
     report_alpha(router, "code", 0.8, times=MIN_SAMPLES)
     load = Load(batch_tokens=8, committed=8, rows=8)
     rates = []
@@ -355,8 +357,40 @@ def test_plain_rows_wait_through_the_loops_stall_and_speculating_rows_draft_thro
     forward = CPU_TARGET.verify(rows * (k + 1))
     assert stalled.goodput["speculative"] == pytest.approx(tokens / (forward + away + tokens * 0.004 - away), rel=0.01)
     costs = StepCosts(CPU_TARGET, draft_forward=0.002, hop=0.003, stall_per_token=0.0001)  # a stall the drafting hides
-    assert goodput(costs, load, 0.8, 2) == pytest.approx(goodput(replace(costs, stall_per_token=0.0), load, 0.8, 2))
-    assert goodput(costs, load, 0.8, 0) < goodput(replace(costs, stall_per_token=0.0), load, 0.8, 0)
+    assert goodput(costs, load, 0.8, 2, 3) == pytest.approx(goodput(replace(costs, stall_per_token=0.0), load, 0.8, 2, 3))
+    assert goodput(costs, load, 0.8, 0, 1) < goodput(replace(costs, stall_per_token=0.0), load, 0.8, 0, 1)
+
+
+@pytest.mark.parametrize("shape, nodes_at_4", [(CHAIN, 5), (DraftShape(DrafterKind.MODEL, width=3), 13),
+                                               (DraftShape(DrafterKind.MODEL_NGRAM, width=3), 17),
+                                               (DraftShape(DrafterKind.NGRAM, width=3), 5)])
+def test_a_step_is_priced_at_the_node_count_of_the_tree_the_replica_drafts(shape, nodes_at_4):
+    """A tree of width W, K deep, has 1 + W x K nodes (the draft model's), plus K beside it with an n-gram
+    guess: the verify the router prices for K is that many tokens per row, not K + 1."""
+    assert shape.nodes(4) == nodes_at_4
+    router = Router(routing(max_k=4), shape)
+    report_alpha(router, "code", 0.8, times=MIN_SAMPLES)
+    rows, hop, draft = 3, 0.003, 0.002
+    load = Load(batch_tokens=2, committed=2, rows=rows - 1)  # 2 rows running, priced with one more
+    gpu = Costs(verify_table={1: 0.02, 64: 0.03})  # batching nearly free: speculation pays
+    router.observe_target(TargetView(gpu, load, hop_s=hop, draft_s_per_depth=draft))
+    stats = router.stats()["code"]
+    k = stats.k
+    assert stats.decision == "on" and k > 0
+    forward = gpu.verify(rows * shape.nodes(k))  # e.g. K=4, W=3 with n-gram: 3 rows x 17 nodes = 51 tokens
+    assert stats.goodput["speculative"] == pytest.approx(rows * expected_tokens(0.8, k) / (forward + k * draft + hop),
+                                                         rel=0.01)
+    assert f"({shape.nodes(k)}-node trees)" in stats.reason
+
+
+def test_the_router_prices_the_shape_the_replicas_draft():
+    """The router and the draft replicas take their shape from one place: speculation.* of the config."""
+    from cluster.config import ServeConfig
+
+    cfg = ServeConfig.model_validate({"models": {"target": {"path": "t"}, "draft": {"path": "d"}},
+                                      "speculation": {"drafter": "model", "tree_width": 3, "proposal_top_k": 64}})
+    assert cfg.speculation.shape() == DraftShape(DrafterKind.MODEL, 3, 64)
+    assert cfg.speculation.shape().nodes(8) == 1 + 3 * 8
 
 
 def test_the_hop_is_the_round_trip_less_the_time_the_trees_spent_in_the_target():
@@ -464,7 +498,7 @@ def test_task_types_beyond_max_task_types_fold_into_default():
     counted) and routes the rest as default, counting them; what it keeps and reports stays bounded."""
     config = RoutingConfig(default=Thresholds(min_samples=MIN_SAMPLES), task_types={"code": Thresholds()},
                            max_task_types=8)
-    router = Router(config)
+    router = Router(config, CHAIN)
     names = [router.fold(f"t{i}") for i in range(600)]
     assert names[:6] == [f"t{i}" for i in range(6)] and set(names[6:]) == {"default"}  # 6 + code + default = 8
     assert router.folded == 594

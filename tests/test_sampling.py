@@ -10,13 +10,15 @@ from collections import Counter
 import pytest
 import torch
 
+import specdec.drafters
 import specdec.target
 from specdec import CachedLM, ModelDrafter, SamplingParams, SpecConfig, SpeculativeEngine
 from specdec.acceptance import Verdict, accept_sampling
 from specdec.adaptive import Costs
-from specdec.drafters import make_drafter
+from specdec.drafter_kinds import DEFAULT_PROPOSAL_TOP_K
+from specdec.drafters import Plan, make_drafter
 from specdec.sampling import make_generator, warp
-from specdec.tree import TokenTree
+from specdec.tree import Proposal, TokenTree, dense_proposals
 
 
 PROMPT = [1, 2, 3, 1, 2]  # repeats, so prompt lookup proposes guesses too
@@ -120,20 +122,23 @@ def exact_warped(small_target):
     return exact_joint(small_target, PROMPT, N_TOKENS, PARAMS_WARPED)
 
 
-SHAPES = {  # test case -> (drafter kind, depth, width)
-    "chain": ("model", 2, 1),
-    "tree": ("model", 2, 2),
-    "merged": ("model+ngram", 2, 2),
-    "ngram": ("ngram", 2, 1),
-    "none": ("none", 2, 1),
-    "auto": ("model+ngram", None, 2),  # adaptive K: per-row depths and n-gram lengths vary from step to step
+TRUNCATED = 3  # proposal_top_k below the vocabulary of 8: the draft draws from, and ships, its q cut to 3 tokens
+SHAPES = {  # test case -> (drafter kind, depth, width, proposal_top_k)
+    "chain": ("model", 2, 1, DEFAULT_PROPOSAL_TOP_K),
+    "tree": ("model", 2, 2, DEFAULT_PROPOSAL_TOP_K),
+    "merged": ("model+ngram", 2, 2, DEFAULT_PROPOSAL_TOP_K),
+    "ngram": ("ngram", 2, 1, DEFAULT_PROPOSAL_TOP_K),
+    "none": ("none", 2, 1, DEFAULT_PROPOSAL_TOP_K),
+    "auto": ("model+ngram", None, 2, DEFAULT_PROPOSAL_TOP_K),  # adaptive K: depths and n-gram lengths vary per step
+    "truncated chain": ("model", 2, 1, TRUNCATED),
+    "truncated merged": ("model+ngram", 2, 2, TRUNCATED),
 }
 
 
 def drafter_for(case, small_draft):
     """-> (drafter, depth, width) of a test case."""
-    kind, depth, width = SHAPES[case]
-    return make_drafter(kind, CachedLM(small_draft), width), depth, width
+    kind, depth, width, top_k = SHAPES[case]
+    return make_drafter(kind, CachedLM(small_draft), width, top_k), depth, width
 
 
 # ------------------------------------------------------------------ the draft really differs
@@ -157,7 +162,8 @@ def test_exact_distribution_sums_to_one(exact_t1, exact_warped):
 # ------------------------------------------------------------------ losslessness
 
 
-@pytest.mark.parametrize("kind", ["chain", "tree", "merged", "ngram", "none", "auto"])
+@pytest.mark.parametrize("kind", ["chain", "tree", "merged", "ngram", "none", "auto", "truncated chain",
+                                  "truncated merged"])
 def test_sampling_matches_target_distribution(small_target, small_draft, exact_t1, kind):
     drafter, depth, width = drafter_for(kind, small_draft)
     counts, outs = sample_engine(small_target, drafter, depth, width, PARAMS_T1)
@@ -171,7 +177,7 @@ def test_sampling_matches_target_distribution(small_target, small_draft, exact_t
         assert 0 < accepted < drafted  # partial acceptance: residual sampling is exercised
 
 
-@pytest.mark.parametrize("kind", ["chain", "tree", "merged"])
+@pytest.mark.parametrize("kind", ["chain", "tree", "merged", "truncated merged"])
 def test_warped_sampling_matches_warped_target(small_target, small_draft, exact_warped, kind):
     """temperature 0.7, top_k 5, top_p 0.9: the emitted tokens follow warp(target logits)."""
     drafter, depth, width = drafter_for(kind, small_draft)
@@ -224,7 +230,7 @@ def accept_without_residual(tree, logits, params, generator):
         for child in kids[path[-1]]:
             x = tree.tokens[child]
             pid = tree.proposal_ids[child]
-            qx = 1.0 if pid < 0 else float(tree.proposals[pid][x])
+            qx = 1.0 if pid < 0 else float(dense_proposals([tree.proposals[pid]], len(p), p.device)[0, x])
             if float(torch.rand((), generator=generator)) * qx < float(p[x]):
                 nxt = child
                 break
@@ -243,6 +249,38 @@ def test_wrong_acceptance_fails_the_bound(monkeypatch, small_target, small_draft
     joint, margins, tv = fit(counts, exact_t1)
     print(f"{wrong.__name__} {kind}: joint p={joint:.3g} marginal p={[f'{x:.3g}' for x in margins]} TV={tv:.3f}")
     assert joint < P_MIN * 1e-2  # fails the bound the correct sampler passes, with a wide margin
+
+
+def test_truncation_really_cuts_the_drafts_q(small_target, small_draft, exact_t1):
+    """With proposal_top_k 3 of 8 tokens, every shipped q has 3 entries and the draft's tokens lie among them;
+    and the draft's q at the prompt has real mass outside its 3 likeliest tokens (so truncation changes q)."""
+    drafter, depth, width = drafter_for("truncated merged", small_draft)
+    drafter.start(1)
+    tree = drafter.propose([PROMPT], [Plan(2, 2)], [PARAMS_T1], [make_generator(1)])[0]
+    assert tree.proposals and all(len(q) == TRUNCATED for q in tree.proposals)
+    for node, pid in enumerate(tree.proposal_ids):
+        assert pid < 0 or tree.tokens[node] in tree.proposals[pid].ids.tolist()
+    with torch.inference_mode():
+        q = small_draft(torch.tensor([PROMPT])).logits[0, -1].softmax(-1)
+    assert 1 - float(q.topk(TRUNCATED).values.sum()) > 0.1
+
+
+def untruncated_q(q, top_k):
+    """Wrong: the draft draws from its q cut to top_k (torch.multinomial renormalises), but the tree carries q's
+    own values there, not the renormalised ones: the target tests each token against the untruncated q."""
+    probs, ids = q.topk(min(top_k, q.shape[-1]), dim=-1)
+    return ids, probs
+
+
+@pytest.mark.parametrize("kind", ["truncated chain", "truncated merged"])
+def test_testing_against_another_q_than_the_drafts_fails_the_bound(monkeypatch, small_target, small_draft, exact_t1,
+                                                                    kind):
+    monkeypatch.setattr(specdec.drafters, "top_proposal", untruncated_q)
+    drafter, depth, width = drafter_for(kind, small_draft)
+    counts, _ = sample_engine(small_target, drafter, depth, width, PARAMS_T1)
+    joint, margins, tv = fit(counts, exact_t1)
+    print(f"untruncated q {kind}: joint p={joint:.3g} marginal p={[f'{x:.3g}' for x in margins]} TV={tv:.3f}")
+    assert joint < P_MIN * 1e-2
 
 
 # ------------------------------------------------------------------ the draft as its own target
@@ -279,7 +317,7 @@ def one_child_tree(x: int, q: torch.Tensor | None) -> TokenTree:
     if q is None:
         t.add(0, x)  # a deterministic guess (point mass proposal)
     else:
-        t.add(0, x, t.add_proposal(q))
+        t.add(0, x, t.add_proposal(Proposal.of(q)))
     return t
 
 
@@ -344,12 +382,12 @@ def test_accept_sampling_siblings_and_guess_give_p():
 
     def make(g):
         t = TokenTree.root(0)
-        pid = t.add_proposal(Q4)
+        pid = t.add_proposal(Proposal.of(Q4))
         x1, x2 = (int(v) for v in torch.multinomial(Q4, 2, replacement=True, generator=g))
         a = t.add(0, x1, pid)
         t.add(0, x2, pid)
         c = t.add(0, 2)  # n-gram guess
-        pid2 = t.add_proposal(q_child)
+        pid2 = t.add_proposal(Proposal.of(q_child))
         t.add(a, int(torch.multinomial(q_child, 1, generator=g)), pid2)
         t.add(c, 3)
         return t
@@ -375,7 +413,7 @@ def test_accept_sampling_stratified_two_siblings():
     counts = Counter()
     for x1, x2 in itertools.product(range(4), repeat=2):
         t = TokenTree.root(0)
-        pid = t.add_proposal(Q4)
+        pid = t.add_proposal(Proposal.of(Q4))
         t.add(0, x1, pid)
         t.add(0, x2, pid)
         # frequency of each first token given this pair, weighted by q(x1) q(x2)

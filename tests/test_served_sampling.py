@@ -29,7 +29,8 @@ def test_sampled_output_through_serve_keeps_the_targets_distribution(model_dirs,
     target = save_tokenizer(shutil.copytree(model_dirs.small_target, tmp_path / "target"), WORDS)
     config = {"models": {"target": {"path": target}, "draft": {"path": model_dirs.small_draft}},
               "placement": {"tensor_parallel_size": 1, "draft_replicas": 1},
-              "speculation": {"drafter": "model", "tree_width": 2, "overlap": overlap},
+              # proposal_top_k 3 of 8 tokens: the draft's truncated q is what it draws from and what crosses the wire
+              "speculation": {"drafter": "model", "tree_width": 2, "overlap": overlap, "proposal_top_k": 3},
               "server": {"max_prompt_tokens": 16, "max_new_tokens": 8, "max_n": 100,
                          "grpc_port": free_port(), "http_port": free_port()}}
     path = start_serving(config, tmp_path, num_cpus=4, num_gpus=2)

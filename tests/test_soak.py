@@ -318,8 +318,9 @@ class _FakeTarget:
             if t.tokens[0] != 13:
                 return "tokens[0]"
             for p in t.proposals:
-                q = struct.unpack(f"<{len(p.probs) // 4}f", p.probs)
-                if not all(math.isfinite(x) and x >= 0 for x in q) or sum(q[self.VOCAB:]) > 1e-3:  # mass past the vocabulary
+                ids, q = struct.unpack(f"<{len(p.ids) // 4}i", p.ids), struct.unpack(f"<{len(p.probs) // 4}f", p.probs)
+                past = sum(x for i, x in zip(ids, q) if i >= self.VOCAB)  # mass past the vocabulary
+                if len(ids) != len(q) or not all(math.isfinite(x) and x > 0 for x in q) or past > 1e-3:
                     return "proposals"
             return None
 

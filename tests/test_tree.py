@@ -5,7 +5,7 @@ import torch
 
 from specdec.acceptance import accept_greedy
 from specdec.ngram import NgramIndex
-from specdec.tree import DELTA, TokenTree, ancestor_mask, layout
+from specdec.tree import DELTA, Proposal, TokenTree, ancestor_mask, layout
 
 
 def example_tree() -> TokenTree:
@@ -56,8 +56,8 @@ def test_drafted_depth_counts_the_draft_models_nodes_only():
 def test_proposals_are_indexed():
     t = TokenTree.root(0)
     q = torch.tensor([0.5, 0.5])
-    pid = t.add_proposal(q)
-    assert pid == 0 and t.add_proposal(q) == 1
+    pid = t.add_proposal(Proposal.of(q))
+    assert pid == 0 and t.add_proposal(Proposal.of(q)) == 1
     node = t.add(0, 1, pid)
     assert t.proposal_ids[node] == 0
 

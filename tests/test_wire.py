@@ -17,6 +17,7 @@ from specdec.drafters import MergedDrafter, ModelDrafter, NgramDrafter, Plan
 from specdec.kvcache import CachedLM
 from specdec.sampling import SamplingParams, make_generator
 from specdec.target import TargetWorker
+from specdec.tree import Proposal, dense_proposals
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [3, 9, 4, 9, 4, 9, 1, 7]
@@ -38,7 +39,9 @@ def test_tree_round_trip_verifies_the_same(target, draft, params):
     for field in ("tokens", "parents", "depths", "proposal_ids", "from_model", "guess"):
         assert getattr(back, field) == getattr(tree, field), field
     assert len(back.proposals) == len(tree.proposals) == (0 if params.greedy else len(back.proposals))
-    assert all(torch.equal(a, b) for a, b in zip(back.proposals, tree.proposals))  # exact float32
+    V = draft.config.vocab_size
+    assert all(torch.equal(dense(a, V), dense(b, V)) for a, b in zip(back.proposals, tree.proposals))  # exact float32
+    assert all((q.probs > 0).all() for q in back.proposals)  # entries of no mass stay home
     verdicts = []
     for t in (tree, back):  # the target decides alike on the original and on what crossed the wire
         worker = TargetWorker(CachedLM(target))
@@ -59,29 +62,48 @@ def bad_trees():
     yield "parents must be", dict(ok, parents=[-1, 2, 1])
     yield "parents must be", dict(ok, parents=[0, 0, 1])
     yield "proposal id", dict(ok, proposal_ids=[-1, 0, -1])
-    yield "bytes for a vocabulary", dict(ok, proposal_ids=[-1, 0, 0],
-                                         proposals=[tree_pb.Proposal(probs=b"\0" * 7, vocab=2)])
+    yield "bytes for 2 ids", dict(ok, proposal_ids=[-1, 0, 0], proposals=[tree_pb.Proposal(ids=ids_bytes(6, 7),
+                                                                                        probs=b"\0" * 7)])
+
+
+def dense(q: Proposal, V: int) -> torch.Tensor:
+    return dense_proposals([q], V, torch.device("cpu"))[0]
 
 
 def q_bytes(*probs) -> bytes:
     return torch.tensor(probs, dtype=torch.float32).numpy().tobytes()
 
 
+def ids_bytes(*ids) -> bytes:
+    return torch.tensor(ids, dtype=torch.int32).numpy().tobytes()
+
+
+def sparse(probs, ids=None) -> tree_pb.Proposal:
+    """A proposal on the wire: `probs` of tokens `ids` (0, 1, ... unless given)."""
+    return tree_pb.Proposal(ids=ids_bytes(*(range(len(probs)) if ids is None else ids)), probs=q_bytes(*probs))
+
+
 def hostile_trees():
     """(field named, reason, fields of a CandidateTree the wire refuses)."""
     drawn = dict(request_id="x", tokens=[5, 1], parents=[-1, 0], proposal_ids=[-1, 0], from_model=[True, True])
-    def q(*probs, vocab=None):
-        return [tree_pb.Proposal(probs=q_bytes(*probs), vocab=len(probs) if vocab is None else vocab)]
+    def q(*probs, ids=None):
+        return [sparse(probs, ids)]
     yield "trees[0].proposals[0].probs", "finite", dict(drawn, proposals=q(0.5, float("nan"), 0.5))
     yield "trees[0].proposals[0].probs", "finite", dict(drawn, proposals=q(0.0, float("inf"), 0.0))
-    yield "trees[0].proposals[0].probs", ">= 0", dict(drawn, proposals=q(0.7, 0.5, -0.2))
+    yield "trees[0].proposals[0].probs", "> 0", dict(drawn, proposals=q(0.7, 0.5, -0.2))
+    yield "trees[0].proposals[0].probs", "> 0", dict(drawn, proposals=q(0.5, 0.5, 0.0))  # a zero is left out
     yield "trees[0].proposals[0].probs", "sum to 1", dict(drawn, proposals=q(0.3, 0.3, 0.3))
-    yield "trees[0].proposals[0].probs", "sum to 1", dict(drawn, proposals=q(0.0, 0.0, 0.0))
-    yield "trees[0].proposals[0].vocab", "1..1048576", dict(drawn, proposals=[tree_pb.Proposal(vocab=0)])
-    yield "trees[0].proposals[0].vocab", "1..1048576", dict(drawn, proposals=[tree_pb.Proposal(vocab=(1 << 20) + 1)])
-    yield "trees[0].proposals[0].vocab", "1..1048576", dict(drawn, proposals=[tree_pb.Proposal(vocab=-4)])
-    yield "trees[0].tokens", "no probability", dict(drawn, proposals=q(0.5, 0.0, 0.5))  # q(1) == 0
-    yield "trees[0].tokens", "no probability", dict(drawn, tokens=[5, 3], proposals=q(0.5, 0.5))  # beyond its vocab
+    yield "trees[0].proposals[0].probs", "sum to 1", dict(drawn, proposals=q(1e-9, 1e-9))
+    yield "trees[0].proposals[0].ids", "1..4096 token ids", dict(drawn, proposals=[tree_pb.Proposal()])
+    yield "trees[0].proposals[0].ids", "1..4096 token ids", dict(drawn, proposals=[tree_pb.Proposal(ids=b"\0" * 5)])
+    yield "trees[0].proposals[0].ids", "1..4096 token ids", dict(drawn, proposals=q(*[1 / 4097] * 4097))
+    yield "trees[0].proposals[0].ids", "0..1048575", dict(drawn, proposals=q(0.5, 0.5, ids=[1, -3]))
+    yield "trees[0].proposals[0].ids", "0..1048575", dict(drawn, proposals=q(0.5, 0.5, ids=[1, 1 << 20]))
+    yield "trees[0].proposals[0].ids", "appears twice", dict(drawn, proposals=q(0.25, 0.5, 0.25, ids=[1, 4, 1]))
+    yield "trees[0].proposals[0].probs", "for 3 ids", dict(drawn, proposals=[tree_pb.Proposal(ids=ids_bytes(0, 1, 2),
+                                                                                              probs=q_bytes(0.5, 0.5))])
+    yield "trees[0].tokens", "no probability", dict(drawn, proposals=q(0.5, 0.5, ids=[0, 2]))  # q(1) == 0
+    yield "trees[0].tokens", "no probability", dict(drawn, tokens=[5, 3], proposals=q(0.5, 0.5))  # not among its ids
     yield "trees[0].tokens", ">= 0", dict(drawn, tokens=[5, -1], proposal_ids=[-1, -1])
     yield "trees[0].tokens", ">= 0", dict(drawn, tokens=[-5, 1], proposal_ids=[-1, -1])
     yield "trees[0].guess", ">= 0", dict(drawn, proposal_ids=[-1, -1], guess=[-2])
@@ -107,11 +129,12 @@ def test_the_tree_index_names_the_field():
 
 
 def test_a_proposal_within_the_tolerance_is_taken():
-    q = torch.softmax(torch.randn(50_000), -1)  # float32 rounding: sums to 1 within ~1e-6
-    msg = tree_pb.CandidateTree(request_id="x", tokens=[5, int(q.argmax())], parents=[-1, 0], proposal_ids=[-1, 0],
-                                from_model=[True, True], proposals=[tree_pb.Proposal(probs=q.numpy().tobytes(),
-                                                                                     vocab=q.numel())])
-    assert torch.equal(wire.tree_from_proto(msg)[1].proposals[0], q)
+    q = torch.softmax(torch.randn(4096), -1)  # float32 rounding: sums to 1 within ~1e-6
+    ids = torch.randperm(152_064)[:4096]
+    msg = tree_pb.CandidateTree(request_id="x", tokens=[5, int(ids[q.argmax()])], parents=[-1, 0],
+                                proposal_ids=[-1, 0], from_model=[True, True], proposals=[sparse(q.tolist(), ids.tolist())])
+    back = wire.tree_from_proto(msg)[1].proposals[0]
+    assert torch.equal(back.ids, ids) and torch.equal(back.probs, q)
 
 
 def hostile_opens():

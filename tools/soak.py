@@ -222,20 +222,23 @@ def _wide(root: int, ctx: HostileContext, n: int) -> dict:
             "proposal_ids": [-1] * n, "from_model": [False] * n}
 
 
-def _drawn(root: int, ctx: HostileContext, probs: list[float] | None = None, vocab: int | None = None) -> dict:
-    """A root and one child drawn from one proposal (uniform over `vocab` unless `probs`)."""
+PROPOSAL_IDS = 16  # entries of a hostile proposal (a draft ships its q's likeliest tokens only)
+
+
+def _drawn(root: int, ctx: HostileContext, probs: list[float] | None = None, ids: list[int] | None = None) -> dict:
+    """A root and child 1 drawn from one sparse proposal: `probs` of `ids` (uniform over ids 0..15 unless given)."""
     import struct
 
-    vocab = vocab or ctx.vocab
-    probs = probs if probs is not None else [1.0 / vocab] * vocab
-    proposal = {"probs": struct.pack(f"<{len(probs)}f", *probs), "vocab": len(probs)}
+    ids = ids if ids is not None else list(range(len(probs) if probs is not None else PROPOSAL_IDS))
+    probs = probs if probs is not None else [1.0 / len(ids)] * len(ids)
+    proposal = {"ids": struct.pack(f"<{len(ids)}i", *ids), "probs": struct.pack(f"<{len(probs)}f", *probs)}
     return {"tokens": [root, 1], "parents": [-1, 0], "proposal_ids": [-1, 0], "from_model": [True, True],
             "proposals": [proposal]}
 
 
 def _poisoned(ctx: HostileContext, at: int, value: float) -> list[float]:
-    """A uniform proposal with entry `at` set to `value` (and entry 0 balancing it, so the sum stays 1)."""
-    probs = [1.0 / ctx.vocab] * ctx.vocab
+    """A uniform proposal over ids 0..15 with entry `at` set to `value` (entry 0 balancing it: the sum stays 1)."""
+    probs = [1.0 / PROPOSAL_IDS] * PROPOSAL_IDS
     if value == value:  # not NaN: keep the sum at 1
         probs[0] += probs[at] - value
     probs[at] = value
@@ -312,11 +315,11 @@ HOSTILE: dict[str, Hostile] = {
         params={"temperature": 0.8}, tree=lambda root, c: _drawn(root, c, _poisoned(c, 2, float("nan"))))),
     "link proposal with a negative probability": Hostile("link", "refused", lambda c: LinkCase(
         params={"temperature": 0.8}, tree=lambda root, c: _drawn(root, c, _poisoned(c, 2, -0.5)))),
-    # a draft whose (padded) vocabulary is smaller never proposes the rest: served as any tree
-    "link proposal of a smaller vocabulary": Hostile("link", "accepted", lambda c: LinkCase(
-        params={"temperature": 0.8}, tree=lambda root, c: _drawn(root, c, vocab=max(2, c.vocab // 2)))),
+    # a draft's q cut to its likeliest tokens (any q the draft drew from is served exactly)
+    "link proposal of a few tokens": Hostile("link", "accepted", lambda c: LinkCase(
+        params={"temperature": 0.8}, tree=lambda root, c: _drawn(root, c))),
     "link proposal with mass past the target's vocabulary": Hostile("link", "refused", lambda c: LinkCase(
-        params={"temperature": 0.8}, tree=lambda root, c: _drawn(root, c, vocab=2 * c.vocab))),
+        params={"temperature": 0.8}, tree=lambda root, c: _drawn(root, c, ids=[1, *range(c.vocab, c.vocab + 15)]))),
     "link tree wider than its room (512 nodes)": Hostile("link", "refused",
                                                          lambda c: LinkCase(tree=lambda root, c: _wide(root, c, 512))),
     "link tree deeper than its room (256 nodes)": Hostile("link", "refused",
