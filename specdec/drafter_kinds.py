@@ -18,6 +18,7 @@ class DrafterKind(enum.StrEnum):
         """Whether this drafter runs a draft model (so a draft must be given, or built for the default pair)."""
         return self in (DrafterKind.MODEL, DrafterKind.MODEL_NGRAM)
 
+
 # A sampled draft draws each node's children from the `proposal_top_k` likeliest tokens of its q, renormalised,
 # and ships that q alone (specdec.tree.Proposal): a tree's bytes on the wire grow with nodes x proposal_top_k,
 # never with the vocabulary. 256 entries of 8 bytes: a tree of width 3, 8 deep (22 proposals) is ~45 KB.

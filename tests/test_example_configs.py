@@ -1,8 +1,10 @@
 """Every example config in configs/ serves as it is in a clone: `specdec serve --config X` (a real process,
 its own local Ray cluster, free ports) answers one request, then stops on SIGTERM.
 
-The examples serve the embedded default pair: built on first use (about 9 minutes on 2 CPU cores, then
-cached under the user's cache directory), so the first run of this test on a machine takes that long."""
+The examples serve the embedded default pair, SmolLM2-135M-Instruct and its draft: built on first use (about
+13 minutes on 2 CPU cores, then cached under the user's cache directory), so the first run of this test on a
+machine takes that long. On the README's own `specdec serve`, a greedy chat through the OpenAI client equals
+plain decoding of the same model."""
 
 import os
 import re
@@ -59,6 +61,7 @@ def test_serve_answers_a_request_with_each_example_config(command, tmp_path):
         reply = first_reply(server, f"127.0.0.1:{grpc_port}", log)
         assert reply.token_ids and reply.finish_reason in ("length", "stop"), reply
         if command in readme_commands("serve"):
+            check_chat_is_plain_decoding(f"http://127.0.0.1:{http_port}/v1")
             for client in readme_commands("client"):
                 run = subprocess.run([sys.executable, "-m", "tools.commands", *client, "--address",
                                       f"127.0.0.1:{grpc_port}"], cwd=ROOT, capture_output=True, text=True,
@@ -70,6 +73,33 @@ def test_serve_answers_a_request_with_each_example_config(command, tmp_path):
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
+
+
+CHAT = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+
+
+def check_chat_is_plain_decoding(base_url: str, max_tokens: int = 48) -> None:
+    """A greedy chat through the official client answers in English, token for token what transformers'
+    generate() makes of the chat template's rendering on the served target."""
+    from openai import OpenAI
+
+    from specdec.default_models import default_target
+    from specdec.loading import eos_ids, load_model, load_tokenizer
+    from specdec.plain import hf_greedy
+
+    client = OpenAI(base_url=base_url, api_key="unused", timeout=300)
+    model = client.models.list().data[0].id
+    reply = client.chat.completions.create(model=model, messages=CHAT, max_tokens=max_tokens, temperature=0,
+                                           extra_body={"speculation": "on"})
+    text = reply.choices[0].message.content
+    served = default_target(log=lambda _: None)  # built by the server, under this user's cache as well
+    assert model == Path(served).name
+    tokenizer, target = load_tokenizer(served), load_model(served)
+    prompt = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
+    plain = hf_greedy(target, prompt, max_tokens, sorted(eos_ids(target.generation_config, tokenizer)))
+    assert text == tokenizer.decode(plain, skip_special_tokens=True), (text, tokenizer.decode(plain))
+    words = re.findall(r"[A-Za-z]+", text)
+    assert {"def", "string"} & {w.lower() for w in words} and len(words) >= 5, text  # English and Python, not noise
 
 
 def first_reply(server: subprocess.Popen, address: str, log: Path) -> api.GenerateResponse:
