@@ -203,7 +203,7 @@ def logits(model, ids: list[int]) -> torch.Tensor:
 
 # --- the model from a .gguf path is the reference model ------------------------------------------------
 
-def test_f32_gguf_loads_as_the_same_model(ref, cache):
+def test_f32_gguf_loads_as_the_same_model(ref):
     model = load_model(ref.gguf("f32"))
     ids = list(range(0, model.config.vocab_size, 3))
     assert torch.equal(logits(model, ids), logits(ref.model, ids))
