@@ -71,7 +71,8 @@ def convert(file: Path, out: Path, eos_token_ids: list[int] | None = None) -> No
     """Dequantize a GGUF file to float32 and save it with its tokenizer (and chat template) as a
     safetensors folder at `out` (atomically). `eos_token_ids`: the generation's stop tokens, if not the file's.
     UnsupportedModel when transformers cannot read the file's architecture or quantization, or specdec
-    cannot decode the model exactly (specdec.loading.check_supported)."""
+    cannot decode the model exactly (specdec.loading.check_supported); ValueError naming a truncated or
+    corrupt file."""
     try:
         import gguf  # noqa: F401  (transformers needs it to read GGUF)
     except ImportError:
