@@ -71,7 +71,8 @@ def convert(file: Path, out: Path, eos_token_ids: list[int] | None = None) -> No
     """Dequantize a GGUF file to float32 and save it with its tokenizer (and chat template) as a
     safetensors folder at `out` (atomically). `eos_token_ids`: the generation's stop tokens, if not the file's.
     UnsupportedModel when transformers cannot read the file's architecture or quantization, or specdec
-    cannot decode the model exactly (specdec.loading.check_supported)."""
+    cannot decode the model exactly (specdec.loading.check_supported); ValueError naming a truncated or
+    corrupt file."""
     try:
         import gguf  # noqa: F401  (transformers needs it to read GGUF)
     except ImportError:
@@ -80,17 +81,19 @@ def convert(file: Path, out: Path, eos_token_ids: list[int] | None = None) -> No
 
     from .loading import check_supported
 
+    architecture = _gguf_architecture(file)
     where = dict(pretrained_model_name_or_path=str(file.parent), gguf_file=file.name)
     try:
         config = AutoConfig.from_pretrained(**where)
     except (ValueError, KeyError, RuntimeError) as e:
-        raise UnsupportedModel(_gguf_architecture(file), f"transformers cannot read this GGUF file ({e})") from None
+        raise UnsupportedModel(architecture, f"transformers cannot read the GGUF file {str(file)!r} ({e})") from None
     check_supported(config)
     try:
         tokenizer = AutoTokenizer.from_pretrained(**where)
         loaded = AutoModelForCausalLM.from_pretrained(**where)
     except (ValueError, KeyError, NotImplementedError, RuntimeError) as e:
-        raise UnsupportedModel(config.model_type, f"transformers cannot dequantize this GGUF file ({e})") from None
+        raise UnsupportedModel(config.model_type,
+                               f"transformers cannot dequantize the GGUF file {str(file)!r} ({e})") from None
     # A model loaded from GGUF refuses save_pretrained ("quantized with gguf"): its weights go into a plain one.
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(loaded.state_dict())
@@ -106,14 +109,17 @@ def convert(file: Path, out: Path, eos_token_ids: list[int] | None = None) -> No
 
 
 def _gguf_architecture(file: Path) -> str:
-    """The file's general.architecture, for an error message ("unknown" when unreadable)."""
-    try:
-        from gguf import GGUFReader
+    """The file's general.architecture ("unknown" when it has none); ValueError naming the file when gguf's
+    reader cannot parse it (truncated or corrupt), before transformers fails on it less clearly."""
+    from gguf import GGUFReader
 
-        field = GGUFReader(file).fields["general.architecture"]
-        return bytes(field.parts[field.data[0]]).decode()
-    except Exception:  # noqa: BLE001 (only for naming the model in an error)
-        return "unknown"
+    try:
+        fields = GGUFReader(file).fields
+    except Exception as e:  # noqa: BLE001 (struct.error, ValueError, IndexError ... from a damaged file)
+        raise ValueError(f"{str(file)!r} is not a readable GGUF file (truncated or corrupt? {type(e).__name__}: "
+                         f"{e})") from None
+    field = fields.get("general.architecture")
+    return bytes(field.parts[field.data[0]]).decode() if field is not None else "unknown"
 
 
 @contextmanager
