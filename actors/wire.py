@@ -216,19 +216,22 @@ def verdict_from_proto(msg: tree_pb.VerifyResult) -> tuple[str, Verdict]:
 
 def sampling_to_proto(p: SamplingParams) -> tree_pb.SamplingParams:
     return tree_pb.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
-                                  logprobs=p.logprobs)
+                                  logprobs=p.logprobs, min_p=p.min_p, min_tokens=p.min_tokens, end_ids=p.end_ids)
 
 
 def sampling_fields(msg: api.GenerateRequest | tree_pb.SamplingParams) -> dict:
     """A message's sampling fields by SamplingParams's names, an unset optional one as its default."""
     return {"temperature": msg.temperature, "top_k": msg.top_k, "top_p": msg.top_p if msg.HasField("top_p") else 1.0,
             "seed": msg.seed if msg.HasField("seed") else None,
-            "logprobs": msg.logprobs if msg.HasField("logprobs") else None}
+            "logprobs": msg.logprobs if msg.HasField("logprobs") else None, "min_p": msg.min_p,
+            "min_tokens": msg.min_tokens}
 
 
 def sampling_from_proto(msg: api.GenerateRequest | tree_pb.SamplingParams) -> SamplingParams:
-    """InvalidArgument naming the field when temperature, top_k, top_p, seed or logprobs is out of range."""
-    return SamplingParams(**sampling_fields(msg))
+    """InvalidArgument naming the field when temperature, top_k, top_p, seed, logprobs, min_p or min_tokens is
+    out of range (the client API's request carries no end_ids: the ingress makes them)."""
+    end_ids = tuple(msg.end_ids) if isinstance(msg, tree_pb.SamplingParams) else ()
+    return SamplingParams(**sampling_fields(msg), end_ids=end_ids)
 
 
 # --- the core's typed errors <-> gRPC status codes (whole calls and single rows) -------------------------------

@@ -24,6 +24,7 @@ from .supervisor import TargetSupervisor
 # comes near (their longest tokens are runs of spaces or punctuation of a few dozen characters). A word-level
 # tokenizer that maps an unknown word of any length to one token is the exception: such prompts are refused.
 MAX_CHARS_PER_TOKEN = 256
+MAX_STOP_TOKEN_IDS = 64  # stop_token_ids a request may give
 
 
 @dataclass(frozen=True)
@@ -43,10 +44,21 @@ class Request:
     n: int = 1  # independent samples of the prompt, each with its own random stream
     logprobs: int | None = None  # see SamplingParams
     add_special_tokens: bool = True  # False for a prompt that a chat template rendered with its own
+    min_p: float = 0.0  # see SamplingParams
+    min_tokens: int = 0  # no end token, and no stop string, before this many tokens
+    ignore_eos: bool = False  # the model's eos does not end it (it runs to max_new_tokens or a stop)
+    stop_token_ids: tuple[int, ...] = ()  # these tokens end it too (as eos: finish_reason "stop")
+    include_stop_str_in_output: bool = False  # the stop string (or end token's text) stays in the text
+    skip_special_tokens: bool = True  # special tokens' texts are left out of the text
 
-    def sampling(self) -> SamplingParams:
-        """Its sampling settings (InvalidArgument naming the first bad field)."""
-        return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed, self.logprobs)
+    def sampling(self, eos: list[int] = ()) -> SamplingParams:
+        """Its sampling settings, with `eos` the model's end tokens (InvalidArgument naming the first bad field)."""
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed, self.logprobs, self.min_p,
+                              self.min_tokens, self.end_ids(eos))
+
+    def end_ids(self, eos: list[int]) -> tuple[int, ...]:
+        """The tokens that end it: the model's eos unless ignore_eos, and its stop_token_ids."""
+        return tuple(sorted(set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos))))
 
 
 @dataclass
@@ -65,8 +77,8 @@ class Admission:
     until it ends: release)."""
 
     def __init__(self, cfg: ServeConfig, tokenizer, context: int | None, router: Router, budget: KvBudget,
-                 supervisor: TargetSupervisor):
-        self.limits, self.tokenizer, self.context = cfg.server, tokenizer, context
+                 supervisor: TargetSupervisor, eos: list[int] = ()):
+        self.limits, self.tokenizer, self.context, self.eos = cfg.server, tokenizer, context, list(eos)
         self.router, self.budget, self.supervisor = router, budget, supervisor
         self.in_flight = 0  # samples admitted and not yet ended
 
@@ -119,7 +131,17 @@ class Admission:
         check_stop(req.stop)
         if not 1 <= req.n <= limits.max_n:
             raise InvalidArgument("n", f"must be in 1..{limits.max_n} (server.max_n), got {req.n}")
-        req.sampling()  # InvalidArgument naming the field (speculation is parsed by the converters)
+        self._check_stop_token_ids(req.stop_token_ids)
+        if req.max_new_tokens is not None and req.min_tokens > req.max_new_tokens:
+            raise InvalidArgument("min_tokens", f"must be at most max_new_tokens ({req.max_new_tokens}), got {req.min_tokens}")
+        req.sampling(self.eos)  # InvalidArgument naming the field (speculation is parsed by the converters)
+
+    def _check_stop_token_ids(self, ids: tuple[int, ...]) -> None:
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidArgument("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+        if any(not 0 <= t < len(self.tokenizer) for t in ids):
+            raise InvalidArgument("stop_token_ids", f"token ids must be in the vocabulary [0, {len(self.tokenizer)}), "
+                                                    f"got {list(ids)}")
 
     def _prompt_ids(self, req: Request) -> list[int]:
         return self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
@@ -131,6 +153,9 @@ class Admission:
         if len(ids) > limits.max_prompt_tokens:
             raise InvalidArgument("prompt", f"is {len(ids)} tokens, over the limit of {limits.max_prompt_tokens}")
         max_new_tokens = req.max_new_tokens or self._room(len(ids))
+        if req.min_tokens > max_new_tokens:
+            raise InvalidArgument("min_tokens", f"is {req.min_tokens}, over the {max_new_tokens} new tokens this "
+                                                "prompt leaves room for")
         if self.context and len(ids) + max_new_tokens > self.context:
             raise InvalidArgument("prompt", f"{len(ids)} prompt tokens + max_new_tokens {max_new_tokens} exceed "
                                            f"the model's context of {self.context} tokens")
@@ -144,7 +169,7 @@ class Admission:
             raise QueueFull(f"{self.in_flight} requests are queued or running (max_queued_requests "
                             f"{limits.max_queued_requests}, a request of n samples takes n); retry later")
         self.in_flight += req.n  # each sample gives its place back as it ends (release)
-        return Admitted(replace(req, max_new_tokens=max_new_tokens), ids, req.sampling(),
+        return Admitted(replace(req, max_new_tokens=max_new_tokens), ids, req.sampling(self.eos),
                         "" if task_type == DEFAULT_TASK else task_type)
 
     def _room(self, prompt_tokens: int) -> int:

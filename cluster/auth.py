@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 API_KEYS_ENV = "SPECDEC_API_KEYS"  # the server's keys, comma separated (wins over security.api_keys_file)
 API_KEY_ENV = "SPECDEC_API_KEY"  # the one key a client (specdec client, bench-served) presents
-OPEN_PATHS = frozenset({"/healthz"})  # HTTP paths answered without a key
+OPEN_PATHS = frozenset({"/healthz", "/health"})  # HTTP paths answered without a key (load balancers' probes)
 REFUSAL = "missing or wrong API key: send one of the server's keys as 'Authorization: Bearer <key>'"
 
 

@@ -1,5 +1,7 @@
 """A request's text as its tokens come, and where its stop strings end it."""
 
+from dataclasses import dataclass, field
+
 from specdec.errors import InvalidArgument
 
 MAX_STOP_STRINGS = 4  # as OpenAI
@@ -7,6 +9,16 @@ MAX_STOP_CHARS = 256  # characters of one stop string: each step searches the te
 INCOMPLETE = "\ufffd"  # what decoding gives for the bytes of a character whose last bytes have not come yet
 SPLIT_AFTER = 16  # tokens waiting behind an incomplete character before the window looks for a place to split
 SPLIT_TRIES = 8  # places looked at, from the end; then again after as many more tokens
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    """How a request's tokens become its text (vLLM's fields of the same names)."""
+
+    include_stop: bool = False  # include_stop_str_in_output: the stop string, or the end token's text, stays
+    skip_special_tokens: bool = True
+    min_tokens: int = 0  # no stop string ends the request within its first min_tokens tokens
+    end_ids: frozenset[int] = field(default_factory=frozenset)  # the tokens that end it: no text unless include_stop
 
 
 class Detokenizer:
@@ -28,12 +40,16 @@ class Detokenizer:
 
     With stop strings, the request ends at the first token after which the text contains one: the text
     is cut where that stop string starts, and text that may still turn into one is held back until it
-    cannot (or the request ends)."""
+    cannot (or the request ends). TextOptions change that as vLLM's fields do: the stop string kept in
+    the text, special tokens' texts kept, no stop string searched for in the text of the first
+    min_tokens tokens (nor held back), end tokens' texts left out unless kept."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
-        self.tokenizer, self.stop = tokenizer, stop
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), options: TextOptions = TextOptions()):
+        self.tokenizer, self.stop, self.options = tokenizer, stop, options
         self._borders = [_borders(s) for s in stop]  # each stop string's prefix function (KMP)
-        self._special = _special_ids(tokenizer) if tokenizer is not None else frozenset()
+        special = _special_ids(tokenizer) if tokenizer is not None and options.skip_special_tokens else frozenset()
+        self._special = special | (frozenset() if options.include_stop else options.end_ids)  # tokens without text
+        self._quiet = 0  # characters at the start of the unsent text that no stop string is looked for in
         self.ids: list[int] = []
         self.sent = 0  # characters of text handed out
         self.stopped = False  # a stop string was found: nothing more is wanted
@@ -55,6 +71,9 @@ class Detokenizer:
         for kept, token in enumerate(ids, 1):  # token by token: the step may go past the stop string
             self.ids.append(token)
             self._extend([token])
+            if len(self.ids) < self.options.min_tokens:  # its text so far can end no stop string
+                self._quiet = len(self._unsent)
+                continue
             cut = self._find_stop()
             if cut is not None:
                 self._unsent, self._tail, self.stopped = (self._unsent + self._tail)[:cut], "", True
@@ -107,7 +126,7 @@ class Detokenizer:
         decode cleans up spaces afterwards (" ." -> ".") would clean each window's text on its own,
         which can differ from cleaning the whole; transformers does that for WordPiece tokenizers only
         where asked (clean_up_tokenization_spaces), not for the BPE and sentencepiece ones LMs use."""
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.options.skip_special_tokens)
 
     def _byte_fallback(self, token: int) -> bool:
         """A sentencepiece byte-fallback token "<0xAB>": its run with the next ones decodes together."""
@@ -115,10 +134,14 @@ class Detokenizer:
         return isinstance(piece, str) and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
 
     def _find_stop(self) -> int | None:
-        """Where the earliest stop string starts in the unsent text (text that could begin one is never sent)."""
+        """Where the text ends at the earliest stop string in the unsent text past the quiet part (text
+        that could begin one is never sent): where it starts, or where it ends with include_stop."""
         unsent = self._unsent + self._tail
-        found = [i for i in (unsent.find(s) for s in self.stop) if i >= 0]
-        return min(found) if found else None
+        found = [(i, i + len(s)) for i, s in ((unsent.find(s, self._quiet), s) for s in self.stop) if i >= 0]
+        if not found:
+            return None
+        start, end = min(found)
+        return end if self.options.include_stop else start
 
     def _release(self, final: bool) -> str:
         """The text to send now: all that is left when final; else the final text not held back for a
@@ -128,9 +151,10 @@ class Detokenizer:
         elif self._tail.endswith(INCOMPLETE):
             return ""  # an incomplete character: wait for its next bytes
         else:  # the tail may still change (a byte-fallback run): a stop string may go on into whatever it becomes
-            end = len(self._unsent) - self._held_back(self._unsent)
+            end = len(self._unsent) - min(self._held_back(self._unsent), len(self._unsent) - self._quiet)
             new, self._unsent = self._unsent[:end], self._unsent[end:]
         self.sent += len(new)
+        self._quiet = max(0, self._quiet - len(new))
         return new
 
     def _held_back(self, unsent: str) -> int:

@@ -67,9 +67,10 @@ class Frontend:
         self.topology = topology
         self.supervisor = TargetSupervisor(cfg, topology)
         # as the target counts: a request that could never fit is refused at the door
-        self.admission = Admission(cfg, self.tokenizer, self.context, self.router, kv_budget(cfg), self.supervisor)
+        self.admission = Admission(cfg, self.tokenizer, self.context, self.router, kv_budget(cfg), self.supervisor,
+                                   self.eos)
         self.timing = StepTiming()
-        self.relay = Relay(self.router, topology, self.supervisor, self.tokenizer, self.eos, self.timing)
+        self.relay = Relay(self.router, topology, self.supervisor, self.tokenizer, self.timing)
         self.telemetry = RouterTelemetry(self.router, topology, self.supervisor, self.timing,
                                          lambda: self.admission.in_flight)
 

@@ -24,7 +24,10 @@ def request_from_proto(msg: api.GenerateRequest) -> Request:
     except ValueError:
         raise InvalidArgument("speculation", f"must be one of {', '.join(api.Speculation.keys())}") from None
     return Request(prompt=msg.prompt, task_type=msg.task_type, max_new_tokens=msg.max_new_tokens,
-                   speculation=speculation, stop=tuple(msg.stop), n=msg.n or 1, **wire.sampling_fields(msg))
+                   speculation=speculation, stop=tuple(msg.stop), n=msg.n or 1, ignore_eos=msg.ignore_eos,
+                   stop_token_ids=tuple(msg.stop_token_ids), include_stop_str_in_output=msg.include_stop_str_in_output,
+                   skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
+                   **wire.sampling_fields(msg))
 
 
 class Responses:

@@ -2,9 +2,12 @@
 TPOT, the target group's availability and recoveries) through Ray's metrics API; the actors' own
 (step latencies, what the target holds) are in actors/metrics.py, and docs/metrics.md lists them all."""
 
+import importlib.metadata
 import time
+import urllib.request
 from typing import TYPE_CHECKING
 
+import ray
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from actors.metrics import LazyMetric, seconds_histogram
@@ -40,6 +43,30 @@ time_to_first_token = seconds_histogram("time_to_first_token_seconds", "From adm
                                ("task_type", "mode"))
 time_per_output_token = seconds_histogram("time_per_output_token_seconds", "From the first token to the last, per "
                                  "token after the first", ("task_type", "mode"))
+
+
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+SCRAPE_TIMEOUT_S = 5.0
+
+
+def node_metrics_text() -> str:
+    """What this node's Ray metrics agent exports (Prometheus text): the metrics of every process on this
+    node. OSError when the agent does not answer (or the node has no export port)."""
+    node_id = ray.get_runtime_context().get_node_id()
+    node = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
+    if node is None or not node.get("MetricsExportPort"):
+        raise OSError(f"node {node_id} has no metrics export port")
+    url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as response:
+        return response.read().decode()
+
+
+def served_version() -> str:
+    """specdec's version, as /version answers (the installed package's)."""
+    try:
+        return importlib.metadata.version("specdec")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (specdec is not installed)"
 
 
 def count_event(task_type: str, event: str) -> None:

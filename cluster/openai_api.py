@@ -32,7 +32,7 @@ from .statuses import RequestTooLarge, client_error
 UNSUPPORTED = {
     "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "best_of": (1,), "suffix": ("",),
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "response_format": ({"type": "text"},),
+    "response_format": ({"type": "text"},), "repetition_penalty": (1,),
 }
 
 
@@ -98,6 +98,7 @@ Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False  # a last event with the usage (and no choices) before [DONE]
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every event carries the usage so far
 
 
 class _Body(BaseModel):
@@ -116,6 +117,14 @@ class _Body(BaseModel):
     user: str | None = None  # accepted and ignored
     task_type: str = ""
     speculation: Annotated[Speculation, BeforeValidator(Speculation.parse)] = Speculation.AUTO
+    max_completion_tokens: Int64 | None = None  # OpenAI's newer name for max_tokens; wins when both are set
+    # vLLM's extra fields (its SamplingParams' names and meanings)
+    min_p: float = 0.0
+    min_tokens: Int64 = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[Int64] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     @field_validator("stream_options")
     @classmethod
@@ -124,11 +133,25 @@ class _Body(BaseModel):
             raise ValueError("only allowed when stream is true")
         return options
 
-    def request(self, prompt: str, max_new_tokens: int | None, logprobs: int | None, **more) -> Request:
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage and \
+            self.stream_options.continuous_usage_stats
+
+    def max_tokens_field(self) -> str:
+        """The body's name for the request's max_new_tokens."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def request(self, prompt: str, logprobs: int | None, **more) -> Request:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        max_new_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return Request(prompt=prompt, task_type=self.task_type, max_new_tokens=max_new_tokens,
                        temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
-                       speculation=self.speculation, stop=stop, n=self.n, logprobs=logprobs, **more)
+                       speculation=self.speculation, stop=stop, n=self.n, logprobs=logprobs, min_p=self.min_p,
+                       min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+                       stop_token_ids=tuple(self.stop_token_ids or ()),
+                       include_stop_str_in_output=self.include_stop_str_in_output,
+                       skip_special_tokens=self.skip_special_tokens, **more)
 
 
 class CompletionBody(_Body):
@@ -147,10 +170,27 @@ class CompletionBody(_Body):
         return echo
 
 
+def text_of_parts(content: object) -> object:
+    """A message's content as one string: a list of content parts ([{"type": "text", "text": ...}]) joined
+    by newlines (as vLLM); a part of another type is refused naming it (specdec serves text models)."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise ValueError(f"part {i} is of type {kind!r}: only text parts ({{\"type\": \"text\", \"text\": "
+                             f"...}}) are served (specdec serves text-only models)")
+        if not isinstance(part.get("text"), str) or part.keys() - {"type", "text"}:
+            raise ValueError(f"part {i}: a text part is {{\"type\": \"text\", \"text\": <string>}}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: str
-    content: str
+    content: Annotated[str, BeforeValidator(text_of_parts)]  # a string, or a list of text parts
     name: str | None = None
 
 
@@ -159,7 +199,6 @@ class ChatBody(_Body):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int64 | None = None  # unset: up to server.max_new_tokens and the model's context
-    max_completion_tokens: Int64 | None = None  # OpenAI's newer name for max_tokens; wins when both are set
     logprobs: bool = False
     top_logprobs: Int64 | None = None  # with logprobs: the likeliest tokens' logprobs at each position
 
@@ -171,7 +210,34 @@ class ChatBody(_Body):
         return top
 
 
-Body = TypeVar("Body", bound=_Body)
+class TokenizeBody(BaseModel):
+    """POST /tokenize, as vLLM: a prompt (as /v1/completions tokenizes it) or chat messages (as
+    /v1/chat/completions renders them)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # unset: true for a prompt, false for messages (their template has its own)
+    add_generation_prompt: bool = True  # with messages: end with the assistant's turn, as chat completions do
+    return_token_strs: bool = False  # each token's own text too
+
+    def text_field(self) -> str:
+        """Which of prompt and messages it gives (HttpError unless exactly one)."""
+        if (self.messages is None) == (self.prompt is None):
+            raise HttpError(400, "prompt: give either prompt or messages, not both or neither", "prompt")
+        return "prompt" if self.messages is None else "messages"
+
+
+class DetokenizeBody(BaseModel):
+    """POST /detokenize, as vLLM."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[Int64]
+
+
+Body = TypeVar("Body", bound=BaseModel)
 
 
 def parse_body(raw: bytes, model: type[Body]) -> Body:
@@ -297,27 +363,49 @@ class OpenAIServer:
     async def completions(self, raw: bytes):
         try:
             body = parse_body(raw, CompletionBody)
-            job = await self._admit(body.request(body.prompt, body.max_tokens, body.logprobs),
-                                    {"max_new_tokens": "max_tokens"})
+            job = await self._admit(body.request(body.prompt, body.logprobs), {"max_new_tokens": body.max_tokens_field()})
             return await self._respond(job, body, _Completions(self._piece, body))
         except Exception as e:  # noqa: BLE001 - every error answers in OpenAI's shape, untyped ones as 500
+            return HttpError.of(e).response()
+
+    async def tokenize(self, raw: bytes):
+        """vLLM's /tokenize: {"count", "max_model_len", "tokens", "token_strs"}."""
+        try:
+            body = parse_body(raw, TokenizeBody)
+            if body.text_field() == "messages":
+                text = await asyncio.to_thread(self._chat_prompt, body.messages, body.add_generation_prompt)
+            else:
+                text = body.prompt
+            special = body.add_special_tokens if body.add_special_tokens is not None else body.messages is None
+            ids = (await asyncio.to_thread(self.frontend.tokenizer, text, add_special_tokens=special))["input_ids"]
+            return {"count": len(ids), "max_model_len": self.frontend.context, "tokens": ids,
+                    "token_strs": [self._piece(t) for t in ids] if body.return_token_strs else None}
+        except Exception as e:  # noqa: BLE001 - as in completions
+            return HttpError.of(e).response()
+
+    async def detokenize(self, raw: bytes):
+        """vLLM's /detokenize: {"prompt": the tokens' text}."""
+        try:
+            body = parse_body(raw, DetokenizeBody)
+            vocab = len(self.frontend.tokenizer)
+            if any(not 0 <= t < vocab for t in body.tokens):
+                raise HttpError(400, f"tokens: token ids must be in the vocabulary [0, {vocab})", "tokens")
+            return {"prompt": await asyncio.to_thread(self.frontend.tokenizer.decode, body.tokens)}
+        except Exception as e:  # noqa: BLE001 - as in completions
             return HttpError.of(e).response()
 
     async def chat(self, raw: bytes):
         try:
             body = parse_body(raw, ChatBody)
-            max_tokens = body.max_completion_tokens or body.max_tokens
             prompt = await asyncio.to_thread(self._chat_prompt, body.messages)  # a template over a long chat: off the loop
-            request = body.request(prompt, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
-                                   add_special_tokens=False)
-            names = {"max_new_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
-                     "prompt": "messages", "logprobs": "top_logprobs"}
+            request = body.request(prompt, (body.top_logprobs or 0) if body.logprobs else None, add_special_tokens=False)
+            names = {"max_new_tokens": body.max_tokens_field(), "prompt": "messages", "logprobs": "top_logprobs"}
             job = await self._admit(request, names)
             return await self._respond(job, body, _Chat(self._piece, body))
         except Exception as e:  # noqa: BLE001 - as in completions
             return HttpError.of(e).response()
 
-    def _chat_prompt(self, messages: list[ChatMessage]) -> str:
+    def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
         tokenizer = self.frontend.tokenizer
         if not tokenizer.chat_template:
             raise HttpError(400, "messages: the target's tokenizer has no chat template (chat_template in its "
@@ -325,7 +413,7 @@ class OpenAIServer:
                             "messages")
         try:
             return tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in messages],
-                                                 tokenize=False, add_generation_prompt=True)
+                                                 tokenize=False, add_generation_prompt=add_generation_prompt)
         except TemplateError as e:
             raise HttpError(400, f"messages: the chat template refused them: {e}", "messages") from None
 
@@ -352,7 +440,7 @@ class OpenAIServer:
             except BaseException:
                 await chunks.aclose()
                 raise
-            return StreamingResponse(self._events(first, chunks, job, shape, head, usage),
+            return StreamingResponse(self._events(first, chunks, job, shape, head, usage, body.continuous_usage),
                                      media_type="text/event-stream")
         samples = await gather_samples(self.frontend, job)
         return {**head, "object": shape.object, "choices": [shape.choice(s) for s in samples],
@@ -360,10 +448,11 @@ class OpenAIServer:
                 "speculation": samples[0].stats.to_dict()}
 
     async def _events(self, first: tuple[int, Chunk] | None, chunks: AsyncIterator[tuple[int, Chunk]], job: Admitted,
-                      shape: _Completions | _Chat, head: dict, usage: bool) -> AsyncIterator[str]:
+                      shape: _Completions | _Chat, head: dict, usage: bool, continuous: bool) -> AsyncIterator[str]:
         """The stream's events from its first chunk on; an error after the first (the target group lost
         mid-stream, the request's row failed) ends it with an error event in OpenAI's shape, as the status
-        has been sent (an untyped error as 500 with a generic message)."""
+        has been sent (an untyped error as 500 with a generic message). `continuous`: every event carries
+        the usage so far (vLLM's continuous_usage_stats), else null (with include_usage) or none."""
         head = {**head, "object": shape.chunk_object}
         completion_tokens, item = 0, first
         try:
@@ -371,7 +460,8 @@ class OpenAIServer:
                 index, chunk = item
                 completion_tokens += len(chunk.token_ids)
                 event = {**head, "choices": [shape.chunk_choice(index, chunk)]}
-                event |= {"usage": None} if usage else {}
+                if usage:
+                    event["usage"] = _usage(len(job.prompt_ids), completion_tokens) if continuous else None
                 yield _sse(event | ({"speculation": chunk.stats.to_dict()} if chunk.finish_reason else {}))
                 item = await anext(chunks, None)
         except Exception as e:  # noqa: BLE001 - ends the stream with its error, whatever it was

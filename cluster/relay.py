@@ -15,10 +15,12 @@ from actors.records import StepUpdate
 from specdec.acceptance import acceptance_rate
 from specdec.engine import FinishReason, RequestStats
 from specdec.logprobs import TokenLogprob
+from specdec.sampling import SamplingParams
 
 from . import metrics
-from .admission import Admitted
-from .detokenizer import Detokenizer
+
+from .admission import Admitted, Request
+from .detokenizer import Detokenizer, TextOptions
 from .placement import Topology
 from .router import Router
 from .supervisor import TargetSupervisor
@@ -91,9 +93,9 @@ class Served:
 
 class Relay:
     def __init__(self, router: Router, topology: Topology, supervisor: TargetSupervisor, tokenizer,
-                 eos: list[int], timing: StepTiming):
+                 timing: StepTiming):
         self.router, self.topology, self.supervisor = router, topology, supervisor
-        self.tokenizer, self.eos, self.timing = tokenizer, eos, timing
+        self.tokenizer, self.timing = tokenizer, timing
         self.served = Served()
         self._turn = itertools.count()  # the next draft replica, round robin
 
@@ -101,7 +103,8 @@ class Relay:
         """Sample `sample` of the request: speculative when the router says so and a replica is there, with
         the fallback to plain; else plain."""
         req, rid = job.request, uuid.uuid4().hex
-        text = Detokenizer(self.tokenizer, req.stop)
+        text = Detokenizer(self.tokenizer, req.stop, text_options(req, job.params.end_ids))
+        ends = list(job.params.end_ids)  # the tokens that end this request (eos unless ignored, stop_token_ids)
         decision = self.router.route(meter.task_type, req.speculation)
         progress = Progress(bool(decision.speculative and self.topology.drafts))
         meter.start(("probe" if decision.probe else "speculative") if progress.speculative else "plain")
@@ -111,14 +114,14 @@ class Relay:
                 yield chunk
             if not progress.replica_lost:
                 return
-            if done and (done[-1] in self.eos or len(done) >= req.max_new_tokens):  # it ended as the replica went
-                reason = FinishReason.STOP if done[-1] in self.eos else FinishReason.LENGTH
+            if done and (done[-1] in ends or len(done) >= req.max_new_tokens):  # it ended as the replica went
+                reason = FinishReason.STOP if done[-1] in ends else FinishReason.LENGTH
                 yield replace(_chunk([], [], text, final=True), finish_reason=reason, stats=progress.summary())
                 return
         self.served.plain += 1
         rid = f"{rid}-plain"
         stream = self.topology.target.decode.options(num_returns="streaming").remote(
-            rid, job.prompt_ids + done, job.params, req.max_new_tokens - len(done), self.eos, stream=sample)
+            rid, job.prompt_ids + done, after(job.params, len(done)), req.max_new_tokens - len(done), ends, stream=sample)
         async for chunk in self._relay(self.topology.target, rid, stream, text, done, progress, before=replace(progress)):
             yield chunk
 
@@ -129,7 +132,8 @@ class Relay:
         drafts = self.topology.drafts
         replica = drafts[next(self._turn) % len(drafts)]
         stream = replica.generate.options(num_returns="streaming").remote(
-            rid, job.prompt_ids, job.params, job.request.max_new_tokens, self.eos, k, job.task_type, stream=sample,
+            rid, job.prompt_ids, job.params, job.request.max_new_tokens, list(job.params.end_ids), k, job.task_type,
+            stream=sample,
             target_address=self.topology.target_address)
         try:
             async for chunk in self._relay(replica, rid, stream, text, done, progress):
@@ -185,6 +189,17 @@ class Relay:
         """Close a request's row on the target group, unless the group is down (its rows are gone with it)."""
         if self.supervisor.outage is None:
             self.topology.target.cancel.remote(rid)
+
+
+def after(params: SamplingParams, done: int) -> SamplingParams:
+    """A sample's settings for the rest of it, `done` tokens in (the fallback's prompt holds them): its
+    min_tokens counts from there."""
+    return replace(params, min_tokens=max(0, params.min_tokens - done))
+
+
+def text_options(req: Request, end_ids: tuple[int, ...]) -> TextOptions:
+    return TextOptions(include_stop=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
+                       min_tokens=req.min_tokens, end_ids=frozenset(end_ids))
 
 
 def _chunk(tokens: list[int], logprobs: list[TokenLogprob], text: Detokenizer, final: bool = False) -> Chunk:

@@ -1,7 +1,7 @@
 """The Ray Serve application: one ingress deployment answering gRPC (specdec.v1.SpecDecode) and
 OpenAI-style HTTP, over the Frontend. `build_app` is what `specdec serve` runs and what a Serve
 config (KubeRay's serveConfigV2) names by import path: `cluster.serve_app:build_app`. With API keys
-configured (cluster/auth.py) every call but GET /healthz must carry one."""
+configured (cluster/auth.py) every call but GET /healthz and GET /health must carry one."""
 
 import asyncio
 import contextlib
@@ -10,12 +10,12 @@ import os
 from pathlib import Path
 
 from fastapi import FastAPI, Request as HttpRequest
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve
 
 from protos import specdec_api_pb2 as api
 
-from . import auth, grpc_api
+from . import auth, grpc_api, metrics
 from .admission import Admitted
 from .config import ConfigError, ServeConfig, app_config, parse_live_config
 from .frontend import Frontend, check_served_models
@@ -174,23 +174,55 @@ class SpecDecodeIngress:
 
     @http_app.post("/v1/completions")
     async def completions(self, http: HttpRequest):
-        try:
-            body = await read_body(http, self.frontend.cfg.server.max_request_bytes)
-        except Exception as e:  # noqa: BLE001 - 413 over the limit; anything else in OpenAI's shape too
-            return HttpError.of(e).response()
-        return await self.openai.completions(body)
+        return await self._with_body(http, self.openai.completions)
 
     @http_app.post("/v1/chat/completions")
     async def chat_completions(self, http: HttpRequest):
-        try:
-            body = await read_body(http, self.frontend.cfg.server.max_request_bytes)
-        except Exception as e:  # noqa: BLE001 - as completions
-            return HttpError.of(e).response()
-        return await self.openai.chat(body)
+        return await self._with_body(http, self.openai.chat)
 
     @http_app.get("/v1/stats")
     async def stats(self) -> dict:
         return (await self.frontend.stats()).to_json()
+
+    @http_app.post("/tokenize")
+    async def tokenize(self, http: HttpRequest):
+        return await self._with_body(http, self.openai.tokenize)
+
+    @http_app.post("/detokenize")
+    async def detokenize(self, http: HttpRequest):
+        return await self._with_body(http, self.openai.detokenize)
+
+    @http_app.get("/version")
+    async def version(self) -> dict:
+        return {"version": metrics.served_version()}
+
+    @http_app.get("/metrics")
+    async def prometheus(self):
+        """The Prometheus metrics this node's Ray metrics agent exports (vLLM serves its own at /metrics):
+        the ingress's, and the actors' placed on this node; 503 while the agent does not answer."""
+        try:
+            text = await asyncio.to_thread(metrics.node_metrics_text)
+        except OSError as e:
+            log.warning("/metrics: this node's Ray metrics agent did not answer: %s", e)
+            return PlainTextResponse("this node's Ray metrics agent does not answer\n", status_code=503)
+        return PlainTextResponse(text, media_type=metrics.PROMETHEUS_TEXT)
+
+    @http_app.get("/health")
+    async def health(self):
+        """vLLM's /health: 200 (empty) while the target group and the replicas serve, else 503 with the
+        reason (as /healthz)."""
+        reason = await self._unhealthy()
+        if reason is not None:
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+        return Response(status_code=200)
+
+    async def _with_body(self, http: HttpRequest, answer):
+        """`answer(body)` with the request's body read under server.max_request_bytes (413 over it)."""
+        try:
+            body = await read_body(http, self.frontend.cfg.server.max_request_bytes)
+        except Exception as e:  # noqa: BLE001 - 413 over the limit; anything else in OpenAI's shape too
+            return HttpError.of(e).response()
+        return await answer(body)
 
     @http_app.get("/healthz")
     async def healthz(self):

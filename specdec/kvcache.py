@@ -366,7 +366,7 @@ class CachedLM:
             input_ids=to_device(tokens, self.device),
             attention_mask=mask,
             position_ids=to_device(positions, self.device),
-            past_key_values=self.kv,
+            cache=self.kv,
             use_cache=True,
             logits_to_keep=logits_to_keep,
         )

@@ -25,6 +25,9 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     logprobs: int | None = None  # None: none; k: the target's logprob of each token and of its k likeliest
+    min_p: float = 0.0  # 0: off; else a token less likely than min_p times the likeliest one is never drawn
+    min_tokens: int = 0  # the row's first min_tokens tokens are never one of end_ids (held out of p, as vLLM)
+    end_ids: tuple[int, ...] = ()  # the tokens that end the row (eos unless ignored, and stop_token_ids)
 
     def __post_init__(self):
         """The one check of sampling fields, wherever they come from (CLI, gRPC, HTTP, another actor)."""
@@ -39,6 +42,12 @@ class SamplingParams:
             raise InvalidArgument("seed", f"must be a 64-bit signed integer, got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidArgument("logprobs", f"must be in 0..{MAX_LOGPROBS} (or unset), got {self.logprobs}")
+        if not 0 <= self.min_p <= 1:  # NaN fails this too
+            raise InvalidArgument("min_p", f"must be in [0, 1] (0 turns it off), got {self.min_p}")
+        if not 0 <= self.min_tokens <= MAX_TOP_K:
+            raise InvalidArgument("min_tokens", f"must be in 0..{MAX_TOP_K}, got {self.min_tokens}")
+        if any(not 0 <= t <= MAX_TOP_K for t in self.end_ids):
+            raise InvalidArgument("stop_token_ids", f"token ids must be in 0..{MAX_TOP_K}, got {list(self.end_ids)}")
 
     @property
     def greedy(self) -> bool:
@@ -46,12 +55,16 @@ class SamplingParams:
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Turn logits [..., V] into the sampling distribution [..., V] (float32): temperature, top-k, top-p.
-    The logits are shifted by their maximum before the division, so no temperature overflows them: the
-    likeliest token is at 0, the others at or below it (-inf at worst), and softmax stays finite."""
+    """Turn logits [..., V] into the sampling distribution [..., V] (float32): temperature, min-p, top-k,
+    top-p (vLLM's order). The logits are shifted by their maximum before the division, so no temperature
+    overflows them: the likeliest token is at 0, the others at or below it (-inf at worst), and softmax
+    stays finite; min-p drops a token whose probability is under min_p times the likeliest's, i.e. whose
+    shifted logit is under log(min_p)."""
     assert not params.greedy, "greedy decoding takes the argmax; there is no distribution to warp"
     logits = logits.float()
     logits = (logits - logits.amax(-1, keepdim=True)) / params.temperature
+    if params.min_p > 0:
+        logits = logits.masked_fill(logits < math.log(params.min_p), float("-inf"))
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -64,6 +77,23 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def hold_back_ends(logits: torch.Tensor, params: SamplingParams, generated: int, depths: list[int]) -> torch.Tensor:
+    """One row's logits [N, V] after its tree's nodes (`depths`: each node's depth, the root's 0) with its
+    end ids at -inf after every node whose next token is one of the row's first min_tokens: the token
+    after a node of depth d is token generated + d + 1 of the row (`generated`: the tokens it had before
+    the root's next). The same logits then give the greedy argmax and, warped, the target's p, so plain
+    and speculative rows (and their acceptance) see one distribution. Unchanged (not copied) when none
+    is held."""
+    held = [node for node, depth in enumerate(depths) if generated + depth < params.min_tokens]
+    ids = [t for t in params.end_ids if t < logits.shape[-1]]
+    if not held or not ids:
+        return logits
+    logits = logits.clone()
+    rows = torch.tensor(held, device=logits.device)
+    logits[rows.view(-1, 1), torch.tensor(ids, device=logits.device).view(1, -1)] = float("-inf")
+    return logits
 
 
 ROLES = ("draft", "target")  # the two sides draw from separate streams, as they may run in separate processes

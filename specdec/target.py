@@ -17,7 +17,7 @@ from .device import to_host
 from .errors import InvalidArgument, RequestExists, RequestFailed, UnknownRequest
 from .kvcache import CachedLM
 from .logprobs import committed_logprobs
-from .sampling import SamplingParams, make_generator
+from .sampling import SamplingParams, hold_back_ends, make_generator
 from .tree import TokenTree, layout
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,11 @@ class _Request:
     seq: list[int]  # committed tokens; the cache holds all but the last, the root of the next tree
     params: SamplingParams
     generator: torch.Generator  # the target side's random stream (acceptance, bonus tokens)
+    prompt_len: int  # len(seq) when it joined: the tokens after it are the ones it generated
+
+    @property
+    def generated(self) -> int:
+        return len(self.seq) - self.prompt_len
 
 
 class TargetWorker:
@@ -62,7 +67,7 @@ class TargetWorker:
         self.lm.join([prompt[:-1] for _, prompt, _, _ in joining])  # the last token is the first tree's root
         for rid, prompt, params, stream in joining:
             gen = make_generator(params.seed, stream, self.lm.device, role="target")
-            self.requests[rid] = _Request(list(prompt), params, gen)
+            self.requests[rid] = _Request(list(prompt), params, gen, len(prompt))
             self.rows.append(rid)
 
     def remove(self, leaving: list[Hashable]) -> None:
@@ -128,11 +133,12 @@ class TargetWorker:
         start = self.lm.size
         tokens, block, positions = layout(row_trees, self.lm.lengths)
         logits = self.lm.forward(tokens, block, positions, sizes=sizes)  # [N, V]: the trees' nodes, row after row
-        (argmax,) = to_host(logits.argmax(-1))  # the forward's one wait for the device (greedy rows)
+        held = self._hold_back_ends(logits, row_trees, sizes)  # what p is drawn from (logprobs: the raw logits)
+        (argmax,) = to_host(held.argmax(-1))  # the forward's one wait for the device (greedy rows)
         keep, offset = [], 0
-        for rid, tree, row_logits, size in zip(self.rows, row_trees, logits.split(sizes), sizes):
+        for rid, tree, row_held, row_logits, size in zip(self.rows, row_trees, held.split(sizes), logits.split(sizes), sizes):
             row_argmax, offset = argmax[offset : offset + size], offset + size
-            outcome = self._decide(rid, tree, row_argmax, row_logits) if rid in trees else None
+            outcome = self._decide(rid, tree, row_argmax, row_held, row_logits) if rid in trees else None
             if isinstance(outcome, Verdict):
                 self.requests[rid].seq += outcome.tokens
                 keep.append([start + n for n in outcome.path])
@@ -143,13 +149,23 @@ class TargetWorker:
         self.lm.commit(keep)
         return outcomes, sum(sizes)
 
-    def _decide(self, rid: Hashable, tree: TokenTree, argmax: list[int], logits: torch.Tensor) -> Outcome:
-        """What one row keeps (logits [size, V]), or RequestFailed when its acceptance raised: that row
-        alone ends (a NaN in its logits, say); the batch's other rows are decided as usual."""
+    def _hold_back_ends(self, logits: torch.Tensor, row_trees: list[TokenTree], sizes: list[int]) -> torch.Tensor:
+        """The forward's logits with each row's end ids held out while it is under its min_tokens
+        (sampling.hold_back_ends); the same tensor when no row holds any back."""
+        parts = logits.split(sizes)
+        held = [hold_back_ends(part, self.requests[rid].params, self.requests[rid].generated, tree.depths) if size
+                else part for rid, tree, part, size in zip(self.rows, row_trees, parts, sizes)]
+        return logits if all(h is part for h, part in zip(held, parts)) else torch.cat(held)
+
+    def _decide(self, rid: Hashable, tree: TokenTree, argmax: list[int], held: torch.Tensor,
+                logits: torch.Tensor) -> Outcome:
+        """What one row keeps (held: the logits [size, V] its tokens are drawn from; logits: the raw ones
+        its logprobs are of), or RequestFailed when its acceptance raised: that row alone ends (a NaN in
+        its logits, say); the batch's other rows are decided as usual."""
         req = self.requests[rid]
         try:
             v = accept_greedy(tree, argmax) if req.params.greedy else \
-                accept_sampling(tree, logits, req.params, req.generator)
+                accept_sampling(tree, held, req.params, req.generator)
             if req.params.logprobs is not None:
                 v.logprobs = committed_logprobs(logits, v.path, v.tokens, req.params.logprobs)
             return v

@@ -379,13 +379,17 @@ def test_http_needs_a_key_except_healthz(keyed_server):
     root, _ = keyed_server
     completion = {"prompt": "w5 w17 w3", "max_tokens": 4, "temperature": 0}
     for path, body in [("/v1/completions", completion), ("/v1/models", None), ("/v1/stats", None), ("/docs", None),
-                       ("/v1/nowhere", None)]:
+                       ("/v1/nowhere", None), ("/metrics", None), ("/version", None), ("/tokenize", {"prompt": "w5"}),
+                       ("/detokenize", {"tokens": [5]})]:
         for key in (None, "key-three", "key-one-"):
             status, reply, headers = http(root + path, body, key)
             assert status == 401, (path, key, reply)
             assert reply["error"]["code"] == "invalid_api_key" and "API key" in reply["error"]["message"]
             assert headers["WWW-Authenticate"] == "Bearer"
     assert http(root + "/healthz")[:2] == (200, {"status": "ok"})
+    with urllib.request.urlopen(root + "/health", timeout=60) as r:  # vLLM's probe: open too, an empty 200
+        assert (r.status, r.read()) == (200, b"")
+    assert http(root + "/tokenize", {"prompt": "w5"}, KEYS[0])[:2][0] == 200
     for key in KEYS:
         status, reply, _ = http(root + "/v1/completions", completion, key)
         assert status == 200 and len(reply["choices"][0]["token_ids"]) == 4

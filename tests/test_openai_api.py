@@ -689,3 +689,123 @@ def test_hostile_numbers_are_refused_served_and_the_others_go_on(server, tokeniz
         with pytest.raises(grpc.RpcError) as e:
             server.stub.Generate(api.GenerateRequest(prompt=PROMPT, max_new_tokens=4, **fields), timeout=60)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(f"{field}:")
+
+
+# --- vLLM's extras and routes (issue 31) -------------------------------------------------------------------
+
+
+def plain_held(target, tokenizer, prompt: str, n: int, min_tokens: int, ends: tuple[int, ...]) -> list[int]:
+    """Plain greedy decoding in one process with end ids and min_tokens: what the served paths must give."""
+    from specdec import CachedLM, SamplingParams, SpeculativeEngine
+
+    engine = SpeculativeEngine(CachedLM(target), None, eos_token_ids=set(ends))
+    ids = tokenizer(prompt)["input_ids"]
+    return engine.generate([ids], n, SamplingParams(min_tokens=min_tokens, end_ids=ends))[0].token_ids
+
+
+def served_tokens(server: Served, speculation: str, n: int, **extras) -> tuple[list[int], str, str]:
+    """(tokens, text, finish_reason) of a greedy completion of PROMPT over HTTP."""
+    status, reply = raw_post(server, "/v1/completions", json.dumps(
+        {"prompt": PROMPT, "max_tokens": n, "temperature": 0, "speculation": speculation, **extras}).encode())
+    assert status == 200, reply
+    choice = reply["choices"][0]
+    return choice["token_ids"], choice["text"], choice["finish_reason"]
+
+
+def grpc_tokens(server: Served, speculation: str, n: int, **extras) -> tuple[list[int], str, str]:
+    reply = server.stub.Generate(api.GenerateRequest(
+        prompt=PROMPT, max_new_tokens=n, speculation=api.SPECULATION_ON if speculation == "on" else api.SPECULATION_OFF,
+        **extras), timeout=60)
+    return list(reply.token_ids), reply.text, reply.finish_reason
+
+
+@pytest.mark.parametrize("speculation", SPECULATION)
+@pytest.mark.parametrize("call", [served_tokens, grpc_tokens], ids=["http", "grpc"])
+def test_stop_token_ids_stop_and_min_tokens_holds_them_back(server, tokenizer, target, speculation, call):
+    """stop_token_ids end the text at the first one (its text left out unless include_stop_str_in_output);
+    min_tokens holds them out of the target's distribution until then, and speculative rows still equal
+    plain decoding; ignore_eos (the fixture's target has no eos) leaves the rest as it was."""
+    want = greedy(target, tokenizer, PROMPT, 16)
+    stop = want[3]
+    first = want.index(stop)
+    tokens, text, reason = call(server, speculation, 16, stop_token_ids=[stop], ignore_eos=True)
+    assert (tokens, reason) == (want[:first + 1], "stop") and text == tokenizer.decode(want[:first])
+    _, text, _ = call(server, speculation, 16, stop_token_ids=[stop], include_stop_str_in_output=True)
+    assert text == tokenizer.decode(want[:first + 1])
+    held = plain_held(target, tokenizer, PROMPT, 16, first + 4, (stop,))
+    assert len(held) >= first + 4 and stop not in held[:first + 4]
+    tokens, _, _ = call(server, speculation, 16, stop_token_ids=[stop], min_tokens=first + 4)
+    assert tokens == held
+    stop_text = tokenizer.decode([want[first + 1]])
+    tokens, _, _ = call(server, speculation, 16, stop=[stop_text], min_tokens=first + 3)  # a stop string held back too
+    assert len(tokens) >= first + 3
+
+
+def test_bad_extras_get_a_400_naming_the_field(server):
+    for extras, field in [({"stop_token_ids": [10**6]}, "stop_token_ids"), ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+                          ({"min_p": 2}, "min_p"), ({"repetition_penalty": 1.3}, "repetition_penalty")]:
+        status, reply = raw_post(server, "/v1/completions", json.dumps({"prompt": PROMPT, **extras}).encode())
+        assert status == 400 and reply["error"]["param"] == field, reply
+    with pytest.raises(grpc.RpcError) as e:
+        server.stub.Generate(api.GenerateRequest(prompt=PROMPT, max_new_tokens=4, min_tokens=5), timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("min_tokens:")
+
+
+def get(server: Served, path: str) -> tuple[int, bytes]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(server.http + path, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_vllm_routes_health_version_tokenize_detokenize_metrics(server, tokenizer):
+    assert get(server, "/health") == (200, b"")
+    status, version = get(server, "/version")
+    assert status == 200 and json.loads(version)["version"]
+    ids = tokenizer(PROMPT)["input_ids"]
+    assert raw_post(server, "/tokenize", json.dumps({"prompt": PROMPT}).encode()) == \
+        (200, {"count": len(ids), "max_model_len": 256, "tokens": ids, "token_strs": None})
+    status, chat = raw_post(server, "/tokenize", json.dumps(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": PROMPT}]}], "return_token_strs": True}).encode())
+    assert status == 200 and chat["token_strs"] == [CHAT_ROLES["user"], *PROMPT.split(), CHAT_ROLES["assistant"]]
+    assert raw_post(server, "/detokenize", json.dumps({"tokens": ids}).encode()) == (200, {"prompt": PROMPT})
+    status, reply = raw_post(server, "/detokenize", json.dumps({"tokens": [-1]}).encode())
+    assert status == 400 and reply["error"]["param"] == "tokens"
+    status, text = get(server, "/metrics")
+    assert status == 200 and b"# TYPE" in text, text[:200]
+
+
+def test_guidellm_requests_replayed_as_it_sends_them(server):
+    """The requests guidellm 0.8.1 sends (tests/fixtures/guidellm_requests.json, recorded from a real run:
+    /health, chat with text parts, ignore_eos, max_completion_tokens, continuous usage stats, streamed and
+    whole) are served: ignore_eos runs each to its max tokens, and every streamed event carries the usage so far."""
+    import urllib.request
+
+    recorded = json.loads((ROOT / "tests" / "fixtures" / "guidellm_requests.json").read_text())["requests"]
+    assert {r["path"] for r in recorded} == {"/health", "/v1/chat/completions", "/v1/completions"}
+    for r in recorded:
+        if r["method"] == "GET":
+            assert get(server, r["path"])[0] == 200
+            continue
+        body = json.loads(json.dumps(r["body"]))
+        body["model"] = "target"
+        if "prompt" in body:
+            body["prompt"] = PROMPT
+        else:
+            body["messages"][0]["content"][0]["text"] = PROMPT
+        most = body.get("max_completion_tokens") or body["max_tokens"]
+        req = urllib.request.Request(server.http + r["path"], data=json.dumps(body).encode(), headers=r["headers"])
+        with urllib.request.urlopen(req, timeout=60) as reply:
+            assert reply.status == 200
+            raw = reply.read().decode()
+        if not body.get("stream"):
+            assert json.loads(raw)["usage"]["completion_tokens"] == most
+            continue
+        events = [json.loads(line.removeprefix("data: ")) for line in raw.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        assert all(e["usage"] is not None for e in events)
+        assert [e["usage"]["completion_tokens"] for e in events if e["choices"]][-1] == most == events[-1]["usage"]["completion_tokens"]

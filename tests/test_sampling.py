@@ -32,12 +32,16 @@ P_MIN = 1e-4  # a correct sampler passes the chi-square test at this level (dete
 
 @torch.inference_mode()
 def exact_joint(model, prompt: list[int], n: int, params: SamplingParams) -> dict[tuple[int, ...], float]:
-    """P(x_1..x_n | prompt) under the target's warped distribution, by enumeration."""
+    """P(x_1..x_n | prompt) under the target's warped distribution, by enumeration (end_ids held out of
+    the first min_tokens positions, as vLLM's min_tokens)."""
     probs = {(): 1.0}
-    for _ in range(n):
+    for step in range(n):
         prefixes = list(probs)
         batch = torch.tensor([prompt + list(p) for p in prefixes])
-        dist = warp(model(batch).logits[:, -1], params).double()  # [P, V]
+        logits = model(batch).logits[:, -1]
+        if step < params.min_tokens:
+            logits[:, list(params.end_ids)] = float("-inf")
+        dist = warp(logits, params).double()  # [P, V]
         probs = {
             pre + (x,): probs[pre] * float(dist[i, x])
             for i, pre in enumerate(prefixes)

@@ -381,7 +381,7 @@ def test_a_killed_target_rank_fails_fast_and_the_group_is_rebuilt(server, target
         error = json.loads(last.removeprefix("data: "))["error"]
         assert error["code"] == 503 and "target group" in error["message"], error
         failed_after = time.monotonic() - killed
-    reasons = []
+    reasons, vllm_down = [], False
     while (health := http(server, "/healthz"))[0] != 200:
         assert health[0] == 503 and time.monotonic() - killed < 90, health
         if not reasons:
@@ -389,11 +389,16 @@ def test_a_killed_target_rank_fails_fast_and_the_group_is_rebuilt(server, target
                 server.stub.Generate(api.GenerateRequest(prompt="w3", max_new_tokens=4), timeout=10)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "being rebuilt" in e.value.details()
         reasons.append(health[1]["reason"])
+        vllm_health = http(server, "/health")  # vLLM's probe says the same
+        if vllm_health[0] != 200:
+            assert vllm_health[0] == 503 and "target group" in vllm_health[1]["reason"], vllm_health
+            vllm_down = True
         time.sleep(0.05)
     back_after = time.monotonic() - killed
     print(f"\nin-flight requests failed {failed_after:.2f} s after the kill; healthy again after {back_after:.1f} s")
     assert failed_after < 5
     assert any("target rank 0 died" in reason and "being rebuilt" in reason for reason in reasons), reasons
+    assert vllm_down, "GET /health never said 503 while the group was rebuilt"
     prompt = PROMPTS[1]
     want = expected(server, target, prompt, 20)
     for speculation in (api.SPECULATION_OFF, api.SPECULATION_ON, api.SPECULATION_ON):  # each replica in turn
