@@ -106,10 +106,12 @@ class DefaultSpec:
     seed: int = 0
     draft_layers: int = 2
     draft_hidden: int = 256
-    answers: int = 128  # the target answers this many instructions
+    answers: int = 192  # the target answers this many instructions
     answer_tokens: int = 128  # at most, per answer
-    answer_batch: int = 16  # answers written together (one batched forward per token)
-    train_steps: int = 240  # the draft learns them for this many steps
+    answer_batch: int = 32  # answers written together (one batched forward per token)
+    corpus_chars: int = 1_500_000  # of standard-library source: the language the answers are written in
+    answer_weight: int = 6  # the answers' share of training windows, against the corpus's, is weighted this much
+    train_steps: int = 400  # the draft learns both for this many steps
     batch_size: int = 16
     seq_len: int = 128
     lr: float = 2e-3
@@ -192,6 +194,37 @@ def target_answers(target, tokenizer, spec: DefaultSpec) -> list[list[int]]:
     return texts
 
 
+def cached_answers(target, tokenizer, spec: DefaultSpec, root: Path, log) -> list[list[int]]:
+    """target_answers, kept beside the drafts (keyed by what shapes them), so a draft rebuilt with other
+    training settings does not run the target again."""
+    blob = json.dumps({"seed": spec.seed, "answers": spec.answers, "answer_tokens": spec.answer_tokens,
+                       "answer_batch": spec.answer_batch, "format": FORMAT, "target": GGUF_SHA256}, sort_keys=True)
+    path = root / f"default-answers-{hashlib.sha256(blob.encode()).hexdigest()[:12]}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    texts = target_answers(target, tokenizer, spec)
+    log(f"specdec: the target wrote {len(texts)} answers ({sum(map(len, texts))} tokens with their prompts)")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(texts))
+    tmp.replace(path)
+    return texts
+
+
+def stdlib_corpus(tokenizer, max_chars: int) -> torch.Tensor:
+    """The first max_chars of the standard library's source (fast_pair's files, held-out packages left out)
+    as one token stream [N]."""
+    from .distill import encode_texts
+    from .fast_pair import read_texts, stdlib_sources
+
+    texts, n = [], 0
+    for text in read_texts(stdlib_sources()[0]):
+        if n >= max_chars:
+            break
+        texts.append(text[: max_chars - n])
+        n += len(texts[-1])
+    return encode_texts(texts, tokenizer)
+
+
 def build_draft(spec: DefaultSpec, target_dir: str, out: Path, log=print) -> dict:
     """Distil the default draft into out/draft (atomically: a half-built draft is never left there)."""
     from .distill import distill, remove_checkpoint, sampled_text_loss, split_heldout
@@ -203,10 +236,13 @@ def build_draft(spec: DefaultSpec, target_dir: str, out: Path, log=print) -> dic
     shutil.rmtree(tmp, ignore_errors=True)
     tokenizer, target = load_tokenizer(target_dir), load_served_model(target_dir)
     torch.manual_seed(spec.seed)
-    texts = target_answers(target, tokenizer, spec)
-    log(f"specdec: the target wrote {len(texts)} answers ({sum(map(len, texts))} tokens with their prompts)")
+    texts = cached_answers(target, tokenizer, spec, out.parent, log)
     tokens = torch.tensor([t for text in texts for t in text], dtype=torch.long, device=HOST)  # [N]
-    train_tokens, heldout = split_heldout(tokens)
+    answers, heldout = split_heldout(tokens)  # held out: the last answers, what the draft is judged on
+    corpus = stdlib_corpus(tokenizer, spec.corpus_chars)  # [M]
+    train_tokens = torch.cat([answers.repeat(spec.answer_weight), corpus])
+    log(f"specdec: training on {answers.numel()} answer tokens (x{spec.answer_weight}) and {corpus.numel()} of "
+        "standard-library source")
     cfg = TrainConfig(steps=spec.train_steps, batch_size=spec.batch_size, seq_len=spec.seq_len,
                       lr=spec.lr, seed=spec.seed, checkpoint_every=10**9, bf16=True)
     summary = distill(target, tokenizer, tmp / "draft", train_tokens, heldout, spec.draft_layers, spec.draft_hidden,
