@@ -100,8 +100,8 @@ FORMAT = 1  # bump when the draft's build changes in a way DefaultSpec does not 
 
 @dataclass(frozen=True)
 class DefaultSpec:
-    """How the default draft is built: counts, not deadlines, so a build is the same on every machine (about
-    12 minutes on 2 idle CPU cores; see docs/architecture.md)."""
+    """How the default draft is built: counts, not deadlines, so every machine runs the same recipe (about
+    8 minutes on 2 idle CPU cores; see docs/performance.md)."""
 
     seed: int = 0
     draft_layers: int = 2
@@ -132,7 +132,7 @@ def default_pair(spec: DefaultSpec = DefaultSpec(), rebuild: bool = False, root:
     if rebuild:
         shutil.rmtree(out, ignore_errors=True)
     if not (out / "build.json").exists():
-        log(f"specdec: building the default draft (once: about 12 minutes on 2 CPU cores) into {out}; "
+        log(f"specdec: building the default draft (once: about 8 minutes on 2 CPU cores) into {out}; "
             "n-gram drafting needs none: specdec serve --drafter ngram serves at once")
         build_draft(spec, target, out, log)
     return {"target": target, "draft": str(out / "draft")}

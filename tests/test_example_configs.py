@@ -2,7 +2,7 @@
 its own local Ray cluster, free ports) answers one request, then stops on SIGTERM.
 
 The examples serve the embedded default pair, SmolLM2-135M-Instruct and its draft: built on first use (about
-13 minutes on 2 CPU cores, then cached under the user's cache directory), so the first run of this test on a
+8 minutes on 2 CPU cores, then cached under the user's cache directory), so the first run of this test on a
 machine takes that long. On the README's own `specdec serve`, a greedy chat through the OpenAI client equals
 plain decoding of the same model."""
 
