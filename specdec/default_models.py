@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .cache_dir import cache_root
+from .cache_dir import cache_root, publish
 from .device import HOST
 from .gguf import convert, file_sha256
 
@@ -251,9 +251,7 @@ def build_draft(spec: DefaultSpec, target_dir: str, out: Path, log=print) -> dic
     report = {"spec": asdict(spec), "seconds": round(time.perf_counter() - t0, 1), "answers": len(texts),
               "tokens": int(tokens.numel()), "draft": {"params": summary["draft_params"], "steps": summary["steps"]},
               "heldout": {"before_distillation": summary["before"], "after_distillation": summary["after"]}}
-    (tmp / "build.json").write_text(json.dumps(report, indent=2))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    publish(tmp, out, report)
     log(f"specdec: draft built in {report['seconds']} s; held-out greedy alpha "
         f"{summary['after']['greedy_alpha']:.3f}, sampled alpha {summary['after']['sampled_alpha']:.3f}")
     return report

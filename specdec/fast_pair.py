@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from .cache_dir import cache_root
+from .cache_dir import cache_root, publish
 from .distill import distill, encode_texts, remove_checkpoint, small_llama_config
 from .training import TrainConfig, train
 
@@ -142,9 +142,7 @@ def build(spec: FastSpec, out: Path, log=print) -> dict:
         "draft": {"params": summary["draft_params"], "tokens": summary["tokens"]},
         "heldout": {"before_distillation": summary["before"], "after_distillation": summary["after"]},
     }
-    (tmp / "build.json").write_text(json.dumps(report, indent=2))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    publish(tmp, out, report)
     log(f"specdec: built in {report['seconds']} s; held-out greedy alpha "
         f"{summary['after']['greedy_alpha']:.3f}, sampled alpha {summary['after']['sampled_alpha']:.3f}")
     return report

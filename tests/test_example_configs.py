@@ -67,12 +67,21 @@ def test_serve_answers_a_request_with_each_example_config(command, tmp_path):
                                       f"127.0.0.1:{grpc_port}"], cwd=ROOT, capture_output=True, text=True,
                                      timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
                 assert run.returncode == 0 and run.stdout.strip(), (client, run.stdout, run.stderr)
-        server.send_signal(signal.SIGTERM)
-        assert server.wait(timeout=120) == 0, log.read_text()[-3000:]
+        stop_cleanly(server, log)
     finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        kill_if_running(server)
+
+
+def stop_cleanly(server: subprocess.Popen, log: Path) -> None:
+    """SIGTERM stops `specdec serve` with exit status 0."""
+    server.send_signal(signal.SIGTERM)
+    assert server.wait(timeout=120) == 0, log.read_text()[-3000:]
+
+
+def kill_if_running(server: subprocess.Popen) -> None:
+    if server.poll() is None:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
 
 
 CHAT = [{"role": "user", "content": "Write a Python function that reverses a string."}]

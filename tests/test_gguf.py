@@ -7,7 +7,6 @@ cannot be served is refused naming the file and why."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ from specdec.loading import eos_ids, load_model, load_served_model, load_tokeniz
 from specdec.plain import hf_greedy, hf_greedy_margin
 
 from conftest import MIN_GAP
-from test_example_configs import PROMPT, ROOT, first_reply
+from test_example_configs import PROMPT, ROOT, first_reply, kill_if_running, stop_cleanly
 
 EOS = "<|endoftext|>"
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -354,9 +353,6 @@ def test_specdec_serve_with_a_gguf_target(ref, tmp_path):
     try:
         reply = first_reply(server, f"127.0.0.1:{grpc_port}", log)
         assert list(reply.token_ids) == hf_greedy(ref.model, ref.tokenizer.encode(PROMPT), 8, ref.eos)
-        server.send_signal(signal.SIGTERM)
-        assert server.wait(timeout=120) == 0, log.read_text()[-3000:]
+        stop_cleanly(server, log)
     finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        kill_if_running(server)
