@@ -41,7 +41,7 @@ class LockstepWorker:
     def stop(self) -> None:
         dist.broadcast_object_list([None], src=0, group=self.group)
 
-    def __getattr__(self, name):  # read-only access: check_prompt, requests, rows, last_token
+    def __getattr__(self, name):  # read-only access: check_request, check_prompt, requests, rows, last_token
         return getattr(self.worker, name)
 
     def _mirrored(self, name: str, *args):

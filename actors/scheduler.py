@@ -227,7 +227,7 @@ class TargetScheduler:
         return self.budget.cost(len(prompt), max_new_tokens)
 
     def _join(self, join: _Join) -> _Waiter:
-        self.worker.check_prompt(join.prompt)  # InvalidArgument: refused here, never in the loop's prefill
+        self.worker.check_request(join.prompt, join.params)  # InvalidArgument: refused here, never in the loop
         if join.tokens > self.budget.max_tokens:
             raise ValueError(f"request {join.rid!r} needs {join.tokens} KV tokens, over the target's budget of "
                              f"{self.budget.max_tokens} (max_kv_tokens)")

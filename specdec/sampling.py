@@ -14,6 +14,11 @@ MIN_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)  # the wire carries float32: beyond it is inf
 MAX_TOP_K = 2**31 - 1  # the wire's int32
 SEED_RANGE = range(-(2**63), 2**63)  # the wire's int64
+MAX_REPETITION_PENALTY = 100.0  # past it every seen token's logit is scaled to about 0: no model needs more
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI's range, and vLLM's)
+MAX_BIAS = 100.0  # a logit_bias value lies in [-100, 100] (OpenAI's range)
+MAX_LOGIT_BIAS = 300  # ids a logit_bias may name (OpenAI's limit): it travels with every Open on the wire
+MAX_GRAMMAR_BYTES = 256 * 1024  # a response_format's grammar: travels with every Open on the wire
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,13 @@ class SamplingParams:
     min_p: float = 0.0  # 0: off; else a token less likely than min_p times the likeliest one is never drawn
     min_tokens: int = 0  # the row's first min_tokens tokens are never one of end_ids (held out of p, as vLLM)
     end_ids: tuple[int, ...] = ()  # the tokens that end the row (eos unless ignored, and stop_token_ids)
+    # What the target's logits after a token depend on besides the model (specdec/processors.py), by vLLM's
+    # names and meanings: each tree node's are computed from its own path.
+    repetition_penalty: float = 1.0  # 1: off; a token seen in the prompt or output has its logit divided by it (x if < 0)
+    presence_penalty: float = 0.0  # subtracted from the logit of every token the output holds
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to its logit, ids distinct
+    grammar: str | None = None  # an llguidance grammar (specdec/grammar.py) the output must match; None: any
 
     def __post_init__(self):
         """The one check of sampling fields, wherever they come from (CLI, gRPC, HTTP, another actor)."""
@@ -48,10 +60,38 @@ class SamplingParams:
             raise InvalidArgument("min_tokens", f"must be in 0..{MAX_TOP_K}, got {self.min_tokens}")
         if any(not 0 <= t <= MAX_TOP_K for t in self.end_ids):
             raise InvalidArgument("stop_token_ids", f"token ids must be in 0..{MAX_TOP_K}, got {list(self.end_ids)}")
+        self._check_processors()
+
+    def _check_processors(self) -> None:
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:  # NaN fails this too
+            raise InvalidArgument("repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY:g}] (1 turns it "
+                                                        f"off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise InvalidArgument(name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 turns it off), "
+                                            f"got {getattr(self, name)}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidArgument("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids, got {len(self.logit_bias)}")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise InvalidArgument("logit_bias", "names a token id twice")
+        for token, bias in self.logit_bias:
+            if not 0 <= token <= MAX_TOP_K:
+                raise InvalidArgument("logit_bias", f"token ids must be in 0..{MAX_TOP_K}, got {token}")
+            if not -MAX_BIAS <= bias <= MAX_BIAS:
+                raise InvalidArgument("logit_bias", f"biases must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias} "
+                                                    f"for token {token}")
+        if self.grammar is not None and len(self.grammar.encode()) > MAX_GRAMMAR_BYTES:
+            raise InvalidArgument("response_format", f"its grammar is {len(self.grammar.encode())} bytes, over "
+                                                     f"the limit of {MAX_GRAMMAR_BYTES}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the target's logits after a node depend on the tokens before it (the penalties)."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -77,23 +117,6 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
-
-
-def hold_back_ends(logits: torch.Tensor, params: SamplingParams, generated: int, depths: list[int]) -> torch.Tensor:
-    """One row's logits [N, V] after its tree's nodes (`depths`: each node's depth, the root's 0) with its
-    end ids at -inf after every node whose next token is one of the row's first min_tokens: the token
-    after a node of depth d is token generated + d + 1 of the row (`generated`: the tokens it had before
-    the root's next). The same logits then give the greedy argmax and, warped, the target's p, so plain
-    and speculative rows (and their acceptance) see one distribution. Unchanged (not copied) when none
-    is held."""
-    held = [node for node, depth in enumerate(depths) if generated + depth < params.min_tokens]
-    ids = [t for t in params.end_ids if t < logits.shape[-1]]
-    if not held or not ids:
-        return logits
-    logits = logits.clone()
-    rows = torch.tensor(held, device=logits.device)
-    logits[rows.view(-1, 1), torch.tensor(ids, device=logits.device).view(1, -1)] = float("-inf")
-    return logits
 
 
 ROLES = ("draft", "target")  # the two sides draw from separate streams, as they may run in separate processes

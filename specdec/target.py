@@ -15,9 +15,11 @@ import torch
 from .acceptance import Verdict, accept_greedy, accept_sampling
 from .device import to_host
 from .errors import InvalidArgument, RequestExists, RequestFailed, UnknownRequest
+from .grammar import Grammars, RowGrammar
 from .kvcache import CachedLM
 from .logprobs import committed_logprobs
-from .sampling import SamplingParams, hold_back_ends, make_generator
+from .processors import History, process
+from .sampling import SamplingParams, make_generator
 from .tree import TokenTree, layout
 
 log = logging.getLogger(__name__)
@@ -31,21 +33,40 @@ class _Request:
     params: SamplingParams
     generator: torch.Generator  # the target side's random stream (acceptance, bonus tokens)
     prompt_len: int  # len(seq) when it joined: the tokens after it are the ones it generated
+    grammar: RowGrammar | None = None  # its response_format's matcher, at the tokens it has committed
 
     @property
-    def generated(self) -> int:
-        return len(self.seq) - self.prompt_len
+    def history(self) -> History:
+        return History(self.seq, self.prompt_len)
+
+    def commit(self, tokens: list[int]) -> None:
+        self.seq += tokens
+        if self.grammar is not None:
+            self.grammar.commit(tokens)
 
 
 class TargetWorker:
-    def __init__(self, lm: CachedLM):
-        self.lm = lm
+    def __init__(self, lm: CachedLM, grammars: Grammars | None = None):
+        """grammars: the target's tokenizer for requests with a grammar (None: such requests are refused)."""
+        self.lm, self.grammars = lm, grammars
         lm.reset(0)
         self.requests: dict[Hashable, _Request] = {}
         self.rows: list[Hashable] = []  # batch row -> request id
         config = lm.model.config.get_text_config()
         self.vocab_size: int = config.vocab_size  # token ids the embedding takes: [0, vocab_size)
         self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
+
+    def check_request(self, prompt: list[int], params: SamplingParams) -> None:
+        """InvalidArgument naming the field unless the prompt is 1..max_positions ids of the vocabulary,
+        logit_bias names ids of the vocabulary and a grammar compiles against the target's tokenizer."""
+        self.check_prompt(prompt)
+        if params.logit_bias and max(t for t, _ in params.logit_bias) >= self.vocab_size:
+            raise InvalidArgument("logit_bias", f"names a token id outside the vocabulary [0, {self.vocab_size})")
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise InvalidArgument("response_format", "this target was started without its tokenizer, so it "
+                                                         "serves no grammar")
+            self.grammars.check(params.grammar)
 
     def check_prompt(self, prompt: list[int]) -> None:
         """InvalidArgument("prompt") unless the prompt is 1..max_positions ids of the vocabulary."""
@@ -60,14 +81,17 @@ class TargetWorker:
     def add(self, joining: list[tuple[Hashable, list[int], SamplingParams, int]]) -> None:
         """Requests (id, prompt, params, stream) join the batch; their prompts are prefilled in one forward
         of their own (the running rows are not padded along)."""
-        for rid, prompt, _, _ in joining:
+        grammars = {}
+        for rid, prompt, params, _ in joining:
             if rid in self.requests:
                 raise RequestExists(f"request {rid!r} is already in the batch")
-            self.check_prompt(prompt)
+            self.check_request(prompt, params)
+            if params.grammar is not None:
+                grammars[rid] = self.grammars.matcher(params.grammar)
         self.lm.join([prompt[:-1] for _, prompt, _, _ in joining])  # the last token is the first tree's root
         for rid, prompt, params, stream in joining:
             gen = make_generator(params.seed, stream, self.lm.device, role="target")
-            self.requests[rid] = _Request(list(prompt), params, gen, len(prompt))
+            self.requests[rid] = _Request(list(prompt), params, gen, len(prompt), grammars.get(rid))
             self.rows.append(rid)
 
     def remove(self, leaving: list[Hashable]) -> None:
@@ -133,14 +157,14 @@ class TargetWorker:
         start = self.lm.size
         tokens, block, positions = layout(row_trees, self.lm.lengths)
         logits = self.lm.forward(tokens, block, positions, sizes=sizes)  # [N, V]: the trees' nodes, row after row
-        held = self._hold_back_ends(logits, row_trees, sizes)  # what p is drawn from (logprobs: the raw logits)
+        held = self._processed(logits, row_trees, sizes)  # what p is drawn from (logprobs: the raw logits)
         (argmax,) = to_host(held.argmax(-1))  # the forward's one wait for the device (greedy rows)
         keep, offset = [], 0
         for rid, tree, row_held, row_logits, size in zip(self.rows, row_trees, held.split(sizes), logits.split(sizes), sizes):
             row_argmax, offset = argmax[offset : offset + size], offset + size
             outcome = self._decide(rid, tree, row_argmax, row_held, row_logits) if rid in trees else None
             if isinstance(outcome, Verdict):
-                self.requests[rid].seq += outcome.tokens
+                self.requests[rid].commit(outcome.tokens)
                 keep.append([start + n for n in outcome.path])
             else:
                 keep.append([])  # sat this step out, or failed: nothing committed
@@ -149,13 +173,20 @@ class TargetWorker:
         self.lm.commit(keep)
         return outcomes, sum(sizes)
 
-    def _hold_back_ends(self, logits: torch.Tensor, row_trees: list[TokenTree], sizes: list[int]) -> torch.Tensor:
-        """The forward's logits with each row's end ids held out while it is under its min_tokens
-        (sampling.hold_back_ends); the same tensor when no row holds any back."""
+    def _processed(self, logits: torch.Tensor, row_trees: list[TokenTree], sizes: list[int]) -> torch.Tensor:
+        """The forward's logits [N, V] after each node as its row's settings make them from the node's own
+        history (specdec/processors.py); the same tensor when no row's settings change any."""
         parts = logits.split(sizes)
-        held = [hold_back_ends(part, self.requests[rid].params, self.requests[rid].generated, tree.depths) if size
-                else part for rid, tree, part, size in zip(self.rows, row_trees, parts, sizes)]
-        return logits if all(h is part for h, part in zip(held, parts)) else torch.cat(held)
+        held = [self._row_logits(rid, tree, part) if size else part
+                for rid, tree, part, size in zip(self.rows, row_trees, parts, sizes)]
+        if all(h is part for h, part in zip(held, parts)):
+            return logits
+        return torch.cat([h.float() for h in held])
+
+    def _row_logits(self, rid: Hashable, tree: TokenTree, logits: torch.Tensor) -> torch.Tensor:
+        req = self.requests[rid]
+        allowed = req.grammar.allowed(tree) if req.grammar is not None else None  # [size, V] on the host
+        return process(logits, req.params, req.history, tree, allowed)
 
     def _decide(self, rid: Hashable, tree: TokenTree, argmax: list[int], held: torch.Tensor,
                 logits: torch.Tensor) -> Outcome:

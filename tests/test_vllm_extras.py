@@ -14,7 +14,8 @@ from cluster.detokenizer import Detokenizer, TextOptions
 from cluster.openai_api import ChatBody, CompletionBody, HttpError, parse_body
 from specdec import CachedLM, SamplingParams, SpecConfig, SpeculativeEngine
 from specdec.errors import InvalidArgument
-from specdec.sampling import hold_back_ends, warp
+from specdec.processors import hold_back_ends
+from specdec.sampling import warp
 from test_sampling import M, N_TOKENS, P_MIN, PROMPT, drafter_for, exact_joint, fit, sample_engine
 
 # --- the distribution ---------------------------------------------------------------------------------
