@@ -216,7 +216,10 @@ def verdict_from_proto(msg: tree_pb.VerifyResult) -> tuple[str, Verdict]:
 
 def sampling_to_proto(p: SamplingParams) -> tree_pb.SamplingParams:
     return tree_pb.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
-                                  logprobs=p.logprobs, min_p=p.min_p, min_tokens=p.min_tokens, end_ids=p.end_ids)
+                                  logprobs=p.logprobs, min_p=p.min_p, min_tokens=p.min_tokens, end_ids=p.end_ids,
+                                  repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+                                  frequency_penalty=p.frequency_penalty, logit_bias=dict(p.logit_bias),
+                                  grammar=p.grammar)
 
 
 def sampling_fields(msg: api.GenerateRequest | tree_pb.SamplingParams) -> dict:
@@ -224,14 +227,19 @@ def sampling_fields(msg: api.GenerateRequest | tree_pb.SamplingParams) -> dict:
     return {"temperature": msg.temperature, "top_k": msg.top_k, "top_p": msg.top_p if msg.HasField("top_p") else 1.0,
             "seed": msg.seed if msg.HasField("seed") else None,
             "logprobs": msg.logprobs if msg.HasField("logprobs") else None, "min_p": msg.min_p,
-            "min_tokens": msg.min_tokens}
+            "min_tokens": msg.min_tokens,
+            "repetition_penalty": msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+            "presence_penalty": msg.presence_penalty, "frequency_penalty": msg.frequency_penalty,
+            "logit_bias": tuple(sorted(msg.logit_bias.items()))}
 
 
 def sampling_from_proto(msg: api.GenerateRequest | tree_pb.SamplingParams) -> SamplingParams:
-    """InvalidArgument naming the field when temperature, top_k, top_p, seed, logprobs, min_p or min_tokens is
-    out of range (the client API's request carries no end_ids: the ingress makes them)."""
-    end_ids = tuple(msg.end_ids) if isinstance(msg, tree_pb.SamplingParams) else ()
-    return SamplingParams(**sampling_fields(msg), end_ids=end_ids)
+    """InvalidArgument naming the field when a sampling field is out of range (the client API's request
+    carries no end_ids and no grammar: the ingress makes them, from eos and response_format)."""
+    if isinstance(msg, tree_pb.SamplingParams):
+        return SamplingParams(**sampling_fields(msg), end_ids=tuple(msg.end_ids),
+                              grammar=msg.grammar if msg.HasField("grammar") else None)
+    return SamplingParams(**sampling_fields(msg))
 
 
 # --- the core's typed errors <-> gRPC status codes (whole calls and single rows) -------------------------------

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from specdec.errors import InvalidArgument, Unavailable
+from specdec.grammar import Grammars, ResponseFormat, grammar_of
 from specdec.sampling import SamplingParams
 
 from actors.scheduler import KvBudget
@@ -50,11 +51,17 @@ class Request:
     stop_token_ids: tuple[int, ...] = ()  # these tokens end it too (as eos: finish_reason "stop")
     include_stop_str_in_output: bool = False  # the stop string (or end token's text) stays in the text
     skip_special_tokens: bool = True  # special tokens' texts are left out of the text
+    repetition_penalty: float = 1.0  # see SamplingParams
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    response_format: ResponseFormat = ResponseFormat()  # the output is held to it (specdec/grammar.py)
 
     def sampling(self, eos: list[int] = ()) -> SamplingParams:
         """Its sampling settings, with `eos` the model's end tokens (InvalidArgument naming the first bad field)."""
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed, self.logprobs, self.min_p,
-                              self.min_tokens, self.end_ids(eos))
+                              self.min_tokens, self.end_ids(eos), self.repetition_penalty, self.presence_penalty,
+                              self.frequency_penalty, self.logit_bias, grammar_of(self.response_format))
 
     def end_ids(self, eos: list[int]) -> tuple[int, ...]:
         """The tokens that end it: the model's eos unless ignore_eos, and its stop_token_ids."""
@@ -80,6 +87,7 @@ class Admission:
                  supervisor: TargetSupervisor, eos: list[int] = ()):
         self.limits, self.tokenizer, self.context, self.eos = cfg.server, tokenizer, context, list(eos)
         self.router, self.budget, self.supervisor = router, budget, supervisor
+        self.grammars = Grammars(tokenizer, len(tokenizer), eos)  # response_format's grammars checked here
         self.in_flight = 0  # samples admitted and not yet ended
 
     def admit(self, req: Request) -> Admitted:
@@ -134,7 +142,26 @@ class Admission:
         self._check_stop_token_ids(req.stop_token_ids)
         if req.max_new_tokens is not None and req.min_tokens > req.max_new_tokens:
             raise InvalidArgument("min_tokens", f"must be at most max_new_tokens ({req.max_new_tokens}), got {req.min_tokens}")
+        self._check_logit_bias(req.logit_bias)
+        self._check_response_format(req)
         req.sampling(self.eos)  # InvalidArgument naming the field (speculation is parsed by the converters)
+
+    def _check_logit_bias(self, bias: tuple[tuple[int, float], ...]) -> None:
+        if any(not 0 <= t < len(self.tokenizer) for t, _ in bias):
+            raise InvalidArgument("logit_bias", f"token ids must be in the vocabulary [0, {len(self.tokenizer)}), "
+                                                f"got {sorted(t for t, _ in bias)}")
+
+    def _check_response_format(self, req: Request) -> None:
+        """A response format's grammar ends in the model's eos, so it asks for eos to end the row, and
+        for no min_tokens that would hold it back past where the grammar ends."""
+        if req.response_format.type in ("", "text"):
+            return
+        if req.ignore_eos:
+            raise InvalidArgument("response_format", "cannot be used with ignore_eos: the output ends when it "
+                                                     "is complete, with the model's eos")
+        if req.min_tokens:
+            raise InvalidArgument("response_format", "cannot be used with min_tokens: the output ends when it "
+                                                     "is complete, however few tokens that is")
 
     def _check_stop_token_ids(self, ids: tuple[int, ...]) -> None:
         if len(ids) > MAX_STOP_TOKEN_IDS:
@@ -144,6 +171,10 @@ class Admission:
                                                     f"got {list(ids)}")
 
     def _prompt_ids(self, req: Request) -> list[int]:
+        """The prompt's tokens; and a response format's grammar checked against the tokenizer (both take
+        CPU time: admit_async runs this off the event loop)."""
+        if (grammar := grammar_of(req.response_format)) is not None:
+            self.grammars.check(grammar)
         return self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
 
     def _admitted(self, req: Request, ids: list[int], task_type: str) -> Admitted:

@@ -2,8 +2,11 @@
 records: a GenerateRequest -> Request, a chunk or a whole sample -> GenerateResponse, /v1/stats's
 sections -> GetStatsResponse. (The HTTP API's is cluster/openai_api.py.)"""
 
+import json
+
 from protos import specdec_api_pb2 as api
 from specdec.errors import InvalidArgument
+from specdec.grammar import ResponseFormat
 from specdec.logprobs import TokenLogprob
 
 from actors import wire
@@ -27,7 +30,17 @@ def request_from_proto(msg: api.GenerateRequest) -> Request:
                    speculation=speculation, stop=tuple(msg.stop), n=msg.n or 1, ignore_eos=msg.ignore_eos,
                    stop_token_ids=tuple(msg.stop_token_ids), include_stop_str_in_output=msg.include_stop_str_in_output,
                    skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
-                   **wire.sampling_fields(msg))
+                   response_format=response_format_from_proto(msg.response_format), **wire.sampling_fields(msg))
+
+
+def response_format_from_proto(msg: api.ResponseFormat) -> ResponseFormat:
+    """InvalidArgument when json_schema is not JSON text (what it holds is checked at admission)."""
+    if not msg.json_schema:
+        return ResponseFormat(msg.type)
+    try:
+        return ResponseFormat(msg.type, json.loads(msg.json_schema))
+    except json.JSONDecodeError as e:
+        raise InvalidArgument("response_format.json_schema", f"is not JSON: {e}") from None
 
 
 class Responses:

@@ -11,13 +11,14 @@ import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from itertools import accumulate
-from typing import Annotated, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from specdec.errors import InvalidArgument
+from specdec.grammar import ResponseFormat
 from specdec.logprobs import TokenLogprob
 
 from .detokenizer import token_text
@@ -30,9 +31,8 @@ from .statuses import RequestTooLarge, client_error
 
 # OpenAI fields specdec does not implement -> the values that leave them unused (null always does).
 UNSUPPORTED = {
-    "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "best_of": (1,), "suffix": ("",),
-    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "response_format": ({"type": "text"},), "repetition_penalty": (1,),
+    "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "function_call": ("none",),
 }
 
 
@@ -101,6 +101,44 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every event carries the usage so far
 
 
+class JsonSchema(BaseModel):
+    """response_format.json_schema, as OpenAI's: the schema and its name (strict and description are
+    accepted: the output always matches the schema)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = "response"
+    schema_: dict = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormatBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _only_for_json_schema(cls, schema: JsonSchema | None, info: ValidationInfo) -> JsonSchema | None:
+        if (schema is not None) != (info.data.get("type") == "json_schema"):
+            raise ValueError("is given with type json_schema, and only with it")
+        return schema
+
+    def record(self) -> ResponseFormat:
+        return ResponseFormat(self.type, self.json_schema.schema_ if self.json_schema else None)
+
+
+def logit_bias_of(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias (token ids as JSON keys) -> (id, bias) pairs by id; InvalidArgument for a key that
+    is no integer (the ranges are checked with the other sampling fields)."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not key.lstrip("-").isdigit() or len(key) > 12:
+            raise InvalidArgument("logit_bias", f"keys are token ids, got {key[:32]!r}")
+        pairs.append((int(key), value))
+    return tuple(sorted(pairs))
+
+
 class _Body(BaseModel):
     """The fields both endpoints take: OpenAI's that specdec serves, plus task_type, speculation, top_k."""
 
@@ -125,6 +163,12 @@ class _Body(BaseModel):
     stop_token_ids: list[Int64] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    repetition_penalty: float = 1.0
+    # OpenAI's penalties and constraints (done exactly under speculation: specdec/processors.py)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormatBody | None = None
 
     @field_validator("stream_options")
     @classmethod
@@ -151,7 +195,11 @@ class _Body(BaseModel):
                        min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                        stop_token_ids=tuple(self.stop_token_ids or ()),
                        include_stop_str_in_output=self.include_stop_str_in_output,
-                       skip_special_tokens=self.skip_special_tokens, **more)
+                       skip_special_tokens=self.skip_special_tokens, repetition_penalty=self.repetition_penalty,
+                       presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                       logit_bias=logit_bias_of(self.logit_bias),
+                       response_format=self.response_format.record() if self.response_format else ResponseFormat(),
+                       **more)
 
 
 class CompletionBody(_Body):

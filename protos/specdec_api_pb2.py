@@ -24,39 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/specdec_api.proto\x12\nspecdec.v1\"\xc2\x03\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x11\n\ttask_type\x18\x02 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12,\n\x0bspeculation\x18\x08 \x01(\x0e\x32\x17.specdec.v1.Speculation\x12\x0c\n\x04stop\x18\t \x03(\t\x12\t\n\x01n\x18\n \x01(\x05\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0f \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x03\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"w\n\x10SpeculationStats\x12\x13\n\x0bspeculative\x18\x01 \x01(\x08\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x05\x12\r\n\x05steps\x18\x04 \x01(\x05\x12\x12\n\x05\x61lpha\x18\x05 \x01(\x01H\x00\x88\x01\x01\x42\x08\n\x06_alpha\"\xe6\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12+\n\x05stats\x18\x04 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12\r\n\x05index\x18\x05 \x01(\x05\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12\x32\n\x0cmore_samples\x18\x07 \x03(\x0b\x32\x1c.specdec.v1.GenerateResponse\"\x11\n\x0fGetStatsRequest\"\xd3\x02\n\rTaskTypeStats\x12\x11\n\ttask_type\x18\x01 \x01(\t\x12\x12\n\x05\x61lpha\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x08\x64\x65\x63ision\x18\x03 \x01(\t\x12\t\n\x01k\x18\x04 \x01(\x05\x12\x0f\n\x07samples\x18\x05 \x01(\x03\x12\x39\n\x08requests\x18\x06 \x03(\x0b\x32\'.specdec.v1.TaskTypeStats.RequestsEntry\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x37\n\x07goodput\x18\x08 \x03(\x0b\x32&.specdec.v1.TaskTypeStats.GoodputEntry\x1a/\n\rRequestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a.\n\x0cGoodputEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06_alpha\"\xda\x02\n\x0bTargetStats\x12\r\n\x05state\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08rebuilds\x18\x03 \x01(\x05\x12\x1c\n\x0flast_recovery_s\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x1a\n\ropen_requests\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x1f\n\x12kv_tokens_reserved\x18\x06 \x01(\x03H\x02\x88\x01\x01\x12\x14\n\x07waiting\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x1a\n\rlargest_batch\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12\x1d\n\x10idle_rows_closed\x18\t \x01(\x03H\x05\x88\x01\x01\x42\x12\n\x10_last_recovery_sB\x10\n\x0e_open_requestsB\x15\n\x13_kv_tokens_reservedB\n\n\x08_waitingB\x10\n\x0e_largest_batchB\x13\n\x11_idle_rows_closed\"}\n\x10GetStatsResponse\x12-\n\ntask_types\x18\x01 \x03(\x0b\x32\x19.specdec.v1.TaskTypeStats\x12\'\n\x06target\x18\x02 \x01(\x0b\x32\x17.specdec.v1.TargetStats\x12\x11\n\tin_flight\x18\x03 \x01(\x05*L\n\x0bSpeculation\x12\x14\n\x10SPECULATION_AUTO\x10\x00\x12\x12\n\x0eSPECULATION_ON\x10\x01\x12\x13\n\x0fSPECULATION_OFF\x10\x02\x32\xe9\x01\n\nSpecDecode\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12M\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12\x45\n\x08GetStats\x12\x1b.specdec.v1.GetStatsRequest\x1a\x1c.specdec.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/specdec_api.proto\x12\nspecdec.v1\"\xd6\x05\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x11\n\ttask_type\x18\x02 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12,\n\x0bspeculation\x18\x08 \x01(\x0e\x32\x17.specdec.v1.Speculation\x12\x0c\n\x04stop\x18\t \x03(\t\x12\t\n\x01n\x18\n \x01(\x05\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0f \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x12 \x01(\x01H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x13 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x14 \x01(\x01\x12>\n\nlogit_bias\x18\x15 \x03(\x0b\x32*.specdec.v1.GenerateRequest.LogitBiasEntry\x12\x33\n\x0fresponse_format\x18\x16 \x01(\x0b\x32\x1a.specdec.v1.ResponseFormat\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x15\n\x13_repetition_penalty\"3\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"w\n\x10SpeculationStats\x12\x13\n\x0bspeculative\x18\x01 \x01(\x08\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x05\x12\r\n\x05steps\x18\x04 \x01(\x05\x12\x12\n\x05\x61lpha\x18\x05 \x01(\x01H\x00\x88\x01\x01\x42\x08\n\x06_alpha\"\xe6\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12+\n\x05stats\x18\x04 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12\r\n\x05index\x18\x05 \x01(\x05\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12\x32\n\x0cmore_samples\x18\x07 \x03(\x0b\x32\x1c.specdec.v1.GenerateResponse\"\x11\n\x0fGetStatsRequest\"\xd3\x02\n\rTaskTypeStats\x12\x11\n\ttask_type\x18\x01 \x01(\t\x12\x12\n\x05\x61lpha\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x08\x64\x65\x63ision\x18\x03 \x01(\t\x12\t\n\x01k\x18\x04 \x01(\x05\x12\x0f\n\x07samples\x18\x05 \x01(\x03\x12\x39\n\x08requests\x18\x06 \x03(\x0b\x32\'.specdec.v1.TaskTypeStats.RequestsEntry\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x37\n\x07goodput\x18\x08 \x03(\x0b\x32&.specdec.v1.TaskTypeStats.GoodputEntry\x1a/\n\rRequestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a.\n\x0cGoodputEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06_alpha\"\xda\x02\n\x0bTargetStats\x12\r\n\x05state\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08rebuilds\x18\x03 \x01(\x05\x12\x1c\n\x0flast_recovery_s\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x1a\n\ropen_requests\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x1f\n\x12kv_tokens_reserved\x18\x06 \x01(\x03H\x02\x88\x01\x01\x12\x14\n\x07waiting\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x1a\n\rlargest_batch\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12\x1d\n\x10idle_rows_closed\x18\t \x01(\x03H\x05\x88\x01\x01\x42\x12\n\x10_last_recovery_sB\x10\n\x0e_open_requestsB\x15\n\x13_kv_tokens_reservedB\n\n\x08_waitingB\x10\n\x0e_largest_batchB\x13\n\x11_idle_rows_closed\"}\n\x10GetStatsResponse\x12-\n\ntask_types\x18\x01 \x03(\x0b\x32\x19.specdec.v1.TaskTypeStats\x12\'\n\x06target\x18\x02 \x01(\x0b\x32\x17.specdec.v1.TargetStats\x12\x11\n\tin_flight\x18\x03 \x01(\x05*L\n\x0bSpeculation\x12\x14\n\x10SPECULATION_AUTO\x10\x00\x12\x12\n\x0eSPECULATION_ON\x10\x01\x12\x13\n\x0fSPECULATION_OFF\x10\x02\x32\xe9\x01\n\nSpecDecode\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12M\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12\x45\n\x08GetStats\x12\x1b.specdec.v1.GetStatsRequest\x1a\x1c.specdec.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.specdec_api_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_TASKTYPESTATS_REQUESTSENTRY']._loaded_options = None
   _globals['_TASKTYPESTATS_REQUESTSENTRY']._serialized_options = b'8\001'
   _globals['_TASKTYPESTATS_GOODPUTENTRY']._loaded_options = None
   _globals['_TASKTYPESTATS_GOODPUTENTRY']._serialized_options = b'8\001'
-  _globals['_SPECULATION']._serialized_start=1789
-  _globals['_SPECULATION']._serialized_end=1865
+  _globals['_SPECULATION']._serialized_start=2118
+  _globals['_SPECULATION']._serialized_end=2194
   _globals['_GENERATEREQUEST']._serialized_start=41
-  _globals['_GENERATEREQUEST']._serialized_end=491
-  _globals['_TOKENLOGPROB']._serialized_start=493
-  _globals['_TOKENLOGPROB']._serialized_end=596
-  _globals['_SPECULATIONSTATS']._serialized_start=598
-  _globals['_SPECULATIONSTATS']._serialized_end=717
-  _globals['_GENERATERESPONSE']._serialized_start=720
-  _globals['_GENERATERESPONSE']._serialized_end=950
-  _globals['_GETSTATSREQUEST']._serialized_start=952
-  _globals['_GETSTATSREQUEST']._serialized_end=969
-  _globals['_TASKTYPESTATS']._serialized_start=972
-  _globals['_TASKTYPESTATS']._serialized_end=1311
-  _globals['_TASKTYPESTATS_REQUESTSENTRY']._serialized_start=1206
-  _globals['_TASKTYPESTATS_REQUESTSENTRY']._serialized_end=1253
-  _globals['_TASKTYPESTATS_GOODPUTENTRY']._serialized_start=1255
-  _globals['_TASKTYPESTATS_GOODPUTENTRY']._serialized_end=1301
-  _globals['_TARGETSTATS']._serialized_start=1314
-  _globals['_TARGETSTATS']._serialized_end=1660
-  _globals['_GETSTATSRESPONSE']._serialized_start=1662
-  _globals['_GETSTATSRESPONSE']._serialized_end=1787
-  _globals['_SPECDECODE']._serialized_start=1868
-  _globals['_SPECDECODE']._serialized_end=2101
+  _globals['_GENERATEREQUEST']._serialized_end=767
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=640
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=688
+  _globals['_RESPONSEFORMAT']._serialized_start=769
+  _globals['_RESPONSEFORMAT']._serialized_end=820
+  _globals['_TOKENLOGPROB']._serialized_start=822
+  _globals['_TOKENLOGPROB']._serialized_end=925
+  _globals['_SPECULATIONSTATS']._serialized_start=927
+  _globals['_SPECULATIONSTATS']._serialized_end=1046
+  _globals['_GENERATERESPONSE']._serialized_start=1049
+  _globals['_GENERATERESPONSE']._serialized_end=1279
+  _globals['_GETSTATSREQUEST']._serialized_start=1281
+  _globals['_GETSTATSREQUEST']._serialized_end=1298
+  _globals['_TASKTYPESTATS']._serialized_start=1301
+  _globals['_TASKTYPESTATS']._serialized_end=1640
+  _globals['_TASKTYPESTATS_REQUESTSENTRY']._serialized_start=1535
+  _globals['_TASKTYPESTATS_REQUESTSENTRY']._serialized_end=1582
+  _globals['_TASKTYPESTATS_GOODPUTENTRY']._serialized_start=1584
+  _globals['_TASKTYPESTATS_GOODPUTENTRY']._serialized_end=1630
+  _globals['_TARGETSTATS']._serialized_start=1643
+  _globals['_TARGETSTATS']._serialized_end=1989
+  _globals['_GETSTATSRESPONSE']._serialized_start=1991
+  _globals['_GETSTATSRESPONSE']._serialized_end=2116
+  _globals['_SPECDECODE']._serialized_start=2197
+  _globals['_SPECDECODE']._serialized_end=2430
 # @@protoc_insertion_point(module_scope)

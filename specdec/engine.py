@@ -13,6 +13,7 @@ import torch
 from .acceptance import Verdict, acceptance_rate
 from .adaptive import AdaptivePlanner, RowState, SpecConfig, clock
 from .drafters import Drafter, Plan
+from .grammar import Grammars
 from .kvcache import CachedLM
 from .logprobs import TokenLogprob
 from .sampling import SamplingParams, make_generator
@@ -99,8 +100,10 @@ class SpeculativeEngine:
         config: SpecConfig = SpecConfig(),
         eos_token_ids: set[int] | None = None,
         max_positions: int | None = None,
+        grammars: Grammars | None = None,
     ):
-        self.target, self.drafter, self.config = target, drafter, config
+        """grammars: the target's tokenizer for rows with a grammar (SamplingParams.grammar)."""
+        self.target, self.drafter, self.config, self.grammars = target, drafter, config, grammars
         self.eos = eos_token_ids or set()
         self.max_positions = max_positions or getattr(target.model.config, "max_position_embeddings", None)
         self.planner = AdaptivePlanner(config, uses_model=drafter is not None and drafter.uses_model,
@@ -149,7 +152,7 @@ class SpeculativeEngine:
 
     def _start(self, prompts, params, streams) -> TargetWorker:
         """A target worker with the prompts prefilled, and the drafter started on the batch."""
-        worker = TargetWorker(self.target)
+        worker = TargetWorker(self.target, self.grammars)
         worker.add([(r, p, params[r], streams[r]) for r, p in enumerate(prompts)])
         if self.drafter is not None:
             self.drafter.start(len(prompts))

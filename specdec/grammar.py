@@ -31,7 +31,7 @@ class ResponseFormat:
     """OpenAI's response_format: "text" (no constraint), "json_object" (any JSON object) or "json_schema"
     (JSON that `schema` validates)."""
 
-    type: str = "text"
+    type: str = "text"  # "" (gRPC's unset) is "text"
     schema: dict | None = None  # json_schema only
 
 
@@ -39,7 +39,7 @@ def grammar_of(fmt: ResponseFormat) -> str | None:
     """The llguidance grammar of a response format, None for "text" (InvalidArgument naming what is wrong)."""
     import llguidance
 
-    if fmt.type == "text":
+    if fmt.type in ("", "text"):
         return None
     if fmt.type == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)

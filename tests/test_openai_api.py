@@ -218,9 +218,8 @@ def test_chat_completions_render_the_chat_template(client, tokenizer, target):
 
 
 REFUSED = [  # (endpoint, field, value): OpenAI fields specdec does not implement
-    ("completions", "presence_penalty", 0.5), ("completions", "frequency_penalty", -1), ("completions", "best_of", 2),
-    ("completions", "logit_bias", {"5": 10}), ("completions", "suffix", "w1"),
-    ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]), ("chat", "presence_penalty", 1),
+    ("completions", "best_of", 2), ("completions", "suffix", "w1"),
+    ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]), ("chat", "function_call", "auto"),
 ]
 
 
@@ -233,9 +232,9 @@ def test_unsupported_fields_are_refused_by_name(client, endpoint, field, value):
 
 
 def test_implicit_defaults_of_unsupported_fields_are_accepted(client):
-    defaults = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "best_of": 1, "suffix": None}
+    defaults = {"best_of": 1, "suffix": None}
     assert call(client, "completions", **defaults).choices[0].finish_reason == "length"
-    assert call(client, "chat", presence_penalty=0, tools=[], tool_choice="none").choices[0].finish_reason == "length"
+    assert call(client, "chat", tools=[], tool_choice="none").choices[0].finish_reason == "length"
 
 
 BAD = [  # (endpoint, fields, the field the 400 names)
@@ -743,7 +742,12 @@ def test_stop_token_ids_stop_and_min_tokens_holds_them_back(server, tokenizer, t
 
 def test_bad_extras_get_a_400_naming_the_field(server):
     for extras, field in [({"stop_token_ids": [10**6]}, "stop_token_ids"), ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
-                          ({"min_p": 2}, "min_p"), ({"repetition_penalty": 1.3}, "repetition_penalty")]:
+                          ({"min_p": 2}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
+                          ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+                          ({"logit_bias": {"5": 101}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+                          ({"logit_bias": {str(10**6): 1}}, "logit_bias"),
+                          ({"response_format": {"type": "yaml"}}, "response_format.type"),
+                          ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "response_format")]:
         status, reply = raw_post(server, "/v1/completions", json.dumps({"prompt": PROMPT, **extras}).encode())
         assert status == 400 and reply["error"]["param"] == field, reply
     with pytest.raises(grpc.RpcError) as e:

@@ -141,9 +141,11 @@ def test_vllm_extras_reach_the_request_and_defaults_of_unserved_ones_pass():
     assert req.include_stop_str_in_output and not req.skip_special_tokens
     assert req.end_ids([0, 5]) == (5, 6) and req.sampling([0]).end_ids == (5, 6)
     assert body(CompletionBody, prompt="x", stop_token_ids=[5]).request("x", None).end_ids([0]) == (0, 5)
-    for name, value in (("repetition_penalty", 1.2), ("presence_penalty", 0.5)):
-        with pytest.raises(HttpError, match=f"{name} is not supported"):
-            body(CompletionBody, prompt="x", **{name: value})
+    penalized = body(CompletionBody, prompt="x", repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=-1,
+                     logit_bias={"7": -100, "3": 2.5}, response_format={"type": "json_object"}).request("x", None)
+    assert (penalized.repetition_penalty, penalized.presence_penalty, penalized.frequency_penalty) == (1.2, 0.5, -1)
+    assert penalized.logit_bias == ((3, 2.5), (7, -100)) and penalized.response_format.type == "json_object"
+    assert penalized.sampling([0]).grammar is not None and req.sampling([0]).grammar is None
     stream = body(ChatBody, messages=[{"role": "user", "content": "x"}], stream=True,
                   stream_options={"include_usage": True, "continuous_usage_stats": True})
     assert stream.continuous_usage

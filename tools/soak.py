@@ -149,7 +149,7 @@ BAD_HTTP = {  # what is wrong -> the body sent to /v1/completions
     "NaN temperature": b'{"prompt": "x", "max_tokens": 4, "temperature": NaN}',
     "max_tokens a word": b'{"prompt": "x", "max_tokens": "ten"}',
     "n of 0": b'{"prompt": "x", "max_tokens": 4, "n": 0}',
-    "unsupported field": b'{"prompt": "x", "max_tokens": 4, "logit_bias": {"5": 10}}',
+    "unsupported field": b'{"prompt": "x", "max_tokens": 4, "best_of": 3}',
 }
 
 
