@@ -15,7 +15,7 @@ import torch.distributed as dist
 from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.cpu_linear import packed_numel
 from specdec.kvcache import CachedLM
-from specdec.loading import load_served_model, load_sharded_model, parse_dtype
+from specdec.loading import load_grammars, load_served_model, load_sharded_model, parse_dtype
 from specdec.sampling import SamplingParams
 from specdec.target import TargetWorker
 
@@ -83,12 +83,13 @@ class TargetRank:
         self.rank, self.scheduler = rank, None
         self.streams: dict[str, StepStream] = {}
         if world_size == 1:
-            worker = TargetWorker(CachedLM(load_served_model(model_path, parse_dtype(dtype), device)))
-            self.weights_held = _local_numel(worker.lm.model)
+            model = load_served_model(model_path, parse_dtype(dtype), device)
         else:
             group = _join_tensor_parallel_group(rank, world_size, dist_address, device)
-            worker = TargetWorker(CachedLM(load_sharded_model(model_path, parse_dtype(dtype))))
-            self.weights_held = _local_numel(worker.lm.model)
+            model = load_sharded_model(model_path, parse_dtype(dtype))
+        worker = TargetWorker(CachedLM(model), load_grammars(model_path, model))
+        self.weights_held = _local_numel(model)
+        if world_size > 1:
             if rank > 0:
                 threading.Thread(target=follow, args=(worker, group), name="lockstep", daemon=True).start()
                 return

@@ -15,7 +15,8 @@ from typing import Annotated, Literal, TypeVar
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from specdec.errors import InvalidArgument
 from specdec.grammar import ResponseFormat
@@ -117,12 +118,11 @@ class ResponseFormatBody(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchema | None = None
 
-    @field_validator("json_schema")
-    @classmethod
-    def _only_for_json_schema(cls, schema: JsonSchema | None, info: ValidationInfo) -> JsonSchema | None:
-        if (schema is not None) != (info.data.get("type") == "json_schema"):
-            raise ValueError("is given with type json_schema, and only with it")
-        return schema
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self) -> "ResponseFormatBody":
+        if (self.json_schema is not None) != (self.type == "json_schema"):
+            raise ValueError("json_schema is given with type json_schema, and only with it")
+        return self
 
     def record(self) -> ResponseFormat:
         return ResponseFormat(self.type, self.json_schema.schema_ if self.json_schema else None)

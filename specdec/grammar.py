@@ -67,7 +67,10 @@ class Grammars:
         if self._ll is None:
             import llguidance.hf
 
-            self._ll = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=self.eos or None)
+            try:
+                self._ll = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=self.eos or None)
+            except ValueError as e:  # a slow (Python) tokenizer: llguidance reads fast ones only
+                raise InvalidArgument(FIELD, f"the target's tokenizer cannot hold a grammar: {e}") from None
         return self._ll
 
     def check(self, grammar: str) -> None:

@@ -10,6 +10,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from .cpu_linear import pack_linears
 from .errors import UnsupportedModel
 from .gguf import is_gguf, model_folder
+from .grammar import Grammars
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -111,6 +112,17 @@ def eos_ids(generation_config, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     eos = getattr(generation_config, "eos_token_id", None)
     eos = tokenizer.eos_token_id if eos is None else eos
     return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+def load_grammars(path: str, model: PreTrainedModel) -> Grammars | None:
+    """The target's tokenizer as its grammars read it (specdec/grammar.py), or None when the model's folder
+    has no tokenizer (the target then refuses requests with a response_format, saying so)."""
+    try:
+        tokenizer = load_tokenizer(path)
+    except (OSError, ValueError):
+        return None
+    vocab_size = model.config.get_text_config().vocab_size
+    return Grammars(tokenizer, vocab_size, sorted(eos_ids(model.generation_config, tokenizer)))
 
 
 def check_same_vocabulary(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:

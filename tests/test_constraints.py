@@ -210,7 +210,9 @@ def json_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|end|>"],
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>")
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant: {% endif %}")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>", chat_template=template)
 
 
 def save_json_pair(root) -> tuple[str, str]:
