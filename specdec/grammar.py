@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .device import HOST
 from .errors import InvalidArgument
 from .tree import TokenTree
 
@@ -100,7 +101,7 @@ class RowGrammar:
     def allowed(self, tree: TokenTree) -> torch.Tensor:
         """[N, V] bool on the host: the tokens the grammar allows after each node of the tree (every token
         under a node it forbids, which is never accepted)."""
-        bits = torch.full((len(tree), self.words), -1, dtype=torch.int32)  # [N, W]: -1, all allowed
+        bits = torch.full((len(tree), self.words), -1, dtype=torch.int32, device=HOST)  # [N, W]: -1, all allowed
         kids = tree.children()
         self._fill(bits, 0)
         stack = [(c, True) for c in reversed(kids[0])]
@@ -136,7 +137,7 @@ def _bit(words: torch.Tensor, token: int) -> bool:
     return token < words.numel() * 32 and bool((int(words[token // 32]) >> (token % 32)) & 1)
 
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
+_SHIFTS = torch.arange(32, dtype=torch.int32, device=HOST)
 
 
 def _unpack(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ arXiv 1909.05858): a token seen in the prompt or the output has its logit divide
 presence_penalty once. Only the columns of tokens the row has seen change, so the work is
 [N, tokens seen], not [N, V]."""
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -81,8 +82,9 @@ def penalize(logits: torch.Tensor, params: SamplingParams, history: History, tre
     columns = sorted({t for t in (*prompt, *output, *tree.tokens[1:]) if t < V})  # the tokens seen anywhere
     index = {t: c for c, t in enumerate(columns)}
     C = len(columns)
-    base = torch.bincount(torch.tensor([index[t] for t in output], dtype=torch.long, device=HOST), minlength=C)  # [C]
-    counts = base.float().expand(N, C).clone()  # [N, C] output occurrences after each node
+    occurrences = Counter(output)
+    base = torch.tensor([occurrences[t] for t in columns], dtype=torch.float32, device=HOST)  # [C]
+    counts = base.expand(N, C).clone()  # [N, C] output occurrences after each node
     pairs = [(node, index[token]) for node, token in path_tokens(tree) if token < V]
     if pairs:
         nodes, cs = torch.tensor(pairs, dtype=torch.long, device=HOST).T

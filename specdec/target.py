@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .acceptance import Verdict, accept_greedy, accept_sampling
-from .device import to_host
+from .device import HOST, to_host
 from .errors import InvalidArgument, RequestExists, RequestFailed, UnknownRequest
 from .grammar import Grammars, RowGrammar
 from .kvcache import CachedLM
@@ -123,7 +123,7 @@ class TargetWorker:
         if not 0 <= min(tree.tokens) <= max(tree.tokens) < self.vocab_size:
             return InvalidArgument("tree.tokens", f"request {rid!r}: a token id outside the vocabulary "
                                                   f"[0, {self.vocab_size})")
-        if tree.proposals and (pid := self._past_vocabulary(tree)) is not None:
+        if tree.proposals and tree.proposals[0].probs.device == HOST and (pid := self._past_vocabulary(tree)) is not None:
             return InvalidArgument("tree.proposals", f"request {rid!r}: proposal {pid} puts mass on ids past "
                                                      f"the target's vocabulary of {self.vocab_size}")
         if self.max_positions and len(seq) + tree.depth > self.max_positions:
@@ -134,7 +134,9 @@ class TargetWorker:
 
     def _past_vocabulary(self, tree: TokenTree) -> int | None:
         """The first proposal of the tree that puts more than rounding on ids past the vocabulary (a draft's
-        padded vocabulary may be larger, never its mass), or None; one wait for the device per tree."""
+        padded vocabulary may be larger, never its mass), or None. Read where proposals arrive on the host
+        (over the wire from another process), so it makes the device wait for nothing; a drafter in this
+        process on a GPU (the engine's) is not checked: dense_proposals drops its mass past the vocabulary."""
         past = torch.stack([torch.where(q.ids >= self.vocab_size, q.probs, 0).sum() for q in tree.proposals])  # [P]
         (over,) = to_host(past > PROPOSAL_MASS_TOLERANCE)
         return next((pid for pid, bad in enumerate(over) if bad), None)

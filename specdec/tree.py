@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .device import HOST
+from .device import HOST, to_device
 
 DELTA = -1  # proposal id of a deterministic guess (n-gram): its proposal distribution is a point mass
 
@@ -115,12 +115,12 @@ def dense_proposals(proposals: list[Proposal], vocab: int, device: torch.device)
     """The proposals as dense rows q [P, vocab] on `device`, built there from their entries in one copy,
     without waiting for it: mass on ids past `vocab` (a draft's padded vocabulary) is dropped."""
     sizes = [len(q) for q in proposals]
-    rows = torch.repeat_interleave(torch.arange(len(proposals), device=HOST), torch.tensor(sizes, device=HOST))  # [E]
+    rows = torch.tensor([p for p, size in enumerate(sizes) for _ in range(size)], dtype=torch.long, device=HOST)  # [E]
     ids = torch.cat([q.ids.to(device, torch.long, non_blocking=True) for q in proposals])  # [E]
     probs = torch.cat([q.probs.to(device, torch.float32, non_blocking=True) for q in proposals])  # [E]
     ids = torch.where(ids < vocab, ids, vocab)  # past the vocabulary: a spare column, cut below
     qs = torch.zeros(len(proposals), vocab + 1, dtype=torch.float32, device=device)  # [P, vocab + 1]
-    return qs.index_put_((rows.to(device, non_blocking=True), ids), probs, accumulate=True)[:, :vocab]
+    return qs.index_put_((to_device(rows, device), ids), probs, accumulate=True)[:, :vocab]
 
 
 def ancestor_mask(parents: list[int]) -> torch.Tensor:

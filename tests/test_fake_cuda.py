@@ -61,7 +61,7 @@ def test_drafters_keep_to_the_device(gpu, kind, width, sampled):
     params = [SAMPLED, GREEDY, SAMPLED] if sampled else [GREEDY] * 3
     trees = draft_steps(draft, kind, width, params)
     assert max(len(t) for t in trees) > 1
-    assert all(q.device == CUDA for t in trees for q in t.proposals) and (not sampled or trees[0].proposals)
+    assert all(q.ids.device == q.probs.device == CUDA for t in trees for q in t.proposals) and (not sampled or trees[0].proposals)
 
 
 def test_a_cpu_tensor_planted_in_the_tree_math_fails(gpu, monkeypatch):
@@ -112,6 +112,22 @@ def test_the_target_verifies_on_the_device_with_bounded_host_transfers(gpu):
     big.tokens[0] = worker.last_token("s")
     assert transfers({"s": big}) == 2
     assert transfers({"l": TokenTree.root(worker.last_token("l"))}) == 1 + 1 + 1  # argmax, sampling, logprobs
+
+
+def test_penalties_and_bias_keep_to_the_device_with_no_more_transfers(gpu):
+    """Penalised rows (every node its own history) and a logit bias cost no host transfer of their own."""
+    target, draft, host = gpu
+    worker = TargetWorker(CachedLM(target))
+    extras = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.2, "logit_bias": ((3, 2.0),)}
+    greedy, sampled = SamplingParams(**extras), SamplingParams(temperature=0.8, seed=3, **extras)
+    worker.add([("g", PROMPTS[0], greedy, 0), ("s", PROMPTS[1], sampled, 0)])
+    trees = draft_steps(draft, "model+ngram", 2, [greedy, sampled, GREEDY])[:2]
+    for t, rid in zip(trees, ("g", "s")):
+        t.tokens[0] = worker.last_token(rid)
+    before = host.calls
+    outcomes, _ = worker.verify({"g": trees[0], "s": trees[1]})
+    assert all(not isinstance(o, Exception) for o in outcomes.values()), outcomes
+    assert host.calls - before == 2 and host.guards.blocking_copies == 0
 
 
 def test_host_tensors_reach_the_device_without_blocking(gpu):
