@@ -87,7 +87,7 @@ class Admission:
                  supervisor: TargetSupervisor, eos: list[int] = ()):
         self.limits, self.tokenizer, self.context, self.eos = cfg.server, tokenizer, context, list(eos)
         self.router, self.budget, self.supervisor = router, budget, supervisor
-        self.grammars = Grammars(tokenizer, len(tokenizer), eos)  # response_format's grammars checked here
+        self.grammars = Grammars(tokenizer, None, eos)  # response_format's grammars checked here
         self.in_flight = 0  # samples admitted and not yet ended
 
     def admit(self, req: Request) -> Admitted:

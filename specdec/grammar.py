@@ -57,9 +57,10 @@ def grammar_of(fmt: ResponseFormat) -> str | None:
 class Grammars:
     """A model's tokenizer as llguidance reads it (built on first use: about a second), and the matchers
     of requests' grammars over it. `vocab_size`: the model's (a mask is that wide; ids past the
-    tokenizer's are never allowed); `eos`: the tokens a finished grammar allows."""
+    tokenizer's are never allowed), None where grammars are only checked (the ingress); `eos`: the tokens
+    a finished grammar allows."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos: Sequence[int]):
+    def __init__(self, tokenizer, vocab_size: int | None, eos: Sequence[int]):
         self._hf, self.vocab_size, self.eos = tokenizer, vocab_size, list(eos)
         self._ll = None
 
@@ -85,6 +86,7 @@ class Grammars:
     def matcher(self, grammar: str) -> "RowGrammar":
         import llguidance
 
+        assert self.vocab_size is not None, "a matcher masks the model's vocabulary: give its size"
         m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if m.is_error():
             raise InvalidArgument(FIELD, f"the grammar does not compile: {m.get_error()}")
