@@ -219,9 +219,9 @@ def cmd_models(args) -> None:
 
         pair = fast_pair(FastSpec(seed=args.seed), rebuild=args.rebuild, log=log)
     else:
-        from .default_models import DefaultSpec, default_pair
+        from .default_models import default_pair, default_spec
 
-        pair = default_pair(DefaultSpec(seed=args.seed), rebuild=args.rebuild, log=log)
+        pair = default_pair(default_spec(seed=args.seed), rebuild=args.rebuild, log=log)
     print(json.dumps(pair) if args.json else f"target: {pair['target']}\ndraft:  {pair['draft']}")
 
 

@@ -12,13 +12,14 @@ directory; an offline machine with the cache filled needs no registry."""
 import hashlib
 import importlib.util
 import json
+import os
 import random
 import shutil
 import subprocess
 import sys
 import time
 import zipfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -98,10 +99,21 @@ def _checked(gguf: Path) -> Path:
 FORMAT = 1  # bump when the draft's build changes in a way DefaultSpec does not capture
 
 
+def fast_bf16() -> bool:
+    """Whether this CPU runs bfloat16 natively (AMX or AVX512-BF16): there a training step under bfloat16
+    autocast is several times faster than in float32; elsewhere it is emulated, about 30x slower (an AVX2
+    EPYC: 228 s a step against 7 s in float32)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+RECIPE_ENV = "SPECDEC_DEFAULT_DRAFT"  # "quick": the reduced recipe (DefaultSpec.quick), for tests and smoke runs
+
+
 @dataclass(frozen=True)
 class DefaultSpec:
-    """How the default draft is built: counts, not deadlines, so every machine runs the same recipe (about
-    8 minutes on 2 idle CPU cores; see docs/performance.md)."""
+    """How the default draft is built: counts, not deadlines, so every machine of a kind runs the same
+    recipe. On 2 idle CPU cores: about 8 minutes where bfloat16 is native (bf16), about 40 minutes in
+    float32 elsewhere (the target's 192 answers take 8 of them; see docs/performance.md)."""
 
     seed: int = 0
     draft_layers: int = 2
@@ -115,15 +127,34 @@ class DefaultSpec:
     batch_size: int = 16
     seq_len: int = 128
     lr: float = 2e-3
+    bf16: bool = field(default_factory=lambda: fast_bf16())  # train under bfloat16 autocast: only where it is native
+
+    @classmethod
+    def quick(cls, **fields) -> "DefaultSpec":
+        """The reduced recipe (a minute or two on 2 cores): a draft that serves and drafts, trained too briefly
+        to pay; what the suite builds (RECIPE_ENV=quick), where what is tested is the path, not the draft."""
+        return replace(cls(**fields), answers=16, answer_tokens=48, answer_batch=16, corpus_chars=200_000,
+                       train_steps=24, batch_size=8, seq_len=64)
 
     def key(self) -> str:
         blob = json.dumps({**asdict(self), "format": FORMAT, "target": GGUF_SHA256}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def default_pair(spec: DefaultSpec = DefaultSpec(), rebuild: bool = False, root: Path | None = None, log=print,
+def default_spec(seed: int = 0) -> DefaultSpec:
+    """The recipe this process builds: DefaultSpec, or the reduced one when RECIPE_ENV says quick."""
+    recipe = os.environ.get(RECIPE_ENV, "")
+    if recipe not in ("", "full", "quick"):
+        raise ValueError(f"{RECIPE_ENV}={recipe!r}: must be 'full' (the default) or 'quick' (the reduced recipe "
+                         f"the tests build)")
+    return DefaultSpec.quick(seed=seed) if recipe == "quick" else DefaultSpec(seed=seed)
+
+
+def default_pair(spec: DefaultSpec | None = None, rebuild: bool = False, root: Path | None = None, log=print,
                  with_draft: bool = True) -> dict:
-    """{"target": DIR, "draft": DIR} (no "draft" unless with_draft), building what is not cached first."""
+    """{"target": DIR, "draft": DIR} (no "draft" unless with_draft), building what is not cached first (the
+    recipe: `spec`, else default_spec())."""
+    spec = spec or default_spec()
     root = root or cache_root()
     target = default_target(root, log)
     if not with_draft:
@@ -132,7 +163,9 @@ def default_pair(spec: DefaultSpec = DefaultSpec(), rebuild: bool = False, root:
     if rebuild:
         shutil.rmtree(out, ignore_errors=True)
     if not (out / "build.json").exists():
-        log(f"specdec: building the default draft (once: about 8 minutes on 2 CPU cores) into {out}; "
+        minutes = "a minute or two (the quick recipe)" if spec.train_steps < DefaultSpec.train_steps else \
+            "about 8 minutes on 2 CPU cores" if spec.bf16 else "about 40 minutes on 2 CPU cores without native bfloat16"
+        log(f"specdec: building the default draft (once: {minutes}) into {out}; "
             "n-gram drafting needs none: specdec serve --drafter ngram serves at once")
         build_draft(spec, target, out, log)
     return {"target": target, "draft": str(out / "draft")}
@@ -244,7 +277,7 @@ def build_draft(spec: DefaultSpec, target_dir: str, out: Path, log=print) -> dic
     log(f"specdec: training on {answers.numel()} answer tokens (x{spec.answer_weight}) and {corpus.numel()} of "
         "standard-library source")
     cfg = TrainConfig(steps=spec.train_steps, batch_size=spec.batch_size, seq_len=spec.seq_len,
-                      lr=spec.lr, seed=spec.seed, checkpoint_every=10**9, bf16=True)
+                      lr=spec.lr, seed=spec.seed, checkpoint_every=10**9, bf16=spec.bf16)
     summary = distill(target, tokenizer, tmp / "draft", train_tokens, heldout, spec.draft_layers, spec.draft_hidden,
                       cfg, objective=sampled_text_loss, embedding_from_target=True)
     remove_checkpoint(tmp / "draft")
@@ -257,4 +290,4 @@ def build_draft(spec: DefaultSpec, target_dir: str, out: Path, log=print) -> dic
     return report
 
 
-__all__ = ["DefaultSpec", "default_pair", "default_target", "build_draft", "instructions"]
+__all__ = ["DefaultSpec", "default_pair", "default_spec", "default_target", "build_draft", "instructions"]

@@ -11,6 +11,7 @@ loads them (specdec.loading.load_served_model: linear layers packed for oneDNN),
 specdec.loading.load_model (plain nn.Linear), so the engine's tests cover both."""
 
 import copy
+import os
 import random
 import shutil
 from dataclasses import dataclass
@@ -29,6 +30,11 @@ VOCAB = 64
 NEW_TOKENS = 24  # tokens generated in the greedy equality tests
 MIN_GAP = 2e-3  # reference prompts whose greedy path has a top-1/top-2 logit gap below this are dropped
 SMALL_VOCAB = 8
+
+# The suite serves the default pair (test_example_configs, as the README's `specdec serve`): it builds the
+# default draft by the reduced recipe (a minute or two, not 8 to 40: specdec.default_models.DefaultSpec.quick),
+# here and in every server it starts; what it tests is the path, not the draft.
+os.environ.setdefault("SPECDEC_DEFAULT_DRAFT", "quick")
 
 # Tiny models gain nothing from intra-op threads, and on a 2-core machine shared with other work,
 # spinning OpenMP threads can slow the suite down tenfold.

@@ -58,3 +58,24 @@ def test_the_draft_spec_key_changes_with_every_setting():
     base = dm.DefaultSpec()
     assert len({base.key(), dm.DefaultSpec(seed=1).key(), dm.DefaultSpec(train_steps=10).key(),
                 dm.DefaultSpec(draft_hidden=128).key()}) == 4
+
+
+def test_the_recipe_is_chosen_by_the_environment_and_a_bad_one_is_refused(monkeypatch):
+    monkeypatch.setenv(dm.RECIPE_ENV, "quick")
+    quick = dm.default_spec(seed=3)
+    assert quick == dm.DefaultSpec.quick(seed=3) and quick.train_steps < dm.DefaultSpec().train_steps
+    monkeypatch.setenv(dm.RECIPE_ENV, "full")
+    assert dm.default_spec() == dm.DefaultSpec()
+    monkeypatch.setenv(dm.RECIPE_ENV, "fastest")
+    with pytest.raises(ValueError, match="SPECDEC_DEFAULT_DRAFT='fastest'"):
+        dm.default_spec()
+
+
+def test_bfloat16_training_only_where_the_cpu_has_it_and_the_key_says_which(monkeypatch):
+    """Emulated bfloat16 is about 30x slower than float32 (an AVX2 EPYC: 228 s a step against 7): the recipe
+    takes it only where it is native, and a draft trained either way is cached under its own key."""
+    monkeypatch.setattr(dm, "fast_bf16", lambda: False)
+    assert dm.DefaultSpec().bf16 is False
+    monkeypatch.setattr(dm, "fast_bf16", lambda: True)
+    assert dm.DefaultSpec().bf16 is True
+    assert dm.DefaultSpec(bf16=True).key() != dm.DefaultSpec(bf16=False).key()
