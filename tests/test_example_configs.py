@@ -1,8 +1,9 @@
 """Every example config in configs/ serves as it is in a clone: `specdec serve --config X` (a real process,
 its own local Ray cluster, free ports) answers one request, then stops on SIGTERM.
 
-The examples serve the embedded default pair, SmolLM2-135M-Instruct and its draft: built on first use (about
-8 minutes on 2 CPU cores, then cached under the user's cache directory), so the first run of this test on a
+The examples serve the embedded default pair, SmolLM2-135M-Instruct and its draft: built on first use (by the
+quick recipe in the suite, conftest.py: a few minutes on 2 CPU cores, then cached under the user's cache
+directory), so the first run of this test on a
 machine takes that long. On the README's own `specdec serve`, a greedy chat through the OpenAI client equals
 plain decoding of the same model."""
 
