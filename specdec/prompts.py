@@ -33,7 +33,7 @@ def _parse_row(line: str, where: str, tokenizer) -> dict:
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not JSON ({e.msg})") from None
     if not isinstance(row, dict) or not isinstance(row.get("task_type"), str):
-        raise ValueError(f"{where}: each row needs a 'task_type' string")
+        raise ValueError(f"{where}: each row needs a 'task_type' string, and a 'prompt' string or chat 'messages'")
     if "messages" in row:
         return {**row, "prompt": _rendered(row["messages"], where, tokenizer)}
     if not isinstance(row.get("prompt"), str) or not row["prompt"]:

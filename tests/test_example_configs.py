@@ -39,7 +39,8 @@ def readme_commands(program: str) -> list[list[str]]:
     """The README's shell lines that run `specdec <program>`, as argument lists."""
     blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
     lines = [re.sub(r"\s+#.*$", "", line).strip() for block in blocks for line in block.splitlines()]
-    return [shlex.split(line)[1:] for line in lines if line.startswith(f"specdec {program}")]
+    commands = [shlex.split(line.removesuffix("&"))[1:] for line in lines if line.startswith(f"specdec {program}")]
+    return [c for i, c in enumerate(commands) if c not in commands[:i]]  # `specdec serve &` is `specdec serve`
 
 
 SERVES = [["serve", "--config", str(p)] for p in EXAMPLES] + readme_commands("serve")
