@@ -16,6 +16,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import llguidance
 import torch
 
 from .device import HOST
@@ -38,8 +39,6 @@ class ResponseFormat:
 
 def grammar_of(fmt: ResponseFormat) -> str | None:
     """The llguidance grammar of a response format, None for "text" (InvalidArgument naming what is wrong)."""
-    import llguidance
-
     if fmt.type in ("", "text"):
         return None
     if fmt.type == "json_object":
@@ -67,7 +66,7 @@ class Grammars:
     @property
     def tokenizer(self):
         if self._ll is None:
-            import llguidance.hf
+            import llguidance.hf  # it imports transformers: only where a grammar is first read
 
             try:
                 self._ll = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=self.eos or None)
@@ -77,15 +76,11 @@ class Grammars:
 
     def check(self, grammar: str) -> None:
         """InvalidArgument("response_format") when the grammar does not compile against this tokenizer."""
-        import llguidance
-
         problem = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if problem and not problem.startswith("WARNING"):
             raise InvalidArgument(FIELD, f"the grammar does not compile: {problem}")
 
     def matcher(self, grammar: str) -> "RowGrammar":
-        import llguidance
-
         assert self.vocab_size is not None, "a matcher masks the model's vocabulary: give its size"
         m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if m.is_error():
