@@ -59,14 +59,18 @@ class TargetWorker:
     def check_request(self, prompt: list[int], params: SamplingParams) -> None:
         """InvalidArgument naming the field unless the prompt is 1..max_positions ids of the vocabulary,
         logit_bias names ids of the vocabulary and a grammar compiles against the target's tokenizer."""
+        self._check_fields(prompt, params)
+        if params.grammar is not None:
+            self.grammars.check(params.grammar)
+
+    def _check_fields(self, prompt: list[int], params: SamplingParams) -> None:
+        """check_request but the grammar's compilation (add compiles it once, into the request's matcher)."""
         self.check_prompt(prompt)
         if params.logit_bias and max(t for t, _ in params.logit_bias) >= self.vocab_size:
             raise InvalidArgument("logit_bias", f"names a token id outside the vocabulary [0, {self.vocab_size})")
-        if params.grammar is not None:
-            if self.grammars is None:
-                raise InvalidArgument("response_format", "this target was started without its tokenizer, so it "
-                                                         "serves no grammar")
-            self.grammars.check(params.grammar)
+        if params.grammar is not None and self.grammars is None:
+            raise InvalidArgument("response_format", "this target was started without its tokenizer, so it "
+                                                     "serves no grammar")
 
     def check_prompt(self, prompt: list[int]) -> None:
         """InvalidArgument("prompt") unless the prompt is 1..max_positions ids of the vocabulary."""
@@ -85,9 +89,9 @@ class TargetWorker:
         for rid, prompt, params, _ in joining:
             if rid in self.requests:
                 raise RequestExists(f"request {rid!r} is already in the batch")
-            self.check_request(prompt, params)
+            self._check_fields(prompt, params)
             if params.grammar is not None:
-                grammars[rid] = self.grammars.matcher(params.grammar)
+                grammars[rid] = self.grammars.matcher(params.grammar)  # InvalidArgument if it does not compile
         self.lm.join([prompt[:-1] for _, prompt, _, _ in joining])  # the last token is the first tree's root
         for rid, prompt, params, stream in joining:
             gen = make_generator(params.seed, stream, self.lm.device, role="target")
