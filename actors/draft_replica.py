@@ -109,4 +109,4 @@ class DraftReplica:
     def _make_drafter(self, model) -> Drafter | None:
         shape = self.shape
         return make_drafter(shape.drafter, CachedLM(model) if model is not None else None, shape.width,
-                            shape.proposal_top_k)
+                            shape.proposal_top_k, shape.suffix)

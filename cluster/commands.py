@@ -30,7 +30,7 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--target", help="overrides models.target.path (a model folder or a .gguf file)")
     s.add_argument("--draft", help="overrides models.draft.path (a model folder or a .gguf file)")
     s.add_argument("--drafter", choices=[k.value for k in DrafterKind],
-                   help="overrides speculation.drafter (ngram or none serve the default target before its draft is built)")
+                   help="overrides speculation.drafter (ngram, suffix or none serve the default target before its draft is built)")
     s.add_argument("--tensor-parallel-size", type=int, help="overrides placement.tensor_parallel_size")
     s.add_argument("--draft-replicas", type=int, help="overrides placement.draft_replicas")
     s.add_argument("--grpc-port", type=int, help="overrides server.grpc_port")

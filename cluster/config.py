@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic_core import ErrorDetails
 
 from specdec.drafter_kinds import DEFAULT_PROPOSAL_TOP_K, MAX_PROPOSAL_TOP_K, DrafterKind, DraftShape
+from specdec.suffix import SuffixConfig
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Port = Annotated[int, Field(ge=1, le=65535)]
@@ -86,6 +87,24 @@ class PlacementConfig(_Section):
         return self
 
 
+_SUFFIX = SuffixConfig()
+
+
+class SuffixSection(_Section):
+    """speculation.suffix: how the suffix drafters (suffix, model+suffix) guess (specdec.suffix)."""
+
+    max_depth: int = Field(_SUFFIX.max_depth, ge=1, le=MAX_K)  # the longest match used, and the deepest guess
+    max_spec_factor: float = Field(_SUFFIX.max_spec_factor, gt=0, le=16)  # nodes <= factor x match + offset
+    max_spec_offset: float = Field(_SUFFIX.max_spec_offset, ge=0, le=MAX_K)
+    min_token_prob: float = Field(_SUFFIX.min_token_prob, ge=0, le=1)  # a guess estimated less likely is left out
+    max_occurrences: int = Field(_SUFFIX.max_occurrences, ge=1, le=1024)  # a match's occurrences counted
+    # each draft loop's store of recent outputs holds at most this many tokens (about 100 bytes each)
+    global_max_tokens: int = Field(_SUFFIX.global_max_tokens, ge=2, le=50_000_000)
+
+    def config(self) -> SuffixConfig:
+        return SuffixConfig(**self.model_dump())
+
+
 class SpeculationConfig(_Section):
     """How drafts are made. How many tokens a step drafts is the router's choice per task type (by live
     alpha and the target's load), up to routing.*.max_k."""
@@ -95,10 +114,11 @@ class SpeculationConfig(_Section):
     # a sampled draft draws from (and ships) its q cut to this many likeliest tokens: bounds a tree's bytes
     proposal_top_k: int = Field(DEFAULT_PROPOSAL_TOP_K, ge=1, le=MAX_PROPOSAL_TOP_K)
     overlap: bool = False  # draft the next step while the target verifies this one (draft models only)
+    suffix: SuffixSection = SuffixSection()
 
     def shape(self) -> DraftShape:
         """What the draft replicas draft, and the router prices."""
-        return DraftShape(DrafterKind(self.drafter), self.tree_width, self.proposal_top_k)
+        return DraftShape(DrafterKind(self.drafter), self.tree_width, self.proposal_top_k, self.suffix.config())
 
     @model_validator(mode="before")
     @classmethod
@@ -241,7 +261,7 @@ class ServeConfig(_Section):
         drafter = self.speculation.drafter
         if DrafterKind(drafter).uses_model and not self.models.drafts():
             raise ValueError(f"speculation.drafter {str(drafter)!r} needs models.draft (or models.task_drafts); "
-                             f"without a draft model use drafter ngram or none")
+                             f"without a draft model use drafter ngram, suffix or none")
         return self
 
 

@@ -8,7 +8,7 @@ import importlib
 
 _HOMES = {  # name -> the module of this package that defines it
     "AdaptivePlanner": "adaptive", "SpecConfig": "adaptive",
-    "Drafter": "drafters", "MergedDrafter": "drafters", "ModelDrafter": "drafters", "NgramDrafter": "drafters",
+    "Drafter": "drafters", "MergedDrafter": "drafters", "ModelDrafter": "drafters", "NgramDrafter": "drafters", "SuffixDrafter": "drafters",
     "make_drafter": "drafters", "DrafterKind": "drafter_kinds",
     "Generation": "engine", "RequestStats": "engine", "SpeculativeEngine": "engine",
     "CachedLM": "kvcache", "SamplingParams": "sampling", "TokenTree": "tree",

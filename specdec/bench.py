@@ -20,6 +20,7 @@ from .loading import check_same_vocabulary, eos_ids, load_model, load_tokenizer,
 from .plain import hf_generate
 from .prompts import load_prompts
 from .sampling import SamplingParams
+from .workload import Conversation, turns_of
 
 
 @dataclass
@@ -71,6 +72,9 @@ def build_modes(target, draft, eos, max_new, params, only: set[str] | None):
         "tree-2x4": lambda: (make_drafter("model", dlm(), 2), SpecConfig(depth=4, width=2)),
         "ngram-k8": lambda: (make_drafter("ngram", None), SpecConfig(depth=8)),
         "ngram-auto": lambda: (make_drafter("ngram", None), SpecConfig(depth=None)),
+        "suffix-k16": lambda: (make_drafter("suffix", None), SpecConfig(depth=16)),
+        "suffix-auto": lambda: (make_drafter("suffix", None), SpecConfig(depth=None, max_ngram=16)),
+        "model+suffix-k4": lambda: (make_drafter("model+suffix", dlm(), 1), SpecConfig(depth=4)),
         "model+ngram-k4": lambda: (make_drafter("model+ngram", dlm(), 1), SpecConfig(depth=4)),
         "auto": lambda: (make_drafter("model", dlm(), 1), SpecConfig(depth=None)),
         "model+ngram-auto": lambda: (make_drafter("model+ngram", dlm(), 1), SpecConfig(depth=None)),
@@ -103,27 +107,32 @@ def run_bench(args) -> None:
     only = set(args.modes.split(",")) if args.modes else None
     modes = build_modes(target, draft, eos, args.max_new_tokens, params, only)
     rows = load_prompts(args.prompts, args.limit, tokenizer)
-    prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]
+    turns = turns_of(args.workload, args.turns)
+    # each mode holds its own conversations: a turn's prompt carries that mode's earlier outputs
+    talks = {mode.name: [Conversation.open(r, tokenizer) for r in rows] for mode in modes}
 
     for mode in modes:  # warm-up (and adaptive K's one-time calibration), not timed
-        mode.run(prompts[0][:64])
-    with tqdm(total=len(rows) * len(modes), desc="bench", file=sys.stderr) as bar:
-        for row, prompt in zip(rows, prompts):
-            reference = None
-            for mode in modes:
-                t0 = time.perf_counter()
-                tokens, stats = mode.run(prompt)
-                seconds = time.perf_counter() - t0
-                tally = mode.tallies[row["task_type"]]
-                tally.tokens += len(tokens)
-                tally.seconds += seconds
-                reference = tokens if mode.name == "plain" else reference
-                tally.identical &= tokens == reference
-                if stats is not None:
-                    tally.accepted += stats.accepted
-                    tally.tried += stats.tried_depths
-                    tally.steps += stats.steps
-                bar.update()
+        mode.run(talks[mode.name][0].ids[:64])
+    with tqdm(total=len(rows) * len(modes) * turns, desc="bench", file=sys.stderr) as bar:
+        for i, row in enumerate(rows):
+            for _ in range(turns):
+                reference = None
+                for mode in modes:
+                    talk = talks[mode.name][i]
+                    t0 = time.perf_counter()
+                    tokens, stats = mode.run(talk.ids)
+                    seconds = time.perf_counter() - t0
+                    tally = mode.tallies[row["task_type"]]
+                    tally.tokens += len(tokens)
+                    tally.seconds += seconds
+                    reference = tokens if mode.name == "plain" else reference
+                    tally.identical &= tokens == reference
+                    if stats is not None:
+                        tally.accepted += stats.accepted
+                        tally.tried += stats.tried_depths
+                        tally.steps += stats.steps
+                    talk.answer(tokens, tokenizer)
+                    bar.update()
 
     result = report_rows(modes, params)
     print_table(result, args)
@@ -153,7 +162,8 @@ def report_rows(modes: list[Mode], params: SamplingParams) -> list[dict]:
 
 
 def print_table(rows: list[dict], args) -> None:
-    print(f"# specdec bench: {args.target} / {args.draft}, max_new_tokens={args.max_new_tokens}, "
+    print(f"# specdec bench: {args.target} / {args.draft}, {args.prompts}, workload={args.workload} "
+          f"({turns_of(args.workload, args.turns)} turns), max_new_tokens={args.max_new_tokens}, "
           f"temperature={args.temperature}, dtype={args.dtype}, device={args.device}, torch threads={torch.get_num_threads()}")
     head = f"{'mode':<18} {'task':<6} {'tok/s':>8} {'alpha':>6} {'acc.len':>7} {'speedup':>7} identical"
     print(head)

@@ -7,6 +7,7 @@ import re
 import sys
 
 from .drafter_kinds import DrafterKind
+from .workload import DEFAULT_TURNS, Workload
 
 
 def parse_depth(text: str) -> int | str:
@@ -70,6 +71,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--limit", type=int, help="use only the first N prompts of each task type")
     b.add_argument("--modes", help="comma-separated subset of modes to run (plain always runs)")
+    b.add_argument("--workload", choices=[w.value for w in Workload], default=Workload.SINGLE.value,
+                   help="single: each prompt once; multi-turn: each prompt opens a conversation whose every turn "
+                        "resends the last prompt, its output and a follow-up (docs/usage.md)")
+    b.add_argument("--turns", type=int, default=DEFAULT_TURNS, help=f"turns per conversation of multi-turn "
+                   f"(default {DEFAULT_TURNS})")
     b.add_argument("--json", action="store_true", help="end with one JSON line {'rows': [...]}")
     b.add_argument("--plot", help="write a PNG of speedup per mode and task type")
 

@@ -2,7 +2,9 @@
 model list them (and `specdec client` starts without importing torch); specdec/drafters.py builds them."""
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from .suffix import SuffixConfig
 
 
 class DrafterKind(enum.StrEnum):
@@ -11,12 +13,14 @@ class DrafterKind(enum.StrEnum):
     MODEL = "model"
     NGRAM = "ngram"
     MODEL_NGRAM = "model+ngram"
+    SUFFIX = "suffix"
+    MODEL_SUFFIX = "model+suffix"
     NONE = "none"
 
     @property
     def uses_model(self) -> bool:
         """Whether this drafter runs a draft model (so a draft must be given, or built for the default pair)."""
-        return self in (DrafterKind.MODEL, DrafterKind.MODEL_NGRAM)
+        return self in (DrafterKind.MODEL, DrafterKind.MODEL_NGRAM, DrafterKind.MODEL_SUFFIX)
 
 
 # A sampled draft draws each node's children from the `proposal_top_k` likeliest tokens of its q, renormalised,
@@ -34,6 +38,7 @@ class DraftShape:
     drafter: DrafterKind = DrafterKind.MODEL_NGRAM
     width: int = 1
     proposal_top_k: int = DEFAULT_PROPOSAL_TOP_K
+    suffix: SuffixConfig = field(default_factory=SuffixConfig)  # how suffix guesses are made (suffix drafters)
 
     def __post_init__(self):
         object.__setattr__(self, "drafter", DrafterKind(self.drafter))
@@ -44,5 +49,5 @@ class DraftShape:
         n-gram guess's K; a lone root without a drafter."""
         kind = self.drafter
         model = self.width * k if kind.uses_model else 0
-        ngram = k if kind in (DrafterKind.NGRAM, DrafterKind.MODEL_NGRAM) else 0
+        ngram = k if kind not in (DrafterKind.MODEL, DrafterKind.NONE) else 0  # n-gram or suffix guesses: K nodes
         return 1 + model + ngram

@@ -15,7 +15,7 @@ Drafting ahead (specdec.ahead) also uses:
                                   first kept[b] nodes of the path they assumed"""
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -25,6 +25,7 @@ from .drafter_kinds import DEFAULT_PROPOSAL_TOP_K, MAX_PROPOSAL_TOP_K, DrafterKi
 from .kvcache import CachedLM, Prefilled
 from .ngram import NgramIndex
 from .sampling import SamplingParams, warp
+from .suffix import Draft, RecentOutputs, SuffixConfig, TextIndex, speculate
 from .tree import Proposal, TokenTree
 
 log = logging.getLogger(__name__)
@@ -73,8 +74,10 @@ class NgramDrafter:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.indexes: list[NgramIndex] = []
 
-    def guess(self, row: int, seq: list[int], n: int) -> list[int]:
-        return self.indexes[row].lookup(seq, n) if n else []
+    def guess(self, row: int, seq: list[int], n: int) -> Draft:
+        """Up to n guesses after seq, as a chain."""
+        tokens = self.indexes[row].lookup(seq, n) if n else []
+        return Draft(tokens, list(range(-1, len(tokens) - 1)), [1.0] * len(tokens))
 
     def match_length(self, row: int, seq: list[int]) -> int:
         """Length of the n-gram the next guess would match (0: no guess)."""
@@ -91,12 +94,7 @@ class NgramDrafter:
         self.indexes += [NgramIndex(self.max_ngram, self.min_ngram) for _ in range(n)]
 
     def propose(self, seqs, plans, params, gens) -> list[TokenTree]:
-        trees = []
-        for row, (seq, plan) in enumerate(zip(seqs, plans)):
-            tree = TokenTree.root(seq[-1])
-            tree.add_chain(self.guess(row, seq, plan.ngram), share_prefix=False)
-            trees.append(tree)
-        return trees
+        return guessed_trees(self, seqs, plans)
 
     def commit(self, paths) -> None:
         pass
@@ -108,10 +106,116 @@ class NgramDrafter:
         return [index.copy() for index in self.indexes]  # lookups in the assumed text extend the index
 
     def next_tokens(self, seqs) -> list[int | None]:
-        return [(self.guess(row, seq, 1) or [None])[0] for row, seq in enumerate(seqs)]
+        return [first_guess(self.guess(row, seq, 1)) for row, seq in enumerate(seqs)]
 
     def rollback(self, checkpoint: list[NgramIndex], kept) -> None:
         self.indexes = [before if k is not None else now for now, before, k in zip(self.indexes, checkpoint, kept)]
+
+
+@dataclass
+class _SuffixRow:
+    """One row of a SuffixDrafter: its own text, indexed as the row drafts."""
+
+    text: TextIndex = field(default_factory=TextIndex)
+    prompt: int | None = None  # the length of the text when the row was first seen: its prompt
+    last: tuple[int, int, Draft] | None = None  # (text length, budget, draft): the latest draft, reused
+
+    def sync(self, seq: list[int]) -> None:
+        if self.prompt is None:
+            self.prompt = len(seq)
+        if len(seq) > len(self.text):
+            self.text.extend(seq[len(self.text):])
+
+    def output(self) -> list[int]:
+        return self.text.tokens[self.prompt:] if self.prompt is not None else []
+
+
+class SuffixDrafter:
+    """Suffix decoding (specdec.suffix): each row's guesses are a tree of the likeliest continuations of
+    the longest match of its tail, in its own text or in the outputs of this drafter's recent requests
+    (kept across batches, within suffix.global_max_tokens), whichever scores higher. A row's text is
+    indexed as the row drafts from it (text assumed while drafting ahead is taken back on rollback); a
+    finished row's output joins the recent outputs (all of it but its last step's tokens, which the
+    drafter never sees)."""
+
+    uses_model, uses_ngram = False, True
+    draft_lm = None
+
+    def __init__(self, config: SuffixConfig = SuffixConfig()):
+        self.config = config
+        self.recent = RecentOutputs(config.global_max_tokens)
+        self.rows: list[_SuffixRow] = []
+
+    def guess(self, row: int, seq: list[int], n: int) -> Draft:
+        """The best draft of at most n nodes after seq."""
+        if n < 1:
+            return Draft()
+        r = self.rows[row]
+        if r.last is not None and r.last[0] == len(seq) and r.last[1] >= n:
+            return r.last[2].first(n)  # drafted for the planner this step (match_length)
+        r.sync(seq)
+        own = speculate(r.text, seq, n, self.config)
+        recent = speculate(self.recent, seq, n, self.config)
+        best = own if own.score >= recent.score else recent
+        r.last = (len(seq), n, best)
+        return best
+
+    def match_length(self, row: int, seq: list[int]) -> int:
+        return self.guess(row, seq, self.config.max_depth).match
+
+    def start(self, batch_size: int) -> None:
+        self._remember(self.rows)
+        self.rows = []
+        self.add_rows(batch_size)
+
+    def prefill_alone(self, prompts: list[list[int]]) -> None:
+        return None  # a row's text is indexed as it drafts
+
+    def add_rows(self, n: int, prefilled: Prefilled | None = None) -> None:
+        self.rows += [_SuffixRow() for _ in range(n)]
+
+    def propose(self, seqs, plans, params, gens) -> list[TokenTree]:
+        return guessed_trees(self, seqs, plans)
+
+    def commit(self, paths) -> None:
+        pass
+
+    def select(self, rows: list[int]) -> None:
+        kept = set(rows)
+        self._remember([r for i, r in enumerate(self.rows) if i not in kept])
+        self.rows = [self.rows[i] for i in rows]
+
+    def assume(self, paths) -> list[int]:
+        for r in self.rows:
+            r.last = None
+        return [len(r.text) for r in self.rows]  # the assumed text is indexed as it is drafted from
+
+    def next_tokens(self, seqs) -> list[int | None]:
+        return [first_guess(self.guess(row, seq, 1)) for row, seq in enumerate(seqs)]
+
+    def rollback(self, checkpoint: list[int], kept) -> None:
+        for r, length, k in zip(self.rows, checkpoint, kept):
+            r.last = None
+            if k is not None:  # its next sync indexes what the target accepted
+                r.text.truncate(length)
+
+    def _remember(self, rows: list[_SuffixRow]) -> None:
+        for r in rows:
+            self.recent.add(r.output())
+
+
+def guessed_trees(lookup: "NgramDrafter | SuffixDrafter", seqs, plans) -> list[TokenTree]:
+    """One tree of guesses per row, plan.ngram nodes at most."""
+    trees = []
+    for row, (seq, plan) in enumerate(zip(seqs, plans)):
+        tree, draft = TokenTree.root(seq[-1]), lookup.guess(row, seq, plan.ngram)
+        tree.add_guesses(draft.tokens, draft.parents, share_prefix=False)
+        trees.append(tree)
+    return trees
+
+
+def first_guess(draft: Draft) -> int | None:
+    return draft.tokens[0] if draft.tokens else None
 
 
 class ModelDrafter:
@@ -328,12 +432,13 @@ class _Assumed:
 
 
 class MergedDrafter:
-    """The draft model's tree with the n-gram guess grafted onto it: one tree, one verify."""
+    """The draft model's tree with a lookup drafter's guesses (n-gram or suffix) grafted onto it: one
+    tree, one verify."""
 
     uses_model, uses_ngram = True, True
 
-    def __init__(self, model: ModelDrafter, ngram: NgramDrafter):
-        self.model, self.ngram = model, ngram
+    def __init__(self, model: ModelDrafter, lookup: NgramDrafter | SuffixDrafter):
+        self.model, self.lookup = model, lookup
 
     @property
     def draft_lm(self) -> CachedLM:
@@ -341,44 +446,45 @@ class MergedDrafter:
 
     def start(self, batch_size: int) -> None:
         self.model.start(batch_size)
-        self.ngram.start(batch_size)
+        self.lookup.start(batch_size)
 
     def prefill_alone(self, prompts: list[list[int]]) -> Prefilled:
         return self.model.prefill_alone(prompts)
 
     def add_rows(self, n: int, prefilled: Prefilled | None = None) -> None:
         self.model.add_rows(n, prefilled)
-        self.ngram.add_rows(n)
+        self.lookup.add_rows(n)
 
     def select(self, rows: list[int]) -> None:
         self.model.select(rows)
-        self.ngram.select(rows)
+        self.lookup.select(rows)
 
     def commit(self, paths) -> None:
         self.model.commit(paths)
 
     def assume(self, paths) -> tuple:
-        return self.model.assume(paths), self.ngram.assume(paths)
+        return self.model.assume(paths), self.lookup.assume(paths)
 
     def next_tokens(self, seqs) -> list[int]:
         return self.model.next_tokens(seqs)
 
     def rollback(self, checkpoint: tuple, kept) -> None:
         self.model.rollback(checkpoint[0], kept)
-        self.ngram.rollback(checkpoint[1], kept)
+        self.lookup.rollback(checkpoint[1], kept)
 
     def match_length(self, row: int, seq: list[int]) -> int:
-        return self.ngram.match_length(row, seq)
+        return self.lookup.match_length(row, seq)
 
     def propose(self, seqs, plans, params, gens) -> list[TokenTree]:
         trees = self.model.propose(seqs, plans, params, gens)
         for row, (tree, seq, plan, p) in enumerate(zip(trees, seqs, plans, params)):
-            tree.add_chain(self.ngram.guess(row, seq, plan.ngram), share_prefix=p.greedy)
+            draft = self.lookup.guess(row, seq, plan.ngram)
+            tree.add_guesses(draft.tokens, draft.parents, share_prefix=p.greedy)
         return trees
 
 
 def make_drafter(kind: DrafterKind | str, draft: CachedLM | None, width: int = 1,
-                 proposal_top_k: int = DEFAULT_PROPOSAL_TOP_K) -> Drafter | None:
+                 proposal_top_k: int = DEFAULT_PROPOSAL_TOP_K, suffix: SuffixConfig = SuffixConfig()) -> Drafter | None:
     """The drafter of this kind (a DrafterKind or its name); the model-based ones need a draft LM."""
     try:
         kind = DrafterKind(kind)
@@ -386,9 +492,11 @@ def make_drafter(kind: DrafterKind | str, draft: CachedLM | None, width: int = 1
         raise ValueError(f"unknown drafter {kind!r}: choose one of {', '.join(DrafterKind)}") from None
     if kind is DrafterKind.NONE:
         return None
-    if kind is DrafterKind.NGRAM:
-        return NgramDrafter()
+    if not kind.uses_model:
+        return SuffixDrafter(suffix) if kind is DrafterKind.SUFFIX else NgramDrafter()
     if draft is None:
         raise ValueError(f"drafter {kind.value!r} needs a draft model (--draft DIR)")
     model = ModelDrafter(draft, width, proposal_top_k)
-    return model if kind is DrafterKind.MODEL else MergedDrafter(model, NgramDrafter())
+    if kind is DrafterKind.MODEL:
+        return model
+    return MergedDrafter(model, SuffixDrafter(suffix) if kind is DrafterKind.MODEL_SUFFIX else NgramDrafter())

@@ -44,7 +44,7 @@ class TokenTree:
     proposal_ids: list[int]  # per node: index into `proposals`, or DELTA
     proposals: list[Proposal] = field(default_factory=list)  # each: the q that children were drawn from
     from_model: list[bool] = field(default_factory=list)  # per node: proposed by the draft model
-    guess: list[int] = field(default_factory=list)  # the n-gram guess grafted on (add_chain)
+    guess: list[int] = field(default_factory=list)  # the first chain of the guesses grafted on (add_guesses)
 
     @classmethod
     def root(cls, token: int) -> "TokenTree":
@@ -96,19 +96,28 @@ class TokenTree:
         return out[::-1]
 
     def add_chain(self, tokens: list[int], share_prefix: bool) -> None:
-        """Graft a chain of deterministic guesses under the root. With `share_prefix` (greedy) it follows
-        nodes that already hold the same tokens; sampling keeps it a separate branch, since each child
-        must keep the proposal it was drawn from."""
-        self.guess = list(tokens)
-        node = 0
-        kids = self.children() if share_prefix else None
-        for token in tokens:
-            same = [c for c in kids[node] if self.tokens[c] == token] if kids is not None and node < len(kids) else []
-            if same:
-                node = same[0]
-            else:
-                node = self.add(node, token)
-                kids = None  # below a new node there is nothing to share
+        """Graft a chain of deterministic guesses under the root (add_guesses)."""
+        self.add_guesses(tokens, list(range(-1, len(tokens) - 1)), share_prefix)
+
+    def add_guesses(self, tokens: list[int], parents: list[int], share_prefix: bool) -> None:
+        """Graft a tree of deterministic guesses under the root: tokens[i] goes under guess parents[i] (an
+        earlier one; -1: the root). With `share_prefix` (greedy) a guess follows a node that already holds
+        its token; sampling keeps the guesses a branch of their own, since each child must keep the
+        proposal it was drawn from. `guess` keeps the first chain: the likeliest, where guesses come best
+        first (specdec.suffix.Draft)."""
+        under_token = {(p, t): n for n, (p, t) in enumerate(zip(self.parents, self.tokens)) if n} if share_prefix else {}
+        nodes: list[int] = []
+        for token, parent in zip(tokens, parents):
+            under = 0 if parent < 0 else nodes[parent]
+            node = under_token.get((under, token))
+            if node is None:
+                node = under_token[(under, token)] = self.add(under, token)
+            nodes.append(node)
+        self.guess, last = [], -1
+        for i, (token, parent) in enumerate(zip(tokens, parents)):
+            if parent == last:
+                self.guess.append(token)
+                last = i
 
 
 def dense_proposals(proposals: list[Proposal], vocab: int, device: torch.device) -> torch.Tensor:

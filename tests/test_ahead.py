@@ -28,7 +28,7 @@ def verdict_for(tree: TokenTree, rng: random.Random, ahead_path: list[int], gues
     return Verdict(path, [tree.tokens[n] for n in path[1:]] + [bonus])
 
 
-@pytest.mark.parametrize("kind, width", [("model", 1), ("model", 2), ("model+ngram", 1)])
+@pytest.mark.parametrize("kind, width", [("model", 1), ("model", 2), ("model+ngram", 1), ("model+suffix", 1)])
 def test_after_settling_each_row_drafts_as_if_nothing_was_assumed(draft, reference, kind, width):
     rng = random.Random(0)
     prompts = reference.prompts[:6]

@@ -203,7 +203,8 @@ def test_a_model_drafter_needs_a_draft_model():
     message = config_error({"models": {"target": {"path": "t"}}})
     assert "speculation.drafter 'model+ngram' needs models.draft" in message
     assert parse_config({"models": {"target": {"path": "t"}}, "speculation": {"drafter": "ngram"}}).models.draft is None
-    assert "drafter: must be 'model', 'ngram', 'model+ngram' or 'none'" in config_error(
+    assert parse_config({"models": {"target": {"path": "t"}}, "speculation": {"drafter": "suffix"}}).models.draft is None
+    assert "drafter: must be 'model', 'ngram', 'model+ngram', 'suffix', 'model+suffix' or 'none'" in config_error(
         with_section("speculation", {"drafter": "eagle"}))
 
 

@@ -32,6 +32,11 @@ CONFIGS = [
     ("model", None, 2),
     ("ngram", None, 1),
     ("model+ngram", None, 2),
+    ("suffix", 4, 1),
+    ("suffix", 12, 1),
+    ("suffix", None, 1),
+    ("model+suffix", 3, 2),
+    ("model+suffix", None, 1),
     ("model", 0, 1),  # K = 0: plain decoding through the speculative loop
 ]
 
@@ -87,7 +92,8 @@ def test_batched_greedy_matches_plain(target, draft, reference, cfg):
         assert 0 < sum(alphas) / len(alphas) < 1
 
 
-@pytest.mark.parametrize("cfg", [("model", 4, 1), ("model", 3, 2), ("model+ngram", 3, 2), ("ngram", 4, 1)], ids=_ids)
+@pytest.mark.parametrize("cfg", [("model", 4, 1), ("model", 3, 2), ("model+ngram", 3, 2), ("ngram", 4, 1),
+                                 ("suffix", 8, 1), ("model+suffix", 3, 1)], ids=_ids)
 def test_single_prompt_greedy_matches_plain(target, draft, reference, cfg):
     kind, depth, width = cfg
     engine = SpeculativeEngine(

@@ -132,6 +132,8 @@ SHAPES = {  # test case -> (drafter kind, depth, width, proposal_top_k)
     "tree": ("model", 2, 2, DEFAULT_PROPOSAL_TOP_K),
     "merged": ("model+ngram", 2, 2, DEFAULT_PROPOSAL_TOP_K),
     "ngram": ("ngram", 2, 1, DEFAULT_PROPOSAL_TOP_K),
+    "suffix": ("suffix", 3, 1, DEFAULT_PROPOSAL_TOP_K),  # a tree of guesses: deterministic siblings
+    "model+suffix": ("model+suffix", 2, 2, DEFAULT_PROPOSAL_TOP_K),
     "none": ("none", 2, 1, DEFAULT_PROPOSAL_TOP_K),
     "auto": ("model+ngram", None, 2, DEFAULT_PROPOSAL_TOP_K),  # adaptive K: depths and n-gram lengths vary per step
     "truncated chain": ("model", 2, 1, TRUNCATED),
@@ -166,8 +168,8 @@ def test_exact_distribution_sums_to_one(exact_t1, exact_warped):
 # ------------------------------------------------------------------ losslessness
 
 
-@pytest.mark.parametrize("kind", ["chain", "tree", "merged", "ngram", "none", "auto", "truncated chain",
-                                  "truncated merged"])
+@pytest.mark.parametrize("kind", ["chain", "tree", "merged", "ngram", "suffix", "model+suffix", "none", "auto",
+                                  "truncated chain", "truncated merged"])
 def test_sampling_matches_target_distribution(small_target, small_draft, exact_t1, kind):
     drafter, depth, width = drafter_for(kind, small_draft)
     counts, outs = sample_engine(small_target, drafter, depth, width, PARAMS_T1)

@@ -90,15 +90,18 @@ def test_spec_config_rejects_zero_max_ngram():
 
 
 def test_make_drafter_names(draft):
-    from specdec.drafters import DrafterKind, MergedDrafter, NgramDrafter, make_drafter
+    from specdec.drafters import DrafterKind, MergedDrafter, NgramDrafter, SuffixDrafter, make_drafter
 
     assert make_drafter("none", None) is None
     assert isinstance(make_drafter("ngram", None), NgramDrafter)
     assert isinstance(make_drafter("model", CachedLM(draft), 2), ModelDrafter)
     assert isinstance(make_drafter("model+ngram", CachedLM(draft)), MergedDrafter)
     assert isinstance(make_drafter(DrafterKind.MODEL_NGRAM, CachedLM(draft)), MergedDrafter)
-    assert {k.value for k in DrafterKind} == {"model", "ngram", "model+ngram", "none"}
-    with pytest.raises(ValueError, match="model, ngram, model[+]ngram, none"):
+    assert isinstance(make_drafter("suffix", None), SuffixDrafter)
+    merged = make_drafter("model+suffix", CachedLM(draft))
+    assert isinstance(merged, MergedDrafter) and isinstance(merged.lookup, SuffixDrafter)
+    assert {k.value for k in DrafterKind} == {"model", "ngram", "model+ngram", "suffix", "model+suffix", "none"}
+    with pytest.raises(ValueError, match="model, ngram, model[+]ngram, suffix, model[+]suffix, none"):
         make_drafter("medusa", None)
     with pytest.raises(ValueError):
         make_drafter("model", None)

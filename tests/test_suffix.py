@@ -1,0 +1,145 @@
+"""Suffix decoding's structures (specdec.suffix) and drafter: what a draft holds, how it is chosen, the
+store of recent outputs within its cap, and the guesses a request gets from another's output. Greedy
+equality and the sampled distribution with suffix drafters: test_greedy_equality, test_sampling."""
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from specdec.acceptance import accept_sampling
+from specdec.drafters import Plan, SuffixDrafter
+from specdec.sampling import SamplingParams
+from specdec.suffix import SEP, RecentOutputs, SuffixConfig, TextIndex, speculate
+from specdec.tree import TokenTree
+
+CFG = SuffixConfig()
+
+
+def indexed(tokens: list[int]) -> TextIndex:
+    index = TextIndex()
+    index.extend(tokens)
+    return index
+
+
+def test_a_draft_counts_the_continuations_of_the_longest_match():
+    text = [1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 6, 8, 1, 2, 3, 4, 5, 7, 0, 2, 3, 4]
+    draft = speculate(indexed(text), text, 10, CFG)
+    # "2 3 4" is followed by 5 twice and 6 once; after "2 3 4 5": 9 once, 7 once
+    assert draft.match == 3
+    assert draft.tokens[:2] == [5, 6] and draft.parents[:2] == [-1, -1]
+    assert draft.probs[:2] == pytest.approx([2 / 3, 1 / 3])
+    assert set(draft.tokens[2:]) <= {9, 7, 8}
+    assert draft.probs == sorted(draft.probs, reverse=True)  # best first: the first n nodes are the best n
+    assert all(p < i for i, p in enumerate(draft.parents))  # a parent before its children
+
+
+def test_a_longer_match_speculates_deeper():
+    text = list(range(100, 130)) + [7] + list(range(100, 120))
+    draft = speculate(indexed(text), text, 64, CFG)
+    assert draft.match == 20  # the whole repeated run
+    assert draft.tokens == list(range(120, 130)) + [7] + list(range(100, 109))  # 20 nodes: 1.0 x the match
+    short = indexed([5, 6, 7, 8, 9, 1, 5, 6])
+    assert speculate(short, [1, 5, 6], 64, CFG).tokens == [7, 8]  # a match of 2: 2 nodes at most
+    assert speculate(short, [1, 5, 6], 64, SuffixConfig(max_spec_factor=2.0)).tokens == [7, 8, 9, 1]
+    assert len(speculate(indexed(text), text, 5, CFG).tokens) == 5  # the caller's budget caps it
+
+
+def test_unlikely_continuations_are_left_out():
+    text = []
+    for follower in range(12):  # "1 2" followed by 12 different tokens: each 1/13 < 0.1 likely
+        text += [1, 2, 50 + follower]
+    text += [1, 2]
+    assert speculate(indexed(text), text, 10, CFG).tokens == []
+    assert len(speculate(indexed(text), text, 10, SuffixConfig(min_token_prob=0.05)).tokens) == 2  # the budget
+
+
+def test_no_match_no_draft():
+    assert speculate(indexed([1, 2, 3]), [7, 8], 10, CFG).tokens == []
+    assert speculate(TextIndex(), [1], 10, CFG).tokens == []
+
+
+def test_truncate_takes_the_text_back_exactly():
+    rng = random.Random(0)
+    text = [rng.randrange(6) for _ in range(300)]
+    index = indexed(text[:200])
+    index.extend(text[200:])
+    index.truncate(200)
+    fresh = indexed(text[:200])
+    assert index.tokens == fresh.tokens
+    assert {k: v for k, v in index.singles.items() if v} == fresh.singles
+    assert {k: v for k, v in index.pairs.items() if v} == fresh.pairs
+
+
+def test_recent_outputs_stay_within_their_cap_and_forget_the_oldest():
+    cap = 500
+    store = RecentOutputs(cap)
+    rng = random.Random(1)
+    texts = [[rng.randrange(1000, 1100) for _ in range(rng.randrange(1, 90))] for _ in range(300)]
+    for text in texts:
+        store.add(text)
+        assert store.held <= cap
+        assert len(store.tokens) <= cap + cap // 4 + 1  # the dropped part waits for a rebuild up to cap / 4
+        entries = sum(map(len, store.singles.values())) + sum(map(len, store.pairs.values()))
+        assert entries <= 2 * len(store.tokens)
+    store.add(list(range(5000, 5100)) + [5000, 5001])  # a distinctive text...
+    assert speculate(store, [5000, 5001], 10, CFG).tokens == [5002, 5003]
+    for text in texts[:20]:  # ...is forgotten once newer texts fill the cap
+        store.add(text)
+    assert speculate(store, [5000, 5001], 10, CFG).tokens == []
+    one = RecentOutputs(50)
+    one.add(list(range(200)))  # a text longer than the cap: its end is kept
+    assert one.held <= 50 and one.tokens[-1] == 199
+
+
+def test_matches_never_cross_from_one_text_into_another():
+    store = RecentOutputs(1000)
+    store.add([1, 2, 3])
+    store.add([4, 5, 6])
+    assert speculate(store, [2, 3], 10, CFG).tokens == []  # 3 ends its text: nothing follows it
+    assert SEP not in speculate(store, [9, 4], 10, CFG).tokens
+
+
+def test_a_request_drafts_from_an_earlier_requests_output():
+    drafter = SuffixDrafter()
+    drafter.start(1)
+    answer = list(range(200, 240))
+    seq = [1, 2, 3] + answer + [9]  # the prompt [1, 2, 3], then the answer
+    drafter.propose([[1, 2, 3]], [Plan(0, 8)], None, None)  # first sight: the prompt
+    drafter.propose([seq], [Plan(0, 8)], None, None)
+    drafter.select([])  # it finished: its output joins the recent outputs
+    assert drafter.recent.held == 1 + len(answer) + 1
+    drafter.start(1)
+    new_prompt = [77, 78, 200, 201, 202, 203]  # never seen, but it ends as that answer began
+    tree = drafter.propose([new_prompt], [Plan(0, 8)], None, None)[0]
+    assert tree.tokens == [203, 204, 205, 206, 207]  # a match of 4: 4 guesses
+    assert tree.guess == [204, 205, 206, 207]
+
+
+def test_guess_trees_graft_and_share_nodes_when_greedy():
+    tree = TokenTree.root(0)
+    a = tree.add(0, 5, from_model=True)
+    tree.add(a, 6, from_model=True)
+    tree.add_guesses([5, 7, 6, 8], [-1, -1, 0, 2], share_prefix=True)  # 5 and 5 -> 6 exist; 7 and 8 are new
+    assert tree.tokens == [0, 5, 6, 7, 8] and tree.parents == [-1, 0, 1, 0, 2]
+    assert tree.guess == [5, 6, 8]
+    apart = TokenTree.root(0)
+    apart.add(0, 5, from_model=True)
+    apart.add_guesses([5, 7], [-1, -1], share_prefix=False)  # sampling: a branch of its own
+    assert apart.tokens == [0, 5, 5, 7] and apart.parents == [-1, 0, 0, 0]
+
+
+def test_sibling_guesses_keep_the_target_distribution():
+    """Deterministic siblings (a suffix tree's shape): each is tested against the residual left by the
+    ones before it, so the token emitted is distributed as p."""
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    logits = torch.stack([p.log()] + [torch.full((4,), 0.25).log()] * 3)
+    tree = TokenTree.root(0)
+    tree.add_guesses([3, 1, 2], [-1, -1, -1], share_prefix=False)
+    g = torch.Generator().manual_seed(0)
+    draws = 8000
+    first = Counter(accept_sampling(tree, logits, SamplingParams(temperature=1.0), g).tokens[0] for _ in range(draws))
+    for token in range(4):
+        assert abs(first[token] / draws - float(p[token])) < 4 * (float(p[token]) * (1 - float(p[token])) / draws) ** 0.5 + 1e-3
+
