@@ -47,7 +47,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
 
     g = sub.add_parser("generate", help="continue one prompt")
     add_model_args(g)
-    g.add_argument("--drafter", choices=[k.value for k in DrafterKind], help="default: model+ngram with a draft, else ngram")
+    g.add_argument("--drafter", choices=[k.value for k in DrafterKind], help="default: model+ngram with a draft, else ngram (docs/usage.md)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, required=True)
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")

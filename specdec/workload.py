@@ -34,9 +34,11 @@ def follow_up(task_type: str, turn: int) -> str:
 
 @dataclass
 class Conversation:
-    """One prompt row as a conversation: `ids` is the prompt of the turn to run next."""
+    """One prompt row as a conversation: the prompt of the turn to run next, as `text` (what a client
+    sends) and as `ids` (its tokens; for a text row, the earlier turns' tokens exactly as generated)."""
 
     row: dict  # a load_prompts row: 'task_type', 'prompt' text, and 'messages' for a chat row
+    text: str
     ids: list[int]
     turn: int = 1
     messages: list[dict] | None = field(default=None)
@@ -44,19 +46,25 @@ class Conversation:
     @classmethod
     def open(cls, row: dict, tokenizer) -> "Conversation":
         messages = [dict(m) for m in row["messages"]] if "messages" in row else None
-        return cls(row, tokenizer(row["prompt"])["input_ids"], messages=messages)
+        return cls(row, row["prompt"], tokenizer(row["prompt"])["input_ids"], messages=messages)
 
     def answer(self, output: list[int], tokenizer) -> None:
         """This turn's output came back: the next turn's prompt resends the context with a follow-up."""
-        text = follow_up(self.row["task_type"], self.turn)
+        follow = follow_up(self.row["task_type"], self.turn)
+        said = tokenizer.decode(output, skip_special_tokens=True)
         if self.messages is None:
-            self.ids = self.ids + output + tokenizer("\n\n" + text + "\n", add_special_tokens=False)["input_ids"]
+            added = "\n\n" + follow + "\n"
+            self.text += said + added
+            self.ids = self.ids + output + tokenizer(added, add_special_tokens=False)["input_ids"]
         else:
-            self.messages += [{"role": "assistant", "content": tokenizer.decode(output, skip_special_tokens=True)},
-                              {"role": "user", "content": text}]
-            rendered = tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
-            self.ids = tokenizer(rendered)["input_ids"]  # as the first turn's (and the bench's single prompts)
+            self.messages += [{"role": "assistant", "content": said}, {"role": "user", "content": follow}]
+            self.text = tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
+            self.ids = tokenizer(self.text)["input_ids"]  # as the first turn's (and the bench's single prompts)
         self.turn += 1
+
+    def request(self) -> dict:
+        """This turn as a prompt row (what the served benchmark sends)."""
+        return {"task_type": self.row["task_type"], "prompt": self.text}
 
 
 def turns_of(workload: Workload | str, turns: int) -> int:

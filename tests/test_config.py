@@ -345,3 +345,18 @@ def test_max_task_types_leaves_room_for_the_configured_ones():
     assert "ops.yaml: routing: max_task_types 2 leaves no room" in config_error(with_section("routing", routing))
     assert parse_config(with_section("routing", {**routing, "max_task_types": 3})).routing.max_task_types == 3
     assert parse_live_config({"routing": {"max_task_types": 5}}).max_task_types == 5  # live, as all of routing
+
+
+def test_the_suffix_section_reaches_the_drafters_shape():
+    config = parse_config({"models": {"target": {"path": "t"}},
+                           "speculation": {"drafter": "suffix", "suffix": {"max_depth": 16, "min_token_prob": 0.2,
+                                                                          "global_max_tokens": 5000}}})
+    shape = config.speculation.shape()
+    assert shape.drafter == "suffix" and shape.nodes(8) == 9  # K guesses at most, no draft model
+    assert (shape.suffix.max_depth, shape.suffix.min_token_prob, shape.suffix.global_max_tokens) == (16, 0.2, 5000)
+    assert shape.suffix.max_spec_factor == 1.0  # the rest keep their defaults
+    suffix = {"models": {"target": {"path": "t"}}, "speculation": {"drafter": "suffix"}}
+    assert "speculation.suffix.min_token_prob: must be less than or equal to 1 (got 2)" in config_error(
+        {**suffix, "speculation": {"drafter": "suffix", "suffix": {"min_token_prob": 2}}})
+    assert "speculation.suffix.max_deph: extra key not allowed (did you mean 'max_depth'?)" in config_error(
+        {**suffix, "speculation": {"drafter": "suffix", "suffix": {"max_deph": 3}}})

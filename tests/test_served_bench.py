@@ -18,6 +18,7 @@ from tools.served_bench import percentile
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
 from specdec.loading import load_model, load_tokenizer
+from specdec.workload import follow_up
 
 NEW_TOKENS = 6
 HERE = "cuda:0" if torch.cuda.is_available() else "cpu"  # where the references run: the served device when there is one
@@ -201,6 +202,50 @@ def test_the_api_key_goes_with_every_call(bench_setup, capsys):
         served.close()
     assert len(servicer.authorizations) > len(PROMPTS) and set(servicer.authorizations) == {"Bearer k1"}
     assert served.stats_authorizations and set(served.stats_authorizations) == {"Bearer k1"}
+
+
+class GreedyOutputs(dict):
+    """Prompt text -> the tiny target's greedy tokens, computed for prompts not seen before (later turns)."""
+
+    def __init__(self, target: str, known: dict):
+        super().__init__(known)
+        self.model, self.tokenizer = load_model(target), load_tokenizer(target)
+
+    def __missing__(self, prompt: str) -> list[int]:
+        ids = torch.tensor([self.tokenizer(prompt)["input_ids"]])
+        seq = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                  min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        self[prompt] = seq[0, ids.shape[1]:].tolist()
+        return self[prompt]
+
+
+def test_multi_turn_resends_each_conversation_with_its_answers(bench_setup, capsys):
+    target, prompts, outputs = bench_setup
+    servicer = FakeSpecDecode(GreedyOutputs(target, outputs))
+    asked = []
+    stream = servicer.GenerateStream
+    servicer.GenerateStream = lambda request, context: (asked.append(request.prompt), (yield from stream(request, context)))
+    served = Served(servicer)
+    try:
+        main(argv(served, prompts, "--workload", "multi-turn", "--turns", "2", "--target", target, "--json"))
+    finally:
+        served.close()
+    final = json.loads(capsys.readouterr().out.splitlines()[-1])
+    for r in final["rows"]:
+        assert r["requests"] == 2 * len(PROMPTS) and r["tokens"] == 2 * len(PROMPTS) * NEW_TOKENS
+        assert r["mode"] == "off" or r["identical_to_off"] is True
+    tokenizer = load_tokenizer(target)
+    for row in PROMPTS:  # turn 2: turn 1's prompt, its answer, the follow-up
+        answer = tokenizer.decode(outputs[row["prompt"]], skip_special_tokens=True)
+        second = f"{row['prompt']}{answer}\n\n{follow_up(row['task_type'], 1)}\n"
+        assert asked.count(second) == 2 * 3  # every cell: 2 client counts x off, on, auto
+    assert final["references"]["generate"]["identical_to_off"] == f"{2 * len(PROMPTS)}/{2 * len(PROMPTS)}"
+
+
+def test_multi_turn_needs_the_targets_tokenizer(bench_setup):
+    _, prompts, _ = bench_setup
+    with pytest.raises(SystemExit, match="multi-turn needs --target DIR"):
+        main(["bench-served", "--prompts", prompts, "--workload", "multi-turn"])
 
 
 def test_bad_client_count_is_a_one_line_error(bench_setup):

@@ -1,5 +1,5 @@
 """Sampling through the whole served path: gRPC into Ray Serve's ingress, the router, a draft replica's
-loop (a tree two wide; drafting ahead of verification, or not) and the target's scheduler, in Ray
+loop (a tree two wide, with suffix guesses or without; drafting ahead of verification, or not) and the target's scheduler, in Ray
 actors. The joint distribution of the first 4 sampled tokens must be the target's (chi-square against
 enumeration, as tests/test_sampling.py does)."""
 
@@ -24,13 +24,15 @@ from test_sampling import P_MIN, PROMPT, chi_square_pvalue, exact_joint
 WORDS = [f"v{i}" for i in range(1, SMALL_VOCAB)]  # "v<i>" is token i
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_sampled_output_through_serve_keeps_the_targets_distribution(model_dirs, small_target, tmp_path, overlap):
+@pytest.mark.parametrize("drafter, overlap", [("model", False), ("model", True),
+                                              ("model+suffix", True)])  # suffix guesses: deterministic siblings
+def test_sampled_output_through_serve_keeps_the_targets_distribution(model_dirs, small_target, tmp_path, drafter,
+                                                                      overlap):
     target = save_tokenizer(shutil.copytree(model_dirs.small_target, tmp_path / "target"), WORDS)
     config = {"models": {"target": {"path": target}, "draft": {"path": model_dirs.small_draft}},
               "placement": {"tensor_parallel_size": 1, "draft_replicas": 1},
               # proposal_top_k 3 of 8 tokens: the draft's truncated q is what it draws from and what crosses the wire
-              "speculation": {"drafter": "model", "tree_width": 2, "overlap": overlap, "proposal_top_k": 3},
+              "speculation": {"drafter": drafter, "tree_width": 2, "overlap": overlap, "proposal_top_k": 3},
               "server": {"max_prompt_tokens": 16, "max_new_tokens": 8, "max_n": 100,
                          "grpc_port": free_port(), "http_port": free_port()}}
     path = start_serving(config, tmp_path, num_cpus=4, num_gpus=2)

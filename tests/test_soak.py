@@ -133,7 +133,7 @@ def test_a_short_soak_under_faults_keeps_every_promise(model_dirs, tmp_path):
     target = served_target(model_dirs, tmp_path)
     config = {"models": {"target": {"path": target}, "draft": {"path": model_dirs.draft}},
               "placement": {"tensor_parallel_size": 1, "draft_replicas": 1},
-              "speculation": {"drafter": "model+ngram"},
+              "speculation": {"drafter": "model+suffix"},  # suffix guesses, from each request and recent outputs
               "server": {"max_prompt_tokens": 64, "max_new_tokens": 64, "idle_row_timeout_s": 5.0},
               "routing": {"max_task_types": 8}}
     (tmp_path / "soak.yaml").write_text(yaml.safe_dump(config))

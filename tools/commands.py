@@ -10,6 +10,7 @@ from cluster import commands as serving
 from cluster.config import Dtype
 from cluster.speculation import Speculation
 from specdec import cli
+from specdec.workload import DEFAULT_TURNS, Workload
 
 from .served_bench import bench_main
 
@@ -37,6 +38,12 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
                     help="default off on auto; off always runs first (every other mode must equal it)")
     sb.add_argument("--max-new-tokens", type=int, default=64)
     sb.add_argument("--limit", type=int, help="use only the first N prompts of each task type")
+    sb.add_argument("--workload", choices=[w.value for w in Workload], default=Workload.SINGLE.value,
+                    help="single: each prompt once; multi-turn: each prompt opens a conversation whose every turn "
+                         "resends the last prompt, its answer and a follow-up, one client's turns in order (needs "
+                         "--target)")
+    sb.add_argument("--turns", type=int, default=DEFAULT_TURNS, help=f"turns per conversation of multi-turn "
+                    f"(default {DEFAULT_TURNS})")
     sb.add_argument("--target", metavar="DIR", help="the served target's model folder: its chat template renders "
                     "chat rows, and transformers generate() and generate_batch on it are measured in this process after "
                     "the grid (default: no references; chat rows need it)")

@@ -39,6 +39,7 @@ from cluster.speculation import Speculation
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
 from specdec.prompts import load_prompts
+from specdec.workload import Conversation, turns_of
 
 
 TIMING_KEYS = ("forwards", "forward_s", "steps", "step_round_trip_s", "draft_s", "drafted_ahead")  # GET /v1/stats
@@ -121,7 +122,11 @@ def bench_main(args) -> None:
         raise ValueError(f"--clients must be >= 1, got {args.clients}")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    rows = load_prompts(args.prompts, args.limit, _tokenizer(args.target))
+    tokenizer = _tokenizer(args.target)
+    rows = load_prompts(args.prompts, args.limit, tokenizer)
+    turns = turns_of(args.workload, args.turns)
+    if turns > 1 and tokenizer is None:
+        raise ValueError("--workload multi-turn needs --target DIR: its tokenizer reads each answer into the next turn")
     modes = [Speculation.OFF] + [m for m in dict.fromkeys(args.modes) if m != Speculation.OFF]
     if max(args.clients) > len(rows):
         print(f"bench-served: {len(rows)} prompts: cells with more clients than that run at most {len(rows)} "
@@ -132,27 +137,29 @@ def bench_main(args) -> None:
         stub = api_grpc.SpecDecodeStub(channel)
         for mode in modes:  # warm-up (loads, first-call costs), not timed
             stream_one(stub, rows[0], mode, min(4, args.max_new_tokens), args.timeout)
+        sent = rows  # the prompts of the first off cell: the references' (every turn's, multi-turn)
         stats = _StatsReader(args.http, args.api_key)
         for clients in args.clients:
             off = None
             for mode in modes:
                 before = stats.read()
-                replies, wall = run_cell(stub, rows, mode, clients, args.max_new_tokens, args.timeout)
+                replies, wall, asked = run_cell(stub, rows, mode, clients, args.max_new_tokens, args.timeout,
+                                                turns, tokenizer)
                 after = stats.read()
                 agree = None
                 if mode == Speculation.OFF:
                     off = [r.tokens for r in replies]
-                    off_outputs = off_outputs or off
+                    sent, off_outputs = (sent, off_outputs) if off_outputs else (asked, off)
                 else:
                     agree = check_identical(off, replies, mode, clients, dtype)
                 results.append(cell_row(clients, mode, wall, replies, before, after, results, agree))
                 print(json.dumps(results[-1]), flush=True)
     if args.target:
-        references = measure_references(args.target, rows, args.max_new_tokens, off_outputs, dtype)
+        references = measure_references(args.target, sent, args.max_new_tokens, off_outputs, dtype)
     else:
         print("bench-served: no --target: skipping the transformers reference lines", flush=True)
         references = {name: {"skipped": "no --target"} for name in REFERENCES}
-    print(table(results, references, args, len(rows)))
+    print(table(results, references, args, len(sent)))
     if args.plot:
         plot(results, references, args.plot, args)
     if args.json:
@@ -192,14 +199,25 @@ def stream_one(stub, row: dict, mode: Speculation, max_new_tokens: int, timeout:
     return reply
 
 
-def run_cell(stub, rows: list[dict], mode: Speculation, clients: int, max_new_tokens: int,
-             timeout: float) -> tuple[list[Reply], float]:
-    """Every row once, by `clients` workers pulling from one queue -> (replies in row order, wall seconds)."""
+def run_cell(stub, rows: list[dict], mode: Speculation, clients: int, max_new_tokens: int, timeout: float,
+             turns: int = 1, tokenizer=None) -> tuple[list[Reply], float, list[dict]]:
+    """Every row once, by `clients` workers pulling from one queue; with turns > 1 a row is a conversation
+    (specdec.workload) whose turns its worker sends one after another -> (replies in row order, turn by
+    turn; wall seconds; the prompt rows sent, in the same order)."""
     todo: queue.Queue = queue.Queue()
     for i, row in enumerate(rows):
         todo.put((i, row))
-    replies: list[Reply | None] = [None] * len(rows)
+    replies: list[Reply | None] = [None] * (len(rows) * turns)
+    asked: list[dict | None] = [None] * (len(rows) * turns)
     errors: list[tuple[int, grpc.RpcError]] = []
+
+    def converse(i: int, row: dict) -> None:
+        talk = Conversation.open(row, tokenizer) if turns > 1 else None
+        for turn in range(turns):
+            asked[i * turns + turn] = sent = talk.request() if talk else row
+            reply = replies[i * turns + turn] = stream_one(stub, sent, mode, max_new_tokens, timeout)
+            if talk:
+                talk.answer(reply.tokens, tokenizer)
 
     def worker():
         while True:
@@ -208,7 +226,7 @@ def run_cell(stub, rows: list[dict], mode: Speculation, clients: int, max_new_to
             except queue.Empty:
                 return
             try:
-                replies[i] = stream_one(stub, row, mode, max_new_tokens, timeout)
+                converse(i, row)
             except grpc.RpcError as e:
                 errors.append((i, e))
 
@@ -223,7 +241,7 @@ def run_cell(stub, rows: list[dict], mode: Speculation, clients: int, max_new_to
         i, e = min(errors, key=lambda x: x[0])
         raise SystemExit(f"bench-served: mode {mode.lower()} at {clients} clients, prompt {i}: "
                          f"{e.code().name}: {e.details()}")
-    return replies, wall
+    return replies, wall, asked
 
 
 def check_identical(off: list[list[int]], replies: list[Reply], mode: Speculation, clients: int,
@@ -409,7 +427,8 @@ def _generate_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: l
 
 def table(rows: list[dict], references: dict, args, n_prompts: int) -> str:
     fmt = lambda v, spec=".1f": "-" if v is None else format(v, spec)  # noqa: E731
-    lines = [f"# specdec bench-served: {args.prompts} ({n_prompts} prompts), max_new_tokens={args.max_new_tokens}, "
+    lines = [f"# specdec bench-served: {args.prompts} ({n_prompts} prompts, workload {args.workload}), "
+             f"max_new_tokens={args.max_new_tokens}, "
              f"greedy, server {args.address}",
              f"{'clients':>7} {'mode':<5} {'tok/s':>7} {'vs off':>7} {'tpot p50':>9} {'tpot p95':>9} {'ttft p50':>9} "
              f"{'accepted/drafted':>17} {'steps':>6} {'forward':>8} {'round trip':>10} {'draft':>7}  (ms) {'ahead':>6}"]
