@@ -6,7 +6,7 @@ import asyncio
 import ray
 
 from protos import specdec_tree_pb2_grpc as tree_grpc
-from specdec.drafter_kinds import DraftShape
+from specdec.drafter_kinds import DrafterKind, DraftShape
 from specdec.drafters import Drafter, make_drafter
 from specdec.errors import Unavailable
 from specdec.kvcache import CachedLM
@@ -26,10 +26,12 @@ from .target_rank import device_for_actor, use_assigned_cpus
 class DraftReplica:
     """Async: a request is a stream fed by its draft model's loop, not a thread."""
 
-    def __init__(self, drafts: dict[str, tuple[str, str]], target_address: str, shape: DraftShape = DraftShape(),
+    def __init__(self, drafts: dict[str, tuple[str, str]], target_address: str,
+                 shapes: dict[DrafterKind, DraftShape] | None = None,
                  overlap: bool = True, *, security: LinkSecurity | SharedSecurity, logical_gpus: bool = False):
         """drafts: task type -> (model folder, dtype); the "" entry drafts for every other task type.
-        shape: the drafter, its tree width and its proposals' entries (speculation.*).
+        shapes: per drafter kind it runs, its tree width and its proposals' entries (speculation.*); the first
+        drafts a request that names none. Default: model+ngram.
         overlap: draft each step while the target verifies the one before (actors.draft_loop).
         security: the topology's secret (sent on every call to the target) and TLS files, if any; through
         Ray's object store (SharedSecurity), so that it is not among the actor's creation arguments.
@@ -38,14 +40,17 @@ class DraftReplica:
         device = device_for_actor(logical_gpus)  # before anything loads: a wrong image fails here
         self.models = {task: load_served_model(path, parse_dtype(dtype), device)
                        for task, (path, dtype) in drafts.items()}
-        self.shape, self.overlap = shape, overlap
-        self._make_drafter(self.models.get(""))  # fail at start
+        self.shapes = dict(shapes or {DrafterKind.MODEL_NGRAM: DraftShape()})
+        self.overlap = overlap
+        for kind in self.shapes:
+            self._make_drafter(self.models.get(""), kind)  # fail at start
         self.security, self.target_address = resolve(security), target_address
         self.channel = target_channel(target_address, self.security)
         self.target = GrpcTarget(tree_grpc.TargetServiceStub(self.channel))  # shared by the loops
         name = ray.get_runtime_context().get_actor_name() or "draft"
         self.step_timer = StepTimer(name.rsplit("-", 1)[0])  # draft-<i>-<topology tag> -> draft-<i>
-        self.loops: dict[str, DraftLoop] = {}  # per draft model: its task type, or "" for the rest
+        self.loops: dict[tuple[str, DrafterKind], DraftLoop] = {}  # per draft model (its task type, or "" for
+        # the rest) and drafter kind
         self.running: dict[str, DraftLoop] = {}  # request id -> its loop
         self.cancelled_early = RecentlyClosed()  # cancelled before their generate call began here
 
@@ -57,9 +62,10 @@ class DraftReplica:
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, max_new_tokens: int,
                        eos: list[int] = (), depth: int = 4, task_type: str = "", stream: int = 0,
-                       target_address: str | None = None):
-        """One request, K = depth: opened on the target (it may wait there for room), then stepped with
-        the replica's other requests. Yields each step's tokens; the last item has the finish reason.
+                       target_address: str | None = None, drafter: str | None = None):
+        """One request, K = depth, drafted by `drafter` (a kind this replica runs; None: its first): opened on
+        the target (it may wait there for room), then stepped with the replica's other requests of that
+        drafter. Yields each step's tokens; the last item has the finish reason.
         `stream` separates the random streams of samples that share a seed. `target_address`: the
         target group's TargetService as the caller knows it (None: the one this replica has); a new one
         (the group was rebuilt) is connected to first."""
@@ -67,7 +73,7 @@ class DraftReplica:
             return
         if target_address is not None and target_address != self.target_address:
             self._connect(target_address)
-        loop = self.running[request_id] = self._loop_for(task_type)  # from here on it can be cancelled
+        loop = self.running[request_id] = self._loop_for(task_type, drafter)  # from here on it can be cancelled
         try:
             # the draft runs the prompt while the target does (each on its own device)
             # the open awaits admission holding no thread (the target may keep it waiting for room)
@@ -98,15 +104,17 @@ class DraftReplica:
             loop.fail_all(Unavailable(f"the target group was rebuilt at {address}"))
         old.close()
 
-    def _loop_for(self, task_type: str) -> DraftLoop:
+    def _loop_for(self, task_type: str, drafter: str | None) -> DraftLoop:
         key = task_type if task_type in self.models else ""
-        if key not in self.loops:
-            model = self.models.get(key)
-            self.loops[key] = DraftLoop(self.target, self._make_drafter(model), on_step=self.step_timer,
-                                        overlap=self.overlap)
-        return self.loops[key]
+        kind = DrafterKind(drafter) if drafter is not None else next(iter(self.shapes))
+        if kind not in self.shapes:
+            raise ValueError(f"drafter {kind.value!r} is not run by this replica ({', '.join(map(str, self.shapes))})")
+        if (key, kind) not in self.loops:
+            self.loops[(key, kind)] = DraftLoop(self.target, self._make_drafter(self.models.get(key), kind),
+                                                on_step=self.step_timer, overlap=self.overlap)
+        return self.loops[(key, kind)]
 
-    def _make_drafter(self, model) -> Drafter | None:
-        shape = self.shape
-        return make_drafter(shape.drafter, CachedLM(model) if model is not None else None, shape.width,
+    def _make_drafter(self, model, kind: DrafterKind) -> Drafter | None:
+        shape = self.shapes[kind]
+        return make_drafter(kind, CachedLM(model) if model is not None else None, shape.width,
                             shape.proposal_top_k, shape.suffix)

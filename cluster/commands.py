@@ -187,7 +187,10 @@ def task_stats(stub) -> dict:
     reply = stub.GetStats(api.GetStatsRequest())
     return {t.task_type: {"alpha": t.alpha if t.HasField("alpha") else None, "decision": t.decision, "k": t.k,
                           "reason": t.reason, "goodput": dict(t.goodput) or None,
-                          "samples": t.samples, "requests": dict(t.requests)} for t in reply.task_types}
+                          "samples": t.samples, "requests": dict(t.requests), "drafter": t.drafter,
+                          "drafters": {kind: {"alpha": d.alpha if d.HasField("alpha") else None, "samples": d.samples,
+                                              "goodput": d.goodput if d.HasField("goodput") else None}
+                                       for kind, d in t.drafters.items()}} for t in reply.task_types}
 
 
 COMMANDS = {"serve": serve_main, "client": client_main}  # subcommand -> its handler (tools/commands.py runs them)

@@ -107,18 +107,43 @@ class SuffixSection(_Section):
 
 class SpeculationConfig(_Section):
     """How drafts are made. How many tokens a step drafts is the router's choice per task type (by live
-    alpha and the target's load), up to routing.*.max_k."""
+    alpha and the target's load), up to routing.*.max_k; so is the drafter, where several are listed."""
 
-    drafter: DrafterKind = Field(DrafterKind("model+ngram"), validate_default=True)  # validated: its value, as parsed
+    # one drafter kind, or a list of them: every draft replica runs each, and the router chooses per task
+    # type among them by measured goodput (routing.*.drafter pins one, routing.*.forbid_drafters rules some out)
+    drafter: list[DrafterKind] = Field([DrafterKind.MODEL_NGRAM], validate_default=True)
     tree_width: int = Field(1, ge=1, le=MAX_TREE_WIDTH)
     # a sampled draft draws from (and ships) its q cut to this many likeliest tokens: bounds a tree's bytes
     proposal_top_k: int = Field(DEFAULT_PROPOSAL_TOP_K, ge=1, le=MAX_PROPOSAL_TOP_K)
     overlap: bool = False  # draft the next step while the target verifies this one (draft models only)
     suffix: SuffixSection = SuffixSection()
 
-    def shape(self) -> DraftShape:
-        """What the draft replicas draft, and the router prices."""
-        return DraftShape(DrafterKind(self.drafter), self.tree_width, self.proposal_top_k, self.suffix.config())
+    @field_validator("drafter", mode="before")
+    @classmethod
+    def _one_or_several(cls, drafter: Any) -> list:
+        names = drafter if isinstance(drafter, list) else [drafter]
+        known = [k.value for k in DrafterKind]
+        for name in names:
+            if name not in known:
+                raise ValueError(f"must be {', '.join(map(repr, known[:-1]))} or {known[-1]!r}, or a list of them "
+                                 f"(got {name!r})")
+        if not names:
+            raise ValueError("an empty list: name one drafter kind, or several")
+        if "none" in names and len(names) > 1:
+            raise ValueError("none cannot be listed with other drafters: plain decoding is always there, "
+                             "as the router's off")
+        if len(set(names)) < len(names):
+            raise ValueError(f"a drafter is listed twice: {', '.join(names)}")
+        return names
+
+    def kinds(self) -> tuple[DrafterKind, ...]:
+        """The drafter kinds the draft replicas run, the first the router starts from."""
+        return tuple(DrafterKind(k) for k in self.drafter)
+
+    def shapes(self) -> dict[DrafterKind, DraftShape]:
+        """What the draft replicas draft, per kind, and the router prices."""
+        return {kind: DraftShape(kind, self.tree_width, self.proposal_top_k, self.suffix.config())
+                for kind in self.kinds() if kind is not DrafterKind.NONE}
 
     @model_validator(mode="before")
     @classmethod
@@ -144,6 +169,10 @@ class Thresholds(_Section):
     max_k: int = Field(8, ge=1, le=MAX_K)
     draft_cost_ratio: float = Field(0.15, gt=0, lt=1)  # a drafted token's cost / a target step's, until measured
     speculation: Literal["auto", "on", "off"] = "auto"  # on/off: forced for AUTO requests of this task type
+    # where speculation.drafter lists several: `auto` chooses among them by measured goodput; a kind pins it
+    drafter: Literal["auto"] | DrafterKind = "auto"
+    forbid_drafters: list[DrafterKind] = Field(default_factory=list)  # never chosen for this task type
+    switch_margin: float = Field(0.05, ge=0, le=1)  # another drafter is chosen once it beats this one by this share
 
     @field_validator("off_alpha")
     @classmethod
@@ -180,6 +209,23 @@ class RoutingConfig(_Section):
 
     def thresholds(self, task_type: str) -> Thresholds:
         return self.task_types.get(task_type, self.default)
+
+    def check_drafters(self, served: tuple[DrafterKind, ...]) -> None:
+        """ValueError naming the key where a task type pins or forbids a drafter the replicas do not run, or
+        forbids every one they run."""
+        for name, thresholds in [("default", self.default), *((f"task_types.{t}", v) for t, v in self.task_types.items())]:
+            runs = [k for k in served if k is not DrafterKind.NONE]
+            named = [thresholds.drafter] if thresholds.drafter != "auto" else []
+            for kind in [*named, *thresholds.forbid_drafters]:
+                if kind not in runs:
+                    key = "drafter" if kind in named else "forbid_drafters"
+                    raise ValueError(f"routing.{name}.{key}: {str(kind)!r} is not among the drafters served "
+                                     f"(speculation.drafter: {', '.join(map(str, served))})")
+            if runs and not set(runs) - set(thresholds.forbid_drafters):
+                raise ValueError(f"routing.{name}.forbid_drafters forbids every drafter served "
+                                 f"({', '.join(map(str, runs))}): use speculation: off for that task type")
+            if thresholds.drafter in thresholds.forbid_drafters:
+                raise ValueError(f"routing.{name}: drafter {str(thresholds.drafter)!r} is pinned and forbidden")
 
 
 class ServerConfig(_Section):
@@ -258,10 +304,15 @@ class ServeConfig(_Section):
 
     @model_validator(mode="after")
     def _draft_for_model_drafters(self) -> "ServeConfig":
-        drafter = self.speculation.drafter
-        if DrafterKind(drafter).uses_model and not self.models.drafts():
-            raise ValueError(f"speculation.drafter {str(drafter)!r} needs models.draft (or models.task_drafts); "
-                             f"without a draft model use drafter ngram, suffix or none")
+        for drafter in self.speculation.kinds():
+            if drafter.uses_model and not self.models.drafts():
+                raise ValueError(f"speculation.drafter {str(drafter)!r} needs models.draft (or models.task_drafts); "
+                                 f"without a draft model use drafter ngram, suffix or none")
+        return self
+
+    @model_validator(mode="after")
+    def _routing_names_served_drafters(self) -> "ServeConfig":
+        self.routing.check_drafters(self.speculation.kinds())
         return self
 
 
@@ -288,7 +339,8 @@ def _uses_model(drafter: str | None, data: Mapping) -> bool:
     answers True and is refused by the validation that follows."""
     name = drafter or ((data.get("speculation") if isinstance(data.get("speculation"), Mapping) else None)
                        or {}).get("drafter") or SpeculationConfig().drafter
-    return name not in set(DrafterKind) or DrafterKind(name).uses_model
+    names = name if isinstance(name, list) else [name]
+    return any(not isinstance(n, str) or n not in set(DrafterKind) or DrafterKind(n).uses_model for n in names)
 
 
 def _given_models(args: Mapping) -> dict[str, str]:

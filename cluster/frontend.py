@@ -63,7 +63,7 @@ class Frontend:
         self.tokenizer = load_tokenizer(target)
         self.eos = sorted(eos_ids(_generation_config(target), self.tokenizer))
         self.context = getattr(check_model(target), "max_position_embeddings", None)
-        self.router = Router(cfg.routing, cfg.speculation.shape())
+        self.router = Router(cfg.routing, cfg.speculation.shapes())
         self.topology = topology
         self.supervisor = TargetSupervisor(cfg, topology)
         # as the target counts: a request that could never fit is refused at the door

@@ -75,7 +75,9 @@ def stats_proto(stats: SpeculationStats) -> api.SpeculationStats:
 def stats_response(stats: IngressStats) -> api.GetStatsResponse:
     return api.GetStatsResponse(task_types=[
         api.TaskTypeStats(task_type=name, alpha=s.alpha, decision=s.decision, k=s.k, samples=s.samples,
-                          requests=s.requests, reason=s.reason, goodput=s.goodput or {})
+                          requests=s.requests, reason=s.reason, goodput=s.goodput or {}, drafter=s.drafter,
+                          drafters={kind: api.DrafterStats(alpha=d.alpha, samples=d.samples, goodput=d.goodput)
+                                    for kind, d in s.drafters.items()})
         for name, s in stats.task_types.items()], target=_target_proto(stats.target), in_flight=stats.in_flight)
 
 

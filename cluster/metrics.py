@@ -32,6 +32,10 @@ speculation_on = LazyMetric(Gauge, "speculation_on", "The router's decision for 
 router_goodput = LazyMetric(Gauge, "router_goodput_tokens_per_second", "The router's estimate of the tokens per "
                             "second the target would commit with one more AUTO row, plain or speculating at its "
                             "best K (set once the target has reported its forward costs)", ("task_type", "mode"))
+drafter_alpha = LazyMetric(Gauge, "drafter_alpha", "The router's moving average of per-depth acceptance per drafter "
+                           "kind served", ("task_type", "drafter"))
+drafter_chosen = LazyMetric(Gauge, "drafter_chosen", "1 for the drafter kind AUTO requests of the task type "
+                            "speculate with, 0 for the others served", ("task_type", "drafter"))
 task_types_folded = LazyMetric(Counter, "task_types_folded", "Requests whose task type was new once the router "
                                "tracked routing.max_task_types names: routed and counted as default")
 queue_depth = LazyMetric(Gauge, "queue_depth", "Requests admitted and unfinished in this ingress replica")
@@ -75,7 +79,7 @@ def count_event(task_type: str, event: str) -> None:
 
 def publish_gauges(in_flight: int, routing: dict[str, "TaskTypeStats"], target_serving: bool) -> None:
     """The ingress's gauges: its queue depth, the target group's availability, and per task type of
-    Router.stats() the alpha (once measured) and the decision."""
+    Router.stats() the alpha (once measured), the decision, and each drafter's alpha and whether it is chosen."""
     queue_depth().set(in_flight)
     target_up().set(int(target_serving))
     for task_type, stats in routing.items():
@@ -84,6 +88,9 @@ def publish_gauges(in_flight: int, routing: dict[str, "TaskTypeStats"], target_s
         speculation_on().set(int(stats.decision == "on"), tags)
         for mode, value in (stats.goodput or {}).items():
             router_goodput().set(value, {**tags, "mode": mode})
+        for kind, drafter in stats.drafters.items():
+            drafter_alpha().set(drafter.alpha, {**tags, "drafter": kind})  # None: not set
+            drafter_chosen().set(int(kind == stats.drafter), {**tags, "drafter": kind})
 
 
 class RequestMeter:

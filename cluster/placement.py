@@ -74,7 +74,7 @@ def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
     target_pg = placement_group(_bundles(place.tensor_parallel_size, place.gpus_per_actor, place.cpus_per_target_rank),
                                 strategy="STRICT_PACK")
     groups = [target_pg]
-    n_drafts = place.draft_replicas if spec.drafter != "none" else 0
+    n_drafts = place.draft_replicas if spec.shapes() else 0
     if n_drafts:
         groups.append(placement_group(_bundles(n_drafts, place.gpus_per_actor, place.cpus_per_draft_replica),
                                       strategy="PACK"))
@@ -89,7 +89,7 @@ def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
                                  max_concurrency=ACTOR_CONCURRENCY,
                                  max_restarts=-1, scheduling_strategy=_on(groups[1], i),
                                  name=f"draft-{i}-{topo.tag}", namespace=NAMESPACE)
-            .remote(models.drafts(), topo.target_address, spec.shape(), spec.overlap,
+            .remote(models.drafts(), topo.target_address, spec.shapes(), spec.overlap,
                     security=topo.shared, logical_gpus=place.logical_gpus)
             for i in range(n_drafts)]
         ray.get([d.ready.remote() for d in topo.drafts], timeout=timeout_s)
@@ -123,10 +123,10 @@ def start_target_ranks(cfg: ServeConfig, pg: PlacementGroup, tag: str, security:
 
 def kv_budget(cfg: ServeConfig) -> KvBudget:
     """The target's bounds, from server.*; a tree's room from speculation and routing: the nodes past the
-    root of the drafter's tree (DraftShape.nodes) for the largest K any task type may be given."""
+    root of the largest drafter's tree (DraftShape.nodes) for the largest K any task type may be given."""
     routing = cfg.routing
     k = max([routing.default.max_k, *(t.max_k for t in routing.task_types.values())])
-    tree_room = max(KvBudget.tree_room, cfg.speculation.shape().nodes(k) - 1)
+    tree_room = max([KvBudget.tree_room, *(shape.nodes(k) - 1 for shape in cfg.speculation.shapes().values())])
     return KvBudget(cfg.server.max_running_requests, cfg.server.max_kv_tokens, cfg.server.max_waiting_requests,
                     tree_room)
 

@@ -3,7 +3,6 @@ turned into chunks for the client. Speculative: on a draft replica, in turn; a r
 mid-request costs speed, not the request: it goes on from the tokens already streamed, decoded plain on
 the target (the fallback). Plain: on the target group directly."""
 
-import itertools
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -20,9 +19,10 @@ from specdec.sampling import SamplingParams
 from . import metrics
 
 from .admission import Admitted, Request
+from .affinity import ReplicaChooser
 from .detokenizer import Detokenizer, TextOptions
 from .placement import Topology
-from .router import Router
+from .router import Decision, Router
 from .supervisor import TargetSupervisor
 from .telemetry import StepTiming
 
@@ -86,6 +86,7 @@ class Served:
     plain: int = 0
     fallbacks: int = 0  # speculative ones finished plain: their draft replica was lost
     cancelled: int = 0  # closed early by their client (a stop string is an end, not a cancel)
+    followed_conversation: int = 0  # speculative ones sent to the replica of their conversation's last turn
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -97,7 +98,7 @@ class Relay:
         self.router, self.topology, self.supervisor = router, topology, supervisor
         self.tokenizer, self.timing = tokenizer, timing
         self.served = Served()
-        self._turn = itertools.count()  # the next draft replica, round robin
+        self.replicas = ReplicaChooser()  # the replica of a conversation's last turn, else round robin
 
     async def run(self, job: Admitted, meter: metrics.RequestMeter, sample: int) -> AsyncIterator[Chunk]:
         """Sample `sample` of the request: speculative when the router says so and a replica is there, with
@@ -110,7 +111,7 @@ class Relay:
         meter.start(("probe" if decision.probe else "speculative") if progress.speculative else "plain")
         done: list[int] = []  # the tokens streamed so far
         if progress.speculative:
-            async for chunk in self._speculative(job, rid, decision.k, sample, text, done, progress, meter):
+            async for chunk in self._speculative(job, rid, decision, sample, text, done, progress, meter):
                 yield chunk
             if not progress.replica_lost:
                 return
@@ -125,21 +126,23 @@ class Relay:
         async for chunk in self._relay(self.topology.target, rid, stream, text, done, progress, before=replace(progress)):
             yield chunk
 
-    async def _speculative(self, job: Admitted, rid: str, k: int, sample: int, text: Detokenizer, done: list[int],
-                           progress: Progress, meter: metrics.RequestMeter) -> AsyncIterator[Chunk]:
-        """The sample on a draft replica; returns without a last chunk when the replica was lost (the caller
-        goes on plain)."""
+    async def _speculative(self, job: Admitted, rid: str, decision: Decision, sample: int, text: Detokenizer,
+                           done: list[int], progress: Progress, meter: metrics.RequestMeter) -> AsyncIterator[Chunk]:
+        """The sample on a draft replica, K deep with the decision's drafter; returns without a last chunk when
+        the replica was lost (the caller goes on plain)."""
         drafts = self.topology.drafts
-        replica = drafts[next(self._turn) % len(drafts)]
+        index = self.replicas.choose(job.prompt_ids, len(drafts))
+        self.served.followed_conversation = self.replicas.followed
+        replica = drafts[index]
         stream = replica.generate.options(num_returns="streaming").remote(
-            rid, job.prompt_ids, job.params, job.request.max_new_tokens, list(job.params.end_ids), k, job.task_type,
-            stream=sample,
-            target_address=self.topology.target_address)
+            rid, job.prompt_ids, job.params, job.request.max_new_tokens, list(job.params.end_ids), decision.k,
+            job.task_type, stream=sample, target_address=self.topology.target_address,
+            drafter=decision.drafter.value if decision.drafter is not None else None)
         try:
             async for chunk in self._relay(replica, rid, stream, text, done, progress):
                 yield chunk
             if progress.tried_depths:
-                self.router.report(meter.task_type, progress.accepted, progress.tried_depths)
+                self.router.report(meter.task_type, progress.accepted, progress.tried_depths, decision.drafter)
             self.served.speculative += 1
         except ACTOR_GONE as e:
             log.warning("draft replica lost during request %s (%s); finishing it on the target", rid, e)
@@ -149,6 +152,7 @@ class Relay:
             meter.event("fallback")
         finally:
             meter.drafts(progress.drafted, progress.accepted)
+            self.replicas.done(index, job.prompt_ids + done)
 
     async def _relay(self, actor, rid: str, stream, text: Detokenizer, done: list[int], progress: Progress,
                      before: Progress | None = None) -> AsyncIterator[Chunk]:

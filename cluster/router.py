@@ -8,7 +8,14 @@ the target commits per second at its current load (specdec.adaptive.goodput): th
 forward cost by batch tokens and its batch, so speculation turns off when the batch is big and comes
 back as it drains. Before the target has reported, K maximises expected_tokens(alpha, K) /
 (1 + K * draft_cost_ratio). While off, a `probe_fraction` of requests still speculates so that alpha
-stays live. A task type's `speculation: on | off` forces the decision."""
+stays live. A task type's `speculation: on | off` forces the decision.
+
+Where the draft replicas run several drafter kinds (speculation.drafter a list), alpha is kept per task
+type and drafter, and the router also chooses the drafter: each is tried until it has min_samples
+reports, then the one of the highest goodput at its best K drafts, and another takes over only once it
+beats it by switch_margin; a probe_fraction of speculative requests tries the others, so their alphas
+stay live. A drafter that runs no model costs no draft forwards; one that does costs what the replicas
+measure. routing.*.drafter pins one; routing.*.forbid_drafters rules some out."""
 
 import threading
 from dataclasses import asdict, dataclass, field
@@ -18,7 +25,7 @@ from cluster.config import RoutingConfig, Thresholds
 from cluster.speculation import Speculation
 from specdec.acceptance import acceptance_rate
 from specdec.adaptive import Costs, Load, StepCosts, expected_tokens, goodput, step_costs_note
-from specdec.drafter_kinds import DraftShape
+from specdec.drafter_kinds import DrafterKind, DraftShape
 
 Mode = Literal["speculative", "plain", "probe"]
 DEFAULT_TASK = "default"  # the task type of requests without one, and of unknown ones beyond max_task_types
@@ -28,8 +35,9 @@ _ROUNDING = 1e-9  # probe credit: 0.1 added ten times falls just short of 1
 @dataclass(frozen=True)
 class Decision:
     speculative: bool
-    probe: bool  # speculative only to keep alpha measured while the task type is off
+    probe: bool  # speculative only to keep an alpha measured (the task type's while off, another drafter's)
     k: int  # tokens to draft; 0 for plain decoding
+    drafter: DrafterKind | None = None  # the kind the draft replica drafts with; None for plain decoding
 
 
 @dataclass(frozen=True)
@@ -40,19 +48,31 @@ class Plan:
     k: int  # 0 when not speculating
     reason: str
     goodput: dict[str, float] | None = None  # tokens/s the target would commit: "plain", "speculative"
+    drafter: DrafterKind | None = None  # the drafter it speculates with
+
+
+@dataclass(frozen=True)
+class DrafterStats:
+    """One drafter kind's standing in a task type."""
+
+    alpha: float | None  # None until measured
+    samples: int
+    goodput: float | None  # tokens/s the target would commit with it at its best K; None before the target reports
 
 
 @dataclass(frozen=True)
 class TaskTypeStats:
     """What the router reports of a task type (/v1/stats "task_types", GetStats's TaskTypeStats)."""
 
-    alpha: float | None  # None until measured
+    alpha: float | None  # the chosen drafter's; None until measured
     decision: str  # "on" / "off": what AUTO requests get now
     k: int  # for AUTO requests; 0 when off
     reason: str
     goodput: dict[str, float] | None  # the estimates behind the decision; None before the target reports
-    samples: int  # acceptance reports taken
+    samples: int  # acceptance reports taken (every drafter's)
     requests: dict[str, int]  # routed, by mode
+    drafter: str  # the drafter AUTO requests speculate with
+    drafters: dict[str, DrafterStats]  # every drafter served
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,38 +92,55 @@ class TargetView:
     draft_s_per_depth: float | None = None  # measured on the draft replicas; None until they have drafted
     stall_s_per_token: float = 0.0  # the target loop's seconds prefilling joining requests, per token committed
 
-    def step_costs(self, draft_cost_ratio: float) -> StepCosts:
+    def step_costs(self, draft_cost_ratio: float, uses_model: bool = True) -> StepCosts:
         """A depth the draft model runs costs what the replicas measured, or, until they have,
         draft_cost_ratio of a one-token target forward (the routing key); drafting hidden behind
-        verification costs nothing."""
+        verification costs nothing, and so does a drafter without a model (its lookups cost microseconds:
+        tools/bench/suffix_cost.py)."""
         per_depth = (self.draft_s_per_depth if self.draft_s_per_depth is not None
                      else draft_cost_ratio * self.costs.verify(1))
-        return StepCosts(self.costs, per_depth * (1 - self.drafted_ahead), self.hop_s, self.stall_s_per_token)
+        per_depth = per_depth * (1 - self.drafted_ahead) if uses_model else 0.0
+        return StepCosts(self.costs, per_depth, self.hop_s, self.stall_s_per_token)
+
+
+@dataclass
+class _Measured:
+    """A drafter's acceptance in one task type."""
+
+    alpha: float | None = None  # moving average of reported alphas; None before the first report
+    samples: int = 0  # reports seen
+    routed: int = 0  # requests sent to it
 
 
 @dataclass
 class _TaskState:
-    alpha: float | None = None  # moving average of reported alphas; None before the first report
-    samples: int = 0  # reports seen
+    drafters: dict[DrafterKind, _Measured]  # every drafter served
+    chosen: DrafterKind  # the one AUTO requests speculate with (hysteresis: switch_margin)
     speculating: bool = True  # within the alpha bounds (hysteresis); optimistic until reports say otherwise
     probe_credit: float = 0.0  # probe_fraction accumulated per request while off; a probe at 1
+    other_credit: float = 0.0  # probe_fraction accumulated per speculative request: another drafter's try at 1
     requests: dict[Mode, int] = field(default_factory=lambda: dict.fromkeys(get_args(Mode), 0))
 
+    def samples(self) -> int:
+        return sum(m.samples for m in self.drafters.values())
 
-def best_k(alpha: float, thresholds: Thresholds) -> int:
+
+def best_k(alpha: float, thresholds: Thresholds, draft_cost_ratio: float | None = None) -> int:
     """The K in 1..max_k that commits the most tokens per unit of time spent drafting and verifying."""
-    return max(
-        range(1, thresholds.max_k + 1),
-        key=lambda k: expected_tokens(alpha, k) / (1 + k * thresholds.draft_cost_ratio),
-    )
+    ratio = thresholds.draft_cost_ratio if draft_cost_ratio is None else draft_cost_ratio
+    return max(range(1, thresholds.max_k + 1), key=lambda k: expected_tokens(alpha, k) / (1 + k * ratio))
 
 
 class Router:
     """Thread-safe: serving calls route() and report() from many requests at once."""
 
-    def __init__(self, routing: RoutingConfig, shape: DraftShape):
-        """shape: what the draft replicas draft (speculation.*): a step of K verifies trees of shape.nodes(K)."""
-        self._routing, self.shape = routing, shape
+    def __init__(self, routing: RoutingConfig, shapes: dict[DrafterKind, DraftShape]):
+        """shapes: what the draft replicas draft, per drafter kind (speculation.*): a step of K verifies trees
+        of shape.nodes(K); the first is the one a task type starts from."""
+        if not shapes:
+            shapes = {DrafterKind.NONE: DraftShape(DrafterKind.NONE)}  # no draft replicas: plain decoding only
+        routing.check_drafters(tuple(shapes))
+        self._routing, self.shapes = routing, dict(shapes)
         self._tasks: dict[str, _TaskState] = {}
         self.folded = 0  # requests whose unknown task type was folded into default (routing.max_task_types)
         self._target: TargetView | None = None  # unknown until the target reports
@@ -115,7 +152,7 @@ class Router:
         DEFAULT_TASK (counted in `folded`). A name is tracked from here on."""
         with self._lock:
             name = self._fold(task_type)
-            self._tasks.setdefault(name, _TaskState())
+            self._state(name)
             return name
 
     def _fold(self, task_type: str) -> str:
@@ -144,71 +181,169 @@ class Router:
             state.requests[mode] += 1
             if mode == "plain":
                 return Decision(speculative=False, probe=False, k=0)
-            k = plan.k if plan.speculative else _k_from_alpha(state, thresholds)
-            return Decision(speculative=True, probe=mode == "probe", k=k)
+            drafter, probe = plan.drafter or state.chosen, mode == "probe"
+            if requested == Speculation.AUTO and mode == "speculative":
+                drafter, probe = self._try_another(state, thresholds, drafter)
+            state.drafters[drafter].routed += 1
+            k = plan.k if plan.speculative and drafter == plan.drafter else self._k_from_alpha(state, thresholds, drafter)
+            return Decision(speculative=True, probe=probe, k=k, drafter=drafter)
 
-    def report(self, task_type: str, accepted: int, tried: int) -> None:
-        """One finished speculative request's acceptance; a request that tried nothing is ignored."""
+    def report(self, task_type: str, accepted: int, tried: int, drafter: DrafterKind | None = None) -> None:
+        """One finished speculative request's acceptance, with the drafter it ran (None: the first served);
+        a request that tried nothing is ignored."""
         if not 0 <= accepted <= tried:
             raise ValueError(f"need 0 <= accepted <= tried, got accepted={accepted}, tried={tried}")
         if tried == 0:
             return
         with self._lock:
             state, thresholds = self._state(task_type), self._routing.thresholds(task_type)
+            measured = state.drafters.get(drafter if drafter is not None else next(iter(self.shapes)))
+            if measured is None:
+                raise ValueError(f"drafter {drafter!r} is not served here ({', '.join(map(str, self.shapes))})")
             observed = acceptance_rate(accepted, tried)
-            state.alpha = observed if state.alpha is None else state.alpha + thresholds.ema * (observed - state.alpha)
-            state.samples += 1
-            _decide(state, thresholds)
+            measured.alpha = observed if measured.alpha is None else measured.alpha + thresholds.ema * (observed - measured.alpha)
+            measured.samples += 1
+            _decide(state, thresholds, self._allowed(thresholds))
 
     def update_routing(self, routing: RoutingConfig) -> None:
-        """New thresholds apply at once, to decisions too; learned alphas and counts are kept."""
+        """New thresholds apply at once, to decisions too; learned alphas and counts are kept. ValueError
+        (naming the key) for one that pins or forbids a drafter not served, the running routing kept."""
+        routing.check_drafters(tuple(self.shapes))
         with self._lock:
             self._routing = routing
             for task_type, state in self._tasks.items():
-                _decide(state, routing.thresholds(task_type))
+                thresholds = routing.thresholds(task_type)
+                _decide(state, thresholds, self._allowed(thresholds))
 
     def stats(self) -> dict[str, TaskTypeStats]:
         """Per task type: alpha, decision ("on"/"off") and k for AUTO requests, the reason, the goodput
-        estimates behind it (None before the target reports), samples, requests by mode."""
+        estimates behind it (None before the target reports), samples, requests by mode, the drafter chosen
+        and every drafter's alpha, samples and goodput."""
         with self._lock:
             return {task_type: self._task_stats(task_type, state) for task_type, state in self._tasks.items()}
 
     def _task_stats(self, task_type: str, state: _TaskState) -> TaskTypeStats:
-        plan = self._plan(state, self._routing.thresholds(task_type))
-        return TaskTypeStats(state.alpha, "on" if plan.speculative else "off", plan.k, plan.reason, plan.goodput,
-                             state.samples, dict(state.requests))
+        thresholds = self._routing.thresholds(task_type)
+        plan = self._plan(state, thresholds)
+        drafter = plan.drafter or state.chosen
+        drafters = {str(kind): DrafterStats(m.alpha, m.samples, self._best_goodput(m, thresholds, kind))
+                    for kind, m in state.drafters.items()}
+        return TaskTypeStats(state.drafters[drafter].alpha, "on" if plan.speculative else "off", plan.k, plan.reason,
+                             plan.goodput, state.samples(), dict(state.requests), str(drafter), drafters)
+
+    def _allowed(self, thresholds: Thresholds) -> list[DrafterKind]:
+        """The drafters this task type may speculate with, in the order served."""
+        if thresholds.drafter != "auto":
+            return [DrafterKind(thresholds.drafter)]
+        return [kind for kind in self.shapes if kind not in thresholds.forbid_drafters]
+
+    def _choose(self, state: _TaskState, thresholds: Thresholds) -> tuple[DrafterKind, str]:
+        """The drafter AUTO requests speculate with, and why: pinned; or, while one allowed has fewer than
+        min_samples reports, the one least tried; else the highest goodput, switching only when it beats the
+        one chosen by switch_margin."""
+        allowed = self._allowed(thresholds)
+        if len(self.shapes) == 1:
+            return allowed[0], ""  # the one served: nothing to choose
+        if len(allowed) == 1:
+            pinned = thresholds.drafter != "auto"
+            return allowed[0], f"drafter {allowed[0]} ({'pinned by routing' if pinned else 'the only one allowed'})"
+        unmeasured = [kind for kind in allowed if state.drafters[kind].samples < thresholds.min_samples]
+        if unmeasured:
+            kind = min(unmeasured, key=lambda k: state.drafters[k].routed)
+            return kind, (f"drafter {kind}: measuring it ({state.drafters[kind].samples} of min_samples "
+                          f"{thresholds.min_samples} reports)")
+        value = {kind: self._value(state.drafters[kind], thresholds, kind) for kind in allowed}
+        best = max(allowed, key=value.get)
+        held = state.chosen if state.chosen in allowed else best
+        if value[best] > value[held] * (1 + thresholds.switch_margin):
+            held = best
+        state.chosen = held
+        others = ", ".join(f"{kind} {value[kind]:.1f}" for kind in allowed if kind != held)
+        return held, f"drafter {held} ({value[held]:.1f} vs {others} tokens/s)"
+
+    def _value(self, measured: _Measured, thresholds: Thresholds, kind: DrafterKind) -> float:
+        """What a drafter is worth: its goodput at its best K once the target has reported, else the tokens a
+        step commits per unit of drafting and verifying (best_k's measure)."""
+        alpha = thresholds.on_alpha if measured.alpha is None else measured.alpha
+        goodput_now = self._best_goodput(measured, thresholds, kind)
+        if goodput_now is not None:
+            return goodput_now
+        ratio = thresholds.draft_cost_ratio if kind.uses_model else 0.0
+        k = best_k(alpha, thresholds, ratio)
+        return expected_tokens(alpha, k) / (1 + k * ratio)
+
+    def _best_goodput(self, measured: _Measured, thresholds: Thresholds, kind: DrafterKind) -> float | None:
+        if self._target is None or not self._target.costs.verify_table:
+            return None
+        alpha = thresholds.on_alpha if measured.alpha is None else measured.alpha
+        costs, load = self._target.step_costs(thresholds.draft_cost_ratio, kind.uses_model), self._target.load
+        return round(max(goodput(costs, load, alpha, k, self.shapes[kind].nodes(k))
+                         for k in range(1, thresholds.max_k + 1)), 1)
+
+    def _try_another(self, state: _TaskState, thresholds: Thresholds, chosen: DrafterKind) -> tuple[DrafterKind, bool]:
+        """A probe_fraction of speculative requests goes to the other allowed drafters in turn (their alphas
+        stay live) -> (the drafter, whether it is such a probe)."""
+        others = [kind for kind in self._allowed(thresholds) if kind != chosen]
+        if not others:
+            return chosen, False
+        state.other_credit += thresholds.probe_fraction
+        if state.other_credit < 1 - _ROUNDING:
+            return chosen, False
+        state.other_credit -= 1
+        return min(others, key=lambda k: state.drafters[k].routed), True
 
     def _plan(self, state: _TaskState, thresholds: Thresholds) -> Plan:
-        """What AUTO requests get: forced by the config, off below the alpha bounds, else the K (or
-        plain decoding) of the highest goodput at the target's current load."""
+        """What AUTO requests get: forced by the config, off below the alpha bounds, else the drafter and K
+        (or plain decoding) of the highest goodput at the target's current load."""
+        kind, why = self._choose(state, thresholds)
+        if kind is DrafterKind.NONE:
+            return Plan(False, 0, "no drafter is served")
+        measured = state.drafters[kind]
         if thresholds.speculation != "auto":
             on = thresholds.speculation == "on"
-            return Plan(on, _k_from_alpha(state, thresholds) if on else 0, f"forced {thresholds.speculation} by routing")
+            return Plan(on, self._k_from_alpha(state, thresholds, kind) if on else 0,
+                        f"forced {thresholds.speculation} by routing{_also(why)}", drafter=kind)
         if not state.speculating:
-            return Plan(False, 0, f"alpha {state.alpha:.2f} fell below off_alpha {thresholds.off_alpha} "
-                                  f"(back on at on_alpha {thresholds.on_alpha})")
-        alpha = thresholds.on_alpha if state.alpha is None else state.alpha
-        known = "alpha not measured yet, on_alpha assumed" if state.alpha is None else f"alpha {alpha:.2f}"
+            best = max((m.alpha for m in state.drafters.values() if m.alpha is not None), default=0.0)
+            return Plan(False, 0, f"alpha {best:.2f} fell below off_alpha {thresholds.off_alpha} "
+                                  f"(back on at on_alpha {thresholds.on_alpha}){_also(why)}", drafter=kind)
+        alpha = thresholds.on_alpha if measured.alpha is None else measured.alpha
+        known = "alpha not measured yet, on_alpha assumed" if measured.alpha is None else f"alpha {alpha:.2f}"
         if self._target is None or not self._target.costs.verify_table:
-            return Plan(True, _k_from_alpha(state, thresholds), f"{known}; no target step costs yet")
-        costs, load = self._target.step_costs(thresholds.draft_cost_ratio), self._target.load
-        gains = {k: goodput(costs, load, alpha, k, self.shape.nodes(k)) for k in range(thresholds.max_k + 1)}
+            return Plan(True, self._k_from_alpha(state, thresholds, kind),
+                        f"{known}; no target step costs yet{_also(why)}", drafter=kind)
+        costs, load = self._target.step_costs(thresholds.draft_cost_ratio, kind.uses_model), self._target.load
+        shape = self.shapes[kind]
+        gains = {k: goodput(costs, load, alpha, k, shape.nodes(k)) for k in range(thresholds.max_k + 1)}
         k = max(range(1, thresholds.max_k + 1), key=gains.get)
         rates = {"plain": round(gains[0], 1), "speculative": round(gains[k], 1)}
-        note = step_costs_note(costs, load, k, self.shape.nodes(k))
-        at = f"at {load.rows:.1f} rows, {load.batch_tokens:.0f} batch tokens ({note})"
-        if state.samples < thresholds.min_samples:  # speculate to measure alpha before trusting it
-            return Plan(True, k, f"{known}; measuring alpha ({state.samples} of min_samples "
-                                 f"{thresholds.min_samples} reports), K={k} by goodput {at}", rates)
+        note = step_costs_note(costs, load, k, shape.nodes(k))
+        at = f"at {load.rows:.1f} rows, {load.batch_tokens:.0f} batch tokens ({note}){_also(why)}"
+        if measured.samples < thresholds.min_samples:  # speculate to measure alpha before trusting it
+            return Plan(True, k, f"{known}; measuring alpha ({measured.samples} of min_samples "
+                                 f"{thresholds.min_samples} reports), K={k} by goodput {at}", rates, kind)
         if gains[k] <= gains[0]:
             return Plan(False, 0, f"{known}; plain decoding commits more ({rates['plain']} vs "
-                                  f"{rates['speculative']} tokens/s with K={k}) {at}", rates)
+                                  f"{rates['speculative']} tokens/s with K={k}) {at}", rates, kind)
         return Plan(True, k, f"{known}; K={k} commits the most ({rates['speculative']} vs "
-                             f"{rates['plain']} tokens/s plain) {at}", rates)
+                             f"{rates['plain']} tokens/s plain) {at}", rates, kind)
+
+    def _k_from_alpha(self, state: _TaskState, thresholds: Thresholds, kind: DrafterKind) -> int:
+        alpha = state.drafters[kind].alpha
+        return best_k(thresholds.on_alpha if alpha is None else alpha, thresholds,
+                      thresholds.draft_cost_ratio if kind.uses_model else 0.0)
 
     def _state(self, task_type: str) -> _TaskState:
         """Under the lock; a name the router has no room for is default's (fold)."""
-        return self._tasks.setdefault(self._fold(task_type), _TaskState())
+        name = self._fold(task_type)
+        if name not in self._tasks:
+            allowed = self._allowed(self._routing.thresholds(name))
+            self._tasks[name] = _TaskState({kind: _Measured() for kind in self.shapes}, allowed[0])
+        return self._tasks[name]
+
+
+def _also(why: str) -> str:
+    return f"; {why}" if why else ""
 
 
 def _choose_mode(state: _TaskState, thresholds: Thresholds, requested: Speculation, plan: Plan) -> Mode:
@@ -216,7 +351,7 @@ def _choose_mode(state: _TaskState, thresholds: Thresholds, requested: Speculati
         return "speculative" if requested == Speculation.ON else "plain"
     if plan.speculative:
         return "speculative"
-    if thresholds.speculation == "off":
+    if thresholds.speculation == "off" or plan.drafter is None:
         return "plain"
     state.probe_credit += thresholds.probe_fraction
     if state.probe_credit >= 1 - _ROUNDING:
@@ -225,15 +360,14 @@ def _choose_mode(state: _TaskState, thresholds: Thresholds, requested: Speculati
     return "plain"
 
 
-def _decide(state: _TaskState, thresholds: Thresholds) -> None:
-    """Switch off below off_alpha, on at on_alpha, once there are enough reports; else keep."""
-    if state.samples < thresholds.min_samples:
+def _decide(state: _TaskState, thresholds: Thresholds, allowed: list[DrafterKind]) -> None:
+    """Switch off once every allowed drafter with enough reports is below off_alpha (and none lacks them),
+    on once one reaches on_alpha; else keep."""
+    measured = [state.drafters[kind] for kind in allowed if kind in state.drafters]
+    ready = [m.alpha for m in measured if m.samples >= thresholds.min_samples]
+    if not ready:
         return
-    if state.alpha < thresholds.off_alpha:
-        state.speculating = False
-    elif state.alpha >= thresholds.on_alpha:
+    if max(ready) >= thresholds.on_alpha:
         state.speculating = True
-
-
-def _k_from_alpha(state: _TaskState, thresholds: Thresholds) -> int:
-    return best_k(thresholds.on_alpha if state.alpha is None else state.alpha, thresholds)
+    elif len(ready) == len(measured) and max(ready) < thresholds.off_alpha:
+        state.speculating = False

@@ -108,7 +108,8 @@ class SpecDecodeIngress:
         running routing kept."""
         try:
             routing = parse_live_config(user_config)
-        except ConfigError as e:
+            routing.check_drafters(self.frontend.cfg.speculation.kinds())
+        except (ConfigError, ValueError) as e:
             log.error("routing update refused, the running routing is kept:\n%s", e)
             return
         self.frontend.reconfigure(routing)

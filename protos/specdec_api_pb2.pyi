@@ -128,7 +128,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TaskTypeStats(_message.Message):
-    __slots__ = ("task_type", "alpha", "decision", "k", "samples", "requests", "reason", "goodput")
+    __slots__ = ("task_type", "alpha", "decision", "k", "samples", "requests", "reason", "goodput", "drafter", "drafters")
     class RequestsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,13 @@ class TaskTypeStats(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class DraftersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: DrafterStats
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[DrafterStats, _Mapping]] = ...) -> None: ...
     TASK_TYPE_FIELD_NUMBER: _ClassVar[int]
     ALPHA_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +158,8 @@ class TaskTypeStats(_message.Message):
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     GOODPUT_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    DRAFTERS_FIELD_NUMBER: _ClassVar[int]
     task_type: str
     alpha: float
     decision: str
@@ -159,7 +168,19 @@ class TaskTypeStats(_message.Message):
     requests: _containers.ScalarMap[str, int]
     reason: str
     goodput: _containers.ScalarMap[str, float]
-    def __init__(self, task_type: _Optional[str] = ..., alpha: _Optional[float] = ..., decision: _Optional[str] = ..., k: _Optional[int] = ..., samples: _Optional[int] = ..., requests: _Optional[_Mapping[str, int]] = ..., reason: _Optional[str] = ..., goodput: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    drafter: str
+    drafters: _containers.MessageMap[str, DrafterStats]
+    def __init__(self, task_type: _Optional[str] = ..., alpha: _Optional[float] = ..., decision: _Optional[str] = ..., k: _Optional[int] = ..., samples: _Optional[int] = ..., requests: _Optional[_Mapping[str, int]] = ..., reason: _Optional[str] = ..., goodput: _Optional[_Mapping[str, float]] = ..., drafter: _Optional[str] = ..., drafters: _Optional[_Mapping[str, DrafterStats]] = ...) -> None: ...
+
+class DrafterStats(_message.Message):
+    __slots__ = ("alpha", "samples", "goodput")
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    GOODPUT_FIELD_NUMBER: _ClassVar[int]
+    alpha: float
+    samples: int
+    goodput: float
+    def __init__(self, alpha: _Optional[float] = ..., samples: _Optional[int] = ..., goodput: _Optional[float] = ...) -> None: ...
 
 class TargetStats(_message.Message):
     __slots__ = ("state", "reason", "rebuilds", "last_recovery_s", "open_requests", "kv_tokens_reserved", "waiting", "largest_batch", "idle_rows_closed")

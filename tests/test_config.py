@@ -63,7 +63,7 @@ def test_defaults():
     assert (p.tensor_parallel_size, p.draft_replicas, p.gpus_per_actor) == (1, 1, 1.0)
     assert (p.cpus_per_target_rank, p.cpus_per_draft_replica) == (1, 1)
     assert p.logical_gpus is False  # a GPU from Ray means a CUDA device (actors refuse to start without one)
-    assert config.speculation.drafter == "model+ngram" and config.speculation.tree_width == 1
+    assert config.speculation.drafter == ["model+ngram"] and config.speculation.tree_width == 1
     t = config.routing.default
     assert (t.on_alpha, t.off_alpha, t.min_samples, t.probe_fraction, t.ema, t.max_k, t.draft_cost_ratio) == (
         0.55, 0.35, 20, 0.05, 0.1, 8, 0.15)
@@ -204,7 +204,7 @@ def test_a_model_drafter_needs_a_draft_model():
     assert "speculation.drafter 'model+ngram' needs models.draft" in message
     assert parse_config({"models": {"target": {"path": "t"}}, "speculation": {"drafter": "ngram"}}).models.draft is None
     assert parse_config({"models": {"target": {"path": "t"}}, "speculation": {"drafter": "suffix"}}).models.draft is None
-    assert "drafter: must be 'model', 'ngram', 'model+ngram', 'suffix', 'model+suffix' or 'none'" in config_error(
+    assert "drafter: must be 'model', 'ngram', 'model+ngram', 'suffix', 'model+suffix' or 'none', or a list of them (got 'eagle')" in config_error(
         with_section("speculation", {"drafter": "eagle"}))
 
 
@@ -268,9 +268,9 @@ def never_called(with_draft: bool = True) -> dict:
 
 def test_command_line_models_need_no_default_pair():
     cfg = app_config({"target": "t", "draft": "d"}, never_called)
-    assert (cfg.models.target.path, cfg.models.draft.path, cfg.speculation.drafter) == ("t", "d", "model+ngram")
+    assert (cfg.models.target.path, cfg.models.draft.path, cfg.speculation.drafter) == ("t", "d", ["model+ngram"])
     cfg = app_config({"target": "t"}, never_called)
-    assert cfg.models.draft is None and cfg.speculation.drafter == "ngram"  # as `specdec generate`
+    assert cfg.models.draft is None and cfg.speculation.drafter == ["ngram"]  # as `specdec generate`
     with pytest.raises(ConfigError, match="--draft without --target"):
         app_config({"draft": "d"}, never_called)
 
@@ -288,12 +288,12 @@ def test_a_drafter_without_a_model_does_not_build_the_default_draft(tmp_path):
         return {"target": "dt", "draft": "dd"} if with_draft else {"target": "dt"}
 
     cfg = app_config({"drafter": "ngram"}, default_models)
-    assert cfg.models.draft is None and cfg.speculation.drafter == "ngram" and asked == [False]
+    assert cfg.models.draft is None and cfg.speculation.drafter == ["ngram"] and asked == [False]
     path = tmp_path / "ops.yaml"
     path.write_text(yaml.safe_dump({"speculation": {"drafter": "none"}}))
     assert app_config({"config": str(path)}, default_models).models.draft is None and asked[-1] is False
     assert app_config({"config": str(path), "drafter": "model"}, default_models).models.draft.path == "dd"
-    assert app_config({}, default_models).speculation.drafter == "model+ngram" and asked[-1] is True
+    assert app_config({}, default_models).speculation.drafter == ["model+ngram"] and asked[-1] is True
 
 
 def test_serve_flags_override_the_file_and_are_checked_again(tmp_path):
@@ -351,7 +351,7 @@ def test_the_suffix_section_reaches_the_drafters_shape():
     config = parse_config({"models": {"target": {"path": "t"}},
                            "speculation": {"drafter": "suffix", "suffix": {"max_depth": 16, "min_token_prob": 0.2,
                                                                           "global_max_tokens": 5000}}})
-    shape = config.speculation.shape()
+    shape = config.speculation.shapes()["suffix"]
     assert shape.drafter == "suffix" and shape.nodes(8) == 9  # K guesses at most, no draft model
     assert (shape.suffix.max_depth, shape.suffix.min_token_prob, shape.suffix.global_max_tokens) == (16, 0.2, 5000)
     assert shape.suffix.max_spec_factor == 1.0  # the rest keep their defaults
@@ -360,3 +360,21 @@ def test_the_suffix_section_reaches_the_drafters_shape():
         {**suffix, "speculation": {"drafter": "suffix", "suffix": {"min_token_prob": 2}}})
     assert "speculation.suffix.max_deph: extra key not allowed (did you mean 'max_depth'?)" in config_error(
         {**suffix, "speculation": {"drafter": "suffix", "suffix": {"max_deph": 3}}})
+
+
+def test_several_drafters_are_listed_and_routing_names_only_those():
+    two = {"models": {"target": {"path": "t"}, "draft": {"path": "d"}},
+           "speculation": {"drafter": ["suffix", "model+ngram"]}}
+    config = parse_config(two)
+    assert config.speculation.kinds() == ("suffix", "model+ngram")
+    assert list(config.speculation.shapes()) == ["suffix", "model+ngram"]
+    pinned = {**two, "routing": {"task_types": {"code": {"drafter": "model+ngram", "forbid_drafters": ["suffix"]}}}}
+    assert parse_config(pinned).routing.thresholds("code").drafter == "model+ngram"
+    assert "routing.task_types.code.drafter: 'ngram' is not among the drafters served (speculation.drafter: " \
+           "suffix, model+ngram)" in config_error({**two, "routing": {"task_types": {"code": {"drafter": "ngram"}}}})
+    for drafter, problem in [([], "an empty list"), (["suffix", "none"], "none cannot be listed with other drafters"),
+                             (["suffix", "suffix"], "a drafter is listed twice: suffix, suffix"),
+                             (["suffix", "eagle"], "must be 'model', 'ngram', 'model+ngram', 'suffix', 'model+suffix' or 'none', or a list of them (got 'eagle')")]:
+        assert f"speculation.drafter: {problem}" in config_error({**two, "speculation": {"drafter": drafter}})
+    assert "speculation.drafter 'model' needs models.draft" in config_error(
+        {"models": {"target": {"path": "t"}}, "speculation": {"drafter": ["suffix", "model"]}})

@@ -456,7 +456,7 @@ def edge(tmp_path, monkeypatch, server: dict | None = None, routing: dict | None
         return tokenizer(*args, **kwargs)
 
     frontend = object.__new__(Frontend)
-    frontend.cfg, frontend.context, frontend.eos, frontend.router = cfg, 256, [], Router(cfg.routing, cfg.speculation.shape())
+    frontend.cfg, frontend.context, frontend.eos, frontend.router = cfg, 256, [], Router(cfg.routing, cfg.speculation.shapes())
     frontend.tokenizer = type("Tokenizer", (), {"__call__": staticmethod(tokenize),
                                                 "chat_template": tokenizer.chat_template,
                                                 "apply_chat_template": staticmethod(tokenizer.apply_chat_template),

@@ -13,6 +13,7 @@ from specdec.drafter_kinds import DrafterKind, DraftShape
 
 MIN_SAMPLES = 20
 CHAIN = DraftShape(DrafterKind.MODEL, width=1)  # a draft model's chain: a step of K verifies K + 1 nodes
+SHAPES = {DrafterKind.MODEL: CHAIN}  # the replicas run that one drafter
 
 
 def routing(**default) -> RoutingConfig:
@@ -25,7 +26,7 @@ def report_alpha(router: Router, task_type: str, alpha: float, times: int = 1) -
 
 
 def test_high_alpha_stays_on():
-    router = Router(routing(), CHAIN)
+    router = Router(routing(), SHAPES)
     for _ in range(100):
         report_alpha(router, "code", 0.99)
         decision = router.route("code")
@@ -35,7 +36,7 @@ def test_high_alpha_stays_on():
 
 
 def test_low_alpha_switches_off_after_min_samples_then_probes_at_the_configured_fraction():
-    router = Router(routing(probe_fraction=0.25), CHAIN)
+    router = Router(routing(probe_fraction=0.25), SHAPES)
     for _ in range(MIN_SAMPLES - 1):
         assert router.route("prose").speculative  # optimistic until enough reports
         report_alpha(router, "prose", 0.05)
@@ -52,7 +53,7 @@ def test_low_alpha_switches_off_after_min_samples_then_probes_at_the_configured_
 
 
 def test_probe_reports_bring_a_task_type_back_on():
-    router = Router(routing(probe_fraction=0.5, ema=0.1), CHAIN)
+    router = Router(routing(probe_fraction=0.5, ema=0.1), SHAPES)
     report_alpha(router, "prose", 0.05, times=MIN_SAMPLES)
     assert router.stats()["prose"].decision == "off"
     # with ema 0.1, reports of 1.0 lift alpha from 0.05 to >= 0.55 after 8 of them (1 - 0.95 * 0.9^n)
@@ -65,11 +66,11 @@ def test_probe_reports_bring_a_task_type_back_on():
     assert probe_reports == 8
     assert router.stats()["prose"].samples == MIN_SAMPLES + 8
     k = best_k(router.stats()["prose"].alpha, Thresholds())
-    assert router.route("prose") == Decision(speculative=True, probe=False, k=k)
+    assert router.route("prose") == Decision(speculative=True, probe=False, k=k, drafter=DrafterKind.MODEL)
 
 
 def test_hysteresis_keeps_the_decision_between_off_and_on():
-    router = Router(RoutingConfig(default=Thresholds(min_samples=1, ema=1.0, on_alpha=0.55, off_alpha=0.35)), CHAIN)
+    router = Router(RoutingConfig(default=Thresholds(min_samples=1, ema=1.0, on_alpha=0.55, off_alpha=0.35)), SHAPES)
     decisions = []
     for alpha in (0.45, 0.2, 0.45, 0.54, 0.55, 0.36, 0.35, 0.34):
         report_alpha(router, "chat", alpha)
@@ -78,13 +79,13 @@ def test_hysteresis_keeps_the_decision_between_off_and_on():
 
 
 def test_no_switch_before_min_samples_even_for_extreme_alpha():
-    router = Router(routing(), CHAIN)
+    router = Router(routing(), SHAPES)
     report_alpha(router, "x", 0.0, times=MIN_SAMPLES - 1)
     assert router.route("x").speculative
 
 
 def test_requested_on_and_off_override_the_decision():
-    router = Router(routing(probe_fraction=0.0), CHAIN)
+    router = Router(routing(probe_fraction=0.0), SHAPES)
     report_alpha(router, "prose", 0.05, times=MIN_SAMPLES)
     assert router.route("prose") == Decision(speculative=False, probe=False, k=0)
     forced = router.route("prose", "ON")
@@ -102,7 +103,7 @@ def test_unknown_task_types_use_default_thresholds_with_their_own_state():
         default=Thresholds(min_samples=5, off_alpha=0.3),
         task_types={"code": Thresholds(min_samples=50, off_alpha=0.3)},
     )
-    router = Router(config, CHAIN)
+    router = Router(config, SHAPES)
     for task_type in ("code", "poetry", "legal"):
         report_alpha(router, task_type, 0.1, times=5)
     stats = router.stats()
@@ -113,7 +114,7 @@ def test_unknown_task_types_use_default_thresholds_with_their_own_state():
 
 
 def test_update_routing_takes_effect_and_keeps_alpha():
-    router = Router(routing(), CHAIN)
+    router = Router(routing(), SHAPES)
     report_alpha(router, "code", 0.45, times=MIN_SAMPLES)  # between off (0.35) and on (0.55): stays on
     router.route("code")
     assert router.stats()["code"].decision == "on"
@@ -129,7 +130,7 @@ def test_update_routing_takes_effect_and_keeps_alpha():
 
 
 def test_update_routing_changes_k():
-    router = Router(routing(), CHAIN)
+    router = Router(routing(), SHAPES)
     report_alpha(router, "code", 0.9, times=MIN_SAMPLES)
     assert router.route("code").k == 8
     router.update_routing(routing(max_k=3))
@@ -142,7 +143,7 @@ def test_k_grows_with_alpha_and_is_zero_for_plain():
     assert ks == sorted(ks) and ks[0] == 1 and ks[-1] == thresholds.max_k
     assert best_k(0.9, Thresholds(draft_cost_ratio=0.9)) < best_k(0.9, Thresholds(draft_cost_ratio=0.05))
 
-    router = Router(routing(off_alpha=0.0, on_alpha=0.01), CHAIN)  # never off
+    router = Router(routing(off_alpha=0.0, on_alpha=0.01), SHAPES)  # never off
     k_by_alpha = []
     for alpha in (0.1, 0.5, 0.8, 0.95):
         task_type = f"t{alpha}"
@@ -153,12 +154,12 @@ def test_k_grows_with_alpha_and_is_zero_for_plain():
 
 
 def test_k_before_any_report_uses_on_alpha():
-    router = Router(routing(on_alpha=0.9, off_alpha=0.1), CHAIN)
+    router = Router(routing(on_alpha=0.9, off_alpha=0.1), SHAPES)
     assert router.route("new").k == best_k(0.9, Thresholds(on_alpha=0.9, off_alpha=0.1))
 
 
 def test_reports_that_tried_nothing_are_ignored_and_bad_ones_refused():
-    router = Router(routing(), CHAIN)
+    router = Router(routing(), SHAPES)
     router.report("code", accepted=0, tried=0)
     assert router.stats() == {}
     for accepted, tried in ((5, 4), (-1, 4)):
@@ -167,7 +168,7 @@ def test_reports_that_tried_nothing_are_ignored_and_bad_ones_refused():
 
 
 def test_stats_shape():
-    router = Router(routing(), CHAIN)
+    router = Router(routing(), SHAPES)
     router.route("code")
     report_alpha(router, "code", 0.8)
     assert {name: task.to_dict() for name, task in router.stats().items()} == {
@@ -179,6 +180,8 @@ def test_stats_shape():
             "goodput": None,
             "samples": 1,
             "requests": {"speculative": 1, "plain": 0, "probe": 0},
+            "drafter": "model",
+            "drafters": {"model": {"alpha": pytest.approx(0.8), "samples": 1, "goodput": None}},
         }
     }
     router.update_routing(routing(on_alpha=0.9, off_alpha=0.85, min_samples=1))
@@ -186,7 +189,7 @@ def test_stats_shape():
 
 
 def test_concurrent_requests_are_all_counted():
-    router = Router(routing(probe_fraction=0.5), CHAIN)
+    router = Router(routing(probe_fraction=0.5), SHAPES)
     report_alpha(router, "prose", 0.0, times=MIN_SAMPLES)
 
     def serve():
@@ -213,7 +216,7 @@ def cpu(load: float) -> TargetView:
 
 
 def test_goodput_turns_speculation_off_under_load_and_back_on_as_it_drains():
-    router = Router(routing(), CHAIN)
+    router = Router(routing(), SHAPES)
     report_alpha(router, "code", 0.8, times=MIN_SAMPLES)
     router.observe_target(cpu(0))
     idle = router.route("code")
@@ -231,7 +234,7 @@ def test_goodput_turns_speculation_off_under_load_and_back_on_as_it_drains():
 
 
 def test_goodput_k_shrinks_as_the_batch_grows_and_with_dear_drafts():
-    router = Router(routing(max_k=8, draft_cost_ratio=0.02), CHAIN)
+    router = Router(routing(max_k=8, draft_cost_ratio=0.02), SHAPES)
     report_alpha(router, "code", 0.9, times=MIN_SAMPLES)
     ks = []
     for load in (0, 4, 16):
@@ -250,7 +253,7 @@ def test_goodput_k_shrinks_as_the_batch_grows_and_with_dear_drafts():
 def test_forced_decisions_per_task_type():
     router = Router(RoutingConfig(default=Thresholds(min_samples=1),
                                   task_types={"chat": Thresholds(speculation="off", probe_fraction=1.0),
-                                              "code": Thresholds(speculation="on", min_samples=1)}), CHAIN)
+                                              "code": Thresholds(speculation="on", min_samples=1)}), SHAPES)
     report_alpha(router, "code", 0.01)  # far below off_alpha: forced on anyway
     router.observe_target(cpu(40))  # and a load where goodput says plain
     assert router.route("code").speculative
@@ -262,7 +265,7 @@ def test_forced_decisions_per_task_type():
 
 
 def test_a_target_that_has_run_one_batch_size_is_enough_to_plan():
-    router = Router(routing(), CHAIN)
+    router = Router(routing(), SHAPES)
     router.observe_target(TargetView(Costs(verify_table={3: 0.01}), Load(2, 2, 2)))
     assert router.route("code").k >= 1
     # plain: the 2 rows running and one more commit 3 tokens per forward of 3 tokens, the one size
@@ -272,7 +275,7 @@ def test_a_target_that_has_run_one_batch_size_is_enough_to_plan():
 
 def test_a_noisy_cost_table_that_extrapolates_to_nothing_still_plans():
     """Measured in noise, 16 tokens can look cheaper than 8: extrapolated to 100 tokens that is 0 s."""
-    router = Router(routing(), CHAIN)
+    router = Router(routing(), SHAPES)
     router.observe_target(TargetView(Costs(verify_table={8: 0.01, 16: 0.001}), Load(100, 100, 100)))
     router.route("code")
     # plain: 101 rows' forward of 101 tokens extrapolates below 0 s, so it costs the cheapest entry
@@ -312,7 +315,7 @@ def test_the_router_sees_step_costs_of_the_last_seconds_not_since_start():
     assert RecentSteps().observe(timing, target(5, 0.1)).observe(timing, target(1, 0.01)).hop_s == 0  # rebuilt
     view = TargetView(CPU_TARGET, Load(1, 1, 1), recent.hop_s, 0.0, recent.draft_s_per_depth)
     assert view.step_costs(draft_cost_ratio=0.15).draft_forward == pytest.approx(0.01, rel=0.01)
-    router = Router(routing(), CHAIN)
+    router = Router(routing(), SHAPES)
     report_alpha(router, "code", 0.8, times=MIN_SAMPLES)
     router.observe_target(TargetView(CPU_TARGET, Load(1, 1, 1), hop_s=0.005))
     assert router.route("code").speculative  # cheap steps, as configured: speculating pays beside one row
@@ -323,7 +326,7 @@ def test_the_router_sees_step_costs_of_the_last_seconds_not_since_start():
 def test_speculation_does_not_keep_itself_on_when_the_batch_is_already_speculating():
     """The same 8 rows, all plain or all speculating 8 deep: the batch's tokens differ ninefold, the
     choice must not (a row added to an already dear forward would make speculation look cheap)."""
-    router = Router(routing(max_k=8), CHAIN)
+    router = Router(routing(max_k=8), SHAPES)
     report_alpha(router, "code", 0.8, times=MIN_SAMPLES)
     decisions = []
     for load in (Load(batch_tokens=8, committed=8, rows=8), Load(batch_tokens=72, committed=32, rows=8)):
@@ -341,7 +344,7 @@ def test_plain_rows_wait_through_the_loops_stall_and_speculating_rows_draft_thro
     a lot (requests joining under load) can make speculation pay where plain decoding won without it."""
     from specdec.adaptive import StepCosts, expected_tokens, goodput
 
-    router = Router(routing(max_k=8), CHAIN)
+    router = Router(routing(max_k=8), SHAPES)
     report_alpha(router, "code", 0.8, times=MIN_SAMPLES)
     load = Load(batch_tokens=8, committed=8, rows=8)
     rates = []
@@ -368,7 +371,7 @@ def test_a_step_is_priced_at_the_node_count_of_the_tree_the_replica_drafts(shape
     """A tree of width W, K deep, has 1 + W x K nodes (the draft model's), plus K beside it with an n-gram
     guess: the verify the router prices for K is that many tokens per row, not K + 1."""
     assert shape.nodes(4) == nodes_at_4
-    router = Router(routing(max_k=4), shape)
+    router = Router(routing(max_k=4), {shape.drafter: shape})
     report_alpha(router, "code", 0.8, times=MIN_SAMPLES)
     rows, hop, draft = 3, 0.003, 0.002
     load = Load(batch_tokens=2, committed=2, rows=rows - 1)  # 2 rows running, priced with one more
@@ -378,7 +381,8 @@ def test_a_step_is_priced_at_the_node_count_of_the_tree_the_replica_drafts(shape
     k = stats.k
     assert stats.decision == "on" and k > 0
     forward = gpu.verify(rows * shape.nodes(k))  # e.g. K=4, W=3 with n-gram: 3 rows x 17 nodes = 51 tokens
-    assert stats.goodput["speculative"] == pytest.approx(rows * expected_tokens(0.8, k) / (forward + k * draft + hop),
+    drafting = k * draft if shape.drafter.uses_model else 0.0  # n-gram guesses run no draft forward
+    assert stats.goodput["speculative"] == pytest.approx(rows * expected_tokens(0.8, k) / (forward + drafting + hop),
                                                          rel=0.01)
     assert f"({shape.nodes(k)}-node trees)" in stats.reason
 
@@ -389,8 +393,8 @@ def test_the_router_prices_the_shape_the_replicas_draft():
 
     cfg = ServeConfig.model_validate({"models": {"target": {"path": "t"}, "draft": {"path": "d"}},
                                       "speculation": {"drafter": "model", "tree_width": 3, "proposal_top_k": 64}})
-    assert cfg.speculation.shape() == DraftShape(DrafterKind.MODEL, 3, 64)
-    assert cfg.speculation.shape().nodes(8) == 1 + 3 * 8
+    assert cfg.speculation.shapes() == {DrafterKind.MODEL: DraftShape(DrafterKind.MODEL, 3, 64)}
+    assert cfg.speculation.shapes()[DrafterKind.MODEL].nodes(8) == 1 + 3 * 8
 
 
 def test_the_hop_is_the_round_trip_less_the_time_the_trees_spent_in_the_target():
@@ -498,7 +502,7 @@ def test_task_types_beyond_max_task_types_fold_into_default():
     counted) and routes the rest as default, counting them; what it keeps and reports stays bounded."""
     config = RoutingConfig(default=Thresholds(min_samples=MIN_SAMPLES), task_types={"code": Thresholds()},
                            max_task_types=8)
-    router = Router(config, CHAIN)
+    router = Router(config, SHAPES)
     names = [router.fold(f"t{i}") for i in range(600)]
     assert names[:6] == [f"t{i}" for i in range(6)] and set(names[6:]) == {"default"}  # 6 + code + default = 8
     assert router.folded == 594
@@ -509,3 +513,104 @@ def test_task_types_beyond_max_task_types_fold_into_default():
     assert set(router.stats()) == {"default", "code"} | {f"t{i}" for i in range(6)}
     router.update_routing(config.model_copy(update={"max_task_types": 9}))  # live: one more name fits
     assert router.fold("new") == "new" and router.fold("newer") == "default"
+
+
+# --- several drafters: the router chooses per task type ---
+
+SUFFIX = DraftShape(DrafterKind.SUFFIX, width=1)
+TWO = {DrafterKind.MODEL: CHAIN, DrafterKind.SUFFIX: SUFFIX}
+
+
+def report_for(router: Router, task_type: str, drafter: DrafterKind, alpha: float, times: int = 1) -> None:
+    for _ in range(times):
+        router.report(task_type, accepted=round(alpha * 100), tried=100, drafter=drafter)
+
+
+def measure_both(router: Router, task_type: str, alphas: dict) -> None:
+    """Route AUTO requests until each drafter has min_samples reports, reporting each request's alpha."""
+    while any(s.samples < MIN_SAMPLES for s in router.stats().get(task_type, _none()).drafters.values()):
+        decision = router.route(task_type)
+        report_for(router, task_type, decision.drafter, alphas[decision.drafter])
+
+
+def _none():
+    from types import SimpleNamespace
+
+    return SimpleNamespace(drafters={"x": SimpleNamespace(samples=0)})
+
+
+def test_each_drafter_is_measured_then_the_better_one_drafts():
+    router = Router(routing(probe_fraction=0.0), TWO)
+    tried = [router.route("code").drafter for _ in range(4)]
+    assert sorted(tried) == sorted([DrafterKind.MODEL, DrafterKind.SUFFIX] * 2)  # measuring: each in turn
+    measure_both(router, "code", {DrafterKind.MODEL: 0.5, DrafterKind.SUFFIX: 0.9})
+    stats = router.stats()["code"]
+    assert stats.drafter == "suffix" and stats.alpha == pytest.approx(0.9)
+    assert stats.drafters["model"].alpha == pytest.approx(0.5) and stats.drafters["suffix"].samples >= MIN_SAMPLES
+    assert "drafter suffix" in stats.reason
+    assert {router.route("code").drafter for _ in range(20)} == {DrafterKind.SUFFIX}
+    router.fold("chat")
+    assert router.stats()["chat"].drafter == "model"  # another task type learns on its own (starts with the first)
+
+
+def test_another_drafter_takes_over_only_past_the_switch_margin():
+    lookups = {DrafterKind.NGRAM: DraftShape(DrafterKind.NGRAM), DrafterKind.SUFFIX: SUFFIX}  # priced alike
+    router = Router(routing(probe_fraction=0.0, ema=1.0), lookups)
+    measure_both(router, "code", {DrafterKind.NGRAM: 0.8, DrafterKind.SUFFIX: 0.5})
+    assert router.stats()["code"].drafter == "ngram"
+    report_for(router, "code", DrafterKind.SUFFIX, 0.81)  # a little better, not by switch_margin's 5%: ngram holds
+    assert router.stats()["code"].drafter == "ngram"
+    report_for(router, "code", DrafterKind.SUFFIX, 0.95)
+    assert router.stats()["code"].drafter == "suffix"
+
+
+def test_the_other_drafters_are_probed_at_the_probe_fraction():
+    router = Router(routing(probe_fraction=0.25), TWO)
+    measure_both(router, "code", {DrafterKind.MODEL: 0.5, DrafterKind.SUFFIX: 0.9})
+    decisions = [router.route("code") for _ in range(100)]
+    probes = [d for d in decisions if d.drafter == DrafterKind.MODEL]
+    assert len(probes) == 25 and all(d.probe and d.speculative for d in probes)
+    assert all(not d.probe for d in decisions if d.drafter == DrafterKind.SUFFIX)
+
+
+def test_a_task_type_pins_or_forbids_drafters():
+    config = RoutingConfig(default=Thresholds(min_samples=MIN_SAMPLES, probe_fraction=0.5),
+                           task_types={"code": Thresholds(drafter="model"),
+                                       "chat": Thresholds(forbid_drafters=["model"], probe_fraction=0.5)})
+    router = Router(config, TWO)
+    assert {router.route("code").drafter for _ in range(50)} == {DrafterKind.MODEL}
+    assert {router.route("chat").drafter for _ in range(50)} == {DrafterKind.SUFFIX}
+    assert "pinned by routing" in router.stats()["code"].reason
+    assert {router.route("prose").drafter for _ in range(4)} == {DrafterKind.MODEL, DrafterKind.SUFFIX}
+
+
+def test_pinning_or_forbidding_a_drafter_not_served_is_refused_naming_the_key():
+    with pytest.raises(ValueError, match=r"routing.task_types.code.drafter: 'ngram' is not among the drafters served"):
+        Router(RoutingConfig(task_types={"code": Thresholds(drafter="ngram")}), TWO)
+    with pytest.raises(ValueError, match=r"routing.default.forbid_drafters forbids every drafter served"):
+        Router(RoutingConfig(default=Thresholds(forbid_drafters=["model", "suffix"])), TWO)
+    router = Router(routing(), TWO)
+    with pytest.raises(ValueError, match=r"routing.default.forbid_drafters: 'ngram' is not among"):
+        router.update_routing(routing(forbid_drafters=["ngram"]))
+    assert router.route("code").speculative  # the running routing is kept
+
+
+def test_speculation_turns_off_only_when_every_drafter_falls_below_off_alpha():
+    router = Router(routing(probe_fraction=0.0, ema=1.0), TWO)
+    measure_both(router, "code", {DrafterKind.MODEL: 0.2, DrafterKind.SUFFIX: 0.6})
+    assert router.stats()["code"].decision == "on"  # suffix keeps it on
+    report_for(router, "code", DrafterKind.SUFFIX, 0.1)
+    assert router.stats()["code"].decision == "off"
+    report_for(router, "code", DrafterKind.MODEL, 0.7)  # a probe's report brings it back
+    assert router.stats()["code"].decision == "on" and router.stats()["code"].drafter == "model"
+
+
+def test_a_drafter_without_a_model_is_priced_without_draft_forwards():
+    """Lookups (n-gram, suffix) run no draft forward: at equal alpha, the target's measured costs favour them."""
+    router = Router(routing(probe_fraction=0.0), TWO)
+    measure_both(router, "code", {DrafterKind.MODEL: 0.7, DrafterKind.SUFFIX: 0.7})
+    router.observe_target(TargetView(Costs(verify_table={1: 0.02, 64: 0.03}), Load(rows=0), hop_s=0.001,
+                                     draft_s_per_depth=0.004))
+    stats = router.stats()["code"]
+    assert stats.drafters["suffix"].goodput > stats.drafters["model"].goodput
+    assert stats.drafter == "suffix"

@@ -1,0 +1,68 @@
+"""Several drafter kinds served at once (speculation.drafter a list): every draft replica runs each, the
+router measures each per task type and chooses, a pinned task type drafts with its drafter only, and every
+answer stays the target's greedy output. Through gRPC into Ray Serve's ingress, the router, a draft
+replica and the target, in Ray actors."""
+
+import grpc
+import pytest
+import ray
+from ray import serve
+
+from cluster.local import free_port
+from cluster.serve_app import build_app
+from conftest import served_target, start_serving
+from protos import specdec_api_pb2 as api
+from protos import specdec_api_pb2_grpc as api_grpc
+from specdec.loading import load_tokenizer
+from specdec.plain import hf_greedy
+
+MIN_SAMPLES = 3
+PROMPTS = ["w5 w17 w3", "w1 w2 w1 w2 w1 w2 w1 w2", "w40 w41 w42 w43", "w33 w7 w60 w12 w12", "w9 w9 w8"]
+
+
+@pytest.fixture(scope="module")
+def served(model_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("drafters")
+    target = served_target(model_dirs, root)
+    thresholds = {"min_samples": MIN_SAMPLES, "probe_fraction": 0.25, "max_k": 4}
+    config = {"models": {"target": {"path": target}},
+              "placement": {"tensor_parallel_size": 1, "draft_replicas": 1},
+              "speculation": {"drafter": ["ngram", "suffix"]},
+              "routing": {"default": thresholds, "task_types": {"pinned": {**thresholds, "drafter": "suffix"}}},
+              "server": {"max_prompt_tokens": 64, "max_new_tokens": 64,
+                         "grpc_port": free_port(), "http_port": free_port()}}
+    path = start_serving(config, root, num_cpus=4, num_gpus=2)
+    serve.run(build_app({"config": str(path)}), name="specdec", route_prefix="/")
+    channel = grpc.insecure_channel(f"127.0.0.1:{config['server']['grpc_port']}")
+    yield api_grpc.SpecDecodeStub(channel), load_tokenizer(target)
+    channel.close()
+    serve.shutdown()
+    ray.shutdown()
+
+
+def stats_of(stub, task_type: str) -> api.TaskTypeStats:
+    return next(t for t in stub.GetStats(api.GetStatsRequest()).task_types if t.task_type == task_type)
+
+
+def test_each_drafter_is_measured_and_one_chosen_with_greedy_output_unchanged(served, target):
+    stub, tokenizer = served
+    for i in range(4 * MIN_SAMPLES):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        reply = stub.Generate(api.GenerateRequest(prompt=prompt, task_type="code", max_new_tokens=24,
+                                                  speculation=api.SPECULATION_AUTO), timeout=120)
+        assert list(reply.token_ids) == hf_greedy(target, tokenizer(prompt)["input_ids"], 24), prompt
+    stats = stats_of(stub, "code")
+    assert set(stats.drafters) == {"ngram", "suffix"}
+    assert all(d.samples >= MIN_SAMPLES for d in stats.drafters.values()), stats  # both measured...
+    assert stats.drafter in ("ngram", "suffix") and f"drafter {stats.drafter}" in stats.reason  # ...one chosen
+
+
+def test_a_pinned_task_type_drafts_with_its_drafter_only(served, target):
+    stub, tokenizer = served
+    for prompt in PROMPTS:
+        reply = stub.Generate(api.GenerateRequest(prompt=prompt, task_type="pinned", max_new_tokens=16,
+                                                  speculation=api.SPECULATION_ON), timeout=120)
+        assert list(reply.token_ids) == hf_greedy(target, tokenizer(prompt)["input_ids"], 16), prompt
+    stats = stats_of(stub, "pinned")
+    assert stats.drafter == "suffix" and "pinned by routing" in stats.reason
+    assert stats.drafters["suffix"].samples >= 1 and stats.drafters["ngram"].samples == 0
