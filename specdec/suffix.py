@@ -125,14 +125,6 @@ class TextIndex:
             n += 1
         return n
 
-    def continuation(self, end: int, depth: int) -> int | None:
-        """The token `depth` places after position `end`; None past the text."""
-        pos = end + depth
-        if pos >= len(self):
-            return None
-        token = self.at(pos)
-        return None if token == SEP else token
-
 
 def speculate(index: TextIndex, tail: list[int], max_tokens: int, config: SuffixConfig) -> Draft:
     """The best draft of at most max_tokens nodes from the matches of `tail` in `index`: for each match
@@ -142,8 +134,8 @@ def speculate(index: TextIndex, tail: list[int], max_tokens: int, config: Suffix
     best = Draft()
     for m in sorted({length for length, _ in found}, reverse=True):
         budget = min(max_tokens, int(m * config.max_spec_factor + config.max_spec_offset + 1e-6))
-        if budget < 1:
-            continue
+        if budget <= best.score:  # shorter matches draft no more nodes, each of probability <= 1: none can win
+            break
         ends = [end for length, end in found if length >= m]
         draft = _grow(index, ends, budget, config.max_depth, config.min_token_prob)
         draft.match = m
@@ -156,6 +148,8 @@ def _grow(index: TextIndex, ends: list[int], budget: int, max_depth: int, min_pr
     """The likeliest `budget` nodes of the continuation tree of the occurrences ending at `ends`, best
     first (a heap over probabilities), down to min_prob and no deeper than max_depth."""
     draft = Draft()
+    text, base = index.tokens, index.base
+    size = len(text)
     heap = [(-1.0, 0, -1, ends)]  # (-probability, depth, draft index of the node, occurrences through it)
     tie = 0
     while heap and len(draft.tokens) < budget:
@@ -164,9 +158,9 @@ def _grow(index: TextIndex, ends: list[int], budget: int, max_depth: int, min_pr
             if depth >= max_depth:
                 continue
             groups: dict[int, list[int]] = {}
-            for end in through:
-                token = index.continuation(end, depth)
-                if token is not None:
+            for end in through:  # the token `depth` places after each occurrence: its continuation here
+                pos = end - base + depth
+                if pos < size and (token := text[pos]) != SEP:
                     groups.setdefault(token, []).append(end)
             for token, group in groups.items():
                 prob = -neg_prob * len(group) / len(through)
