@@ -8,9 +8,10 @@ import ray
 from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.drafter_kinds import DrafterKind, DraftShape
 from specdec.drafters import Drafter, make_drafter
+from specdec.suffix import TextIndex, read_corpus
 from specdec.errors import Unavailable
 from specdec.kvcache import CachedLM
-from specdec.loading import load_served_model, parse_dtype
+from specdec.loading import load_served_model, load_tokenizer, parse_dtype
 from specdec.sampling import SamplingParams
 
 from .closed import RecentlyClosed
@@ -28,19 +29,24 @@ class DraftReplica:
 
     def __init__(self, drafts: dict[str, tuple[str, str]], target_address: str,
                  shapes: dict[DrafterKind, DraftShape] | None = None,
-                 overlap: bool = True, *, security: LinkSecurity | SharedSecurity, logical_gpus: bool = False):
+                 overlap: bool = True, *, security: LinkSecurity | SharedSecurity, logical_gpus: bool = False,
+                 corpora: dict[str, str] | None = None, corpus_max_tokens: int = 1_000_000,
+                 tokenizer: str | None = None):
         """drafts: task type -> (model folder, dtype); the "" entry drafts for every other task type.
         shapes: per drafter kind it runs, its tree width and its proposals' entries (speculation.*); the first
         drafts a request that names none. Default: model+ngram.
         overlap: draft each step while the target verifies the one before (actors.draft_loop).
         security: the topology's secret (sent on every call to the target) and TLS files, if any; through
         Ray's object store (SharedSecurity), so that it is not among the actor's creation arguments.
-        logical_gpus: placement.logical_gpus (as TargetRank: a GPU from Ray without CUDA here stops it)."""
+        logical_gpus: placement.logical_gpus (as TargetRank: a GPU from Ray without CUDA here stops it).
+        corpora: per task type, a corpus its suffix drafts also draw from (speculation.suffix.corpora), read
+        at start with the target's tokenizer (the folder `tokenizer`), up to corpus_max_tokens tokens each."""
         use_assigned_cpus()
         device = device_for_actor(logical_gpus)  # before anything loads: a wrong image fails here
         self.models = {task: load_served_model(path, parse_dtype(dtype), device)
                        for task, (path, dtype) in drafts.items()}
         self.shapes = dict(shapes or {DrafterKind.MODEL_NGRAM: DraftShape()})
+        self.corpora = read_corpora(corpora or {}, tokenizer, corpus_max_tokens)
         self.overlap = overlap
         for kind in self.shapes:
             self._make_drafter(self.models.get(""), kind)  # fail at start
@@ -105,16 +111,33 @@ class DraftReplica:
         old.close()
 
     def _loop_for(self, task_type: str, drafter: str | None) -> DraftLoop:
-        key = task_type if task_type in self.models else ""
+        key = task_type if task_type in self.models or task_type in self.corpora else ""
         kind = DrafterKind(drafter) if drafter is not None else next(iter(self.shapes))
         if kind not in self.shapes:
             raise ValueError(f"drafter {kind.value!r} is not run by this replica ({', '.join(map(str, self.shapes))})")
         if (key, kind) not in self.loops:
-            self.loops[(key, kind)] = DraftLoop(self.target, self._make_drafter(self.models.get(key), kind),
+            model = self.models.get(key, self.models.get(""))
+            self.loops[(key, kind)] = DraftLoop(self.target, self._make_drafter(model, kind, self.corpora.get(key)),
                                                 on_step=self.step_timer, overlap=self.overlap)
         return self.loops[(key, kind)]
 
-    def _make_drafter(self, model, kind: DrafterKind) -> Drafter | None:
+    def _make_drafter(self, model, kind: DrafterKind, corpus: TextIndex | None = None) -> Drafter | None:
         shape = self.shapes[kind]
         return make_drafter(kind, CachedLM(model) if model is not None else None, shape.width,
-                            shape.proposal_top_k, shape.suffix)
+                            shape.proposal_top_k, shape.suffix, corpus)
+
+
+def read_corpora(corpora: dict[str, str], tokenizer: str | None, max_tokens: int) -> dict[str, TextIndex]:
+    """Each task type's corpus, read and indexed (specdec.suffix.read_corpus); ValueError naming the key of one
+    that cannot be read."""
+    if not corpora:
+        return {}
+    encode = load_tokenizer(tokenizer)
+    out = {}
+    for task_type, path in corpora.items():
+        try:
+            out[task_type] = read_corpus(path, lambda text: encode(text, add_special_tokens=False)["input_ids"],
+                                         max_tokens)
+        except ValueError as e:
+            raise ValueError(f"speculation.suffix.corpora.{task_type}: {e}") from None
+    return out

@@ -100,9 +100,21 @@ class SuffixSection(_Section):
     max_occurrences: int = Field(_SUFFIX.max_occurrences, ge=1, le=1024)  # a match's occurrences counted
     # each draft loop's store of recent outputs holds at most this many tokens (about 100 bytes each)
     global_max_tokens: int = Field(_SUFFIX.global_max_tokens, ge=2, le=50_000_000)
+    # REST: per task type, a text file or a folder of them that its requests' suffix drafts also draw from,
+    # read and indexed by each draft replica at start (up to corpus_max_tokens tokens each, ~100 bytes a token)
+    corpora: dict[str, NonEmpty] = Field(default_factory=dict)
+    corpus_max_tokens: int = Field(1_000_000, ge=2, le=50_000_000)
+
+    @field_validator("corpora")
+    @classmethod
+    def _task_type_names(cls, corpora: dict[str, str]) -> dict[str, str]:
+        for name in corpora:
+            if problem := task_type_problem(name):
+                raise ValueError(f"task type {name[:80]!r}: {problem}")
+        return corpora
 
     def config(self) -> SuffixConfig:
-        return SuffixConfig(**self.model_dump())
+        return SuffixConfig(**self.model_dump(exclude={"corpora", "corpus_max_tokens"}))
 
 
 class SpeculationConfig(_Section):

@@ -20,6 +20,7 @@ from .loading import check_same_vocabulary, eos_ids, load_model, load_tokenizer,
 from .plain import hf_generate
 from .prompts import load_prompts
 from .sampling import SamplingParams
+from .suffix import TextIndex, read_corpus
 from .workload import Conversation, turns_of
 
 
@@ -63,7 +64,7 @@ def hf_mode(name, target, eos, max_new, params, **kwargs):
     return Mode(name, run)
 
 
-def build_modes(target, draft, eos, max_new, params, only: set[str] | None):
+def build_modes(target, draft, eos, max_new, params, only: set[str] | None, corpus: TextIndex | None = None):
     def dlm():
         return CachedLM(draft)
 
@@ -79,6 +80,8 @@ def build_modes(target, draft, eos, max_new, params, only: set[str] | None):
         "auto": lambda: (make_drafter("model", dlm(), 1), SpecConfig(depth=None)),
         "model+ngram-auto": lambda: (make_drafter("model+ngram", dlm(), 1), SpecConfig(depth=None)),
     }
+    if corpus is not None:  # REST: suffix drafts from the corpus too
+        specs["rest-auto"] = lambda: (make_drafter("suffix", None, corpus=corpus), SpecConfig(depth=None, max_ngram=16))
     modes = [hf_mode("plain", target, eos, max_new, params)]
     for name, make in specs.items():
         if only is None or name in only:
@@ -105,7 +108,12 @@ def run_bench(args) -> None:
     draft = load_model(args.draft, dtype, args.device)
     eos = eos_ids(target.generation_config, tokenizer)
     only = set(args.modes.split(",")) if args.modes else None
-    modes = build_modes(target, draft, eos, args.max_new_tokens, params, only)
+    corpus = None
+    if args.corpus:
+        corpus = read_corpus(args.corpus, lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
+                             args.corpus_max_tokens)
+        only = only | {"rest-auto"} if only is not None else None
+    modes = build_modes(target, draft, eos, args.max_new_tokens, params, only, corpus)
     rows = load_prompts(args.prompts, args.limit, tokenizer)
     turns = turns_of(args.workload, args.turns)
     # each mode holds its own conversations: a turn's prompt carries that mode's earlier outputs

@@ -76,6 +76,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                         "resends the last prompt, its output and a follow-up (docs/usage.md)")
     b.add_argument("--turns", type=int, default=DEFAULT_TURNS, help=f"turns per conversation of multi-turn "
                    f"(default {DEFAULT_TURNS})")
+    b.add_argument("--corpus", help="a text file or folder: adds the mode rest-auto, suffix drafts that also draw "
+                        "from it (REST)")
+    b.add_argument("--corpus-max-tokens", type=int, default=1_000_000, help="read at most this many tokens of it")
     b.add_argument("--json", action="store_true", help="end with one JSON line {'rows': [...]}")
     b.add_argument("--plot", help="write a PNG of speedup per mode and task type")
 

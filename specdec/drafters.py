@@ -133,7 +133,8 @@ class _SuffixRow:
 class SuffixDrafter:
     """Suffix decoding (specdec.suffix): each row's guesses are a tree of the likeliest continuations of
     the longest match of its tail, in its own text or in the outputs of this drafter's recent requests
-    (kept across batches, within suffix.global_max_tokens), whichever scores higher. A row's text is
+    (kept across batches, within suffix.global_max_tokens), or in a corpus given to it (REST), whichever
+    scores higher. A row's text is
     indexed as the row drafts from it (text assumed while drafting ahead is taken back on rollback); a
     finished row's output joins the recent outputs (all of it but its last step's tokens, which the
     drafter never sees)."""
@@ -141,8 +142,9 @@ class SuffixDrafter:
     uses_model, uses_ngram = False, True
     draft_lm = None
 
-    def __init__(self, config: SuffixConfig = SuffixConfig()):
-        self.config = config
+    def __init__(self, config: SuffixConfig = SuffixConfig(), corpus: TextIndex | None = None):
+        """corpus: an operator's corpus to draft from as well (REST; suffix.read_corpus), shared, never changed."""
+        self.config, self.corpus = config, corpus
         self.recent = RecentOutputs(config.global_max_tokens)
         self.rows: list[_SuffixRow] = []
 
@@ -154,9 +156,8 @@ class SuffixDrafter:
         if r.last is not None and r.last[0] == len(seq) and r.last[1] >= n:
             return r.last[2].first(n)  # drafted for the planner this step (match_length)
         r.sync(seq)
-        own = speculate(r.text, seq, n, self.config)
-        recent = speculate(self.recent, seq, n, self.config)
-        best = own if own.score >= recent.score else recent
+        stores = [r.text, self.recent] + ([self.corpus] if self.corpus is not None else [])
+        best = max((speculate(store, seq, n, self.config) for store in stores), key=lambda d: d.score)  # first on ties
         r.last = (len(seq), n, best)
         return best
 
@@ -484,8 +485,10 @@ class MergedDrafter:
 
 
 def make_drafter(kind: DrafterKind | str, draft: CachedLM | None, width: int = 1,
-                 proposal_top_k: int = DEFAULT_PROPOSAL_TOP_K, suffix: SuffixConfig = SuffixConfig()) -> Drafter | None:
-    """The drafter of this kind (a DrafterKind or its name); the model-based ones need a draft LM."""
+                 proposal_top_k: int = DEFAULT_PROPOSAL_TOP_K, suffix: SuffixConfig = SuffixConfig(),
+                 corpus: TextIndex | None = None) -> Drafter | None:
+    """The drafter of this kind (a DrafterKind or its name); the model-based ones need a draft LM; the suffix
+    ones draft from `corpus` too, when given."""
     try:
         kind = DrafterKind(kind)
     except ValueError:
@@ -493,10 +496,10 @@ def make_drafter(kind: DrafterKind | str, draft: CachedLM | None, width: int = 1
     if kind is DrafterKind.NONE:
         return None
     if not kind.uses_model:
-        return SuffixDrafter(suffix) if kind is DrafterKind.SUFFIX else NgramDrafter()
+        return SuffixDrafter(suffix, corpus) if kind is DrafterKind.SUFFIX else NgramDrafter()
     if draft is None:
         raise ValueError(f"drafter {kind.value!r} needs a draft model (--draft DIR)")
     model = ModelDrafter(draft, width, proposal_top_k)
     if kind is DrafterKind.MODEL:
         return model
-    return MergedDrafter(model, SuffixDrafter(suffix) if kind is DrafterKind.MODEL_SUFFIX else NgramDrafter())
+    return MergedDrafter(model, SuffixDrafter(suffix, corpus) if kind is DrafterKind.MODEL_SUFFIX else NgramDrafter())

@@ -1,5 +1,5 @@
 """Suffix decoding (Oliaro et al., "SuffixDecoding", arXiv 2411.04975): model-free drafts from text seen
-before. The longest match of the text's tail is found in the request's own text (prompt and output so
+before; and, seeded from an operator's corpus, retrieval-based drafting (He et al., "REST", arXiv 2311.08252). The longest match of the text's tail is found in the request's own text (prompt and output so
 far) and in the outputs of recent requests; the continuations of its occurrences are counted, and the
 draft is a tree of the likeliest ones (a node's probability: the share of its parent's occurrences that
 go on with its token, times its parent's), speculated deeper the longer the match.
@@ -10,8 +10,10 @@ is). A match is found from the pair that ends the tail and extended backwards; t
 the matched occurrences is counted when a draft is asked for."""
 
 import heapq
+import os
 from bisect import bisect_left
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 SEP = -1  # between texts in one store: no match or continuation crosses it
@@ -211,3 +213,29 @@ class RecentOutputs(TextIndex):
 
     def occurrences(self, tail, max_depth, limit):
         return [(m, end) for m, end in super().occurrences(tail, max_depth, limit) if end > self.start]
+
+
+def read_corpus(path: str, encode: Callable[[str], list[int]], max_tokens: int) -> RecentOutputs:
+    """A corpus as a store to draft from (REST): the text file at `path`, or every file under the folder (in
+    name order; files that are not UTF-8 text are skipped), encoded by `encode`, up to max_tokens tokens.
+    ValueError naming the path when it is missing or holds no text."""
+    if not os.path.exists(path):
+        raise ValueError(f"{path}: no such file or folder")
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(root, name) for root, _, names in os.walk(path) for name in names)
+    store, held = RecentOutputs(max_tokens), 0
+    for name in files:
+        try:
+            with open(name, encoding="utf-8") as f:
+                text = f.read()
+        except (UnicodeDecodeError, OSError):
+            continue
+        tokens = encode(text)[: max_tokens - held - 1]
+        if tokens:
+            store.add(tokens)
+            held += len(tokens) + 1
+        if held >= max_tokens - 1:
+            break
+    if not held:
+        raise ValueError(f"{path}: no UTF-8 text to draft from")
+    return store

@@ -133,6 +133,32 @@ def test_bench_json_rows_and_plot(dirs, capsys, tmp_path):
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_bench_multi_turn_with_suffix_and_a_corpus(dirs, capsys, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w5 w17 w3 w9", "task_type": "code"}) + "\n")
+    (tmp_path / "corpus.txt").write_text("w5 w17 w3 w9 w12 w13 w14")
+    out = run_json(capsys, ["bench", "--target", dirs["target"], "--draft", dirs["draft"], "--prompts", str(prompts),
+                            "--max-new-tokens", "8", "--modes", "suffix-auto,ngram-k8", "--workload", "multi-turn",
+                            "--turns", "2", "--corpus", str(tmp_path / "corpus.txt"), "--json"])
+    by = {r["mode"]: r for r in out["rows"]}
+    assert set(by) == {"plain", "suffix-auto", "ngram-k8", "rest-auto"}
+    assert all(by[m]["identical_to_plain"] is True for m in ("suffix-auto", "ngram-k8", "rest-auto"))
+
+
+def test_a_conversation_resends_its_context_with_a_follow_up(dirs):
+    from specdec.loading import load_tokenizer
+    from specdec.workload import Conversation, follow_up
+
+    tokenizer = load_tokenizer(dirs["target"])
+    talk = Conversation.open({"prompt": "w5 w17", "task_type": "code"}, tokenizer)
+    first = list(talk.ids)
+    talk.answer([3, 9], tokenizer)
+    added = tokenizer("\n\n" + follow_up("code", 1) + "\n", add_special_tokens=False)["input_ids"]
+    assert talk.ids == first + [3, 9] + added and talk.turn == 2
+    assert talk.request() == {"task_type": "code", "prompt": "w5 w17" + tokenizer.decode([3, 9]) + "\n\n"
+                              + follow_up("code", 1) + "\n"}
+
+
 def test_bench_rejects_bad_prompt_rows(dirs, tmp_path):
     prompts = tmp_path / "bad.jsonl"
     prompts.write_text(json.dumps({"text": "no prompt field"}) + "\n")

@@ -378,3 +378,13 @@ def test_several_drafters_are_listed_and_routing_names_only_those():
         assert f"speculation.drafter: {problem}" in config_error({**two, "speculation": {"drafter": drafter}})
     assert "speculation.drafter 'model' needs models.draft" in config_error(
         {"models": {"target": {"path": "t"}}, "speculation": {"drafter": ["suffix", "model"]}})
+
+
+def test_suffix_corpora_are_named_by_task_type():
+    base = {"models": {"target": {"path": "t"}}, "speculation": {"drafter": "suffix"}}
+    config = parse_config({**base, "speculation": {"drafter": "suffix", "suffix": {"corpora": {"code": "/data/code"},
+                                                                                   "corpus_max_tokens": 5000}}})
+    assert config.speculation.suffix.corpora == {"code": "/data/code"}
+    assert config.speculation.shapes()["suffix"].suffix.max_depth == 24  # the drafts' settings leave corpora out
+    assert "speculation.suffix.corpora: task type 'a b'" in config_error(
+        {**base, "speculation": {"drafter": "suffix", "suffix": {"corpora": {"a b": "/x"}}}})

@@ -1,6 +1,6 @@
 """Several drafter kinds served at once (speculation.drafter a list): every draft replica runs each, the
-router measures each per task type and chooses, a pinned task type drafts with its drafter only, and every
-answer stays the target's greedy output. Through gRPC into Ray Serve's ingress, the router, a draft
+router measures each per task type and chooses, a pinned task type drafts with its drafter only, a task
+type with a corpus drafts from it (REST), and every answer stays the target's greedy output. Through gRPC into Ray Serve's ingress, the router, a draft
 replica and the target, in Ray actors."""
 
 import grpc
@@ -25,10 +25,12 @@ def served(model_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("drafters")
     target = served_target(model_dirs, root)
     thresholds = {"min_samples": MIN_SAMPLES, "probe_fraction": 0.25, "max_k": 4}
+    (root / "corpus.txt").write_text(" ".join(f"w{i}" for i in range(50, 60)))  # REST: the rest task type's corpus
     config = {"models": {"target": {"path": target}},
               "placement": {"tensor_parallel_size": 1, "draft_replicas": 1},
-              "speculation": {"drafter": ["ngram", "suffix"]},
-              "routing": {"default": thresholds, "task_types": {"pinned": {**thresholds, "drafter": "suffix"}}},
+              "speculation": {"drafter": ["ngram", "suffix"], "suffix": {"corpora": {"rest": str(root / "corpus.txt")}}},
+              "routing": {"default": thresholds, "task_types": {"pinned": {**thresholds, "drafter": "suffix"},
+                                                                "rest": {**thresholds, "drafter": "suffix"}}},
               "server": {"max_prompt_tokens": 64, "max_new_tokens": 64,
                          "grpc_port": free_port(), "http_port": free_port()}}
     path = start_serving(config, root, num_cpus=4, num_gpus=2)
@@ -66,3 +68,12 @@ def test_a_pinned_task_type_drafts_with_its_drafter_only(served, target):
     stats = stats_of(stub, "pinned")
     assert stats.drafter == "suffix" and "pinned by routing" in stats.reason
     assert stats.drafters["suffix"].samples >= 1 and stats.drafters["ngram"].samples == 0
+
+
+def test_a_task_types_corpus_is_drafted_from_on_its_first_request(served, target):
+    stub, tokenizer = served
+    prompt = "w50 w51 w52"  # nothing repeats in it, and no request of this task type came before: only the corpus
+    reply = stub.Generate(api.GenerateRequest(prompt=prompt, task_type="rest", max_new_tokens=8,
+                                              speculation=api.SPECULATION_ON), timeout=120)
+    assert list(reply.token_ids) == hf_greedy(target, tokenizer(prompt)["input_ids"], 8)
+    assert reply.stats.drafted >= 3  # "w50 w51 w52" matched in the corpus: its continuation was drafted

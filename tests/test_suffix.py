@@ -143,3 +143,25 @@ def test_sibling_guesses_keep_the_target_distribution():
     for token in range(4):
         assert abs(first[token] / draws - float(p[token])) < 4 * (float(p[token]) * (1 - float(p[token])) / draws) ** 0.5 + 1e-3
 
+
+
+def test_a_corpus_seeds_drafts_for_a_prompt_never_seen(tmp_path):
+    from specdec.suffix import read_corpus
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("1 2 3 4 5 6 7 8 9")
+    (tmp_path / "docs" / "b.bin").write_bytes(b"\xff\xfe\x00binary")  # not UTF-8: skipped
+    encode = lambda text: [int(t) for t in text.split()]  # noqa: E731
+    corpus = read_corpus(str(tmp_path / "docs"), encode, 1000)
+    drafter = SuffixDrafter(corpus=corpus)
+    drafter.start(1)
+    tree = drafter.propose([[40, 41, 3, 4, 5]], [Plan(0, 8)], None, None)[0]  # ends as the corpus does at "3 4 5"
+    assert tree.tokens == [5, 6, 7, 8]
+    plain = SuffixDrafter()  # without the corpus: nothing to draw from
+    plain.start(1)
+    assert plain.propose([[40, 41, 3, 4, 5]], [Plan(0, 8)], None, None)[0].tokens == [5]
+    assert read_corpus(str(tmp_path / "docs" / "a.txt"), encode, 5).held <= 5  # capped
+    with pytest.raises(ValueError, match="no such file or folder"):
+        read_corpus(str(tmp_path / "absent"), encode, 1000)
+    with pytest.raises(ValueError, match="no UTF-8 text"):
+        read_corpus(str(tmp_path / "docs" / "b.bin"), encode, 1000)
