@@ -125,10 +125,20 @@ class _TaskState:
         return sum(m.samples for m in self.drafters.values())
 
 
+def tokens_per_cost(alpha: float, k: int, draft_cost_ratio: float) -> float:
+    """Tokens a step of K commits per unit of drafting and verifying (best_k's measure, before the target reports)."""
+    return expected_tokens(alpha, k) / (1 + k * draft_cost_ratio)
+
+
+def _draft_ratio(thresholds: Thresholds, kind: DrafterKind) -> float:
+    """A drafted token's cost against a target step: the routing key's for a draft model, none for lookups."""
+    return thresholds.draft_cost_ratio if kind.uses_model else 0.0
+
+
 def best_k(alpha: float, thresholds: Thresholds, draft_cost_ratio: float | None = None) -> int:
     """The K in 1..max_k that commits the most tokens per unit of time spent drafting and verifying."""
     ratio = thresholds.draft_cost_ratio if draft_cost_ratio is None else draft_cost_ratio
-    return max(range(1, thresholds.max_k + 1), key=lambda k: expected_tokens(alpha, k) / (1 + k * ratio))
+    return max(range(1, thresholds.max_k + 1), key=lambda k: tokens_per_cost(alpha, k, ratio))
 
 
 class Router:
@@ -268,9 +278,8 @@ class Router:
         goodput_now = self._best_goodput(measured, thresholds, kind)
         if goodput_now is not None:
             return goodput_now
-        ratio = thresholds.draft_cost_ratio if kind.uses_model else 0.0
-        k = best_k(alpha, thresholds, ratio)
-        return expected_tokens(alpha, k) / (1 + k * ratio)
+        ratio = _draft_ratio(thresholds, kind)
+        return tokens_per_cost(alpha, best_k(alpha, thresholds, ratio), ratio)
 
     def _best_goodput(self, measured: _Measured, thresholds: Thresholds, kind: DrafterKind) -> float | None:
         if self._target is None or not self._target.costs.verify_table:
@@ -330,8 +339,7 @@ class Router:
 
     def _k_from_alpha(self, state: _TaskState, thresholds: Thresholds, kind: DrafterKind) -> int:
         alpha = state.drafters[kind].alpha
-        return best_k(thresholds.on_alpha if alpha is None else alpha, thresholds,
-                      thresholds.draft_cost_ratio if kind.uses_model else 0.0)
+        return best_k(thresholds.on_alpha if alpha is None else alpha, thresholds, _draft_ratio(thresholds, kind))
 
     def _state(self, task_type: str) -> _TaskState:
         """Under the lock; a name the router has no room for is default's (fold)."""
