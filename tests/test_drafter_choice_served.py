@@ -76,4 +76,7 @@ def test_a_task_types_corpus_is_drafted_from_on_its_first_request(served, target
     reply = stub.Generate(api.GenerateRequest(prompt=prompt, task_type="rest", max_new_tokens=8,
                                               speculation=api.SPECULATION_ON), timeout=120)
     assert list(reply.token_ids) == hf_greedy(target, tokenizer(prompt)["input_ids"], 8)
-    assert reply.stats.drafted >= 3  # "w50 w51 w52" matched in the corpus: its continuation was drafted
+    # the prompt repeats no pair and this task type's loop has no earlier outputs, so any draft came from the
+    # corpus ("w50 w51 w52" -> "w53 ..."); how many tokens depends on the K the router picked from the target's
+    # measured costs, which differ from machine to machine
+    assert reply.stats.drafted >= 1
