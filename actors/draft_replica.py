@@ -14,8 +14,10 @@ from specdec.kvcache import CachedLM
 from specdec.loading import load_served_model, load_tokenizer, parse_dtype
 from specdec.sampling import SamplingParams
 
-from .closed import RecentlyClosed
-from .draft_loop import DraftLoop, DraftRequest, GrpcTarget
+from specdec.closed import RecentlyClosed
+from specdec.draft_loop import DraftLoop, DraftRequest
+
+from .grpc_target import GrpcTarget
 from .metrics import StepTimer
 from .security import LinkSecurity, SharedSecurity, resolve, target_channel
 from .streams import StepStream
@@ -35,7 +37,7 @@ class DraftReplica:
         """drafts: task type -> (model folder, dtype); the "" entry drafts for every other task type.
         shapes: per drafter kind it runs, its tree width and its proposals' entries (speculation.*); the first
         drafts a request that names none. Default: model+ngram.
-        overlap: draft each step while the target verifies the one before (actors.draft_loop).
+        overlap: draft each step while the target verifies the one before (specdec.draft_loop).
         security: the topology's secret (sent on every call to the target) and TLS files, if any; through
         Ray's object store (SharedSecurity), so that it is not among the actor's creation arguments.
         logical_gpus: placement.logical_gpus (as TargetRank: a GPU from Ray without CUDA here stops it).

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from ray.util.metrics import Counter, Gauge, Histogram
 
 if TYPE_CHECKING:  # a type only: this module stays light (no torch) for whoever imports it
-    from .records import TargetStats
+    from specdec.scheduler import TargetStats
 
 GAUGES_EVERY_S = 1.0  # Ray stops exporting a gauge that is not set again for ~20 s
 SECONDS_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]

@@ -1,10 +1,10 @@
-"""The typed records the actors hand the ingress: a request's step (StepUpdate, what an actor stream
-yields, with the core's FinishReason on its last) and what the target's scheduler reports of itself
-(TargetStats). Each crosses Ray as it is (pickled), never as a dict read by key."""
+"""The typed record the actors hand the ingress for a request's step (StepUpdate, what an actor stream
+yields, with the core's FinishReason on its last). It crosses Ray as it is (pickled), never as a dict
+read by key; so does the target scheduler's report of itself (specdec.scheduler.TargetStats)."""
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
-from specdec.engine import FinishReason, Generation, RequestStats
+from specdec.generation import FinishReason, Generation, RequestStats
 from specdec.logprobs import TokenLogprob
 
 
@@ -27,38 +27,3 @@ class StepUpdate:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-
-# What the target holds now, as /v1/stats's target section and GetStats's TargetStats show it.
-HELD = ("open_requests", "kv_tokens_reserved", "waiting", "largest_batch", "idle_rows_closed")
-
-
-@dataclass(frozen=True)
-class TargetStats:
-    """A target rank's report (rank 0's scheduler; a rank > 0 reports its weights alone). The counts are
-    cumulative since the rank started (the ingress differences them: cluster/telemetry.py)."""
-
-    weights_held: int = 0  # weights this rank's process holds (its shard)
-    forwards: int = 0  # forwards run (verify steps, plain rows included)
-    forward_time_s: float = 0.0
-    stall_time_s: float = 0.0  # the loop's seconds between forwards (prefilling joiners, dropping leavers)
-    committed_tokens: int = 0  # tokens the forwards committed, all rows
-    trees_verified: int = 0  # replicas' trees verified
-    tree_loop_time_s: float = 0.0  # seconds those trees spent in the target, arrival to verdict
-    largest_batch: int = 0  # most rows in one forward
-    open_requests: int = 0
-    kv_tokens_reserved: int = 0  # the slots the cache may come to hold for them
-    waiting: int = 0  # in the admission queue
-    idle_rows_closed: int = 0
-    forward_costs: dict[int, float] = field(default_factory=dict)  # seconds by batch tokens (the router's table)
-    batch_tokens: float = 0.0  # the batch now, smoothed: tokens per forward, committed per forward, rows
-    committed_per_forward: float = 0.0
-    batch_rows: float = 0.0
-
-    def held(self) -> dict[str, int]:
-        """What the target holds now (HELD), by name."""
-        return {name: getattr(self, name) for name in HELD}
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-

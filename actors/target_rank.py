@@ -1,5 +1,5 @@
 """A target rank: owns (a shard of) the target model and its requests' KV caches. Rank 0 runs the
-scheduler loop (actors/scheduler.py), which decodes plain requests and verifies the trees that
+scheduler loop (specdec/scheduler.py), which decodes plain requests and verifies the trees that
 draft replicas send over gRPC (specdec.v1.TargetService); ranks > 0 mirror rank 0's calls
 (actors/lockstep.py)."""
 
@@ -21,8 +21,8 @@ from specdec.target import TargetWorker
 
 from . import metrics
 from .lockstep import LockstepWorker, follow
-from .records import TargetStats
-from .scheduler import KvBudget, TargetScheduler
+from specdec.scheduler import TargetStats
+from specdec.scheduler import KvBudget, TargetScheduler
 from .security import RPC_HEADROOM, LinkSecurity, SharedSecurity, host_port, resolve, serve_target
 from .streams import StepStream
 from .target_service import TargetService

@@ -20,7 +20,7 @@ from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.errors import InvalidArgument
 
 from . import wire
-from .scheduler import TargetScheduler
+from specdec.scheduler import TargetScheduler
 
 log = logging.getLogger(__name__)
 VERIFY_THREADS = 16  # Verify calls waiting for a forward at once (one per replica loop in flight; more queue)

@@ -11,7 +11,7 @@ from specdec.errors import InvalidArgument, Unavailable
 from specdec.grammar import Grammars, ResponseFormat, grammar_of
 from specdec.sampling import SamplingParams
 
-from actors.scheduler import KvBudget
+from specdec.scheduler import KvBudget
 
 from . import metrics
 from .config import ServeConfig, task_type_problem

@@ -15,7 +15,7 @@ from transformers import GenerationConfig
 from specdec.errors import InvalidArgument, RequestFailed, ResourceExhausted, Unavailable
 from specdec.loading import check_model, eos_ids, load_tokenizer
 
-from actors.records import HELD
+from specdec.scheduler import HELD
 
 from . import metrics
 from .admission import Admission, Admitted

@@ -14,7 +14,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.draft_replica import DraftReplica
-from actors.scheduler import KvBudget
+from specdec.scheduler import KvBudget
 from actors.security import LinkSecurity, SharedSecurity, TlsFiles
 from actors.target_rank import TargetRank, free_address
 

@@ -12,7 +12,7 @@ import ray
 
 from actors.records import StepUpdate
 from specdec.acceptance import acceptance_rate
-from specdec.engine import FinishReason, RequestStats
+from specdec.generation import FinishReason, RequestStats
 from specdec.logprobs import TokenLogprob
 from specdec.sampling import SamplingParams
 

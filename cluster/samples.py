@@ -5,7 +5,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from specdec.engine import FinishReason
+from specdec.generation import FinishReason
 from specdec.logprobs import TokenLogprob
 
 from .admission import Admitted

@@ -1,5 +1,5 @@
 """The router's telemetry: what the ingress measures of speculative steps (StepTiming), what the target
-group reports of its forwards (actors.records.TargetStats), and the thread that polls the group every
+group reports of its forwards (specdec.scheduler.TargetStats), and the thread that polls the group every
 GAUGES_EVERY_S, hands the router what a step costs now (RecentSteps) and publishes the gauges."""
 
 import asyncio
@@ -10,9 +10,9 @@ from dataclasses import asdict, dataclass, replace
 import ray
 
 from actors.metrics import GAUGES_EVERY_S
-from actors.records import TargetStats
+from specdec.scheduler import TargetStats
 from specdec.adaptive import Costs, Load
-from specdec.engine import RequestStats
+from specdec.generation import RequestStats
 
 from . import metrics
 from .placement import Topology

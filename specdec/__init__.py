@@ -10,7 +10,7 @@ _HOMES = {  # name -> the module of this package that defines it
     "AdaptivePlanner": "adaptive", "SpecConfig": "adaptive",
     "Drafter": "drafters", "MergedDrafter": "drafters", "ModelDrafter": "drafters", "NgramDrafter": "drafters", "SuffixDrafter": "drafters",
     "make_drafter": "drafters", "DrafterKind": "drafter_kinds",
-    "Generation": "engine", "RequestStats": "engine", "SpeculativeEngine": "engine",
+    "Generation": "generation", "RequestStats": "generation", "SpeculativeEngine": "engine",
     "CachedLM": "kvcache", "SamplingParams": "sampling", "TokenTree": "tree",
 }
 

@@ -18,7 +18,7 @@ import pytest
 import ray
 from ray import serve
 
-from actors.scheduler import KvBudget, TargetScheduler
+from specdec.scheduler import KvBudget, TargetScheduler
 from actors.security import MAX_MESSAGE_BYTES, BearerKeys, LinkSecurity, TlsFiles, bearer, serve_target, target_channel
 from actors.target_service import TargetService
 from cluster.auth import API_KEYS_ENV, Unauthenticated, api_channel, authorize, load_api_keys

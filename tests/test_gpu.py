@@ -73,7 +73,7 @@ def test_bf16_on_cuda_agrees_with_plain_decoding(model_dirs, reference):
 def test_forward_timings_wait_for_the_device(cuda_pair):
     """The router's cost table is fed the seconds a forward takes on the device: timed as the scheduler
     times it, a forward of 64 rows must cost more than one of 1 row (launch time alone would not)."""
-    from actors.scheduler import TargetScheduler
+    from specdec.scheduler import TargetScheduler
     from specdec.target import TargetWorker
 
     target, _ = cuda_pair

@@ -12,8 +12,9 @@ from concurrent import futures
 import grpc
 import pytest
 
-from actors.draft_loop import DraftLoop, DraftRequest, GrpcTarget
-from actors.scheduler import KvBudget, TargetScheduler
+from actors.grpc_target import GrpcTarget
+from specdec.draft_loop import DraftLoop, DraftRequest
+from specdec.scheduler import KvBudget, TargetScheduler
 from actors.security import LinkSecurity, serve_target, target_channel
 from actors.target_service import TargetService
 from conftest import NEW_TOKENS

@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from actors import wire
-from actors.draft_loop import GrpcTarget
+from actors.grpc_target import GrpcTarget
 from actors.security import MAX_MESSAGE_BYTES
 from protos import specdec_tree_pb2 as tree_pb
 from specdec.drafter_kinds import DEFAULT_PROPOSAL_TOP_K, DrafterKind, DraftShape
@@ -109,10 +109,10 @@ class _SplitStub:
 
 
 def test_grpc_target_sends_the_batch_in_calls_under_the_limit(sampled_trees, monkeypatch):
-    import actors.draft_loop
+    import actors.grpc_target
 
     one = wire.tree_to_proto("r0", sampled_trees["r0"]).ByteSize() + wire.TREE_FRAMING_BYTES
-    monkeypatch.setattr(actors.draft_loop, "MAX_MESSAGE_BYTES", 5 * one + 10)
+    monkeypatch.setattr(actors.grpc_target, "MAX_MESSAGE_BYTES", 5 * one + 10)
     stub = _SplitStub()
     outcomes = GrpcTarget(stub).verify(sampled_trees)
     assert set(outcomes) == set(sampled_trees) and all(o.tokens == [1] for o in outcomes.values())

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from actors.draft_loop import DraftLoop, DraftRequest
+from specdec.draft_loop import DraftLoop, DraftRequest
 from cluster.local import free_port
 from conftest import save_tokenizer
 from specdec import CachedLM, SamplingParams, SpecConfig, SpeculativeEngine

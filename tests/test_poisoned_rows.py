@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from actors.draft_loop import DraftLoop, DraftRequest
+from specdec.draft_loop import DraftLoop, DraftRequest
 from conftest import NEW_TOKENS, VOCAB
 from specdec.drafters import Plan, make_drafter
 from specdec.errors import InvalidArgument, RequestFailed

@@ -4,9 +4,10 @@ import json
 
 import pytest
 
-from actors.closed import RecentlyClosed
-from actors.records import HELD, StepUpdate, TargetStats
-from specdec.engine import FinishReason, Generation
+from specdec.closed import RecentlyClosed
+from actors.records import StepUpdate
+from specdec.scheduler import HELD, TargetStats
+from specdec.generation import FinishReason, Generation
 from specdec.logprobs import TokenLogprob
 
 

@@ -286,7 +286,7 @@ def test_a_noisy_cost_table_that_extrapolates_to_nothing_still_plans():
 def test_the_router_sees_step_costs_of_the_last_seconds_not_since_start():
     """Speculative steps measured cheap at one client, then dear under load: the view follows the load,
     and a measured draft cost replaces draft_cost_ratio."""
-    from actors.records import TargetStats
+    from specdec.scheduler import TargetStats
     from cluster.telemetry import RecentSteps, StepTiming
 
     timing = StepTiming()
@@ -401,7 +401,7 @@ def test_the_hop_is_the_round_trip_less_the_time_the_trees_spent_in_the_target()
     """A tree waits in the target for a forward in flight, the stall and its own forward: all come out
     of the hop. A prefill run while no tree waited (one client: the next request's prefill comes between
     its steps) does not."""
-    from actors.records import TargetStats
+    from specdec.scheduler import TargetStats
     from cluster.telemetry import RecentSteps, StepTiming
 
     timing = StepTiming()
@@ -426,7 +426,7 @@ def test_the_hop_is_the_round_trip_less_the_time_the_trees_spent_in_the_target()
 def test_the_scheduler_counts_the_loop_time_its_trees_waited_through(target):
     """trees_verified and tree_loop_time_s: one per verified tree, and the seconds from its arrival to
     its verdict, which hold its forward."""
-    from actors.scheduler import TargetScheduler
+    from specdec.scheduler import TargetScheduler
     from specdec.kvcache import CachedLM
     from specdec.sampling import SamplingParams
     from specdec.target import TargetWorker
@@ -453,7 +453,7 @@ def test_the_scheduler_times_device_work_and_leaves_a_sizes_cold_first_forward_o
 
     import torch
 
-    from actors.scheduler import TargetScheduler
+    from specdec.scheduler import TargetScheduler
     from specdec.kvcache import CachedLM
     from specdec.sampling import SamplingParams
     from specdec.target import TargetWorker

@@ -8,7 +8,7 @@ import torch
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM)
 
-from actors.draft_loop import DraftLoop, DraftRequest
+from specdec.draft_loop import DraftLoop, DraftRequest
 from specdec import CachedLM, SamplingParams, SpecConfig, SpeculativeEngine
 from specdec.drafters import make_drafter
 from specdec.kvcache import has_sliding_window

@@ -5,8 +5,8 @@ import threading, time, torch
 from specdec.loading import load_model
 from specdec.prompts import load_prompts
 from transformers import AutoTokenizer
-from actors.scheduler import TargetScheduler, KvBudget
-from actors.draft_loop import DraftLoop, DraftRequest
+from specdec.scheduler import TargetScheduler, KvBudget
+from specdec.draft_loop import DraftLoop, DraftRequest
 from specdec.drafters import make_drafter
 from specdec.kvcache import CachedLM
 from specdec.target import TargetWorker

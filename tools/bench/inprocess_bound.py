@@ -13,8 +13,8 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-from actors.draft_loop import DraftLoop, DraftRequest
-from actors.scheduler import TargetScheduler
+from specdec.draft_loop import DraftLoop, DraftRequest
+from specdec.scheduler import TargetScheduler
 from specdec.drafters import make_drafter
 from specdec.kvcache import CachedLM
 from specdec.loading import load_served_model

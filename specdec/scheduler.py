@@ -15,22 +15,54 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
-from specdec.acceptance import Verdict
-from specdec.adaptive import Costs, Load, clock
-from specdec.engine import Generation, emit, record_step
-from specdec.errors import InvalidArgument, RequestExists, ResourceExhausted, UnknownRequest
-from specdec.sampling import SamplingParams
-from specdec.target import Outcome, TargetWorker
-from specdec.tree import TokenTree
-
+from .acceptance import Verdict
+from .adaptive import Costs, Load, clock
 from .closed import RecentlyClosed
-from .records import TargetStats
-from .streams import Sink, tell
+from .errors import InvalidArgument, RequestExists, ResourceExhausted, UnknownRequest
+from .generation import Generation, emit, record_step
+from .sampling import SamplingParams
+from .sinks import Sink, tell
+from .target import Outcome, TargetWorker
+from .tree import TokenTree
 
 log = logging.getLogger(__name__)
 LOAD_SMOOTHING = 0.2  # weight of each forward in the batch's moving average
+
+
+# What the target holds now, as /v1/stats's target section and GetStats's TargetStats show it.
+HELD = ("open_requests", "kv_tokens_reserved", "waiting", "largest_batch", "idle_rows_closed")
+
+
+@dataclass(frozen=True)
+class TargetStats:
+    """A target rank's report (rank 0's scheduler; a rank > 0 reports its weights alone). The counts are
+    cumulative since the rank started (the ingress differences them: cluster/telemetry.py)."""
+
+    weights_held: int = 0  # weights this rank's process holds (its shard)
+    forwards: int = 0  # forwards run (verify steps, plain rows included)
+    forward_time_s: float = 0.0
+    stall_time_s: float = 0.0  # the loop's seconds between forwards (prefilling joiners, dropping leavers)
+    committed_tokens: int = 0  # tokens the forwards committed, all rows
+    trees_verified: int = 0  # replicas' trees verified
+    tree_loop_time_s: float = 0.0  # seconds those trees spent in the target, arrival to verdict
+    largest_batch: int = 0  # most rows in one forward
+    open_requests: int = 0
+    kv_tokens_reserved: int = 0  # the slots the cache may come to hold for them
+    waiting: int = 0  # in the admission queue
+    idle_rows_closed: int = 0
+    forward_costs: dict[int, float] = field(default_factory=dict)  # seconds by batch tokens (the router's table)
+    batch_tokens: float = 0.0  # the batch now, smoothed: tokens per forward, committed per forward, rows
+    committed_per_forward: float = 0.0
+    batch_rows: float = 0.0
+
+    def held(self) -> dict[str, int]:
+        """What the target holds now (HELD), by name."""
+        return {name: getattr(self, name) for name in HELD}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
