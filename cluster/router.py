@@ -24,7 +24,8 @@ from typing import Literal, get_args
 from cluster.config import RoutingConfig, Thresholds
 from cluster.speculation import Speculation
 from specdec.acceptance import acceptance_rate
-from specdec.adaptive import Costs, Load, StepCosts, expected_tokens, goodput, step_costs_note
+from specdec.adaptive import (Costs, Load, StepCosts, best_k, best_speculative_k, goodput_by_k, step_costs_note,
+                              tokens_per_cost)
 from specdec.drafter_kinds import DrafterKind, DraftShape
 
 Mode = Literal["speculative", "plain", "probe"]
@@ -125,20 +126,9 @@ class _TaskState:
         return sum(m.samples for m in self.drafters.values())
 
 
-def tokens_per_cost(alpha: float, k: int, draft_cost_ratio: float) -> float:
-    """Tokens a step of K commits per unit of drafting and verifying (best_k's measure, before the target reports)."""
-    return expected_tokens(alpha, k) / (1 + k * draft_cost_ratio)
-
-
 def _draft_ratio(thresholds: Thresholds, kind: DrafterKind) -> float:
     """A drafted token's cost against a target step: the routing key's for a draft model, none for lookups."""
     return thresholds.draft_cost_ratio if kind.uses_model else 0.0
-
-
-def best_k(alpha: float, thresholds: Thresholds, draft_cost_ratio: float | None = None) -> int:
-    """The K in 1..max_k that commits the most tokens per unit of time spent drafting and verifying."""
-    ratio = thresholds.draft_cost_ratio if draft_cost_ratio is None else draft_cost_ratio
-    return max(range(1, thresholds.max_k + 1), key=lambda k: tokens_per_cost(alpha, k, ratio))
 
 
 class Router:
@@ -279,15 +269,15 @@ class Router:
         if goodput_now is not None:
             return goodput_now
         ratio = _draft_ratio(thresholds, kind)
-        return tokens_per_cost(alpha, best_k(alpha, thresholds, ratio), ratio)
+        return tokens_per_cost(alpha, best_k(alpha, thresholds.max_k, ratio), ratio)
 
     def _best_goodput(self, measured: _Measured, thresholds: Thresholds, kind: DrafterKind) -> float | None:
         if self._target is None or not self._target.costs.verify_table:
             return None
         alpha = thresholds.on_alpha if measured.alpha is None else measured.alpha
         costs, load = self._target.step_costs(thresholds.draft_cost_ratio, kind.uses_model), self._target.load
-        return round(max(goodput(costs, load, alpha, k, self.shapes[kind].nodes(k))
-                         for k in range(1, thresholds.max_k + 1)), 1)
+        gains = goodput_by_k(costs, load, alpha, thresholds.max_k, self.shapes[kind].nodes)
+        return round(gains[best_speculative_k(gains)], 1)
 
     def _try_another(self, state: _TaskState, thresholds: Thresholds, chosen: DrafterKind) -> tuple[DrafterKind, bool]:
         """A probe_fraction of speculative requests goes to the other allowed drafters in turn (their alphas
@@ -323,8 +313,8 @@ class Router:
                         f"{known}; no target step costs yet{_also(why)}", drafter=kind)
         costs, load = self._target.step_costs(thresholds.draft_cost_ratio, kind.uses_model), self._target.load
         shape = self.shapes[kind]
-        gains = {k: goodput(costs, load, alpha, k, shape.nodes(k)) for k in range(thresholds.max_k + 1)}
-        k = max(range(1, thresholds.max_k + 1), key=gains.get)
+        gains = goodput_by_k(costs, load, alpha, thresholds.max_k, shape.nodes)
+        k = best_speculative_k(gains)
         rates = {"plain": round(gains[0], 1), "speculative": round(gains[k], 1)}
         note = step_costs_note(costs, load, k, shape.nodes(k))
         at = f"at {load.rows:.1f} rows, {load.batch_tokens:.0f} batch tokens ({note}){_also(why)}"
@@ -339,7 +329,7 @@ class Router:
 
     def _k_from_alpha(self, state: _TaskState, thresholds: Thresholds, kind: DrafterKind) -> int:
         alpha = state.drafters[kind].alpha
-        return best_k(thresholds.on_alpha if alpha is None else alpha, thresholds, _draft_ratio(thresholds, kind))
+        return best_k(thresholds.on_alpha if alpha is None else alpha, thresholds.max_k, _draft_ratio(thresholds, kind))
 
     def _state(self, task_type: str) -> _TaskState:
         """Under the lock; a name the router has no room for is default's (fold)."""

@@ -7,7 +7,7 @@ torch; `from specdec import SpeculativeEngine` works as before."""
 import importlib
 
 _HOMES = {  # name -> the module of this package that defines it
-    "AdaptivePlanner": "adaptive", "SpecConfig": "adaptive",
+    "SpecConfig": "engine",
     "Drafter": "drafters", "MergedDrafter": "drafters", "ModelDrafter": "drafters", "NgramDrafter": "drafters", "SuffixDrafter": "drafters",
     "make_drafter": "drafters", "DrafterKind": "drafter_kinds",
     "Generation": "generation", "RequestStats": "generation", "SpeculativeEngine": "engine",

@@ -70,18 +70,18 @@ def build_modes(target, draft, eos, max_new, params, only: set[str] | None, corp
 
     specs = {
         "chain-k4": lambda: (make_drafter("model", dlm(), 1), SpecConfig(depth=4)),
-        "tree-2x4": lambda: (make_drafter("model", dlm(), 2), SpecConfig(depth=4, width=2)),
+        "tree-2x4": lambda: (make_drafter("model", dlm(), 2), SpecConfig(depth=4)),
         "ngram-k8": lambda: (make_drafter("ngram", None), SpecConfig(depth=8)),
         "ngram-auto": lambda: (make_drafter("ngram", None), SpecConfig(depth=None)),
         "suffix-k16": lambda: (make_drafter("suffix", None), SpecConfig(depth=16)),
-        "suffix-auto": lambda: (make_drafter("suffix", None), SpecConfig(depth=None, max_ngram=16)),
+        "suffix-auto": lambda: (make_drafter("suffix", None), SpecConfig(depth=None, max_depth=16)),
         "model+suffix-k4": lambda: (make_drafter("model+suffix", dlm(), 1), SpecConfig(depth=4)),
         "model+ngram-k4": lambda: (make_drafter("model+ngram", dlm(), 1), SpecConfig(depth=4)),
         "auto": lambda: (make_drafter("model", dlm(), 1), SpecConfig(depth=None)),
         "model+ngram-auto": lambda: (make_drafter("model+ngram", dlm(), 1), SpecConfig(depth=None)),
     }
     if corpus is not None:  # REST: suffix drafts from the corpus too
-        specs["rest-auto"] = lambda: (make_drafter("suffix", None, corpus=corpus), SpecConfig(depth=None, max_ngram=16))
+        specs["rest-auto"] = lambda: (make_drafter("suffix", None, corpus=corpus), SpecConfig(depth=None, max_depth=16))
     modes = [hf_mode("plain", target, eos, max_new, params)]
     for name, make in specs.items():
         if only is None or name in only:
@@ -119,7 +119,7 @@ def run_bench(args) -> None:
     # each mode holds its own conversations: a turn's prompt carries that mode's earlier outputs
     talks = {mode.name: [Conversation.open(r, tokenizer) for r in rows] for mode in modes}
 
-    for mode in modes:  # warm-up (and adaptive K's one-time calibration), not timed
+    for mode in modes:  # warm-up (auto K starts measuring costs here), not timed
         mode.run(talks[mode.name][0].ids[:64])
     with tqdm(total=len(rows) * len(modes) * turns, desc="bench", file=sys.stderr) as bar:
         for i, row in enumerate(rows):

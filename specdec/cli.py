@@ -129,9 +129,9 @@ def resolve_models(args) -> None:
 
 
 def spec_config(args):
-    """--num-speculative-tokens and --tree WxD as one SpecConfig. The default is adaptive K, except for
-    seeded sampling: adaptive plans follow live timings, and another plan draws other random numbers, so
-    only a fixed K makes a seeded sample reproducible (greedy output never depends on the plan)."""
+    """--num-speculative-tokens and --tree WxD -> (SpecConfig, tree width). The default is auto K, except for
+    seeded sampling: auto K follows live timings, and another K draws other random numbers, so only a
+    fixed K makes a seeded sample reproducible (greedy output never depends on K)."""
     from .engine import SpecConfig
 
     k = args.num_speculative_tokens
@@ -144,8 +144,8 @@ def spec_config(args):
                 "--num-speculative-tokens K and --tree WxD both set the depth: pass one of them, "
                 "or --num-speculative-tokens auto with --tree (auto then goes up to the tree's depth)"
             )
-        return SpecConfig(depth=depth if k is None else None, width=width, max_depth=depth)
-    return SpecConfig(depth=None if k == "auto" else k, max_depth=args.max_depth)
+        return SpecConfig(depth=depth if k is None else None, max_depth=depth), width
+    return SpecConfig(depth=None if k == "auto" else k, max_depth=args.max_depth), 1
 
 
 def cmd_generate(args) -> None:
@@ -160,7 +160,7 @@ def cmd_generate(args) -> None:
     if args.num_samples < 1:
         raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    config = spec_config(args)
+    config, width = spec_config(args)
     resolve_models(args)
     drafter_name = args.drafter or ("model+ngram" if args.draft else "ngram")
     dtype = parse_dtype(args.dtype)
@@ -170,7 +170,7 @@ def cmd_generate(args) -> None:
     if args.draft and drafter_name in ("model", "model+ngram"):
         check_same_vocabulary(tokenizer, load_tokenizer(args.draft))
         draft = CachedLM(load_served_model(args.draft, dtype, args.device))
-    engine = SpeculativeEngine(CachedLM(target), make_drafter(drafter_name, draft, config.width), config,
+    engine = SpeculativeEngine(CachedLM(target), make_drafter(drafter_name, draft, width), config,
                                eos_ids(target.generation_config, tokenizer))
     prompt = tokenizer(args.prompt)["input_ids"]
     if not prompt:

@@ -75,10 +75,21 @@ class DraftLoop:
         self._joining: list[DraftRequest] = []
         self._cancelled = RecentlyClosed()  # a cancel may come before its request joins: kept until it is seen
         self._failure: Exception | None = None  # every request in the loop ends with it before the next step
+        self._stopped = False
         self._cv = threading.Condition()
         if drafter is not None:
             drafter.start(0)
-        threading.Thread(target=self._loop, name="draft-loop", daemon=True).start()
+        self._thread = threading.Thread(target=self._loop, name="draft-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the loop's thread once it has no request left to step (the in-process engine, between calls)."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join()
+        if self._verifier is not None:
+            self._verifier.shutdown()
 
     def prefill(self, prompt: list[int]) -> Prefilled | None:
         """The prompt run through the draft model off the loop (any thread; the running requests go on
@@ -88,8 +99,12 @@ class DraftLoop:
 
     def join(self, request: DraftRequest) -> None:
         """A request already opened on the target joins at the next step."""
+        self.join_all([request])
+
+    def join_all(self, requests: list[DraftRequest]) -> None:
+        """Requests already opened on the target join together at the next step."""
         with self._cv:
-            self._joining.append(request)
+            self._joining += requests
             self._cv.notify()
 
     def cancel(self, rid: str) -> None:
@@ -110,7 +125,9 @@ class DraftLoop:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self.rows or self._joining)
+                self._cv.wait_for(lambda: self.rows or self._joining or self._stopped)
+                if self._stopped and not (self.rows or self._joining):
+                    return
                 joining, self._joining = self._joining, []
                 failure, self._failure = self._failure, None
             try:
@@ -130,9 +147,15 @@ class DraftLoop:
             if self.drafter is not None:
                 # the draft model's draws run where its logits are: a CPU generator cannot draw from CUDA probabilities
                 device = self.drafter.draft_lm.device if self.drafter.draft_lm is not None else "cpu"
-                for r in joining:
+                # rows prefilled off the loop join one by one; the others join at once, as one batch of empty rows
+                prefilled = [r for r in joining if r.draft_prefill is not None]
+                joining = prefilled + [r for r in joining if r.draft_prefill is None]
+                for r in prefilled:
                     self.drafter.add_rows(1, r.draft_prefill)
                     r.draft_prefill = None  # the batch holds it now
+                if len(prefilled) < len(joining):
+                    self.drafter.add_rows(len(joining) - len(prefilled))
+                for r in joining:
                     r.gen = make_generator(r.params.seed, r.stream, device, role="draft")
             self.rows += joining
 

@@ -4,7 +4,6 @@ A drafter sees only token ids and sampling settings, and is told which tree node
 so it can live in another process than the target. Protocol:
   start(batch)                    a new batch of sequences
   add_rows(n)                     n new sequences join the batch (at its end)
-  match_length(row, seq)          the n-gram a guess for this row would match now (0: none)
   propose(seqs, plans, ...)       one tree per row, rooted at the row's last token
   commit(paths)                   per row, the accepted node indices (root first)
   select(rows)                    keep only these rows (the others finished)
@@ -21,7 +20,7 @@ from typing import Protocol
 import torch
 
 from .device import HOST, to_host
-from .drafter_kinds import DEFAULT_PROPOSAL_TOP_K, MAX_PROPOSAL_TOP_K, DrafterKind
+from .drafter_kinds import DEFAULT_PROPOSAL_TOP_K, MAX_PROPOSAL_TOP_K, DrafterKind, DraftShape
 from .kvcache import CachedLM, Prefilled
 from .ngram import NgramIndex
 from .sampling import SamplingParams, warp
@@ -42,6 +41,7 @@ class Plan:
 class Drafter(Protocol):
     uses_model: bool  # drafts with a draft model (Plan.depth)
     uses_ngram: bool  # drafts n-gram guesses (Plan.ngram)
+    shape: DraftShape  # its kind and tree width: how many nodes a tree of K may have (DraftShape.nodes)
 
     @property
     def draft_lm(self) -> CachedLM | None:
@@ -53,7 +53,6 @@ class Drafter(Protocol):
         the batch steps), for add_rows; None without a draft model."""
     def add_rows(self, n: int, prefilled: Prefilled | None = None) -> None:
         """n rows join the batch: empty, or the prompts of `prefilled` (prefill_alone) already run."""
-    def match_length(self, row: int, seq: list[int]) -> int: ...
     def propose(
         self, seqs: list[list[int]], plans: list[Plan], params: list[SamplingParams], gens: list[torch.Generator]
     ) -> list[TokenTree]: ...
@@ -69,6 +68,7 @@ class NgramDrafter:
 
     uses_model, uses_ngram = False, True
     draft_lm = None
+    shape = DraftShape(DrafterKind.NGRAM)
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
@@ -78,10 +78,6 @@ class NgramDrafter:
         """Up to n guesses after seq, as a chain."""
         tokens = self.indexes[row].lookup(seq, n) if n else []
         return Draft(tokens, list(range(-1, len(tokens) - 1)), [1.0] * len(tokens))
-
-    def match_length(self, row: int, seq: list[int]) -> int:
-        """Length of the n-gram the next guess would match (0: no guess)."""
-        return self.indexes[row].match(seq)[0]
 
     def start(self, batch_size: int) -> None:
         self.indexes = []
@@ -145,6 +141,7 @@ class SuffixDrafter:
     def __init__(self, config: SuffixConfig = SuffixConfig(), corpus: TextIndex | None = None):
         """corpus: an operator's corpus to draft from as well (REST; suffix.read_corpus), shared, never changed."""
         self.config, self.corpus = config, corpus
+        self.shape = DraftShape(DrafterKind.SUFFIX, suffix=config)
         self.recent = RecentOutputs(config.global_max_tokens)
         self.rows: list[_SuffixRow] = []
 
@@ -154,15 +151,12 @@ class SuffixDrafter:
             return Draft()
         r = self.rows[row]
         if r.last is not None and r.last[0] == len(seq) and r.last[1] >= n:
-            return r.last[2].first(n)  # drafted for the planner this step (match_length)
+            return r.last[2].first(n)  # drafted already at this length (next_tokens after propose, say)
         r.sync(seq)
         stores = [r.text, self.recent] + ([self.corpus] if self.corpus is not None else [])
         best = max((speculate(store, seq, n, self.config) for store in stores), key=lambda d: d.score)  # first on ties
         r.last = (len(seq), n, best)
         return best
-
-    def match_length(self, row: int, seq: list[int]) -> int:
-        return self.guess(row, seq, self.config.max_depth).match
 
     def start(self, batch_size: int) -> None:
         self._remember(self.rows)
@@ -238,6 +232,7 @@ class ModelDrafter:
         if not 1 <= proposal_top_k <= MAX_PROPOSAL_TOP_K:
             raise ValueError(f"proposal_top_k must be in 1..{MAX_PROPOSAL_TOP_K}, got {proposal_top_k}")
         self.lm, self.width, self.proposal_top_k = draft, width, proposal_top_k
+        self.shape = DraftShape(DrafterKind.MODEL, width, proposal_top_k)
         self.vocab = draft.model.get_input_embeddings().num_embeddings  # ids the draft can read: [0, vocab)
 
     @property
@@ -253,9 +248,6 @@ class ModelDrafter:
     def _unseen(self, seqs: list[list[int]]) -> list[list[int]]:
         """Each row's tokens the draft has not run yet, as it reads them."""
         return self._readable([seq[n:] for seq, n in zip(seqs, self.lm.lengths)])
-
-    def match_length(self, row: int, seq: list[int]) -> int:
-        return 0  # no n-gram guesses
 
     def start(self, batch_size: int) -> None:
         self.lm.reset(batch_size)
@@ -440,6 +432,8 @@ class MergedDrafter:
 
     def __init__(self, model: ModelDrafter, lookup: NgramDrafter | SuffixDrafter):
         self.model, self.lookup = model, lookup
+        kind = DrafterKind.MODEL_SUFFIX if isinstance(lookup, SuffixDrafter) else DrafterKind.MODEL_NGRAM
+        self.shape = DraftShape(kind, model.width, model.proposal_top_k, lookup.shape.suffix)
 
     @property
     def draft_lm(self) -> CachedLM:
@@ -472,9 +466,6 @@ class MergedDrafter:
     def rollback(self, checkpoint: tuple, kept) -> None:
         self.model.rollback(checkpoint[0], kept)
         self.lookup.rollback(checkpoint[1], kept)
-
-    def match_length(self, row: int, seq: list[int]) -> int:
-        return self.lookup.match_length(row, seq)
 
     def propose(self, seqs, plans, params, gens) -> list[TokenTree]:
         trees = self.model.propose(seqs, plans, params, gens)

@@ -1,21 +1,63 @@
-"""The speculative decoding loop over a batch of sequences. Each step:
-  plan    how far each sequence drafts (a fixed K, or adaptive K: adaptive.AdaptivePlanner)
-  draft   the drafter proposes a token tree per sequence
-  verify  the target scores every tree of the batch in one forward; acceptance keeps a path per
-          sequence plus one token of the target's own
-  commit  both caches keep only the accepted path, the tokens are emitted, the planner learns"""
+"""The in-process engine: the served step loops, in one process. A TargetScheduler runs the target's
+loop (specdec.scheduler) and a DraftLoop the drafter's (specdec.draft_loop), exactly as a target rank
+and a draft replica run them, with the scheduler as the draft loop's Target in place of gRPC: what
+`specdec generate` and `specdec bench` measure is the algorithm that is served.
+
+K is fixed (SpecConfig.depth) or, with depth None, chosen per request as the router chooses it per task
+type (specdec.adaptive): the K of the highest goodput from the alpha measured over the engine's earlier
+requests and the costs measured so far (the scheduler's forwards by batch tokens, the drafter's seconds
+per depth, the loop's stall), or before any forward is measured the K of the most tokens per unit of
+drafting and verifying."""
+
+import itertools
+import threading
+from dataclasses import dataclass
 
 import torch
 
-from .acceptance import Verdict
-from .adaptive import AdaptivePlanner, RowState, SpecConfig, clock
-from .drafters import Drafter, Plan
-from .generation import Generation, RequestStats, emit, record_step
+from .adaptive import Load, StepCosts, best_k, best_speculative_k, goodput_by_k
+from .draft_loop import DraftLoop, DraftRequest
+from .drafter_kinds import DraftShape
+from .drafters import Drafter
+from .generation import Generation, RequestStats
 from .grammar import Grammars
 from .kvcache import CachedLM
-from .sampling import SamplingParams, make_generator
+from .sampling import SamplingParams
+from .scheduler import KvBudget, Opening, TargetScheduler
 from .target import TargetWorker
-from .tree import TokenTree
+
+PRIOR_ALPHA = 0.55  # alpha assumed before any request has reported (the router's default on_alpha)
+ALPHA_EMA = 0.1  # weight of a request's alpha in the moving average (the router's default ema)
+DRAFT_COST_RATIO = 0.15  # a drafted token's cost against a target step until measured (the router's default)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How far the engine drafts: a fixed K, or K chosen per request from what is measured."""
+
+    depth: int | None = 4  # K: tokens drafted per step (the n-gram or suffix guesses as many); None: auto
+    max_depth: int = 8  # auto's ceiling for K (routing.*.max_k when served)
+    overlap: bool = False  # draft the next step while the target verifies this one (speculation.overlap)
+
+    def __post_init__(self):
+        if self.depth is not None and self.depth < 0:
+            raise ValueError(f"num_speculative_tokens (depth) must be >= 0 or auto, got {self.depth}")
+        if self.max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {self.max_depth}")
+
+
+@dataclass
+class _Collected:
+    """A request's sink: its generation once the loop says it finished, or the error it ended with."""
+
+    done: threading.Event
+    out: Generation | None = None
+    error: Exception | None = None
+
+    def __call__(self, tokens: list[int], out: Generation, finished: bool, error: Exception | None) -> None:
+        if finished:
+            self.out, self.error = out, error
+            self.done.set()
 
 
 class SpeculativeEngine:
@@ -32,8 +74,13 @@ class SpeculativeEngine:
         self.target, self.drafter, self.config, self.grammars = target, drafter, config, grammars
         self.eos = eos_token_ids or set()
         self.max_positions = max_positions or getattr(target.model.config, "max_position_embeddings", None)
-        self.planner = AdaptivePlanner(config, uses_model=drafter is not None and drafter.uses_model,
-                                       uses_ngram=drafter is not None and drafter.uses_ngram)
+        self.shape = drafter.shape if drafter is not None else DraftShape("none")
+        self.alpha: float | None = None  # moving average over finished speculative requests (auto K)
+        self.worker: TargetWorker | None = None  # the target side of the generate() running (tests read it)
+        self._measured = RequestStats()  # drafting summed over finished requests: seconds per depth
+        self._scheduler_costs = None  # the last scheduler's forward costs, kept for the next generate()
+        self._stall_per_token = 0.0
+        self._ids = itertools.count()
 
     @torch.inference_mode()
     def generate(
@@ -43,83 +90,98 @@ class SpeculativeEngine:
         params: SamplingParams | list[SamplingParams] = SamplingParams(),
         streams: list[int] | None = None,
     ) -> list[Generation]:
-        """Continue each prompt by up to max_new_tokens. `streams` separates the random streams of
-        rows sharing one seed (independent samples of one prompt)."""
+        """Continue each prompt by up to max_new_tokens; the prompts run as one batch. `streams` separates
+        the random streams of rows sharing one seed (independent samples of one prompt)."""
         B = len(prompts)
         params = params if isinstance(params, list) else [params] * B
         streams = list(range(B)) if streams is None else streams
         self._check(prompts, max_new_tokens, params, streams)
-        draft_lm = self.drafter.draft_lm if self.drafter is not None else None
-        device = draft_lm.device if draft_lm is not None else self.target.device  # where the draft's draws run
-        gens = [make_generator(p.seed, s, device, role="draft") for p, s in zip(params, streams)]
-        if self.planner.needs_costs:
-            self.planner.calibrate(self.target, self.drafter.draft_lm, prompts[0])
+        k = self.k_for(B)
+        self.worker = TargetWorker(self.target, self.grammars)
+        # no row is idle: every one is this call's, however long a large batch takes to draft its first trees
+        scheduler = TargetScheduler(self.worker, self._budget(prompts, max_new_tokens, k), idle_timeout_s=None)
+        if self._scheduler_costs is not None:
+            scheduler.costs = self._scheduler_costs
+        loop = DraftLoop(scheduler, self.drafter, overlap=self.config.overlap) if k else None
+        try:
+            sinks = self._run(scheduler, loop, prompts, max_new_tokens, params, streams, k)
+        finally:
+            if loop is not None:
+                loop.stop()
+            scheduler.stop()
+            self._learn_costs(scheduler)
+        for sink in sinks:
+            if sink.error is not None:
+                raise sink.error  # one process, one caller: its own requests, so a failed row fails the call
+        outs = [sink.out for sink in sinks]
+        if k:
+            self._learn(outs)
+        return outs
 
-        t0 = self._clock()
-        worker = self._start(prompts, params, streams)
-        prefill_s = self._clock() - t0
-        out = [Generation([], stats=RequestStats(prefill_time_s=prefill_s)) for _ in range(B)]
-        seqs = [list(p) for p in prompts]
-        states = [RowState() for _ in range(B)]
-        rows = list(range(B))  # batch row -> request index
-        while rows:
-            plans = [self._plan(i, states[r], seqs[r], max_new_tokens - len(out[r].token_ids))
-                     for i, r in enumerate(rows)]
-            trees, verdicts, times = self._step(worker, rows, [seqs[r] for r in rows], plans,
-                                                [params[r] for r in rows], [gens[r] for r in rows])
-            live = []  # commit: count, learn, emit
-            for i, r in enumerate(rows):
-                record_step(out[r].stats, trees[i], verdicts[i], times)
-                self.planner.observe(states[r], plans[i], trees[i], verdicts[i])
-                if emit(out[r], seqs[r], verdicts[i], max_new_tokens, self.eos):
-                    live.append(i)
-            rows = self._retire(worker, rows, live)
-        return out
+    def k_for(self, rows: int) -> int:
+        """K for requests starting now beside rows - 1 others: the fixed K, or auto's (0: plain decoding)."""
+        if self.drafter is None:
+            return 0
+        if self.config.depth is not None:
+            return self.config.depth
+        alpha = PRIOR_ALPHA if self.alpha is None else self.alpha
+        costs = self._step_costs()
+        if costs is None:
+            ratio = DRAFT_COST_RATIO if self.drafter.uses_model else 0.0
+            return best_k(alpha, self.config.max_depth, ratio)
+        gains = goodput_by_k(costs, Load(rows=rows - 1), alpha, self.config.max_depth, self.shape.nodes)
+        return best_speculative_k(gains)
 
-    def _start(self, prompts, params, streams) -> TargetWorker:
-        """A target worker with the prompts prefilled, and the drafter started on the batch."""
-        worker = TargetWorker(self.target, self.grammars)
-        worker.add([(r, p, params[r], streams[r]) for r, p in enumerate(prompts)])
-        if self.drafter is not None:
-            self.drafter.start(len(prompts))
-        return worker
+    def _run(self, scheduler, loop, prompts, max_new_tokens, params, streams, k) -> list[_Collected]:
+        """Open every prompt (admitted together: one batched prefill), then hand each to the draft loop (or
+        every prompt to the scheduler's plain decoding when K is 0) and wait for all."""
+        sinks = [_Collected(threading.Event()) for _ in prompts]
+        openings = [Opening(f"g{next(self._ids)}", prompt, p, s, max_new_tokens)
+                    for prompt, p, s in zip(prompts, params, streams)]
+        if not k:
+            scheduler.decode_many(openings, self.eos, sinks)
+        else:
+            scheduler.open_many(openings)
+            # the draft runs the prompts in its first step, batched (a replica prefills each while the target
+            # opens it, to save a client's time to first token: nothing to save here)
+            loop.join_all([DraftRequest(o.rid, o.prompt, o.params, max_new_tokens, self.eos, k, sink, o.stream)
+                           for o, sink in zip(openings, sinks)])
+        for sink in sinks:
+            sink.done.wait()
+        return sinks
 
-    def _plan(self, row: int, state: RowState, seq: list[int], remaining: int) -> Plan:
-        """How far batch row `row` drafts this step."""
-        state.match = self.drafter.match_length(row, seq) if self.drafter is not None else 0
-        return self.planner.plan(state, remaining)
+    def _budget(self, prompts: list[list[int]], max_new_tokens: int, k: int) -> KvBudget:
+        """Room for the whole batch at once: every row, its longest reservation, its largest tree."""
+        tree_room = max(KvBudget.tree_room, self.shape.nodes(k) - 1)
+        longest = max(map(len, prompts)) + max_new_tokens + tree_room
+        return KvBudget(max_rows=len(prompts), max_tokens=len(prompts) * longest, max_waiting=len(prompts),
+                        tree_room=tree_room)
 
-    def _step(self, worker, rows, seqs, plans, params, gens) -> tuple[list[TokenTree], list[Verdict], tuple[float, float]]:
-        """Draft, verify the batch's trees in one target forward, roll the drafter back to the accepted
-        paths. -> trees, verdicts, (draft s, verify s)"""
-        t0 = self._clock()
-        trees = self._draft(seqs, plans, params, gens)
-        t1 = self._clock()
-        by_request, verify_tokens = worker.verify(dict(zip(rows, trees)))
-        if failed := next((o for o in by_request.values() if isinstance(o, Exception)), None):
-            raise failed  # one process, one caller: its own trees, so a failed row fails the call
-        verdicts = [by_request[r] for r in rows]
-        t2 = self._clock()
-        if self.drafter is not None:
-            self.drafter.commit([v.path for v in verdicts])
-        self.planner.observe_timing(t1 - t0, max(p.depth for p in plans), t2 - t1, verify_tokens)
-        return trees, verdicts, (t1 - t0, t2 - t1)
+    def _learn(self, outs: list[Generation]) -> None:
+        """Fold finished requests' alpha and drafting seconds into what auto K reads."""
+        for out in outs:
+            st = out.stats
+            if st.alpha is not None:
+                self.alpha = st.alpha if self.alpha is None else self.alpha + ALPHA_EMA * (st.alpha - self.alpha)
+            self._measured.draft_time_s += st.draft_time_s
+            self._measured.draft_depths += st.draft_depths
 
-    def _draft(self, seqs, plans, params, gens) -> list[TokenTree]:
-        if any(p.depth or p.ngram for p in plans):
-            return self.drafter.propose(seqs, plans, params, gens)
-        return [TokenTree.root(s[-1]) for s in seqs]  # a lone root: a plain decoding step
+    def _learn_costs(self, scheduler: TargetScheduler) -> None:
+        self._scheduler_costs = scheduler.costs
+        if scheduler.committed_tokens:
+            self._stall_per_token = scheduler.stall_time_s / scheduler.committed_tokens
 
-    def _retire(self, worker: TargetWorker, rows: list[int], live: list[int]) -> list[int]:
-        """Drop the finished rows (all but batch rows `live`) from the target and the drafter. -> rows left"""
-        if len(live) < len(rows):
-            worker.remove([r for i, r in enumerate(rows) if i not in set(live)])
-            if self.drafter is not None:
-                self.drafter.select(live)
-        return [rows[i] for i in live]
-
-    def _clock(self) -> float:
-        return clock(self.target.device)
+    def _step_costs(self) -> StepCosts | None:
+        """What a step costs, as measured by the earlier generate() calls; None before any forward was."""
+        if self._scheduler_costs is None or not self._scheduler_costs.verify_table:
+            return None
+        if not self.drafter.uses_model:
+            per_depth = 0.0  # lookups cost microseconds (tools/bench/suffix_cost.py)
+        elif self._measured.draft_depths:
+            per_depth = self._measured.draft_time_s / self._measured.draft_depths
+        else:
+            per_depth = DRAFT_COST_RATIO * self._scheduler_costs.verify(1)
+        return StepCosts(self._scheduler_costs, per_depth, 0.0, self._stall_per_token)
 
     def _check(self, prompts, max_new_tokens, params, streams) -> None:
         if not prompts:
@@ -128,8 +190,8 @@ class SpeculativeEngine:
             raise ValueError("a prompt is empty: it needs at least one token")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        cfg = self.config
-        room = 1 + cfg.width * (cfg.depth or cfg.max_depth) + (cfg.depth or cfg.max_ngram)
+        k = self.config.depth if self.config.depth is not None else self.config.max_depth
+        room = self.shape.nodes(k if self.drafter is not None else 0)
         longest = max(len(p) for p in prompts) + max_new_tokens + room
         if self.max_positions and longest > self.max_positions:
             raise ValueError(

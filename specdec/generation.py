@@ -18,7 +18,6 @@ class RequestStats:
     draft_depths: int = 0  # depths the draft model ran (its forwards), summed over steps
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
-    prefill_time_s: float = 0.0
     new_tokens: int = 0
     drafted_ahead: int = 0  # steps whose tree was drafted while the previous step was verified
 

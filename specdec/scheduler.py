@@ -84,7 +84,12 @@ class KvBudget:
     @staticmethod
     def slots(reservations: list[int]) -> int:
         """The KV slots per layer the cache holds at most for requests of these reservations."""
-        return len(reservations) * max(reservations, default=0)
+        return KvBudget.rectangle(len(reservations), max(reservations, default=0))
+
+    @staticmethod
+    def rectangle(rows: int, longest: int) -> int:
+        """The KV slots per layer of `rows` requests whose largest reservation is `longest`."""
+        return rows * longest
 
 
 @dataclass
@@ -129,6 +134,17 @@ class _Join:
     plain: "_Plain | None" = None  # set for a plain request the loop decodes itself
 
 
+@dataclass(frozen=True)
+class Opening:
+    """A request as open_many and decode_many take it: what open() takes, one record per request."""
+
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    stream: int = 0
+    max_new_tokens: int = 0
+
+
 @dataclass
 class _Plain:
     """A plain request decoded by the loop; `sink(tokens, generation, finished, error)` gets each step."""
@@ -144,7 +160,8 @@ class _Plain:
 
 class TargetScheduler:
     def __init__(self, worker: TargetWorker, budget: KvBudget = KvBudget(),
-                 on_forward: Callable[[float], None] = lambda seconds: None, idle_timeout_s: float = 30.0):
+                 on_forward: Callable[[float], None] = lambda seconds: None, idle_timeout_s: float | None = 30.0):
+        """idle_timeout_s: None never closes an idle row (in one process every row's caller is alive)."""
         self.worker, self.budget, self.on_forward = worker, budget, on_forward
         self.idle_timeout_s = idle_timeout_s
         self.forwards = 0  # forwards run (verify steps, plain rows included)
@@ -191,6 +208,21 @@ class TargetScheduler:
         on the loop's thread (it must not block)."""
         self._join(_Join(rid, list(prompt), params, stream, self._cost(prompt, max_new_tokens),
                          waiter=_CallbackWaiter(done_callback=done)))
+
+    def open_many(self, openings: list["Opening"]) -> None:
+        """open() for a batch at once (the in-process engine): queued together, so admitted together and
+        prefilled in one forward as far as the budget allows; all are refused at the door or none. Returns
+        once every one is admitted and prefilled; raises the first error."""
+        joins = [_Join(o.rid, list(o.prompt), o.params, o.stream, self._cost(o.prompt, o.max_new_tokens))
+                 for o in openings]
+        for waiter in self._join_all(joins):
+            waiter.wait()
+
+    def decode_many(self, openings: list["Opening"], eos: set[int], sinks: list[Sink]) -> None:
+        """decode() for a batch at once: queued together, admitted together; all are refused at the door or none."""
+        self._join_all([_Join(o.rid, list(o.prompt), o.params, o.stream, self._cost(o.prompt, o.max_new_tokens),
+                              plain=_Plain(o.max_new_tokens, set(eos), sink, list(o.prompt)))
+                        for o, sink in zip(openings, sinks, strict=True)])
 
     def decode(self, rid: str, prompt: list[int], params: SamplingParams, max_new_tokens: int, eos: set[int],
                sink: Sink, stream: int = 0) -> None:
@@ -259,31 +291,40 @@ class TargetScheduler:
         return self.budget.cost(len(prompt), max_new_tokens)
 
     def _join(self, join: _Join) -> _Waiter:
-        self.worker.check_request(join.prompt, join.params)  # InvalidArgument: refused here, never in the loop
-        if join.tokens > self.budget.max_tokens:
-            raise ValueError(f"request {join.rid!r} needs {join.tokens} KV tokens, over the target's budget of "
-                             f"{self.budget.max_tokens} (max_kv_tokens)")
+        return self._join_all([join])[0]
+
+    def _join_all(self, joins: list[_Join]) -> list[_Waiter]:
+        """Queue these requests together, or refuse them all at the door (raises)."""
+        for join in joins:
+            self.worker.check_request(join.prompt, join.params)  # InvalidArgument: refused here, never in the loop
+            if join.tokens > self.budget.max_tokens:
+                raise ValueError(f"request {join.rid!r} needs {join.tokens} KV tokens, over the target's budget of "
+                                 f"{self.budget.max_tokens} (max_kv_tokens)")
         with self._cv:
-            if join.rid in self._reserved or any(j.rid == join.rid for j in self._waiting):
-                raise RequestExists(f"request {join.rid!r} is already in the batch")
-            if self._closed_early.take(join.rid) or join.rid in self._leaving:
-                raise UnknownRequest(f"request {join.rid!r} was closed before it was opened")
-            if self._left_waiting([*self._waiting, join]) > self.budget.max_waiting:
+            taken = self._reserved.keys() | {j.rid for j in self._waiting}
+            for join in joins:
+                if join.rid in taken:
+                    raise RequestExists(f"request {join.rid!r} is already in the batch")
+                taken.add(join.rid)
+            for join in joins:
+                if self._closed_early.take(join.rid) or join.rid in self._leaving:
+                    raise UnknownRequest(f"request {join.rid!r} was closed before it was opened")
+            if self._left_waiting([*self._waiting, *joins]) > self.budget.max_waiting:
                 raise ResourceExhausted(
                     f"the target is full: running {len(self._reserved)} of max_running_requests "
                     f"{self.budget.max_rows}, {self.budget.slots(list(self._reserved.values()))} of max_kv_tokens "
                     f"{self.budget.max_tokens} reserved, waiting {self._left_waiting(self._waiting)} of "
                     f"max_waiting_requests {self.budget.max_waiting}; retry later")
-            self._waiting.append(join)
+            self._waiting.extend(joins)
             self._cv.notify()
-        return join.waiter
+        return [join.waiter for join in joins]
 
     def _left_waiting(self, queue) -> int:
         """How many of these queued requests would still wait once the free budget is filled from the head."""
-        held = list(self._reserved.values())
-        for i, join in enumerate(queue):
-            held.append(join.tokens)
-            if len(held) > self.budget.max_rows or self.budget.slots(held) > self.budget.max_tokens:
+        rows, longest = len(self._reserved), max(self._reserved.values(), default=0)
+        for i, join in enumerate(queue):  # one pass: a queue of thousands (one engine batch) stays cheap
+            rows, longest = rows + 1, max(longest, join.tokens)
+            if rows > self.budget.max_rows or self.budget.rectangle(rows, longest) > self.budget.max_tokens:
                 return len(queue) - i
         return 0
 
@@ -307,7 +348,7 @@ class TargetScheduler:
 
     def _until_idle(self) -> float | None:
         """Seconds until the row heard from longest ago goes idle; None while there is none."""
-        if not self._last_tree:
+        if not self._last_tree or self.idle_timeout_s is None:
             return None
         return max(0.0, next(iter(self._last_tree.values())) + self.idle_timeout_s - time.monotonic())
 
@@ -319,6 +360,8 @@ class TargetScheduler:
     def _idle(self) -> list[str]:
         """The speculative rows that got no tree for idle_timeout_s: their replica or client is gone."""
         now, idle = time.monotonic(), []
+        if self.idle_timeout_s is None:
+            return idle
         for rid, heard in self._last_tree.items():
             if now - heard < self.idle_timeout_s:
                 break
@@ -404,8 +447,7 @@ class TargetScheduler:
         except Exception as e:  # noqa: BLE001 - the forward itself failed: handed to each waiting caller
             for waiter in waiters:
                 waiter.finish(error=e)
-            for rid in list(self._plain):
-                self._finish_plain(rid, error=e)
+            self._finish_plain({rid: e for rid in self._plain})
             return
         now = self._clock()  # verify's host read has waited for the device; the clock says so, not by chance
         elapsed = now - t0
@@ -421,11 +463,13 @@ class TargetScheduler:
         self.on_forward(elapsed)
         for waiter in waiters:
             waiter.finish(outcomes)
+        ending: dict[str, Exception | None] = {}  # plain rows that leave now, all at once (one copy of the cache)
         for rid, plain in list(self._plain.items()):
-            if isinstance(outcome := outcomes[rid], Verdict):
-                self._advance_plain(rid, plain, batch[rid], outcome, elapsed)
-            else:
-                self._finish_plain(rid, error=outcome)
+            if not isinstance(outcome := outcomes[rid], Verdict):
+                ending[rid] = outcome
+            elif not self._advance_plain(rid, plain, batch[rid], outcome, elapsed):
+                ending[rid] = None
+        self._finish_plain(ending)
 
     def _clock(self) -> float:
         """perf_counter once the target's device has done what it was given (specdec.adaptive.clock): the
@@ -438,20 +482,26 @@ class TargetScheduler:
         self._load = Load(old.batch_tokens + a * (tokens - old.batch_tokens), old.committed + a * (committed - old.committed),
                           old.rows + a * (rows - old.rows))
 
-    def _advance_plain(self, rid: str, plain: _Plain, tree: TokenTree, verdict: Verdict, elapsed: float) -> None:
+    def _advance_plain(self, rid: str, plain: _Plain, tree: TokenTree, verdict: Verdict, elapsed: float) -> bool:
+        """Commit a plain row's step and hand it to its sink. -> whether the row goes on"""
         record_step(plain.out.stats, tree, verdict, (0.0, elapsed))
         before = len(plain.out.token_ids)
         more = emit(plain.out, plain.seq, verdict, plain.max_new_tokens, plain.eos)
-        if not more:
-            self._finish_plain(rid)  # before its last step goes out: a finished request holds nothing
-        if not tell(rid, plain.sink, plain.out.token_ids[before:], plain.out, not more, None) and more:
-            self._finish_plain(rid)  # its sink failed: nobody is left to hear the rest
+        if not more:  # before its last step goes out: a finished request holds nothing
+            with self._cv:
+                self._reserved.pop(rid, None)
+        # a sink that failed ends its request: nobody is left to hear the rest
+        return tell(rid, plain.sink, plain.out.token_ids[before:], plain.out, not more, None) and more
 
-    def _finish_plain(self, rid: str, error: Exception | None = None) -> None:
-        plain = self._plain.pop(rid)
-        if error is not None:
-            tell(rid, plain.sink, [], plain.out, True, error)
-        self.worker.remove([rid])
+    def _finish_plain(self, ending: dict[str, Exception | None]) -> None:
+        """These plain rows leave the batch together; each one's error, if any, goes to its sink."""
+        if not ending:
+            return
+        for rid, error in ending.items():
+            plain = self._plain.pop(rid)
+            if error is not None:
+                tell(rid, plain.sink, [], plain.out, True, error)
+        self.worker.remove(list(ending))
         with self._cv:
-            self._reserved.pop(rid, None)
-
+            for rid in ending:
+                self._reserved.pop(rid, None)

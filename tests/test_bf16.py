@@ -33,7 +33,7 @@ def test_bf16_greedy_agreement(bf16_models, reference):
     prompts = reference.prompts[:10]
     plain = SpeculativeEngine(CachedLM(target), None).generate(prompts, NEW)
     spec = SpeculativeEngine(
-        CachedLM(target), make_drafter("model+ngram", CachedLM(draft), 2), SpecConfig(depth=4, width=2)
+        CachedLM(target), make_drafter("model+ngram", CachedLM(draft), 2), SpecConfig(depth=4)
     ).generate(prompts, NEW)
     agree = [prefix_agreement(s.token_ids, p.token_ids) / NEW for s, p in zip(spec, plain)]
     same = sum(s.token_ids == p.token_ids for s, p in zip(spec, plain))

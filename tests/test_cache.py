@@ -1,8 +1,10 @@
 """After every rollback, the caches equal fresh caches of what was accepted.
 
-The engine is run as is; hooks on the drafter's `propose` (called at the start of every drafting step)
-and on the target's `select` (called when rows finish, right after the last commit) compare, for every
-live row, the committed cache slots with a fresh prefill:
+The engine is run as is (the served loops in one process). Each cache is checked on the thread that
+owns it, so nothing changes it meanwhile: the target's before every verify forward and every removal of
+rows (the scheduler's thread), the draft's before every proposal and every removal of rows (the draft
+loop's), and both once more after generate() returns. For every live row the committed cache slots are
+compared with a fresh prefill:
   * target: slots [0, lengths[b]) hold every committed token but the last (lengths[b] == len(seq) - 1);
   * draft:  slots [0, lengths[b]) hold a prefix of the committed tokens (lengths[b] <= len(seq)).
 Slots beyond the longest row must have been cropped."""
@@ -11,7 +13,6 @@ import pytest
 import torch
 
 from specdec import CachedLM, ModelDrafter, SamplingParams, SpecConfig, SpeculativeEngine
-from specdec.adaptive import Costs
 from specdec.drafters import Plan, make_drafter
 
 ATOL = 1e-5
@@ -52,29 +53,58 @@ class CacheChecker:
         self.engine, self.target_model, self.draft_model = engine, target_model, draft_model
         drafter = engine.drafter
         self.draft_lm = drafter.draft_lm
-        self.seqs: list[list[int]] = []  # the engine's own (growing) sequence lists, in batch-row order
+        self.seqs: list[list[int]] = []  # the draft loop's rows' (growing) sequence lists, in the drafter's order
         self.checks = 0
         self.partial_draft = 0  # checks where the draft cache lagged behind the committed text
-        original_propose, original_select = drafter.propose, engine.target.select
+        self.failures: list[BaseException] = []  # raised on a loop's thread: reported by the test
+        lm = engine.target
+        propose, draft_select, forward, target_select = drafter.propose, drafter.select, lm.forward, lm.select
 
-        def propose(seqs, *args, **kwargs):
+        def checked_propose(seqs, *args, **kwargs):
             self.seqs = list(seqs)
-            self.check("propose")
-            return original_propose(seqs, *args, **kwargs)
+            self.guard(self.check_draft, "propose")
+            return propose(seqs, *args, **kwargs)
 
-        def select(rows):
-            self.check("select")  # right after the last commit, before rows are dropped
-            self.seqs = [self.seqs[r] for r in rows]
-            return original_select(rows)
+        def checked_draft_select(rows):
+            if self.draft_lm is not None and len(self.seqs) == len(self.draft_lm.lengths):  # no row joined since
+                self.guard(self.check_draft, "select")  # the last proposal; right after the last commit, before rows go
+                self.seqs = [self.seqs[r] for r in rows]
+            return draft_select(rows)
 
-        drafter.propose = propose
-        engine.target.select = select
+        def checked_forward(*args, keep=None, **kwargs):
+            if keep is None:  # a verify forward (a prefill keeps only its rows' last logits)
+                self.guard(self.check_target, "verify")
+            return forward(*args, keep=keep, **kwargs)
 
-    def check(self, when: str) -> None:
-        self.checks += check_cache(self.engine.target, self.target_model, self.seqs, lambda s: len(s) - 1, f"target@{when}")
-        if self.draft_lm is not None:
+        def checked_target_select(rows):
+            self.guard(self.check_target, "select")
+            return target_select(rows)
+
+        drafter.propose, drafter.select = checked_propose, checked_draft_select
+        lm.forward, lm.select = checked_forward, checked_target_select
+
+    def guard(self, check, when: str) -> None:
+        try:
+            check(when)
+        except BaseException as e:  # noqa: BLE001 - the loop would hand it to the request: keep it for the test
+            self.failures.append(e)
+            raise
+
+    def check_target(self, when: str) -> None:
+        worker = self.engine.worker
+        seqs = [worker.requests[rid].seq for rid in worker.rows]
+        self.checks += check_cache(self.engine.target, self.target_model, seqs, lambda s: len(s) - 1, f"target@{when}")
+
+    def check_draft(self, when: str) -> None:
+        if self.draft_lm is not None and self.seqs:
             check_cache(self.draft_lm, self.draft_model, self.seqs, lambda s: (lambda n: 0 <= n <= len(s)), f"draft@{when}")
             self.partial_draft += sum(n < len(s) for n, s in zip(self.draft_lm.lengths, self.seqs))
+
+    def after(self) -> None:
+        """Once generate() returned: no check failed on a loop's thread, and the caches' last state holds."""
+        assert not self.failures, self.failures[0]
+        self.check_target("end")
+        self.check_draft("end")
 
 
 CASES = [
@@ -94,19 +124,16 @@ def test_caches_equal_fresh_prefill_after_every_step(target, draft, reference, c
     kind, depth, width, sampling = case
     prompts = reference.prompts[:12]
     engine = SpeculativeEngine(CachedLM(target), make_drafter(kind, CachedLM(draft), width),
-                               SpecConfig(depth=depth, width=width, max_depth=5))
-    if depth is None:  # adaptive K: preset costs under which drafting pays (see test_greedy_equality)
-        engine.planner.costs = Costs.linear(draft=1e-4, base=1e-2, per_token=1e-5)
+                               SpecConfig(depth=depth, max_depth=5))
     checker = CacheChecker(engine, target, draft)
     params = SamplingParams(temperature=1.0, seed=3) if sampling else SamplingParams()
     outs = engine.generate(prompts, NEW, params=params)
+    checker.after()
     assert all(len(o.token_ids) == NEW for o in outs)
     assert checker.checks >= 3 * len(prompts)
     accepted = sum(o.stats.accepted for o in outs)
     drafted = sum(o.stats.drafted for o in outs)
     assert 0 < accepted < drafted  # real rollbacks happened, and real accepts
-    # the hooks saw the final state of every row (each row leaves the batch through select)
-    assert checker.seqs == []
     if not sampling:
         assert [o.token_ids for o in outs] == [r[:NEW] for r in reference.continuations[:12]]
 
@@ -117,6 +144,7 @@ def test_draft_cache_catches_up_after_full_acceptance(target, reference):
     engine = SpeculativeEngine(CachedLM(target), ModelDrafter(CachedLM(target), 1), SpecConfig(depth=3))
     checker = CacheChecker(engine, target, target)
     outs = engine.generate(reference.prompts[:6], NEW)
+    checker.after()
     assert all(o.stats.accepted == o.stats.drafted for o in outs)
     assert checker.partial_draft > 0
 

@@ -168,7 +168,7 @@ def test_bench_rejects_bad_prompt_rows(dirs, tmp_path):
 
 
 @pytest.mark.parametrize("flags, depth, width", [
-    ([], None, 1),  # adaptive K by default
+    ([], None, 1),  # auto K by default
     (["--temperature", "1", "--seed", "3"], 4, 1),  # seeded sampling: a fixed K reproduces the sample
     (["--temperature", "1", "--seed", "3", "--num-speculative-tokens", "auto"], None, 1),
     (["--temperature", "1"], None, 1),  # unseeded sampling is not reproducible anyway
@@ -180,5 +180,5 @@ def test_speculation_defaults(flags, depth, width):
     from specdec.cli import build_parser, spec_config
 
     args = build_parser()[0].parse_args(["generate", "--prompt", "x", "--max-new-tokens", "1", *flags])
-    cfg = spec_config(args)
-    assert (cfg.depth, cfg.width) == (depth, width)
+    cfg, tree_width = spec_config(args)
+    assert (cfg.depth, tree_width) == (depth, width)

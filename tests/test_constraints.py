@@ -75,7 +75,7 @@ def test_out_of_range_settings_are_refused_naming_the_field():
 
 
 def greedy(target, drafter, depth, width, params, prompts, n=16, **engine):
-    e = SpeculativeEngine(CachedLM(target), drafter, SpecConfig(depth=depth, width=width), eos_token_ids=set(), **engine)
+    e = SpeculativeEngine(CachedLM(target), drafter, SpecConfig(depth=depth), eos_token_ids=set(), **engine)
     return [g.token_ids for g in e.generate(prompts, n, params=params)]
 
 
@@ -251,7 +251,7 @@ def grammar_engine(json_pair, drafter_kind: str | None, depth: int, width: int) 
     target, draft, tokenizer = json_pair
     drafter = make_drafter(drafter_kind, CachedLM(draft), width) if drafter_kind else None
     eos = {tokenizer.eos_token_id}
-    return SpeculativeEngine(CachedLM(target), drafter, SpecConfig(depth=depth, width=width), eos_token_ids=eos,
+    return SpeculativeEngine(CachedLM(target), drafter, SpecConfig(depth=depth), eos_token_ids=eos,
                              grammars=Grammars(tokenizer, target.config.vocab_size, sorted(eos)))
 
 

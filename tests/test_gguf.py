@@ -325,7 +325,7 @@ def test_engine_greedy_on_the_gguf_model_equals_reference_generate(ref, from_ggu
             prompts.append(prompt)
             references.append(tokens)
     assert len(prompts) >= 3, "too many near-ties"
-    engine = SpeculativeEngine(CachedLM(from_gguf), make_drafter("ngram", None, 1), SpecConfig(depth=3, width=1),
+    engine = SpeculativeEngine(CachedLM(from_gguf), make_drafter("ngram", None, 1), SpecConfig(depth=3),
                                eos_token_ids=set())
     for out, want in zip(engine.generate(prompts, NEW_TOKENS), references):
         assert out.token_ids == want

@@ -44,7 +44,7 @@ def test_greedy_on_cuda_equals_plain_decoding(cuda_pair, reference, kind, width,
     target, draft = cuda_pair
     assert target.device.type == CUDA
     drafter = make_drafter(kind, CachedLM(draft), width)
-    engine = SpeculativeEngine(CachedLM(target), drafter, SpecConfig(depth=depth, width=width))
+    engine = SpeculativeEngine(CachedLM(target), drafter, SpecConfig(depth=depth))
     outs = engine.generate(reference.prompts, NEW_TOKENS)
     plain = [hf_greedy(target, p, NEW_TOKENS) for p in reference.prompts]
     assert [o.token_ids for o in outs] == plain
@@ -65,7 +65,7 @@ def test_bf16_on_cuda_agrees_with_plain_decoding(model_dirs, reference):
     draft = load_model(model_dirs.draft, dtype=torch.bfloat16, device=CUDA)
     plain = SpeculativeEngine(CachedLM(target), None).generate(reference.prompts, NEW_TOKENS)
     spec = SpeculativeEngine(CachedLM(target), make_drafter("model+ngram", CachedLM(draft), 2),
-                             SpecConfig(depth=4, width=2)).generate(reference.prompts, NEW_TOKENS)
+                             SpecConfig(depth=4)).generate(reference.prompts, NEW_TOKENS)
     agree = [prefix_agreement(s.token_ids, p.token_ids) / NEW_TOKENS for s, p in zip(spec, plain)]
     assert sum(agree) / len(agree) >= 0.8, agree  # bfloat16 rounding may flip a near-tie (tests/test_bf16.py)
 

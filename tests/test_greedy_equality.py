@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from specdec import CachedLM, ModelDrafter, SamplingParams, SpecConfig, SpeculativeEngine
-from specdec.adaptive import Costs
 from specdec.drafters import make_drafter
 
 from conftest import NEW_TOKENS
@@ -61,13 +60,9 @@ def test_batched_greedy_matches_plain(target, draft, reference, cfg):
     """All prompts (lengths 1..40) in one ragged batch; each row equals its own plain decode."""
     kind, depth, width = cfg
     engine = SpeculativeEngine(
-        CachedLM(target), make_drafter(kind, CachedLM(draft), width), SpecConfig(depth=depth, width=width, max_depth=6),
+        CachedLM(target), make_drafter(kind, CachedLM(draft), width), SpecConfig(depth=depth, max_depth=6),
         eos_token_ids=set(),
     )
-    if depth is None:
-        # adaptive K from preset costs under which drafting pays (a timing-dependent calibration on a busy
-        # machine could decide never to draft); live timings still steer later steps
-        engine.planner.costs = Costs.linear(draft=1e-4, base=1e-2, per_token=1e-5)
     outs = engine.generate(reference.prompts, NEW_TOKENS)
     assert len(outs) == len(reference.prompts)
     for i, (out, ref) in enumerate(zip(outs, reference.continuations)):
@@ -97,7 +92,7 @@ def test_batched_greedy_matches_plain(target, draft, reference, cfg):
 def test_single_prompt_greedy_matches_plain(target, draft, reference, cfg):
     kind, depth, width = cfg
     engine = SpeculativeEngine(
-        CachedLM(target), make_drafter(kind, CachedLM(draft), width), SpecConfig(depth=depth, width=width),
+        CachedLM(target), make_drafter(kind, CachedLM(draft), width), SpecConfig(depth=depth),
         eos_token_ids=set(),
     )
     accepted = 0
@@ -109,18 +104,21 @@ def test_single_prompt_greedy_matches_plain(target, draft, reference, cfg):
 
 
 @pytest.mark.parametrize("kind", ["model", "model+ngram"])
-def test_adaptive_with_measured_costs_matches_plain(target, draft, reference, kind):
-    """Adaptive K with its own calibration (whatever it measures on this machine): still exact."""
+def test_auto_k_from_measured_costs_matches_plain(target, draft, reference, kind):
+    """Auto K: the first call's K from the prior alpha, the next call's from the alpha and the costs the
+    first measured (whatever this machine measures): still exact."""
     engine = SpeculativeEngine(CachedLM(target), make_drafter(kind, CachedLM(draft), 2),
-                               SpecConfig(depth=None, width=2, max_depth=5))
-    outs = engine.generate(reference.prompts, NEW_TOKENS)
-    assert engine.planner.costs is not None and engine.planner.costs.verify(1) > 0
-    assert [o.token_ids for o in outs] == reference.continuations
+                               SpecConfig(depth=None, max_depth=5))
+    half = len(reference.prompts) // 2
+    first = engine.generate(reference.prompts[:half], NEW_TOKENS)
+    assert engine.alpha is not None and 1 <= engine.k_for(1) <= 5
+    second = engine.generate(reference.prompts[half:], NEW_TOKENS)
+    assert [o.token_ids for o in first + second] == reference.continuations
 
 
 def test_engine_is_reusable_across_calls(target, draft, reference):
     """A second generate on the same engine (fresh batch, different size) is not disturbed by the first."""
-    engine = SpeculativeEngine(CachedLM(target), ModelDrafter(CachedLM(draft), 2), SpecConfig(depth=3, width=2))
+    engine = SpeculativeEngine(CachedLM(target), ModelDrafter(CachedLM(draft), 2), SpecConfig(depth=3))
     first = engine.generate(reference.prompts[:5], NEW_TOKENS)
     second = engine.generate(reference.prompts[3:], NEW_TOKENS)
     third = engine.generate(reference.prompts[:5], NEW_TOKENS)
@@ -131,7 +129,7 @@ def test_engine_is_reusable_across_calls(target, draft, reference):
 
 @pytest.mark.parametrize("max_new", [1, 2, 3, 5])
 def test_short_generations_respect_max_new_tokens(target, draft, reference, max_new):
-    engine = SpeculativeEngine(CachedLM(target), ModelDrafter(CachedLM(draft), 2), SpecConfig(depth=7, width=2))
+    engine = SpeculativeEngine(CachedLM(target), ModelDrafter(CachedLM(draft), 2), SpecConfig(depth=7))
     outs = engine.generate(reference.prompts, max_new)
     for out, ref in zip(outs, reference.continuations):
         assert out.token_ids == ref[:max_new]
@@ -142,7 +140,7 @@ def test_greedy_rows_unaffected_by_sampling_rows_in_the_batch(target, draft, ref
     """Per-request params: greedy rows stay exact while other rows of the batch sample."""
     prompts = reference.prompts[:8]
     params = [SamplingParams() if i % 2 == 0 else SamplingParams(temperature=1.0, seed=i) for i in range(len(prompts))]
-    engine = SpeculativeEngine(CachedLM(target), ModelDrafter(CachedLM(draft), 2), SpecConfig(depth=3, width=2))
+    engine = SpeculativeEngine(CachedLM(target), ModelDrafter(CachedLM(draft), 2), SpecConfig(depth=3))
     outs = engine.generate(prompts, NEW_TOKENS, params=params)
     for i, (out, ref) in enumerate(zip(outs, reference.continuations)):
         assert len(out.token_ids) == NEW_TOKENS
@@ -192,7 +190,7 @@ def test_self_draft_greedy_accepts_everything(target, reference):
 
 
 def test_self_draft_greedy_tree_accepts_full_depth(target, reference):
-    engine = SpeculativeEngine(CachedLM(target), ModelDrafter(CachedLM(target), 3), SpecConfig(depth=3, width=3))
+    engine = SpeculativeEngine(CachedLM(target), ModelDrafter(CachedLM(target), 3), SpecConfig(depth=3))
     outs = engine.generate(reference.prompts, NEW_TOKENS)
     for out, ref in zip(outs, reference.continuations):
         assert out.token_ids == ref
@@ -213,7 +211,7 @@ def test_greedy_matches_fresh_prompts(target, draft, seed, width):
             refs.append(tokens)
     assert len(prompts) >= 5
     engine = SpeculativeEngine(CachedLM(target), make_drafter("model+ngram", CachedLM(draft), width),
-                               SpecConfig(depth=7, width=width))
+                               SpecConfig(depth=7))
     outs = engine.generate(prompts, 32)
     assert [o.token_ids for o in outs] == refs
     assert sum(o.stats.accepted for o in outs) > 0
@@ -230,7 +228,7 @@ def test_greedy_with_eager_attention(model_dirs, reference):
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
     tgt, drf = eager(model_dirs.target), eager(model_dirs.draft)
-    engine = SpeculativeEngine(CachedLM(tgt), make_drafter("model+ngram", CachedLM(drf), 2), SpecConfig(depth=3, width=2))
+    engine = SpeculativeEngine(CachedLM(tgt), make_drafter("model+ngram", CachedLM(drf), 2), SpecConfig(depth=3))
     assert engine.target.eager
     outs = engine.generate(reference.prompts, NEW_TOKENS)
     assert [o.token_ids for o in outs] == reference.continuations

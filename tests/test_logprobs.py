@@ -22,7 +22,7 @@ def forward_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tenso
 
 def generate(target, draft, kind, prompts, params):
     drafter = make_drafter(kind, CachedLM(draft), width=2 if kind == "model+ngram" else 1)
-    engine = SpeculativeEngine(CachedLM(target), drafter, SpecConfig(depth=4, width=2 if kind == "model+ngram" else 1),
+    engine = SpeculativeEngine(CachedLM(target), drafter, SpecConfig(depth=4),
                                eos_token_ids=set())
     return engine.generate(prompts, NEW, params)
 

@@ -123,7 +123,7 @@ def test_family_equals_generate(family, kind, width, depth):
     for the plain case (a batch of one)."""
     target, draft, expected = family
     engine = SpeculativeEngine(CachedLM(target), make_drafter(kind, CachedLM(draft), width),
-                               SpecConfig(depth=depth or None, width=width))
+                               SpecConfig(depth=depth or None))
     if kind == "none":
         assert [engine.generate([p], NEW)[0].token_ids for p in prompts()] == expected
     assert [o.token_ids for o in engine.generate(prompts(), NEW)] == expected
@@ -175,7 +175,7 @@ def test_a_draft_of_another_family(tmp_path, pair):
     target, draft = load_model(str(tmp_path / "target")), load_model(str(tmp_path / "draft"))
     assert type(target) is not type(draft)
     expected = [hf_greedy(target, p, NEW) for p in prompts()]
-    engine = SpeculativeEngine(CachedLM(target), make_drafter("model", CachedLM(draft), 2), SpecConfig(depth=3, width=2))
+    engine = SpeculativeEngine(CachedLM(target), make_drafter("model", CachedLM(draft), 2), SpecConfig(depth=3))
     assert [o.token_ids for o in engine.generate(prompts(), NEW)] == expected
     test_the_served_loops_equal_generate((target, draft, expected))
 
@@ -222,7 +222,7 @@ def test_bfloat16_agreement(tmp_path, name):
     target, draft = (load_model(path, dtype=torch.bfloat16) for path in save_pair(name, tmp_path))
     reference = [hf_greedy(target, p, NEW) for p in prompts()]
     plain = [o.token_ids for o in SpeculativeEngine(CachedLM(target), None).generate(prompts(), NEW)]
-    tree = SpeculativeEngine(CachedLM(target), make_drafter("model", CachedLM(draft), 2), SpecConfig(depth=3, width=2))
+    tree = SpeculativeEngine(CachedLM(target), make_drafter("model", CachedLM(draft), 2), SpecConfig(depth=3))
     spec = tree.generate(prompts(), NEW)
     plain_vs_generate = [prefix_agreement(p, r) for p, r in zip(plain, reference)]
     tree_vs_plain = [prefix_agreement(s.token_ids, p) for s, p in zip(spec, plain)]

@@ -7,13 +7,20 @@ from dataclasses import replace
 import pytest
 
 from cluster.config import RoutingConfig, Thresholds
-from cluster.router import Decision, Router, TargetView, best_k
+from cluster.router import Decision, Router, TargetView
+from specdec.adaptive import best_k as best_k_of_ratio
 from specdec.adaptive import Costs, Load, expected_tokens
 from specdec.drafter_kinds import DrafterKind, DraftShape
 
 MIN_SAMPLES = 20
 CHAIN = DraftShape(DrafterKind.MODEL, width=1)  # a draft model's chain: a step of K verifies K + 1 nodes
 SHAPES = {DrafterKind.MODEL: CHAIN}  # the replicas run that one drafter
+
+
+
+def best_k(alpha: float, thresholds: Thresholds) -> int:
+    """The router's K before the target reports, for a draft model (its draft_cost_ratio)."""
+    return best_k_of_ratio(alpha, thresholds.max_k, thresholds.draft_cost_ratio)
 
 
 def routing(**default) -> RoutingConfig:

@@ -14,7 +14,6 @@ import specdec.drafters
 import specdec.target
 from specdec import CachedLM, ModelDrafter, SamplingParams, SpecConfig, SpeculativeEngine
 from specdec.acceptance import Verdict, accept_sampling
-from specdec.adaptive import Costs
 from specdec.drafter_kinds import DEFAULT_PROPOSAL_TOP_K
 from specdec.drafters import Plan, make_drafter
 from specdec.sampling import make_generator, warp
@@ -89,12 +88,8 @@ def marginal(probs: dict, pos: int) -> dict:
 
 
 def sample_engine(target, drafter, depth, width, params, m=M, seed_prompt=PROMPT) -> tuple[Counter, list]:
-    config = SpecConfig(depth=depth, width=width, max_depth=3, max_ngram=3)
+    config = SpecConfig(depth=depth, max_depth=3)
     engine = SpeculativeEngine(CachedLM(target), drafter, config, eos_token_ids=set())
-    if depth is None:
-        # adaptive K: start from costs that make drafting pay (instead of a timing-dependent calibration),
-        # so the first step drafts; later plans follow live timings, which must not matter for the output
-        engine.planner.costs = Costs.linear(draft=1e-4, base=1e-2, per_token=1e-5)
     outs = engine.generate([seed_prompt] * m, N_TOKENS, params=params, streams=list(range(m)))
     assert all(len(o.token_ids) == N_TOKENS for o in outs)
     return Counter(tuple(o.token_ids) for o in outs), outs
@@ -201,7 +196,7 @@ def test_wide_tree_first_tokens_match_target(small_target, small_draft):
     replacement, for instance, fails this by a wide margin."""
     m, params = 10000, SamplingParams(temperature=1.0, seed=77)
     exact = exact_joint(small_target, PROMPT, 2, params)
-    engine = SpeculativeEngine(CachedLM(small_target), ModelDrafter(CachedLM(small_draft), 4), SpecConfig(depth=1, width=4))
+    engine = SpeculativeEngine(CachedLM(small_target), ModelDrafter(CachedLM(small_draft), 4), SpecConfig(depth=1))
     outs = engine.generate([PROMPT] * m, 2, params=params, streams=list(range(m)))
     counts = Counter(tuple(o.token_ids) for o in outs)
     first = Counter((k[0],) for k in (tuple(o.token_ids) for o in outs))
@@ -298,7 +293,7 @@ def test_self_draft_sampling_accepts_every_drafted_token(small_target, width):
     prompts = [[1, 2, 3, 4], [5, 6], [7], [0, 0, 1, 1, 2, 2, 3]] * 8
     depth = 3
     engine = SpeculativeEngine(
-        CachedLM(small_target), ModelDrafter(CachedLM(small_target), width), SpecConfig(depth=depth, width=width)
+        CachedLM(small_target), ModelDrafter(CachedLM(small_target), width), SpecConfig(depth=depth)
     )
     outs = engine.generate(prompts, 12, params=SamplingParams(temperature=1.0, seed=5))
     for out in outs:

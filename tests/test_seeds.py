@@ -12,7 +12,7 @@ NEW = 16
 
 def engine(target, draft, width=2, depth=3):
     return SpeculativeEngine(CachedLM(target), make_drafter("model+ngram", CachedLM(draft), width),
-                             SpecConfig(depth=depth, width=width))
+                             SpecConfig(depth=depth))
 
 
 def tokens(outs):

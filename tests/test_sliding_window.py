@@ -59,7 +59,7 @@ def test_the_families_slide(family):
 def test_decoding_past_the_window_equals_generate(family, kind, width, depth):
     target, draft = family
     engine = SpeculativeEngine(CachedLM(target), make_drafter(kind, CachedLM(draft), width),
-                               SpecConfig(depth=depth or None, width=width))
+                               SpecConfig(depth=depth or None))
     batch = prompts()  # batched: rows of different lengths in one forward
     assert [o.token_ids for o in engine.generate(batch, NEW)] == [hf_greedy(target, p, NEW) for p in batch]
 

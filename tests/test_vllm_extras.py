@@ -41,7 +41,7 @@ def test_end_ids_are_held_back_at_the_nodes_before_min_tokens():
 
 
 def greedy(small_target, drafter, depth, width, params, eos, n=12):
-    engine = SpeculativeEngine(CachedLM(small_target), drafter, SpecConfig(depth=depth, width=width), eos_token_ids=eos)
+    engine = SpeculativeEngine(CachedLM(small_target), drafter, SpecConfig(depth=depth), eos_token_ids=eos)
     return [g.token_ids for g in engine.generate([PROMPT, PROMPT[:3]], n, params=params)]
 
 

@@ -29,7 +29,7 @@ def main(rank: int, port: str, target: str, draft: str, prompts: list[list[int]]
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
     plain = SpeculativeEngine(CachedLM(model), None).generate(prompts, new)
     tree = SpeculativeEngine(CachedLM(model), make_drafter("model", CachedLM(load_model(draft)), 2),
-                             SpecConfig(depth=3, width=2)).generate(prompts, new)
+                             SpecConfig(depth=3)).generate(prompts, new)
     if rank == 0:
         print(json.dumps({"plain": [o.token_ids for o in plain], "tree": [o.token_ids for o in tree],
                           "accepted": sum(o.stats.accepted for o in tree), "local_params": local}), flush=True)
