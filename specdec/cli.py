@@ -11,7 +11,7 @@ from .workload import DEFAULT_TURNS, Workload
 
 
 def parse_depth(text: str) -> int | str:
-    """--num-speculative-tokens: an integer K >= 0, or 'auto' (adaptive K)."""
+    """--num-speculative-tokens: an integer K >= 0, or 'auto' (K from what is measured, as the router chooses it)."""
     if text == "auto":
         return text
     try:
@@ -55,7 +55,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int)
     g.add_argument("--num-speculative-tokens", type=parse_depth, metavar="K|auto",
-                   help="tokens drafted per step (tree depth), or auto for adaptive K "
+                   help="tokens drafted per step (tree depth), or auto: K from the alpha and costs measured so far "
                         "(default: auto; 4 for sampling with --seed, which only a fixed K reproduces)")
     g.add_argument("--tree", type=parse_tree, metavar="WxD", help="draft a tree W wide and D deep")
     g.add_argument("--max-depth", type=int, default=8, help="ceiling for --num-speculative-tokens auto (default 8)")

@@ -45,7 +45,7 @@ class Drafter(Protocol):
 
     @property
     def draft_lm(self) -> CachedLM | None:
-        """The draft model, when there is one (its forward is timed to plan adaptive K)."""
+        """The draft model, when there is one (where its draws run)."""
 
     def start(self, batch_size: int) -> None: ...
     def prefill_alone(self, prompts: list[list[int]]) -> Prefilled | None:

@@ -1,5 +1,5 @@
 """Greedy speculative decoding must be token-identical to plain greedy decoding of the target,
-whatever the drafter, depth, width, batch composition or adaptive-K decision."""
+whatever the drafter, depth, width, batch composition or auto-K decision."""
 
 import pytest
 import torch
@@ -27,7 +27,7 @@ CONFIGS = [
     ("ngram", 6, 1),
     ("model+ngram", 3, 1),
     ("model+ngram", 4, 2),
-    ("model", None, 1),  # adaptive K
+    ("model", None, 1),  # auto K
     ("model", None, 2),
     ("ngram", None, 1),
     ("model+ngram", None, 2),

@@ -130,7 +130,7 @@ SHAPES = {  # test case -> (drafter kind, depth, width, proposal_top_k)
     "suffix": ("suffix", 3, 1, DEFAULT_PROPOSAL_TOP_K),  # a tree of guesses: deterministic siblings
     "model+suffix": ("model+suffix", 2, 2, DEFAULT_PROPOSAL_TOP_K),
     "none": ("none", 2, 1, DEFAULT_PROPOSAL_TOP_K),
-    "auto": ("model+ngram", None, 2, DEFAULT_PROPOSAL_TOP_K),  # adaptive K: depths and n-gram lengths vary per step
+    "auto": ("model+ngram", None, 2, DEFAULT_PROPOSAL_TOP_K),  # auto K: chosen per request from the costs measured so far
     "truncated chain": ("model", 2, 1, TRUNCATED),
     "truncated merged": ("model+ngram", 2, 2, TRUNCATED),
 }
