@@ -11,7 +11,7 @@ drafting and verifying."""
 
 import itertools
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,7 +50,7 @@ class SpecConfig:
 class _Collected:
     """A request's sink: its generation once the loop says it finished, or the error it ended with."""
 
-    done: threading.Event
+    done: threading.Event = field(default_factory=threading.Event)
     out: Generation | None = None
     error: Exception | None = None
 
@@ -135,7 +135,7 @@ class SpeculativeEngine:
     def _run(self, scheduler, loop, prompts, max_new_tokens, params, streams, k) -> list[_Collected]:
         """Open every prompt (admitted together: one batched prefill), then hand each to the draft loop (or
         every prompt to the scheduler's plain decoding when K is 0) and wait for all."""
-        sinks = [_Collected(threading.Event()) for _ in prompts]
+        sinks = [_Collected() for _ in prompts]
         openings = [Opening(f"g{next(self._ids)}", prompt, p, s, max_new_tokens)
                     for prompt, p, s in zip(prompts, params, streams)]
         if not k:
@@ -191,7 +191,7 @@ class SpeculativeEngine:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         k = self.config.depth if self.config.depth is not None else self.config.max_depth
-        room = self.shape.nodes(k if self.drafter is not None else 0)
+        room = self.shape.nodes(k)  # a lone root without a drafter
         longest = max(len(p) for p in prompts) + max_new_tokens + room
         if self.max_positions and longest > self.max_positions:
             raise ValueError(

@@ -197,7 +197,7 @@ class TargetScheduler:
     def open(self, rid: str, prompt: list[int], params: SamplingParams, stream: int = 0,
              max_new_tokens: int = 0) -> None:
         """A speculative request joins; returns once it is admitted and its prompt prefilled."""
-        self._join(_Join(rid, list(prompt), params, stream, self._cost(prompt, max_new_tokens))).wait()
+        self.open_many([Opening(rid, prompt, params, stream, max_new_tokens)])
 
     def open_then(self, rid: str, prompt: list[int], params: SamplingParams, stream: int, max_new_tokens: int,
                   done: Callable[[Exception | None], None]) -> None:
@@ -206,10 +206,10 @@ class TargetScheduler:
         prompt, over the budget) raises here; otherwise `done(None)` is called once the request is admitted
         and prefilled, or `done(error)` when it never will be (closed while it waited, its prefill failed),
         on the loop's thread (it must not block)."""
-        self._join(_Join(rid, list(prompt), params, stream, self._cost(prompt, max_new_tokens),
-                         waiter=_CallbackWaiter(done_callback=done)))
+        self._join_all([_Join(rid, list(prompt), params, stream, self._cost(prompt, max_new_tokens),
+                              waiter=_CallbackWaiter(done_callback=done))])
 
-    def open_many(self, openings: list["Opening"]) -> None:
+    def open_many(self, openings: list[Opening]) -> None:
         """open() for a batch at once (the in-process engine): queued together, so admitted together and
         prefilled in one forward as far as the budget allows; all are refused at the door or none. Returns
         once every one is admitted and prefilled; raises the first error."""
@@ -218,7 +218,7 @@ class TargetScheduler:
         for waiter in self._join_all(joins):
             waiter.wait()
 
-    def decode_many(self, openings: list["Opening"], eos: set[int], sinks: list[Sink]) -> None:
+    def decode_many(self, openings: list[Opening], eos: set[int], sinks: list[Sink]) -> None:
         """decode() for a batch at once: queued together, admitted together; all are refused at the door or none."""
         self._join_all([_Join(o.rid, list(o.prompt), o.params, o.stream, self._cost(o.prompt, o.max_new_tokens),
                               plain=_Plain(o.max_new_tokens, set(eos), sink, list(o.prompt)))
@@ -229,8 +229,7 @@ class TargetScheduler:
         """A plain request, decoded by the loop; `sink` gets every step's tokens, on the loop's thread (it
         must not block). Returns at once: a request refused at the door (RequestExists, an empty prompt,
         over the budget) raises here; one that fails later reaches `sink` with the error."""
-        plain = _Plain(max_new_tokens, set(eos), sink, list(prompt))
-        self._join(_Join(rid, list(prompt), params, stream, self._cost(prompt, max_new_tokens), plain=plain))
+        self.decode_many([Opening(rid, prompt, params, stream, max_new_tokens)], eos, [sink])
 
     def verify(self, trees: dict[str, TokenTree]) -> dict[str, Outcome]:
         """Verdicts for these requests' trees, from the next forward; a request closed meanwhile (by its
@@ -289,9 +288,6 @@ class TargetScheduler:
         if max_new_tokens < 0:
             raise InvalidArgument("max_new_tokens", f"must be >= 0, got {max_new_tokens}")
         return self.budget.cost(len(prompt), max_new_tokens)
-
-    def _join(self, join: _Join) -> _Waiter:
-        return self._join_all([join])[0]
 
     def _join_all(self, joins: list[_Join]) -> list[_Waiter]:
         """Queue these requests together, or refuse them all at the door (raises)."""
