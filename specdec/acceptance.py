@@ -32,6 +32,9 @@ class Verdict:
     path: list[int]  # accepted node indices, root first
     tokens: list[int]  # newly committed tokens: the accepted drafted tokens, then the bonus token
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when the request asks for them
+    # the target's hidden states at the path's nodes [len(path), F] (the inputs of the layers the request
+    # asked for, concatenated), when it asked: what a draft head reads (specdec.eagle3)
+    features: torch.Tensor | None = None
 
     @property
     def accepted(self) -> int:

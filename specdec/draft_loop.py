@@ -51,6 +51,7 @@ class DraftRequest:
     gen: torch.Generator | None = field(init=False, default=None)  # its draws, on the draft's device (DraftLoop)
     next_tree: TokenTree | None = None  # drafted ahead, while the target verified the last step
     draft_prefill: Prefilled | None = None  # its prompt in the draft's cache, run while it was opened (DraftLoop.prefill)
+    features: torch.Tensor | None = None  # its prompt's features from the target's open, for a drafter that reads them
 
     def __post_init__(self):
         self.seq = list(self.prompt)
@@ -68,8 +69,9 @@ class DraftLoop:
     def __init__(self, target: Target, drafter: Drafter | None,
                  on_step: Callable[[float, float], None] = lambda draft_s, verify_s: None, overlap: bool = True):
         self.target, self.drafter, self.on_step = target, drafter, on_step
-        # drafting ahead pays only where drafting costs (a draft model): n-gram guesses are free
-        self.overlap = overlap and drafter is not None and drafter.uses_model
+        # drafting ahead pays only where drafting costs (a draft model): n-gram guesses are free; a head would
+        # draft ahead from its own features where the target's are due, so it does not
+        self.overlap = overlap and drafter is not None and drafter.uses_model and not drafter.feature_layers
         self._verifier = ThreadPoolExecutor(1, thread_name_prefix="verify") if self.overlap else None
         self.rows: list[DraftRequest] = []  # batch order: the drafter's rows
         self._joining: list[DraftRequest] = []
@@ -154,7 +156,10 @@ class DraftLoop:
                     self.drafter.add_rows(1, r.draft_prefill)
                     r.draft_prefill = None  # the batch holds it now
                 if len(prefilled) < len(joining):
-                    self.drafter.add_rows(len(joining) - len(prefilled))
+                    fresh = joining[len(prefilled):]
+                    self.drafter.add_rows(len(fresh), features=[r.features for r in fresh])
+                    for r in fresh:
+                        r.features = None  # the drafter holds them now
                 for r in joining:
                     r.gen = make_generator(r.params.seed, r.stream, device, role="draft")
             self.rows += joining
@@ -221,8 +226,8 @@ class DraftLoop:
         if not self.overlap:
             outcomes = self.target.verify(request)
             if self.drafter is not None:
-                self.drafter.commit([_verdict(outcomes, r.rid).path if _verdict(outcomes, r.rid) else [0]
-                                     for r in rows])
+                verdicts = [_verdict(outcomes, r.rid) for r in rows]
+                self.drafter.commit([v.path if v else [0] for v in verdicts], [v.features if v else None for v in verdicts])
             return outcomes
         pending = self._verifier.submit(self.target.verify, request)
         ahead = self._draft_ahead(rows, trees)

@@ -42,6 +42,9 @@ class Drafter(Protocol):
     uses_model: bool  # drafts with a draft model (Plan.depth)
     uses_ngram: bool  # drafts n-gram guesses (Plan.ngram)
     shape: DraftShape  # its kind and tree width: how many nodes a tree of K may have (DraftShape.nodes)
+    # the target layers whose inputs it reads (a draft head's features): each verdict must carry them, and
+    # each row joins with its prompt's; () for a drafter that reads tokens alone
+    feature_layers: tuple[int, ...]
 
     @property
     def draft_lm(self) -> CachedLM | None:
@@ -51,12 +54,14 @@ class Drafter(Protocol):
     def prefill_alone(self, prompts: list[list[int]]) -> Prefilled | None:
         """The draft model's cache of these prompts, built off the batch (another thread may run it while
         the batch steps), for add_rows; None without a draft model."""
-    def add_rows(self, n: int, prefilled: Prefilled | None = None) -> None:
-        """n rows join the batch: empty, or the prompts of `prefilled` (prefill_alone) already run."""
+    def add_rows(self, n: int, prefilled: Prefilled | None = None, features: list[torch.Tensor | None] | None = None) -> None:
+        """n rows join the batch: empty, or the prompts of `prefilled` (prefill_alone) already run; `features`:
+        each row's prompt features from the target (feature_layers), for a drafter that reads them."""
     def propose(
         self, seqs: list[list[int]], plans: list[Plan], params: list[SamplingParams], gens: list[torch.Generator]
     ) -> list[TokenTree]: ...
-    def commit(self, paths: list[list[int]]) -> None: ...
+    def commit(self, paths: list[list[int]], features: list[torch.Tensor | None] | None = None) -> None:
+        """Per row, the accepted node indices (root first), and the target's features at them (Verdict.features)."""
     def select(self, rows: list[int]) -> None: ...
     def assume(self, paths: list[list[int]]) -> object: ...
     def next_tokens(self, seqs: list[list[int]]) -> list[int | None]: ...
@@ -69,6 +74,7 @@ class NgramDrafter:
     uses_model, uses_ngram = False, True
     draft_lm = None
     shape = DraftShape(DrafterKind.NGRAM)
+    feature_layers = ()
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
@@ -86,13 +92,13 @@ class NgramDrafter:
     def prefill_alone(self, prompts: list[list[int]]) -> None:
         return None  # the index is built from each row's sequence as it drafts
 
-    def add_rows(self, n: int, prefilled: Prefilled | None = None) -> None:
+    def add_rows(self, n: int, prefilled: Prefilled | None = None, features=None) -> None:
         self.indexes += [NgramIndex(self.max_ngram, self.min_ngram) for _ in range(n)]
 
     def propose(self, seqs, plans, params, gens) -> list[TokenTree]:
         return guessed_trees(self, seqs, plans)
 
-    def commit(self, paths) -> None:
+    def commit(self, paths, features=None) -> None:
         pass
 
     def select(self, rows: list[int]) -> None:
@@ -137,6 +143,7 @@ class SuffixDrafter:
 
     uses_model, uses_ngram = False, True
     draft_lm = None
+    feature_layers = ()
 
     def __init__(self, config: SuffixConfig = SuffixConfig(), corpus: TextIndex | None = None):
         """corpus: an operator's corpus to draft from as well (REST; suffix.read_corpus), shared, never changed."""
@@ -166,13 +173,13 @@ class SuffixDrafter:
     def prefill_alone(self, prompts: list[list[int]]) -> None:
         return None  # a row's text is indexed as it drafts
 
-    def add_rows(self, n: int, prefilled: Prefilled | None = None) -> None:
+    def add_rows(self, n: int, prefilled: Prefilled | None = None, features=None) -> None:
         self.rows += [_SuffixRow() for _ in range(n)]
 
     def propose(self, seqs, plans, params, gens) -> list[TokenTree]:
         return guessed_trees(self, seqs, plans)
 
-    def commit(self, paths) -> None:
+    def commit(self, paths, features=None) -> None:
         pass
 
     def select(self, rows: list[int]) -> None:
@@ -225,6 +232,8 @@ class ModelDrafter:
     carries it, so the target tests them against the q they came from (any q keeps sampling exact)."""
 
     uses_model, uses_ngram = True, False
+    feature_layers = ()
+    position_shift = 0  # a node's position is its token's (a head's sits one before: specdec.head_drafter)
 
     def __init__(self, draft: CachedLM, width: int = 1, proposal_top_k: int = DEFAULT_PROPOSAL_TOP_K):
         if width < 1:
@@ -256,7 +265,7 @@ class ModelDrafter:
     def prefill_alone(self, prompts: list[list[int]]) -> Prefilled:
         return self.lm.prefill_alone(self._readable([p[:-1] for p in prompts]))  # the last token: the first root
 
-    def add_rows(self, n: int, prefilled: Prefilled | None = None) -> None:
+    def add_rows(self, n: int, prefilled: Prefilled | None = None, features=None) -> None:
         if prefilled is None:
             self.lm.add_rows(n)
         else:
@@ -268,7 +277,7 @@ class ModelDrafter:
         self._hold_pending()
         self.lm.select(rows)
 
-    def commit(self, paths: list[list[int]]) -> None:
+    def commit(self, paths: list[list[int]], features=None) -> None:
         """Keep the draft's cache entries of the accepted nodes it has run (a prefix of each path)."""
         keep = [_cached_prefix(path, slot_of) for path, slot_of in zip(paths, self.slot_of)]
         self.slot_of = [{} for _ in paths]
@@ -307,7 +316,9 @@ class ModelDrafter:
             return trees  # the draft catches up with these tokens next time
         self._hold_pending()  # rows given no depth may hold a tree drafted ahead
         # run what the draft has not seen yet; its last token is the root
-        logits = self.lm.prefill(self._unseen(seqs))  # [B, V]
+        logits, state = self._catch_up(seqs, depths)  # [B, V]
+        if logits is None:
+            return trees  # no row can draft yet
         device = logits.device
         base = self.lm.size  # first slot of this tree's nodes
         frontier = [[0] for _ in range(B)]  # per row: node ids, one per column of `logits`
@@ -325,7 +336,7 @@ class ModelDrafter:
                 parent_slot.scatter_(2, parent_col.unsqueeze(-1), True)
             seen = torch.cat([seen, parent_slot], dim=-1)  # [B, W, (depth-1)*W]
             committed = torch.zeros(B, W, base, dtype=torch.bool, device=device)
-            positions = torch.tensor([[len(s) - 1 + depth] * W for s in seqs], device=HOST)  # [B, W]
+            positions = torch.tensor([[len(s) - 1 + depth + self.position_shift] * W for s in seqs], device=HOST)  # [B, W]
             block = torch.eye(W, dtype=torch.bool, device=HOST).expand(B, W, W)  # [B, W, W]
             start = self.lm.size
             for b in range(B):
@@ -333,10 +344,20 @@ class ModelDrafter:
                     for col, node in enumerate(frontier[b]):
                         self.slot_of[b][node] = start + col
             sizes = [W if d > depth else 0 for d in depths]  # rows that stop here sit the forward out
-            packed = self.lm.forward(tokens, block, positions, torch.cat([committed, seen], dim=-1), sizes=sizes)  # [N, V]
-            logits = packed.new_zeros(B, W, packed.shape[-1])  # [B, W, V]
-            logits[[b for b, n in enumerate(sizes) if n]] = packed.view(-1, W, packed.shape[-1])
+            logits, state = self._run_frontier(tokens, block, positions, torch.cat([committed, seen], dim=-1), sizes,
+                                               parent_col, state)  # [B, W, V]
         return trees
+
+    def _catch_up(self, seqs: list[list[int]], depths: list[int]) -> tuple[torch.Tensor | None, object]:
+        """Run what the draft has not seen of each row (its last token, the root, at least) -> the logits
+        after each row's root [B, V], and what the next depth's forward needs beside its tokens (nothing)."""
+        return self.lm.prefill(self._unseen(seqs)), None
+
+    def _run_frontier(self, tokens, block, positions, visible, sizes, parent_col, state) -> tuple[torch.Tensor, object]:
+        """One depth's forward of the frontier's tokens [B, W] -> logits [B, W, V] (zeros at rows that sat
+        it out), and the state of the next depth (nothing)."""
+        packed = self.lm.forward(tokens, block, positions, visible, sizes=sizes)  # [N, V]
+        return _unpacked(packed, sizes, tokens.shape[1]), None
 
     def _grow(self, logits, cum, trees, frontier, depths, depth, params, gens):
         """Add one depth of children under the frontier (logits [B, F, V], cum [B, F], on the draft's
@@ -392,6 +413,13 @@ class ModelDrafter:
         return parent_col, tokens, new_cum
 
 
+def _unpacked(packed: torch.Tensor, sizes: list[int], W: int) -> torch.Tensor:
+    """[N, X] of the rows given W tokens each (sizes: W or 0) -> [B, W, X], zeros at rows that sat out."""
+    out = packed.new_zeros(len(sizes), W, packed.shape[-1])
+    out[[b for b, n in enumerate(sizes) if n]] = packed.view(-1, W, packed.shape[-1])
+    return out
+
+
 def top_proposal(q: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """q [F, V] -> (ids [F, m], probs [F, m]), m = min(top_k, V): each row's m likeliest tokens and their
     probabilities renormalised to sum to 1, the proposal a draft draws from and ships. Entries of
@@ -434,6 +462,7 @@ class MergedDrafter:
         self.model, self.lookup = model, lookup
         kind = DrafterKind.MODEL_SUFFIX if isinstance(lookup, SuffixDrafter) else DrafterKind.MODEL_NGRAM
         self.shape = DraftShape(kind, model.width, model.proposal_top_k, lookup.shape.suffix)
+        self.feature_layers = model.feature_layers
 
     @property
     def draft_lm(self) -> CachedLM:
@@ -446,16 +475,16 @@ class MergedDrafter:
     def prefill_alone(self, prompts: list[list[int]]) -> Prefilled:
         return self.model.prefill_alone(prompts)
 
-    def add_rows(self, n: int, prefilled: Prefilled | None = None) -> None:
-        self.model.add_rows(n, prefilled)
+    def add_rows(self, n: int, prefilled: Prefilled | None = None, features=None) -> None:
+        self.model.add_rows(n, prefilled, features)
         self.lookup.add_rows(n)
 
     def select(self, rows: list[int]) -> None:
         self.model.select(rows)
         self.lookup.select(rows)
 
-    def commit(self, paths) -> None:
-        self.model.commit(paths)
+    def commit(self, paths, features=None) -> None:
+        self.model.commit(paths, features)
 
     def assume(self, paths) -> tuple:
         return self.model.assume(paths), self.lookup.assume(paths)
@@ -490,7 +519,17 @@ def make_drafter(kind: DrafterKind | str, draft: CachedLM | None, width: int = 1
         return SuffixDrafter(suffix, corpus) if kind is DrafterKind.SUFFIX else NgramDrafter()
     if draft is None:
         raise ValueError(f"drafter {kind.value!r} needs a draft model (--draft DIR)")
-    model = ModelDrafter(draft, width, proposal_top_k)
+    model = _model_drafter(draft, width, proposal_top_k)
     if kind is DrafterKind.MODEL:
         return model
     return MergedDrafter(model, SuffixDrafter(suffix, corpus) if kind is DrafterKind.MODEL_SUFFIX else NgramDrafter())
+
+
+def _model_drafter(draft: CachedLM, width: int, proposal_top_k: int) -> ModelDrafter:
+    """A draft model's drafter, or a draft head's when the draft is one (an EAGLE-3 head)."""
+    from .eagle3 import Eagle3Head
+    from .head_drafter import HeadDrafter
+
+    if isinstance(draft.model, Eagle3Head):
+        return HeadDrafter(draft, width, proposal_top_k)
+    return ModelDrafter(draft, width, proposal_top_k)

@@ -136,16 +136,17 @@ class SpeculativeEngine:
         """Open every prompt (admitted together: one batched prefill), then hand each to the draft loop (or
         every prompt to the scheduler's plain decoding when K is 0) and wait for all."""
         sinks = [_Collected() for _ in prompts]
-        openings = [Opening(f"g{next(self._ids)}", prompt, p, s, max_new_tokens)
+        layers = self.drafter.feature_layers if k else ()  # a draft head's: its rows' verdicts carry them
+        openings = [Opening(f"g{next(self._ids)}", prompt, p, s, max_new_tokens, layers)
                     for prompt, p, s in zip(prompts, params, streams)]
         if not k:
             scheduler.decode_many(openings, self.eos, sinks)
         else:
-            scheduler.open_many(openings)
+            features = scheduler.open_many(openings)
             # the draft runs the prompts in its first step, batched (a replica prefills each while the target
             # opens it, to save a client's time to first token: nothing to save here)
-            loop.join_all([DraftRequest(o.rid, o.prompt, o.params, max_new_tokens, self.eos, k, sink, o.stream)
-                           for o, sink in zip(openings, sinks)])
+            loop.join_all([DraftRequest(o.rid, o.prompt, o.params, max_new_tokens, self.eos, k, sink, o.stream,
+                                        features=f) for o, sink, f in zip(openings, sinks, features)])
         for sink in sinks:
             sink.done.wait()
         return sinks

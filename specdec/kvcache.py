@@ -80,6 +80,7 @@ class Prefilled:
 
     chunks: list[list[int]]  # each sequence's committed tokens
     lm: "CachedLM"  # holding exactly these
+    hidden: tuple[torch.Tensor, ...] = ()  # with hidden=True: the model's hidden states of these tokens, each [N, H]
 
 
 def ragged_attention(module, query, key, value, attention_mask, inner: str, **kwargs):
@@ -298,17 +299,27 @@ class CachedLM:
         extra_visible: torch.Tensor | None = None,  # [B, T, S]
         sizes: list[int] | None = None,
         keep: list[int] | None = None,
+        features: torch.Tensor | None = None,  # [B, T, F]
     ) -> torch.Tensor:
         """Run one block through the model, appending its T slots to every row. -> logits [B, T, V]
 
         With `sizes`, row b's real tokens are its first sizes[b] (0: the row sits the forward out) and
         the rest is padding, which is not run (see Ragged) -> logits [N, V] of the real tokens, row after
-        row; with `keep` too, only those of these indices into them. A forward that fails (out of memory,
-        say) leaves the cache as it was: every layer drops the slots it appended."""
+        row; with `keep` too, only those of these indices into them. `features`: a per-token input the
+        model takes beside its tokens (a draft head's, specdec.eagle3). A forward that fails (out of
+        memory, say) leaves the cache as it was: every layer drops the slots it appended."""
+        return self.forward_hidden(tokens, block_mask, positions, extra_visible, sizes, keep, features, hidden=False)[0]
+
+    @torch.inference_mode()
+    def forward_hidden(self, tokens, block_mask, positions, extra_visible=None, sizes=None, keep=None, features=None,
+                       hidden: bool = True) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """forward, with the model's hidden states of every real token of the block (each [N, H], row after
+        row, whatever `keep` says): a target's layer inputs (hidden_states[i] enters layer i), a head's own
+        output. -> (logits, hidden states)"""
         before = self.size
         window = _POSITIONS.set(self._positions(positions, before)) if self.sliding else None
         try:
-            return self._forward(tokens, block_mask, positions, extra_visible, sizes, keep)
+            return self._forward(tokens, block_mask, positions, extra_visible, sizes, keep, features, hidden)
         except BaseException:
             for layer in self.kv.layers:
                 layer.crop(max(0, layer.get_seq_length() - before))
@@ -325,28 +336,33 @@ class CachedLM:
         before = torch.arange(S, device=self.device).expand(queries.shape[0], S)  # [B, S]
         return Positions(queries, torch.cat([before, queries], dim=1))
 
-    def _forward(self, tokens, block_mask, positions, extra_visible, sizes, keep) -> torch.Tensor:
+    def _forward(self, tokens, block_mask, positions, extra_visible, sizes, keep, features, hidden):
         mask = self.attention_mask(block_mask, extra_visible)
-        if sizes is None:
-            return self._run(tokens, mask, positions, 0)
         B, T = tokens.shape
+        if sizes is None:
+            logits, states = self._run(tokens, mask, positions, 0, features, hidden)
+            return logits, tuple(h.reshape(B * T, -1) for h in states)
         if all(n == T for n in sizes):  # no padding: the block runs as it is
             last = keep is not None and keep == [b * T + T - 1 for b in range(B)]
-            logits = self._run(tokens, mask, positions, 1 if last else 0)
+            logits, states = self._run(tokens, mask, positions, 1 if last else 0, features, hidden)
             logits = logits.reshape(-1, logits.shape[-1])  # [B * T', V]
-            return logits if keep is None or last else logits[keep]
+            states = tuple(h.reshape(B * T, -1) for h in states)
+            return (logits if keep is None or last else logits[keep]), states
         # [N] each real token's place in the block, row * T + slot: laid out on the host, from sizes alone
         index = host_tensor([b * T + j for b, n in enumerate(sizes) for j in range(n)], torch.long, self.device)
         keep_t = host_tensor(keep, torch.long, self.device) if keep is not None else None
         if not self.packs:
-            return self._run_padded(tokens, mask, positions, sizes, index, keep_t)
+            return self._run_padded(tokens, mask, positions, sizes, index, keep_t, features, hidden)
         block = Ragged(index, B, T)
         keep_t = 0 if keep_t is None else keep_t
         packed = [to_device(t, self.device).flatten()[index].unsqueeze(0) for t in (tokens, positions)]  # [1, N] each
+        if features is not None:
+            features = to_device(features, self.device).flatten(0, 1)[index].unsqueeze(0)  # [1, N, F]
         with _running_ragged(block):
-            return self._run(*packed[:1], mask, *packed[1:], keep_t)[0]
+            logits, states = self._run(packed[0], mask, packed[1], keep_t, features, hidden)
+        return logits[0], tuple(h[0] for h in states)
 
-    def _run_padded(self, tokens, mask, positions, sizes, index, keep) -> torch.Tensor:
+    def _run_padded(self, tokens, mask, positions, sizes, index, keep, features, hidden):
         """A ragged block run whole, padding included -> logits [N, V] of the real tokens (or `keep`'s of them).
         A padding slot sees itself alone among the block's slots, so its keys and values stay finite; no
         real query sees it, now or later (it is never committed)."""
@@ -358,10 +374,14 @@ class CachedLM:
         block = mask[..., S:]
         block = block | sees_itself if mask.dtype == torch.bool else block.masked_fill(sees_itself, 0)
         mask = torch.cat([mask[..., :S], block], dim=-1)
-        logits = self._run(tokens, mask, positions, 0).reshape(B * T, -1)[index]  # [N, V]
-        return logits if keep is None else logits[keep]
+        logits, states = self._run(tokens, mask, positions, 0, features, hidden)
+        logits = logits.reshape(B * T, -1)[index]  # [N, V]
+        states = tuple(h.reshape(B * T, -1)[index] for h in states)
+        return (logits if keep is None else logits[keep]), states
 
-    def _run(self, tokens, mask, positions, logits_to_keep) -> torch.Tensor:
+    def _run(self, tokens, mask, positions, logits_to_keep, features=None, hidden=False):
+        """-> logits, and the model's hidden states when asked (else none)"""
+        extra = {} if features is None else {"features": to_device(features, self.device)}
         out = self.model(
             input_ids=to_device(tokens, self.device),
             attention_mask=mask,
@@ -369,8 +389,10 @@ class CachedLM:
             cache=self.kv,
             use_cache=True,
             logits_to_keep=logits_to_keep,
+            output_hidden_states=hidden,
+            **extra,
         )
-        return out.logits
+        return out.logits, (tuple(out.hidden_states) if hidden else ())
 
     @torch.inference_mode()
     def commit(self, slots: list[list[int]]) -> None:
@@ -398,13 +420,14 @@ class CachedLM:
         self.lengths += [0] * n
 
     @torch.inference_mode()
-    def prefill_alone(self, chunks: list[list[int]]) -> "Prefilled":
+    def prefill_alone(self, chunks: list[list[int]], hidden: bool = False) -> "Prefilled":
         """These sequences prefilled on their own, to join this batch later (join): the batch is not
-        touched, so another thread may run this while the batch steps."""
+        touched, so another thread may run this while the batch steps. hidden: keep the model's hidden
+        states of their tokens too (Prefilled.hidden)."""
         fresh = CachedLM(self.model)
         fresh.reset(len(chunks))
-        fresh.prefill(chunks)
-        return Prefilled(chunks, fresh)
+        _, states = fresh.prefill_hidden(chunks, hidden=hidden)
+        return Prefilled(chunks, fresh, states)
 
     @torch.inference_mode()
     def join(self, rows: "list[list[int]] | Prefilled") -> None:
@@ -449,12 +472,18 @@ class CachedLM:
         if excess > 0:
             self.kv.crop(-excess)
 
-    def prefill(self, chunks: list[list[int]]) -> torch.Tensor | None:
-        """Append each row's tokens (any number, possibly none) and commit them, in one ragged forward.
-        -> logits [B, V] of each row's last token (zeros for a row given none)."""
+    def prefill(self, chunks: list[list[int]], features: list[torch.Tensor] | None = None) -> torch.Tensor | None:
+        """Append each row's tokens (any number, possibly none) and commit them, in one ragged forward
+        (`features`: each row's per-token input [n_b, F], for a model that takes one). -> logits [B, V] of
+        each row's last token (zeros for a row given none)."""
+        return self.prefill_hidden(chunks, features, hidden=False)[0]
+
+    def prefill_hidden(self, chunks: list[list[int]], features: list[torch.Tensor] | None = None,
+                       hidden: bool = True) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
+        """prefill, with the model's hidden states of every token run (each [N, H], row after row)."""
         B, T = len(chunks), max(len(c) for c in chunks)
         if T == 0:
-            return None
+            return None, ()
         sizes = [len(c) for c in chunks]
         tokens = torch.zeros(B, T, dtype=torch.long, device=HOST)
         positions = torch.zeros(B, T, dtype=torch.long, device=HOST)
@@ -464,11 +493,18 @@ class CachedLM:
                 tokens[b, :n] = torch.tensor(chunk, device=HOST)
                 positions[b, :n] = torch.arange(self.lengths[b], self.lengths[b] + n, device=HOST)
                 block[b, :n, :n] = torch.ones(n, n, dtype=torch.bool, device=HOST).tril()
+        padded = None
+        if features is not None:
+            first = next(f for f in features if f.shape[0])
+            padded = first.new_zeros(B, T, first.shape[-1])  # [B, T, F]
+            for b, (f, n) in enumerate(zip(features, sizes)):
+                padded[b, :n] = f
         start = self.size
         ends = [end - 1 for end in itertools.accumulate(sizes)]  # each row's last token among the packed ones
         full = [b for b, n in enumerate(sizes) if n]
-        last = self.forward(tokens, block, positions, sizes=sizes, keep=[ends[b] for b in full])  # [len(full), V]
+        last, states = self.forward_hidden(tokens, block, positions, sizes=sizes, keep=[ends[b] for b in full],
+                                           features=padded, hidden=hidden)  # [len(full), V]
         self.commit([list(range(start, start + n)) for n in sizes])
         logits = last.new_zeros(B, last.shape[-1])
         logits[full] = last
-        return logits
+        return logits, states

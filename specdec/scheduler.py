@@ -132,6 +132,7 @@ class _Join:
     tokens: int  # KV tokens it reserves
     waiter: _Waiter = field(default_factory=_Waiter)
     plain: "_Plain | None" = None  # set for a plain request the loop decodes itself
+    feature_layers: tuple[int, ...] = ()  # its verdicts carry the inputs of these layers (a draft head's)
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,7 @@ class Opening:
     params: SamplingParams
     stream: int = 0
     max_new_tokens: int = 0
+    feature_layers: tuple[int, ...] = ()  # its verdicts carry the inputs of these target layers (a draft head's)
 
 
 @dataclass
@@ -209,14 +211,15 @@ class TargetScheduler:
         self._join_all([_Join(rid, list(prompt), params, stream, self._cost(prompt, max_new_tokens),
                               waiter=_CallbackWaiter(done_callback=done))])
 
-    def open_many(self, openings: list[Opening]) -> None:
+    def open_many(self, openings: list[Opening]) -> list:
         """open() for a batch at once (the in-process engine): queued together, so admitted together and
         prefilled in one forward as far as the budget allows; all are refused at the door or none. Returns
-        once every one is admitted and prefilled; raises the first error."""
-        joins = [_Join(o.rid, list(o.prompt), o.params, o.stream, self._cost(o.prompt, o.max_new_tokens))
-                 for o in openings]
-        for waiter in self._join_all(joins):
-            waiter.wait()
+        once every one is admitted and prefilled, with each one's prompt features (Opening.feature_layers:
+        the inputs of those layers at its prompt's tokens but the last, [len(prompt) - 1, F]; else None);
+        raises the first error."""
+        joins = [_Join(o.rid, list(o.prompt), o.params, o.stream, self._cost(o.prompt, o.max_new_tokens),
+                       feature_layers=tuple(o.feature_layers)) for o in openings]
+        return [waiter.wait() for waiter in self._join_all(joins)]
 
     def decode_many(self, openings: list[Opening], eos: set[int], sinks: list[Sink]) -> None:
         """decode() for a batch at once: queued together, admitted together; all are refused at the door or none."""
@@ -293,6 +296,7 @@ class TargetScheduler:
         """Queue these requests together, or refuse them all at the door (raises)."""
         for join in joins:
             self.worker.check_request(join.prompt, join.params)  # InvalidArgument: refused here, never in the loop
+            self.worker.check_layers(join.feature_layers)
             if join.tokens > self.budget.max_tokens:
                 raise ValueError(f"request {join.rid!r} needs {join.tokens} KV tokens, over the target's budget of "
                                  f"{self.budget.max_tokens} (max_kv_tokens)")
@@ -411,7 +415,8 @@ class TargetScheduler:
         if not joining:
             return
         try:
-            self.worker.add([(j.rid, j.prompt, j.params, j.stream) for j in joining])
+            features = self.worker.add([(j.rid, j.prompt, j.params, j.stream) for j in joining],
+                                       {j.rid: j.feature_layers for j in joining if j.feature_layers})
         except Exception as e:  # noqa: BLE001 - every joiner learns why
             with self._cv:
                 for j in joining:
@@ -425,7 +430,7 @@ class TargetScheduler:
         for j in joining:
             if j.plain:
                 self._plain[j.rid] = j.plain
-            j.waiter.finish()
+            j.waiter.finish(features.get(j.rid))
 
     def _step(self, trees: dict[str, tuple[TokenTree, _Waiter]]) -> None:
         """One forward: the replicas' trees (of requests still open) and a lone root per plain row."""

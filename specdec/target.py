@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .acceptance import Verdict, accept_greedy, accept_sampling
-from .device import HOST, to_host
+from .device import HOST, host_tensor, to_host
 from .errors import InvalidArgument, RequestExists, RequestFailed, UnknownRequest
 from .grammar import Grammars, RowGrammar
 from .kvcache import CachedLM
@@ -34,6 +34,7 @@ class _Request:
     generator: torch.Generator  # the target side's random stream (acceptance, bonus tokens)
     prompt_len: int  # len(seq) when it joined: the tokens after it are the ones it generated
     grammar: RowGrammar | None = None  # its response_format's matcher, at the tokens it has committed
+    feature_layers: tuple[int, ...] = ()  # the layers whose inputs its verdicts carry (a draft head's)
 
     @property
     def history(self) -> History:
@@ -55,6 +56,7 @@ class TargetWorker:
         config = lm.model.config.get_text_config()
         self.vocab_size: int = config.vocab_size  # token ids the embedding takes: [0, vocab_size)
         self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
+        self.num_layers: int = config.num_hidden_layers
 
     def check_request(self, prompt: list[int], params: SamplingParams) -> None:
         """InvalidArgument naming the field unless the prompt is 1..max_positions ids of the vocabulary,
@@ -82,21 +84,41 @@ class TargetWorker:
         if not 0 <= min(prompt) <= max(prompt) < self.vocab_size:
             raise InvalidArgument("prompt", f"holds a token id outside the vocabulary [0, {self.vocab_size})")
 
-    def add(self, joining: list[tuple[Hashable, list[int], SamplingParams, int]]) -> None:
+    def add(self, joining: list[tuple[Hashable, list[int], SamplingParams, int]],
+            feature_layers: dict[Hashable, tuple[int, ...]] | None = None) -> dict[Hashable, torch.Tensor]:
         """Requests (id, prompt, params, stream) join the batch; their prompts are prefilled in one forward
-        of their own (the running rows are not padded along)."""
+        of their own (the running rows are not padded along). `feature_layers`: requests whose verdicts
+        carry the inputs of these layers of the target (a draft head's features). -> those requests'
+        prompt features [len(prompt) - 1, F]: the prompt's tokens but the last, which the first tree's
+        verdict carries as its root's"""
+        feature_layers = feature_layers or {}
         grammars = {}
         for rid, prompt, params, _ in joining:
             if rid in self.requests:
                 raise RequestExists(f"request {rid!r} is already in the batch")
             self._check_fields(prompt, params)
+            self.check_layers(feature_layers.get(rid, ()))
             if params.grammar is not None:
                 grammars[rid] = self.grammars.matcher(params.grammar)  # InvalidArgument if it does not compile
-        self.lm.join([prompt[:-1] for _, prompt, _, _ in joining])  # the last token is the first tree's root
-        for rid, prompt, params, stream in joining:
+        chunks = [prompt[:-1] for _, prompt, _, _ in joining]  # the last token is the first tree's root
+        prefilled = self.lm.prefill_alone(chunks, hidden=bool(feature_layers))
+        self.lm.join(prefilled)
+        features, offset = {}, 0
+        for (rid, prompt, params, stream), chunk in zip(joining, chunks):
             gen = make_generator(params.seed, stream, self.lm.device, role="target")
-            self.requests[rid] = _Request(list(prompt), params, gen, len(prompt), grammars.get(rid))
+            layers = tuple(feature_layers.get(rid, ()))
+            self.requests[rid] = _Request(list(prompt), params, gen, len(prompt), grammars.get(rid), layers)
             self.rows.append(rid)
+            if layers:
+                features[rid] = _features(prefilled.hidden, layers, list(range(offset, offset + len(chunk))), self.lm)
+            offset += len(chunk)
+        return features
+
+    def check_layers(self, layers: tuple[int, ...]) -> None:
+        """InvalidArgument("feature_layers") unless each names one of the target's layers."""
+        if any(not 0 <= i < self.num_layers for i in layers):
+            raise InvalidArgument("feature_layers", f"names layers {list(layers)}; the target has {self.num_layers} "
+                                                    f"(ids in [0, {self.num_layers}))")
 
     def remove(self, leaving: list[Hashable]) -> None:
         gone = set(leaving)
@@ -162,7 +184,8 @@ class TargetWorker:
         sizes = [len(trees[rid]) if rid in trees else 0 for rid in self.rows]  # rows not given a tree sit out
         start = self.lm.size
         tokens, block, positions = layout(row_trees, self.lm.lengths)
-        logits = self.lm.forward(tokens, block, positions, sizes=sizes)  # [N, V]: the trees' nodes, row after row
+        featured = any(self.requests[rid].feature_layers for rid in trees)
+        logits, states = self.lm.forward_hidden(tokens, block, positions, sizes=sizes, hidden=featured)  # [N, V]: the trees' nodes, row after row
         held = self._processed(logits, row_trees, sizes)  # what p is drawn from (logprobs: the raw logits)
         (argmax,) = to_host(held.argmax(-1))  # the forward's one wait for the device (greedy rows)
         keep, offset = [], 0
@@ -171,6 +194,8 @@ class TargetWorker:
             outcome = self._decide(rid, tree, row_argmax, row_held, row_logits) if rid in trees else None
             if isinstance(outcome, Verdict):
                 self.requests[rid].commit(outcome.tokens)
+                if layers := self.requests[rid].feature_layers:
+                    outcome.features = _features(states, layers, [offset - size + n for n in outcome.path], self.lm)
                 keep.append([start + n for n in outcome.path])
             else:
                 keep.append([])  # sat this step out, or failed: nothing committed
@@ -210,3 +235,12 @@ class TargetWorker:
             log.exception("request %s: its verdict failed; it ends alone", rid)
             return RequestFailed("the target could not decide this request's tokens (its row failed in the "
                                  "batched step; the other requests went on); see the server log")
+
+
+def _features(states: tuple[torch.Tensor, ...], layers: tuple[int, ...], tokens: list[int], lm: CachedLM) -> torch.Tensor:
+    """The inputs of these layers at these of a forward's tokens, concatenated -> [len(tokens), len(layers) H]."""
+    if not tokens:
+        hidden = lm.model.config.get_text_config().hidden_size
+        return torch.zeros(0, len(layers) * hidden, dtype=lm.model.dtype, device=lm.device)
+    index = host_tensor(tokens, torch.long, lm.device)
+    return torch.cat([states[i].index_select(0, index) for i in layers], dim=-1)

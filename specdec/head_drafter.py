@@ -1,0 +1,101 @@
+"""Drafting with an EAGLE-3 head (specdec.eagle3): a ModelDrafter whose model reads, beside each token, a
+feature: the target's hidden states for committed tokens (each verdict carries those of its path, and a
+row joins with its prompt's), the head's own output for the nodes it drafts.
+
+The head's cache holds one pair (f_t, x_{t+1}) per committed position t whose feature it has: a row of
+committed tokens seq has len(seq) - 1 of them (the target has not run the last token, the root of the
+next tree). A tree's nodes run with the head's own features, so after each verdict they are dropped from
+its cache and the committed tokens run again with the target's (as EAGLE does): what the head reads for
+a committed token is always the target's."""
+
+import torch
+
+from .drafters import ModelDrafter, _unpacked
+from .eagle3 import Eagle3Head
+from .kvcache import CachedLM, Prefilled
+
+
+class HeadDrafter(ModelDrafter):
+    """A ModelDrafter over a draft head: the same trees (dynamic when greedy, chains of q-drawn children
+    when sampling), each depth's forward fed the head's output at the node's parent."""
+
+    position_shift = -1  # pair t = (f_t, x_{t+1}) sits at position t: a node one place before its token's
+
+    def __init__(self, draft: CachedLM, width: int = 1, proposal_top_k: int = 256):
+        super().__init__(draft, width, proposal_top_k)
+        self.head: Eagle3Head = draft.model
+        self.feature_layers = self.head.aux_layers
+        self.pending: list[list[torch.Tensor]] = []  # per row: the target's features it has not run yet [n, F] each
+
+    def start(self, batch_size: int) -> None:
+        super().start(batch_size)
+        self.pending = [[] for _ in range(batch_size)]
+
+    def prefill_alone(self, prompts: list[list[int]]) -> None:
+        return None  # its prompt runs with the target's features, which come with the row (add_rows)
+
+    def add_rows(self, n: int, prefilled: Prefilled | None = None, features=None) -> None:
+        features = features if features is not None else [None] * n
+        if len(features) != n:
+            raise ValueError(f"{n} rows joined with {len(features)} prompts' features")
+        self.lm.add_rows(n)
+        self.slot_of += [{} for _ in range(n)]
+        self.pending += [[f] if f is not None and f.shape[0] else [] for f in features]
+
+    def select(self, rows: list[int]) -> None:
+        super().select(rows)
+        self.pending = [self.pending[r] for r in rows]
+
+    def commit(self, paths: list[list[int]], features=None) -> None:
+        """Drop the tree's nodes from the head's cache (they ran on its own features); the path's tokens run
+        again, with the target's features (`features`: the verdicts', one [len(path), F] per row), next time."""
+        self.slot_of = [{} for _ in paths]
+        self._hold_pending()
+        self.lm.commit([[] for _ in paths])
+        for pending, f in zip(self.pending, features or [None] * len(paths)):
+            if f is not None:
+                pending.append(f)
+
+    def assume(self, paths):
+        raise NotImplementedError("a draft head does not draft ahead: the features of an assumed path are not the target's")
+
+    def next_tokens(self, seqs):
+        raise NotImplementedError("a draft head does not draft ahead")
+
+    def rollback(self, checkpoint, kept):
+        raise NotImplementedError("a draft head does not draft ahead")
+
+    def _catch_up(self, seqs: list[list[int]], depths: list[int]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Run each row's pairs the head has not seen (its features waiting, with the tokens after them) ->
+        logits after each row's root [B, V] and the head's output there [B, 1, H]. A row with no pair at all
+        (a one-token prompt) cannot draft this step: its depth becomes 0."""
+        chunks, fused = [], []
+        for b, seq in enumerate(seqs):
+            have = self.lm.lengths[b]
+            f = torch.cat(self.pending[b]) if self.pending[b] else None
+            n = 0 if f is None else f.shape[0]
+            if have + n != len(seq) - 1:
+                raise RuntimeError(f"row {b}: the head has {have} positions and {n} features waiting for a sequence "
+                                   f"of {len(seq)} tokens; a verdict came without its features")
+            chunks.append(self._readable([seq[have + 1 : have + 1 + n]])[0])
+            fused.append(self.head.fuse(f) if n else None)
+            self.pending[b] = []
+            if n == 0:  # a one-token prompt: no pair to read the root's logits from
+                depths[b] = 0
+        if not any(chunks):
+            if not all(d == 0 for d in depths):
+                raise RuntimeError("the head has run every pair but was never given a root's logits")
+            return None, None
+        H = self.head.config.hidden_size
+        empty = torch.zeros(0, H, dtype=self.head.dtype, device=self.lm.device)
+        logits, states = self.lm.prefill_hidden(chunks, [f if f is not None else empty for f in fused])
+        ends = [sum(map(len, chunks[: b + 1])) - 1 for b in range(len(chunks))]
+        last = states[0][[max(e, 0) for e in ends]]  # [B, H]: each row's output at its last pair
+        return logits, last.unsqueeze(1)
+
+    def _run_frontier(self, tokens, block, positions, visible, sizes, parent_col, state):
+        """One depth of the head: each frontier node reads its parent's output as its feature."""
+        features = state.gather(1, parent_col.unsqueeze(-1).expand(-1, -1, state.shape[-1]))  # [B, W, H]
+        packed, states = self.lm.forward_hidden(tokens, block, positions, visible, sizes=sizes, features=features)
+        W = tokens.shape[1]
+        return _unpacked(packed, sizes, W), _unpacked(states[0], sizes, W)

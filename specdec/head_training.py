@@ -1,0 +1,146 @@
+"""Training an EAGLE-3 head (specdec.eagle3) for a target, with EAGLE-3's training-time test: the head is
+run `ttt_steps` times over each window, each time reading its own output of the step before in place of
+the target's features, as it will when it drafts deeper than one token. Step j's query at position t
+sees the target-fed keys up to t - j and its own chain's keys of steps 1..j (one per step), exactly the
+attention of a chain drafted j deep from position t - j. The loss at step j (weighted 0.8^j) is
+KL(p || q) over the draft vocabulary: p the target's next-token distribution, renormalised there."""
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from .device import HOST
+from .eagle3 import Eagle3Head, head_config, save_head, spread_aux_layers
+from .training import TrainConfig, sample_windows, train
+
+STEP_DECAY = 0.8  # EAGLE-3's weight of the j-th step's loss
+
+
+def frequent_tokens(tokens: torch.Tensor, vocab_size: int, draft_vocab_size: int) -> torch.Tensor:
+    """The draft vocabulary: the `draft_vocab_size` ids most frequent in `tokens` (ties to the lower id),
+    ascending -> [draft_vocab_size]"""
+    counts = torch.bincount(tokens.flatten().cpu(), minlength=vocab_size)[:vocab_size].float()
+    counts -= torch.arange(vocab_size) * 1e-9  # a stable order among equal counts
+    return counts.topk(draft_vocab_size).indices.sort().values
+
+
+def new_head(target: PreTrainedModel, draft_ids: torch.Tensor, aux_layers: tuple[int, ...] | None = None) -> Eagle3Head:
+    """A fresh head for the target over these draft ids, sharing (and not training) the target's embedding."""
+    config = head_config(target.config, draft_ids.numel(), aux_layers or spread_aux_layers(
+        target.config.get_text_config().num_hidden_layers))
+    config._attn_implementation = "sdpa"
+    head = Eagle3Head(config).to(target.device, target.dtype)
+    head.d2t.copy_(draft_ids.to(head.d2t.device) - torch.arange(draft_ids.numel(), device=head.d2t.device))
+    head.embed_tokens = target.get_input_embeddings()
+    head.embed_tokens.requires_grad_(False)
+    return head
+
+
+class _Steps:
+    """The keys and values of every step so far, concatenated [B, H, (j+1) T, D] (the head has one layer)."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.k = key_states if self.k is None else torch.cat([self.k, key_states], dim=2)
+        self.v = value_states if self.v is None else torch.cat([self.v, value_states], dim=2)
+        return self.k, self.v
+
+
+def step_mask(T: int, j: int, device) -> torch.Tensor:
+    """[T, (j+1) T] bool: step j's query t sees step 0's keys 0..t-j and step i's key t-j+i (1 <= i <= j)."""
+    t = torch.arange(T, device=device).view(T, 1)
+    k = torch.arange(T, device=device).view(1, T)
+    blocks = [k <= t - j] + [k == t - j + i for i in range(1, j + 1)]
+    return torch.cat(blocks, dim=1)
+
+
+def target_features(target: PreTrainedModel, head: Eagle3Head, batch: torch.Tensor):
+    """The target on a batch [B, S] -> its hidden states at the head's layers [B, S, 3 Ht] and logits [B, S, V]."""
+    with torch.no_grad():
+        out = target(input_ids=batch, output_hidden_states=True)
+        return torch.cat([out.hidden_states[i] for i in head.aux_layers], dim=-1), out.logits.float()
+
+
+def unrolled(head: Eagle3Head, batch: torch.Tensor, feats: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """The head's draft-vocabulary logits at each training-time-test step -> steps x [B, S-1, dv]: entry t
+    of step j predicts token t + 2 from a chain begun at t - j (valid where t >= j)."""
+    B, S = batch.shape
+    T = S - 1
+    tokens = batch[:, 1:]  # [B, T] x_{t+1}
+    positions = torch.arange(T, device=batch.device).unsqueeze(0)
+    f = head.fuse(feats[:, :-1])  # [B, T, H]
+    cache, out = _Steps(), []
+    for j in range(steps):
+        mask = step_mask(T, j, batch.device)[None, None]  # [1, 1, T, (j+1) T]
+        prenorm = head(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache,
+                       features=f).hidden_states[0]  # [B, T, H]
+        out.append(head.lm_head(head.norm(prenorm)))
+        f = torch.cat([torch.zeros_like(prenorm[:, :1]), prenorm[:, :-1]], dim=1)  # t reads its chain's output at t-1
+    return out
+
+
+def ttt_loss(target: PreTrainedModel, head: Eagle3Head, steps: int):
+    """batch [B, S] -> the training-time-test loss (module doc)."""
+
+    def loss(batch: torch.Tensor) -> torch.Tensor:
+        feats, p_logits = target_features(target, head, batch)
+        logp = F.log_softmax(p_logits[:, 1:][..., head.target_ids()], -1)  # [B, T, dv]
+        total = 0.0
+        for j, q_logits in enumerate(unrolled(head, batch, feats, steps)):
+            logq = F.log_softmax(q_logits.float(), -1)
+            kl = (logp.exp() * (logp - logq)).sum(-1)[:, j:]  # [B, T - j]: chains that begin inside the window
+            total = total + STEP_DECAY**j * kl.mean()
+        return total
+
+    return loss
+
+
+@torch.no_grad()
+def evaluate_head(target, head: Eagle3Head, tokens: torch.Tensor, steps: int, seq_len: int = 128, windows: int = 16,
+                  seed: int = 1234) -> dict:
+    """On held-out text, per training-time-test step j (a token drafted j + 1 deep): greedy alpha (the head's
+    argmax is the target's, over the full vocabulary) and KL(p || q) over the draft vocabulary."""
+    batch = sample_windows(tokens, windows, min(seq_len, tokens.numel() - 1), torch.Generator(device=HOST).manual_seed(seed))
+    feats, p_logits = target_features(target, head, batch)
+    want = p_logits[:, 1:].argmax(-1)  # [B, T]
+    logp = F.log_softmax(p_logits[:, 1:][..., head.target_ids()], -1)
+    alpha, kl = [], []
+    for j, q_logits in enumerate(unrolled(head, batch, feats, steps)):
+        got = head.target_ids()[q_logits.argmax(-1)]
+        alpha.append(float((got == want)[:, j:].float().mean()))
+        logq = F.log_softmax(q_logits.float(), -1)
+        kl.append(float((logp.exp() * (logp - logq)).sum(-1)[:, j:].mean()))
+    return {"greedy_alpha": alpha, "kl": kl}
+
+
+def train_head(target: PreTrainedModel, tokenizer, out_dir: str | Path, tokens: torch.Tensor, heldout: torch.Tensor,
+               draft_vocab_size: int, cfg: TrainConfig = TrainConfig(), ttt_steps: int = 3, resume: bool = False,
+               on_step=None) -> dict:
+    """Train an EAGLE-3 head for `target` on a token stream and save it (EAGLE-3's layout, with the tokenizer)
+    to out_dir; resumable from out_dir/checkpoint. -> a summary with held-out alpha before and after"""
+    if ttt_steps < 1:
+        raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
+    V = target.config.get_text_config().vocab_size
+    if not 1 <= draft_vocab_size <= V:
+        raise ValueError(f"draft_vocab_size must be in 1..{V} (the target's vocabulary), got {draft_vocab_size}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target.eval().requires_grad_(False)
+    torch.manual_seed(cfg.seed)
+    head = new_head(target, frequent_tokens(tokens, V, draft_vocab_size))
+    before = evaluate_head(target, head, heldout, ttt_steps)
+    result = train(head, ttt_loss(target, head, ttt_steps), tokens, cfg, out / "checkpoint", resume, "distill-head",
+                   on_step)
+    after = evaluate_head(target, head, heldout, ttt_steps)
+    save_head(head, out)
+    tokenizer.save_pretrained(out)
+    summary = {"out": str(out), **result, "before": before, "after": after, "draft_vocab_size": draft_vocab_size,
+               "aux_layers": list(head.aux_layers), "head_params": sum(p.numel() for n, p in head.named_parameters()
+                                                                      if not n.startswith("embed_tokens."))}
+    (out / "distill_summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
