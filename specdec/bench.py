@@ -16,7 +16,8 @@ from tqdm import tqdm
 from .drafters import make_drafter
 from .engine import SpecConfig, SpeculativeEngine
 from .kvcache import CachedLM
-from .loading import check_same_vocabulary, eos_ids, load_model, load_tokenizer, parse_dtype
+from .drafter_kinds import HEAD_MODES
+from .loading import check_draft_tokenizer, eos_ids, load_draft, load_model, load_tokenizer, parse_dtype
 from .plain import hf_generate
 from .prompts import load_prompts
 from .sampling import SamplingParams
@@ -64,9 +65,13 @@ def hf_mode(name, target, eos, max_new, params, **kwargs):
     return Mode(name, run)
 
 
-def build_modes(target, draft, eos, max_new, params, only: set[str] | None, corpus: TextIndex | None = None):
+def build_modes(target, draft, eos, max_new, params, only: set[str] | None, corpus: TextIndex | None = None,
+                head=None):
     def dlm():
         return CachedLM(draft)
+
+    def hlm():
+        return CachedLM(head)
 
     specs = {
         "chain-k4": lambda: (make_drafter("model", dlm(), 1), SpecConfig(depth=4)),
@@ -80,6 +85,13 @@ def build_modes(target, draft, eos, max_new, params, only: set[str] | None, corp
         "auto": lambda: (make_drafter("model", dlm(), 1), SpecConfig(depth=None)),
         "model+ngram-auto": lambda: (make_drafter("model+ngram", dlm(), 1), SpecConfig(depth=None)),
     }
+    if head is not None:  # HEAD_MODES
+        specs |= {
+            "head-k4": lambda: (make_drafter("model", hlm(), 1), SpecConfig(depth=4)),
+            "head-tree-2x4": lambda: (make_drafter("model", hlm(), 2), SpecConfig(depth=4)),
+            "head-auto": lambda: (make_drafter("model", hlm(), 1), SpecConfig(depth=None)),
+            "head+suffix-auto": lambda: (make_drafter("model+suffix", hlm(), 1), SpecConfig(depth=None, max_depth=16)),
+        }
     if corpus is not None:  # REST: suffix drafts from the corpus too
         specs["rest-auto"] = lambda: (make_drafter("suffix", None, corpus=corpus), SpecConfig(depth=None, max_depth=16))
     modes = [hf_mode("plain", target, eos, max_new, params)]
@@ -103,9 +115,10 @@ def run_bench(args) -> None:
     params = SamplingParams(temperature=args.temperature, seed=args.seed)
     dtype = parse_dtype(args.dtype)
     tokenizer = load_tokenizer(args.target)
-    check_same_vocabulary(tokenizer, load_tokenizer(args.draft))
+    check_draft_tokenizer(tokenizer, args.draft)
     target = load_model(args.target, dtype, args.device)
-    draft = load_model(args.draft, dtype, args.device)
+    draft = load_draft(args.draft, target, dtype, args.device)
+    head = load_draft(args.head, target) if args.head else None
     eos = eos_ids(target.generation_config, tokenizer)
     only = set(args.modes.split(",")) if args.modes else None
     corpus = None
@@ -113,7 +126,9 @@ def run_bench(args) -> None:
         corpus = read_corpus(args.corpus, lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
                              args.corpus_max_tokens)
         only = only | {"rest-auto"} if only is not None else None
-    modes = build_modes(target, draft, eos, args.max_new_tokens, params, only, corpus)
+    if head is not None and only is not None:
+        only |= set(HEAD_MODES)
+    modes = build_modes(target, draft, eos, args.max_new_tokens, params, only, corpus, head)
     rows = load_prompts(args.prompts, args.limit, tokenizer)
     turns = turns_of(args.workload, args.turns)
     # each mode holds its own conversations: a turn's prompt carries that mode's earlier outputs

@@ -6,7 +6,7 @@ import json
 import re
 import sys
 
-from .drafter_kinds import DrafterKind
+from .drafter_kinds import HEAD_MODES, DrafterKind
 from .workload import DEFAULT_TURNS, Workload
 
 
@@ -33,7 +33,7 @@ def parse_tree(text: str) -> tuple[int, int]:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target model folder (or hub id); default: the embedded default pair")
-    p.add_argument("--draft", help="draft model folder, same tokenizer as the target")
+    p.add_argument("--draft", help="draft model folder, same tokenizer as the target, or an EAGLE-3 head's folder")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)")
 
@@ -76,15 +76,21 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                         "resends the last prompt, its output and a follow-up (docs/usage.md)")
     b.add_argument("--turns", type=int, default=DEFAULT_TURNS, help=f"turns per conversation of multi-turn "
                    f"(default {DEFAULT_TURNS})")
+    b.add_argument("--head", help="an EAGLE-3 head's folder for the target: adds the modes " + ", ".join(HEAD_MODES))
     b.add_argument("--corpus", help="a text file or folder: adds the mode rest-auto, suffix drafts that also draw "
                         "from it (REST)")
     b.add_argument("--corpus-max-tokens", type=int, default=1_000_000, help="read at most this many tokens of it")
     b.add_argument("--json", action="store_true", help="end with one JSON line {'rows': [...]}")
     b.add_argument("--plot", help="write a PNG of speedup per mode and task type")
 
-    d = sub.add_parser("distill", help="train a draft for a target by knowledge distillation")
+    d = sub.add_parser("distill", help="train a draft (or an EAGLE-3 head) for a target by knowledge distillation")
     d.add_argument("--target", required=True, help="target model folder")
-    d.add_argument("--out", required=True, help="where to save the draft (save_pretrained)")
+    d.add_argument("--out", required=True, help="where to save the draft (save_pretrained), or the head (EAGLE-3's layout)")
+    d.add_argument("--head", choices=["eagle3"], help="train an EAGLE-3 head (drafts from the target's hidden states, "
+                   "with EAGLE-3's training-time test) instead of a draft model")
+    d.add_argument("--draft-vocab", type=int, default=32000, help="--head: the draft vocabulary, the most frequent "
+                   "tokens of the training text (at most the target's vocabulary; default 32000)")
+    d.add_argument("--ttt-steps", type=int, default=3, help="--head: steps of the training-time test (default 3)")
     d.add_argument("--corpus", nargs="*", default=[], help="text files or folders; none: text the target generates")
     d.add_argument("--layers", type=int, default=1)
     d.add_argument("--hidden", type=int, default=256)
@@ -154,7 +160,7 @@ def cmd_generate(args) -> None:
     from .drafters import make_drafter
     from .engine import SpeculativeEngine
     from .kvcache import CachedLM
-    from .loading import check_same_vocabulary, eos_ids, load_served_model, load_tokenizer, parse_dtype
+    from .loading import check_draft_tokenizer, eos_ids, load_draft, load_served_model, load_tokenizer, parse_dtype
     from .sampling import SamplingParams
 
     if args.num_samples < 1:
@@ -168,8 +174,8 @@ def cmd_generate(args) -> None:
     target = load_served_model(args.target, dtype, args.device)
     draft = None
     if args.draft and drafter_name in ("model", "model+ngram"):
-        check_same_vocabulary(tokenizer, load_tokenizer(args.draft))
-        draft = CachedLM(load_served_model(args.draft, dtype, args.device))
+        check_draft_tokenizer(tokenizer, args.draft)
+        draft = CachedLM(load_draft(args.draft, target, dtype, args.device, served=True))
     engine = SpeculativeEngine(CachedLM(target), make_drafter(drafter_name, draft, width), config,
                                eos_ids(target.generation_config, tokenizer))
     prompt = tokenizer(args.prompt)["input_ids"]
@@ -213,11 +219,26 @@ def cmd_distill(args) -> None:
         log(f"specdec: no --corpus: the target writes {args.generated_tokens} tokens to learn from")
         tokens = generated_corpus(target, tokenizer, args.generated_tokens, args.seed)
     train_tokens, heldout = split_heldout(tokens.to(target.device))
+    if args.head:
+        distill_head(args, target, tokenizer, train_tokens, heldout, cfg)
+        return
     summary = distill(target, tokenizer, args.out, train_tokens, heldout, args.layers, args.hidden, cfg, args.resume)
     b, a = summary["before"], summary["after"]
     log(f"specdec: draft saved to {args.out}; held-out KL {b['kl']:.3f} -> {a['kl']:.3f}, "
         f"greedy alpha {b['greedy_alpha']:.3f} -> {a['greedy_alpha']:.3f}, "
         f"sampled alpha {b['sampled_alpha']:.3f} -> {a['sampled_alpha']:.3f}")
+    if args.json:
+        print(json.dumps(summary))
+
+
+def distill_head(args, target, tokenizer, tokens, heldout, cfg) -> None:
+    from .head_training import train_head
+
+    vocab = min(args.draft_vocab, target.config.get_text_config().vocab_size)
+    summary = train_head(target, tokenizer, args.out, tokens, heldout, vocab, cfg, args.ttt_steps, args.resume)
+    b, a = summary["before"]["greedy_alpha"], summary["after"]["greedy_alpha"]
+    fmt = lambda alphas: "/".join(f"{x:.3f}" for x in alphas)  # noqa: E731
+    log(f"specdec: head saved to {args.out}; held-out greedy alpha by depth {fmt(b)} -> {fmt(a)}")
     if args.json:
         print(json.dumps(summary))
 

@@ -23,6 +23,10 @@ class DrafterKind(enum.StrEnum):
         return self in (DrafterKind.MODEL, DrafterKind.MODEL_NGRAM, DrafterKind.MODEL_SUFFIX)
 
 
+# `specdec bench --head DIR`'s modes: an EAGLE-3 head drafting a chain of 4, a tree 2 wide and 4 deep, auto K,
+# and auto K with suffix guesses grafted on (the head runs as the "model" of the drafter kinds)
+HEAD_MODES = ("head-k4", "head-tree-2x4", "head-auto", "head+suffix-auto")
+
 # A sampled draft draws each node's children from the `proposal_top_k` likeliest tokens of its q, renormalised,
 # and ships that q alone (specdec.tree.Proposal): a tree's bytes on the wire grow with nodes x proposal_top_k,
 # never with the vocabulary. 256 entries of 8 bytes: a tree of width 3, 8 deep (22 proposals) is ~45 KB.

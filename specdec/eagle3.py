@@ -118,14 +118,22 @@ class Eagle3Head(LlamaPreTrainedModel):
     def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, features=None,
                 logits_to_keep=0, **kwargs) -> CausalLMOutputWithPast:
         kwargs.pop("use_cache", None), kwargs.pop("output_hidden_states", None)
+        prenorm = self.layer_output(input_ids, features, attention_mask, position_ids, cache, **kwargs)  # [B, T, H]
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return CausalLMOutputWithPast(logits=self.to_target_vocab(self.draft_logits(prenorm[:, keep])),
+                                      hidden_states=(prenorm,))
+
+    def layer_output(self, input_ids, features, attention_mask, position_ids, cache=None, **kwargs) -> torch.Tensor:
+        """The tokens [B, T] and their features [B, T, H] through the head's layer -> its pre-norm output [B, T, H]."""
         embeds = self.embed_tokens(input_ids)  # [B, T, H]
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         position_embeddings = self.rotary_emb(embeds, position_ids=position_ids)
-        prenorm = self.midlayer(embeds, features, position_embeddings, attention_mask, cache, **kwargs)  # [B, T, H]
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        draft_logits = self.lm_head(self.norm(prenorm[:, keep]))  # [B, T', dv]
-        return CausalLMOutputWithPast(logits=self.to_target_vocab(draft_logits), hidden_states=(prenorm,))
+        return self.midlayer(embeds, features, position_embeddings, attention_mask, cache, **kwargs)
+
+    def draft_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """The head's output [..., H] -> logits over the draft vocabulary [..., dv]."""
+        return self.lm_head(self.norm(prenorm))
 
     def to_target_vocab(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """[..., dv] -> [..., V]: each draft id's logit at its target id, -inf elsewhere."""

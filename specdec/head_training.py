@@ -77,9 +77,8 @@ def unrolled(head: Eagle3Head, batch: torch.Tensor, feats: torch.Tensor, steps: 
     cache, out = _Steps(), []
     for j in range(steps):
         mask = step_mask(T, j, batch.device)[None, None]  # [1, 1, T, (j+1) T]
-        prenorm = head(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache,
-                       features=f).hidden_states[0]  # [B, T, H]
-        out.append(head.lm_head(head.norm(prenorm)))
+        prenorm = head.layer_output(tokens, f, mask, positions, cache)  # [B, T, H]
+        out.append(head.draft_logits(prenorm))
         f = torch.cat([torch.zeros_like(prenorm[:, :1]), prenorm[:, :-1]], dim=1)  # t reads its chain's output at t-1
     return out
 

@@ -8,6 +8,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Distr
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .cpu_linear import pack_linears
+from .eagle3 import is_eagle3, load_head
 from .errors import UnsupportedModel
 from .gguf import is_gguf, model_folder
 from .grammar import Grammars
@@ -66,6 +67,10 @@ def check_supported(config: PretrainedConfig) -> None:
 
 def check_model(path: str) -> PretrainedConfig:
     """check_supported for the model in a folder (or a GGUF file), from its config.json alone -> that config."""
+    if is_eagle3(local_folder(path)):  # a Llama config: transformers would load it as a Llama, its weights unread
+        raise UnsupportedModel("EAGLE-3 head", f"{path!r} holds a draft head, not a causal LM: it drafts for its "
+                                               "target (load_draft), in one process (specdec generate and bench); "
+                                               "draft replicas do not serve heads yet")
     config = AutoConfig.from_pretrained(local_folder(path))
     check_supported(config)
     return config
@@ -91,6 +96,15 @@ def load_served_model(path: str, dtype: torch.dtype = torch.float32, device: str
     """load_model, as specdec serves it: on a CPU, its linear layers run through oneDNN's packed
     weights (specdec.cpu_linear)."""
     return pack_linears(load_model(path, dtype, device))
+
+
+def load_draft(path: str, target: PreTrainedModel, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               served: bool = False) -> PreTrainedModel:
+    """A draft for this target: an EAGLE-3 head (specdec.eagle3: on the target's device and dtype, refused if
+    made for another target) or a draft model (load_model; as served with `served`)."""
+    if is_eagle3(local_folder(path)):
+        return load_head(local_folder(path), target)
+    return load_served_model(path, dtype, device) if served else load_model(path, dtype, device)
 
 
 def load_sharded_model(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
@@ -134,6 +148,13 @@ def check_same_vocabulary(target: PreTrainedTokenizerBase, draft: PreTrainedToke
             f"the target's tokenizer ({len(tv)} tokens) and the draft's ({len(dv)} tokens) differ "
             f"(e.g. {differ}); speculative decoding needs one vocabulary: use a draft trained with the target's tokenizer"
         )
+
+
+def check_draft_tokenizer(target: PreTrainedTokenizerBase, draft_path: str) -> None:
+    """check_same_vocabulary for a draft model; a head (which may ship no tokenizer) is checked against its
+    target's vocabulary size as it loads (specdec.eagle3)."""
+    if not is_eagle3(local_folder(draft_path)):
+        check_same_vocabulary(target, load_tokenizer(draft_path))
 
 
 def local_folder(path: str) -> str:

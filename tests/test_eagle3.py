@@ -1,0 +1,323 @@
+"""EAGLE-3 heads (specdec.eagle3, specdec.head_drafter, specdec.head_training): a checkpoint in the published
+layout loads and drafts; a head made for another target is refused; the target's features reach the head
+exactly; drafting with a head is lossless (greedy identical to plain decoding, sampling distributed as the
+target's); training raises the held-out alpha and resumes."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from specdec import CachedLM, SamplingParams, SpecConfig, SpeculativeEngine
+from specdec.drafters import make_drafter
+from specdec.eagle3 import HeadMismatch, is_eagle3, load_head, save_head
+from specdec.errors import UnsupportedModel
+from specdec.head_drafter import HeadDrafter
+from specdec.head_training import evaluate_head, frequent_tokens, new_head, step_mask, train_head
+from specdec.loading import load_draft, load_model, load_served_model
+from specdec.plain import hf_greedy_margin
+from specdec.target import TargetWorker
+from specdec.training import TrainConfig
+from specdec.tree import TokenTree
+
+from conftest import MIN_GAP, NEW_TOKENS, VOCAB, Reference, make_prompts
+from test_sampling import PARAMS_T1, PROMPT, exact_joint, fit, sample_engine
+
+PUBLISHED_KEYS = {  # the weights of a published EAGLE-3 head (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B's names)
+    "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight", "midlayer.post_attention_layernorm.weight",
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight", "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+}
+
+
+class _NoTokenizer:
+    def save_pretrained(self, path):
+        pass
+
+
+def write_published_head(path, target, draft_vocab: int, fmt: str = "safetensors", aux=None, seed: int = 0,
+                         **config_overrides) -> dict[str, torch.Tensor]:
+    """A head written by hand, as EAGLE-3's training code publishes one: its config.json and its weights under
+    the published names (no embed_tokens: the target's is used) -> the weights written."""
+    tc = target.config
+    H, heads, kv = tc.hidden_size, tc.num_attention_heads, tc.num_key_value_heads
+    D, I, V = H // heads, tc.intermediate_size, tc.vocab_size
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
+              "intermediate_size": I, "num_attention_heads": heads, "num_key_value_heads": kv, "num_hidden_layers": 1,
+              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": tc.max_position_embeddings,
+              "vocab_size": V, "draft_vocab_size": draft_vocab, "hidden_act": "silu", "tie_word_embeddings": False,
+              "torch_dtype": "float32"}
+    if aux is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux)}
+    config.update(config_overrides)
+    g = torch.Generator().manual_seed(seed)
+    w = lambda *shape: torch.randn(*shape, generator=g) * 0.2  # noqa: E731
+    draft_ids = torch.randperm(V, generator=g)[:draft_vocab].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[draft_ids] = True
+    weights = {
+        "midlayer.hidden_norm.weight": torch.ones(H), "midlayer.input_layernorm.weight": torch.ones(H),
+        "midlayer.post_attention_layernorm.weight": torch.ones(H),
+        "midlayer.self_attn.q_proj.weight": w(heads * D, 2 * H), "midlayer.self_attn.k_proj.weight": w(kv * D, 2 * H),
+        "midlayer.self_attn.v_proj.weight": w(kv * D, 2 * H), "midlayer.self_attn.o_proj.weight": w(H, heads * D),
+        "midlayer.mlp.gate_proj.weight": w(I, H), "midlayer.mlp.up_proj.weight": w(I, H),
+        "midlayer.mlp.down_proj.weight": w(H, I), "fc.weight": w(H, 3 * H), "norm.weight": torch.ones(H),
+        "lm_head.weight": w(draft_vocab, H), "d2t": draft_ids - torch.arange(draft_vocab), "t2d": t2d,
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    if fmt == "safetensors":
+        save_file(weights, path / "model.safetensors")
+    else:
+        torch.save(weights, path / "pytorch_model.bin")
+    return weights
+
+
+# ------------------------------------------------------------------ the published layout
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_a_published_head_loads_as_written(tmp_path, target, fmt):
+    written = write_published_head(tmp_path / "head", target, draft_vocab=48, fmt=fmt, aux=[0, 1, 1])
+    assert is_eagle3(tmp_path / "head")
+    head = load_head(tmp_path / "head", target)
+    assert head.aux_layers == (0, 1, 1)
+    assert torch.equal(head.fc.weight, written["fc.weight"])
+    assert torch.equal(head.midlayer.self_attn.q_proj.weight, written["midlayer.self_attn.q_proj.weight"])
+    assert torch.equal(head.lm_head.weight, written["lm_head.weight"])
+    assert head.get_input_embeddings() is target.get_input_embeddings()  # none of its own: the target's
+    assert torch.equal(head.target_ids(), torch.nonzero(written["t2d"]).flatten())
+    # its logits live on its draft ids alone
+    with torch.no_grad():
+        out = head(input_ids=torch.tensor([[3, 4]]), features=torch.randn(1, 2, target.config.hidden_size))
+    finite = torch.isfinite(out.logits[0, -1])
+    assert torch.equal(finite, written["t2d"])
+
+
+def test_without_aux_layer_ids_a_head_reads_eagle3s_default_layers(tmp_path, model_dirs):
+    """vLLM's and SGLang's default, (2, L // 2, L - 3): on a 6-layer target (2, 3, 3)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "deep")
+    deep = load_model(str(tmp_path / "deep"))
+    write_published_head(tmp_path / "head", deep, draft_vocab=VOCAB)
+    assert load_head(tmp_path / "head", deep).aux_layers == (2, 3, 3)
+
+
+def test_save_head_writes_the_published_layout(tmp_path, target):
+    head = new_head(target, torch.arange(0, VOCAB, 2))
+    save_head(head, tmp_path / "saved")
+    from safetensors.torch import load_file
+
+    assert set(load_file(tmp_path / "saved" / "model.safetensors")) == PUBLISHED_KEYS
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == VOCAB // 2
+    again = load_head(tmp_path / "saved", target)
+    assert torch.equal(again.target_ids(), torch.arange(0, VOCAB, 2))
+    assert torch.equal(again.fc.weight, head.fc.weight)
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(hidden_size=32), "hidden states of size"),  # the head's hidden size differs (target_hidden_size unset)
+    (dict(target_hidden_size=48), "hidden states of size 48"),
+    (dict(vocab_size=VOCAB * 2), "vocabulary of 128"),
+    (dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 5]}), "layers [0, 1, 5]"),
+])
+def test_a_head_for_another_target_is_refused(tmp_path, target, change, words):
+    write_published_head(tmp_path / "head", target, draft_vocab=32, aux=[0, 1, 1])
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    (tmp_path / "head" / "config.json").write_text(json.dumps(config | change))
+    with pytest.raises(HeadMismatch, match=words.replace("[", r"\[").replace("]", r"\]")):
+        load_head(tmp_path / "head", target)
+
+
+def test_a_head_missing_weights_or_mapping_twice_is_refused(tmp_path, target):
+    from safetensors.torch import load_file
+
+    weights = write_published_head(tmp_path / "head", target, draft_vocab=32, aux=[0, 1, 1])
+    save_file({k: v for k, v in weights.items() if k != "fc.weight"}, tmp_path / "head" / "model.safetensors")
+    with pytest.raises(HeadMismatch, match="missing.*fc.weight"):
+        load_head(tmp_path / "head", target)
+    weights["d2t"] = torch.zeros(32, dtype=torch.long)  # draft ids 0..31 -> target ids 0..31, fine
+    weights["d2t"][1] = -1  # draft id 1 -> target id 0, as draft id 0
+    save_file(weights, tmp_path / "head" / "model.safetensors")
+    with pytest.raises(HeadMismatch, match="two onto one"):
+        load_head(tmp_path / "head", target)
+    assert load_file(tmp_path / "head" / "model.safetensors")["d2t"][1] == -1
+
+
+def test_a_head_is_no_causal_lm_to_load(tmp_path, target):
+    """Its config is a Llama's: transformers alone would load a Llama with random weights. Refused, named."""
+    write_published_head(tmp_path / "head", target, draft_vocab=32, aux=[0, 1, 1])
+    with pytest.raises(UnsupportedModel, match="draft head"):
+        load_model(str(tmp_path / "head"))
+    assert isinstance(load_draft(str(tmp_path / "head"), target).midlayer, torch.nn.Module)
+
+
+# ------------------------------------------------------------------ the target's features
+
+
+def test_verdicts_carry_the_targets_layer_inputs_at_the_committed_tokens(target):
+    """The prompt's features at open and each verdict's at its path equal the hidden states a from-scratch
+    forward of the committed sequence gives (the inputs of the layers asked for)."""
+    worker = TargetWorker(CachedLM(target))
+    prompts = {"a": [5, 9, 13, 2, 7], "b": [3], "c": [8, 8, 1]}
+    layers = {"a": (0, 1, 1), "c": (1, 0, 1)}
+    opened = worker.add([(rid, p, SamplingParams(), 0) for rid, p in prompts.items()], layers)
+    assert set(opened) == {"a", "c"}
+
+    def reference(rid, seq):
+        with torch.no_grad():
+            hs = target(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states
+        return torch.cat([hs[i][0] for i in layers[rid]], dim=-1)  # [len(seq), 3H]
+
+    for rid in opened:
+        assert opened[rid].shape == (len(prompts[rid]) - 1, 3 * target.config.hidden_size)
+        torch.testing.assert_close(opened[rid], reference(rid, prompts[rid])[:-1], atol=1e-4, rtol=1e-4)
+    for _ in range(3):  # trees of two branches: the verdict's path is one of them
+        trees = {}
+        for rid in prompts:
+            tree = TokenTree.root(worker.last_token(rid))
+            tree.add_guesses([11, 12], [-1, 0], share_prefix=False)
+            tree.add_guesses([worker.requests[rid].seq[-1]], [-1], share_prefix=False)
+            trees[rid] = tree
+        before = {rid: list(worker.requests[rid].seq) for rid in prompts}
+        outcomes, _ = worker.verify(trees)
+        for rid, verdict in outcomes.items():
+            if rid not in layers:
+                assert verdict.features is None
+                continue
+            seq = worker.requests[rid].seq
+            want = reference(rid, seq)[len(before[rid]) - 1 : len(seq) - 1]  # the root and the accepted nodes
+            torch.testing.assert_close(verdict.features, want, atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------ drafting, lossless
+
+
+@pytest.fixture(scope="module")
+def smooth(tmp_path_factory):
+    """A 3-layer Llama with transformers' own initialisation (conftest's target, scaled up to peaky logits,
+    is a function no head learns in seconds), as served, with prompts and its plain greedy continuations
+    (those passing a near-tie dropped, as conftest's reference)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(5)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    path = tmp_path_factory.mktemp("smooth")
+    model.save_pretrained(path)
+    model = load_served_model(str(path))
+    prompts, conts = [], []
+    for p in [[5], [17, 42]] + make_prompts(seed=3, count=16):
+        tokens, gap = hf_greedy_margin(model, p, NEW_TOKENS)
+        if gap >= MIN_GAP:
+            prompts.append(p)
+            conts.append(tokens)
+    assert len(prompts) >= 10, len(prompts)
+    return model, Reference(prompts, conts)
+
+
+@pytest.fixture(scope="module")
+def trained_head(smooth, tmp_path_factory):
+    """A head trained on text the target samples, for a few seconds: it agrees with the target often."""
+    target, _ = smooth
+    engine = SpeculativeEngine(CachedLM(target), None, eos_token_ids=set())
+    outs = engine.generate([[i] for i in range(0, VOCAB, 2)], 100, SamplingParams(temperature=0.7, seed=0))
+    tokens = torch.cat([torch.tensor([i * 2] + o.token_ids) for i, o in enumerate(outs)])
+    out = tmp_path_factory.mktemp("head")
+    cut = tokens.numel() * 9 // 10
+    summary = train_head(target, _NoTokenizer(), out, tokens[:cut], tokens[cut:], VOCAB - 8,
+                         TrainConfig(steps=150, batch_size=16, seq_len=48), ttt_steps=3)
+    return load_head(out, target), summary
+
+
+def test_training_raises_the_heldout_alpha_at_every_depth(trained_head):
+    _, summary = trained_head
+    before, after = summary["before"]["greedy_alpha"], summary["after"]["greedy_alpha"]
+    assert len(after) == 3
+    assert all(a > b + 0.2 for a, b in zip(after, before)), (before, after)
+    assert summary["after"]["kl"][0] < summary["before"]["kl"][0]
+
+
+@pytest.mark.parametrize("kind, depth, width", [("model", 1, 1), ("model", 4, 1), ("model", 3, 2), ("model", 5, 3),
+                                                ("model+ngram", 4, 2), ("model+suffix", 3, 1), ("model", None, 2)])
+def test_head_greedy_matches_plain(smooth, trained_head, kind, depth, width):
+    (target, reference), (head, _) = smooth, trained_head
+    drafter = make_drafter(kind, CachedLM(head), width)
+    assert isinstance(getattr(drafter, "model", drafter), HeadDrafter)
+    engine = SpeculativeEngine(CachedLM(target), drafter, SpecConfig(depth=depth, max_depth=6), eos_token_ids=set())
+    outs = engine.generate(reference.prompts, NEW_TOKENS)  # prompts of 1..40 tokens, one ragged batch
+    for i, (out, ref) in enumerate(zip(outs, reference.continuations)):
+        assert out.token_ids == ref, f"row {i} (prompt {reference.prompts[i]})"
+        assert out.stats.steps + out.stats.accepted == NEW_TOKENS
+    accepted, drafted = sum(o.stats.accepted for o in outs), sum(o.stats.drafted for o in outs)
+    assert 0 < accepted < drafted
+    if kind == "model" and depth and depth > 1:
+        alphas = [o.stats.alpha for o in outs if o.stats.alpha is not None]
+        assert sum(alphas) / len(alphas) > 0.3  # the trained head drafts well past its first depth
+
+
+def test_head_alone_each_prompt_and_across_calls(smooth, trained_head):
+    (target, reference), (head, _) = smooth, trained_head
+    engine = SpeculativeEngine(CachedLM(target), make_drafter("model", CachedLM(head), 2), SpecConfig(depth=3),
+                               eos_token_ids=set())
+    for prompt, ref in list(zip(reference.prompts, reference.continuations))[:6]:
+        (out,) = engine.generate([prompt], NEW_TOKENS)
+        assert out.token_ids == ref, prompt
+
+
+@pytest.mark.parametrize("depth, width", [(2, 1), (2, 2)])
+def test_head_sampling_matches_target_distribution(small_target, depth, width):
+    """A head over 6 of the 8 ids (its q never proposes the other two): the tokens still follow p."""
+    head = new_head(small_target, torch.tensor([0, 1, 2, 4, 5, 7]))
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() >= 2 and p is not head.embed_tokens.weight:
+                p.normal_(0, 0.3)
+    drafter = make_drafter("model", CachedLM(head.eval()), width)
+    counts, outs = sample_engine(small_target, drafter, depth, width, PARAMS_T1)
+    joint, margins, tv = fit(counts, exact_joint(small_target, PROMPT, 3, PARAMS_T1))
+    assert joint > 1e-4 and min(margins) > 1e-4, (joint, margins, tv)
+    accepted, drafted = sum(o.stats.accepted for o in outs), sum(o.stats.drafted for o in outs)
+    assert 0 < accepted < drafted
+
+
+# ------------------------------------------------------------------ training
+
+
+def test_step_mask_is_a_chain_drafted_from_each_position():
+    """Step 2's query 5 sees step 0's keys 0..3 (the target-fed ones before its chain began), step 1's key 4
+    and its own key 5: the attention of a chain drafted 2 deep from position 3."""
+    m = step_mask(8, 2, "cpu")
+    assert m.shape == (8, 24)
+    assert m[5, :8].tolist() == [True] * 4 + [False] * 4
+    assert m[5, 8:16].nonzero().flatten().tolist() == [4]
+    assert m[5, 16:].nonzero().flatten().tolist() == [5]
+    assert m.any(-1).all()  # every query sees at least itself
+
+
+def test_draft_vocabulary_is_the_most_frequent_tokens():
+    tokens = torch.tensor([5, 5, 5, 2, 2, 9, 1])
+    assert frequent_tokens(tokens, 12, 3).tolist() == [1, 2, 5]  # 5, 2, then the lower of the ones seen once
+
+
+def test_training_resumes_from_its_checkpoint(target, tmp_path):
+    tokens = torch.randint(0, VOCAB, (2000,), generator=torch.Generator().manual_seed(0))
+    cfg = TrainConfig(steps=6, batch_size=4, seq_len=16, checkpoint_every=3)
+    first = train_head(target, _NoTokenizer(), tmp_path, tokens, tokens[:200], 32, cfg)
+    assert first["steps"] == 6 and (tmp_path / "checkpoint" / "checkpoint.pt").is_file()
+    more = train_head(target, _NoTokenizer(), tmp_path, tokens, tokens[:200], 32,
+                      TrainConfig(steps=9, batch_size=4, seq_len=16), resume=True)
+    assert more["steps"] == 9
+    assert load_head(tmp_path, target).d2t.numel() == 32
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        train_head(target, _NoTokenizer(), tmp_path, tokens, tokens[:200], VOCAB + 1, cfg)
+    assert evaluate_head(target, load_head(tmp_path, target), tokens[:200], 2)["greedy_alpha"][1] >= 0
