@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from .drafters import make_drafter
+from .drafters import draft_runner, make_drafter
 from .engine import SpecConfig, SpeculativeEngine
 from .kvcache import CachedLM
 from .drafter_kinds import HEAD_MODES
@@ -71,7 +71,7 @@ def build_modes(target, draft, eos, max_new, params, only: set[str] | None, corp
         return CachedLM(draft)
 
     def hlm():
-        return CachedLM(head)
+        return draft_runner(head)
 
     specs = {
         "chain-k4": lambda: (make_drafter("model", dlm(), 1), SpecConfig(depth=4)),
@@ -85,7 +85,7 @@ def build_modes(target, draft, eos, max_new, params, only: set[str] | None, corp
         "auto": lambda: (make_drafter("model", dlm(), 1), SpecConfig(depth=None)),
         "model+ngram-auto": lambda: (make_drafter("model+ngram", dlm(), 1), SpecConfig(depth=None)),
     }
-    if head is not None:  # HEAD_MODES
+    if head is not None:  # HEAD_MODES: an EAGLE-3 head or Medusa heads
         specs |= {
             "head-k4": lambda: (make_drafter("model", hlm(), 1), SpecConfig(depth=4)),
             "head-tree-2x4": lambda: (make_drafter("model", hlm(), 2), SpecConfig(depth=4)),

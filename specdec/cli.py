@@ -76,7 +76,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                         "resends the last prompt, its output and a follow-up (docs/usage.md)")
     b.add_argument("--turns", type=int, default=DEFAULT_TURNS, help=f"turns per conversation of multi-turn "
                    f"(default {DEFAULT_TURNS})")
-    b.add_argument("--head", help="an EAGLE-3 head's folder for the target: adds the modes " + ", ".join(HEAD_MODES))
+    b.add_argument("--head", help="draft heads' folder for the target (EAGLE-3 or Medusa): adds the modes "
+                   + ", ".join(HEAD_MODES))
     b.add_argument("--corpus", help="a text file or folder: adds the mode rest-auto, suffix drafts that also draw "
                         "from it (REST)")
     b.add_argument("--corpus-max-tokens", type=int, default=1_000_000, help="read at most this many tokens of it")
@@ -86,11 +87,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     d = sub.add_parser("distill", help="train a draft (or an EAGLE-3 head) for a target by knowledge distillation")
     d.add_argument("--target", required=True, help="target model folder")
     d.add_argument("--out", required=True, help="where to save the draft (save_pretrained), or the head (EAGLE-3's layout)")
-    d.add_argument("--head", choices=["eagle3"], help="train an EAGLE-3 head (drafts from the target's hidden states, "
-                   "with EAGLE-3's training-time test) instead of a draft model")
-    d.add_argument("--draft-vocab", type=int, default=32000, help="--head: the draft vocabulary, the most frequent "
+    d.add_argument("--head", choices=["eagle3", "medusa"], help="train draft heads instead of a draft model, which "
+                   "draft from the target's hidden states: an EAGLE-3 head (with EAGLE-3's training-time test) or "
+                   "Medusa heads")
+    d.add_argument("--draft-vocab", type=int, default=32000, help="--head eagle3: the draft vocabulary, the most frequent "
                    "tokens of the training text (at most the target's vocabulary; default 32000)")
-    d.add_argument("--ttt-steps", type=int, default=3, help="--head: steps of the training-time test (default 3)")
+    d.add_argument("--ttt-steps", type=int, default=3, help="--head eagle3: steps of the training-time test (default 3)")
+    d.add_argument("--medusa-heads", type=int, default=4, help="--head medusa: heads, tokens drafted at most (default 4)")
+    d.add_argument("--medusa-layers", type=int, default=1, help="--head medusa: residual layers per head (default 1)")
     d.add_argument("--corpus", nargs="*", default=[], help="text files or folders; none: text the target generates")
     d.add_argument("--layers", type=int, default=1)
     d.add_argument("--hidden", type=int, default=256)
@@ -157,7 +161,7 @@ def spec_config(args):
 def cmd_generate(args) -> None:
     import torch
 
-    from .drafters import make_drafter
+    from .drafters import draft_runner, make_drafter
     from .engine import SpeculativeEngine
     from .kvcache import CachedLM
     from .loading import check_draft_tokenizer, eos_ids, load_draft, load_served_model, load_tokenizer, parse_dtype
@@ -175,7 +179,7 @@ def cmd_generate(args) -> None:
     draft = None
     if args.draft and drafter_name in ("model", "model+ngram"):
         check_draft_tokenizer(tokenizer, args.draft)
-        draft = CachedLM(load_draft(args.draft, target, dtype, args.device, served=True))
+        draft = draft_runner(load_draft(args.draft, target, dtype, args.device, served=True))
     engine = SpeculativeEngine(CachedLM(target), make_drafter(drafter_name, draft, width), config,
                                eos_ids(target.generation_config, tokenizer))
     prompt = tokenizer(args.prompt)["input_ids"]
@@ -232,13 +236,17 @@ def cmd_distill(args) -> None:
 
 
 def distill_head(args, target, tokenizer, tokens, heldout, cfg) -> None:
-    from .head_training import train_head
+    from .head_training import train_head, train_medusa
 
-    vocab = min(args.draft_vocab, target.config.get_text_config().vocab_size)
-    summary = train_head(target, tokenizer, args.out, tokens, heldout, vocab, cfg, args.ttt_steps, args.resume)
+    if args.head == "medusa":
+        summary = train_medusa(target, tokenizer, args.out, tokens, heldout, args.medusa_heads, args.medusa_layers,
+                               cfg, args.resume)
+    else:
+        vocab = min(args.draft_vocab, target.config.get_text_config().vocab_size)
+        summary = train_head(target, tokenizer, args.out, tokens, heldout, vocab, cfg, args.ttt_steps, args.resume)
     b, a = summary["before"]["greedy_alpha"], summary["after"]["greedy_alpha"]
     fmt = lambda alphas: "/".join(f"{x:.3f}" for x in alphas)  # noqa: E731
-    log(f"specdec: head saved to {args.out}; held-out greedy alpha by depth {fmt(b)} -> {fmt(a)}")
+    log(f"specdec: heads saved to {args.out}; held-out greedy alpha by depth {fmt(b)} -> {fmt(a)}")
     if args.json:
         print(json.dumps(summary))
 

@@ -29,6 +29,17 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+@torch.no_grad()
+def dense_weight(layer: nn.Module) -> torch.Tensor:
+    """A linear layer's weight [out, in] as a plain tensor: a PackedLinear's read back through its own product
+    with the identity (exact: every output is one weight times 1 plus zeros)."""
+    if not isinstance(layer, PackedLinear):
+        return layer.weight.detach()
+    eye = torch.eye(layer.in_features, dtype=layer.packed.dtype, device=layer.packed.device)
+    out = layer(eye)  # [in, out] = W^T (+ b)
+    return (out if layer.bias is None else out - layer.bias).T.contiguous()
+
+
 def can_pack(model: nn.Module) -> bool:
     """Packing helps a model served on a CPU whose torch has oneDNN, in a dtype oneDNN runs there."""
     param = next(model.parameters())

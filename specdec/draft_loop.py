@@ -148,7 +148,7 @@ class DraftLoop:
         if joining:
             if self.drafter is not None:
                 # the draft model's draws run where its logits are: a CPU generator cannot draw from CUDA probabilities
-                device = self.drafter.draft_lm.device if self.drafter.draft_lm is not None else "cpu"
+                device = self.drafter.device
                 # rows prefilled off the loop join one by one; the others join at once, as one batch of empty rows
                 prefilled = [r for r in joining if r.draft_prefill is not None]
                 joining = prefilled + [r for r in joining if r.draft_prefill is None]

@@ -23,7 +23,7 @@ class DrafterKind(enum.StrEnum):
         return self in (DrafterKind.MODEL, DrafterKind.MODEL_NGRAM, DrafterKind.MODEL_SUFFIX)
 
 
-# `specdec bench --head DIR`'s modes: an EAGLE-3 head drafting a chain of 4, a tree 2 wide and 4 deep, auto K,
+# `specdec bench --head DIR`'s modes: draft heads (EAGLE-3 or Medusa) drafting a chain of 4, a tree 2 wide and 4 deep, auto K,
 # and auto K with suffix guesses grafted on (the head runs as the "model" of the drafter kinds)
 HEAD_MODES = ("head-k4", "head-tree-2x4", "head-auto", "head+suffix-auto")
 

@@ -48,7 +48,11 @@ class Drafter(Protocol):
 
     @property
     def draft_lm(self) -> CachedLM | None:
-        """The draft model, when there is one (where its draws run)."""
+        """The draft model's cache, when there is one."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where its draws run (its model's device): a request's generator lives there."""
 
     def start(self, batch_size: int) -> None: ...
     def prefill_alone(self, prompts: list[list[int]]) -> Prefilled | None:
@@ -73,6 +77,7 @@ class NgramDrafter:
 
     uses_model, uses_ngram = False, True
     draft_lm = None
+    device = HOST  # where its draws run: it draws none
     shape = DraftShape(DrafterKind.NGRAM)
     feature_layers = ()
 
@@ -143,6 +148,7 @@ class SuffixDrafter:
 
     uses_model, uses_ngram = False, True
     draft_lm = None
+    device = HOST
     feature_layers = ()
 
     def __init__(self, config: SuffixConfig = SuffixConfig(), corpus: TextIndex | None = None):
@@ -220,8 +226,8 @@ def first_guess(draft: Draft) -> int | None:
     return draft.tokens[0] if draft.tokens else None
 
 
-class ModelDrafter:
-    """A draft LM grows a tree `width` wide, one draft forward per depth.
+class TreeGrower:
+    """Grows a tree `width` wide from a model's distributions, one depth at a time (_grow).
 
     Greedy: a dynamic tree (as in EAGLE-2): every frontier node offers its top-`width` children, and
     the `width` candidates of highest cumulative log-probability become the next frontier.
@@ -232,21 +238,88 @@ class ModelDrafter:
     carries it, so the target tests them against the q they came from (any q keeps sampling exact)."""
 
     uses_model, uses_ngram = True, False
-    feature_layers = ()
-    position_shift = 0  # a node's position is its token's (a head's sits one before: specdec.head_drafter)
 
-    def __init__(self, draft: CachedLM, width: int = 1, proposal_top_k: int = DEFAULT_PROPOSAL_TOP_K):
+    def __init__(self, width: int = 1, proposal_top_k: int = DEFAULT_PROPOSAL_TOP_K):
         if width < 1:
             raise ValueError(f"tree width must be >= 1, got {width}")
         if not 1 <= proposal_top_k <= MAX_PROPOSAL_TOP_K:
             raise ValueError(f"proposal_top_k must be in 1..{MAX_PROPOSAL_TOP_K}, got {proposal_top_k}")
-        self.lm, self.width, self.proposal_top_k = draft, width, proposal_top_k
+        self.width, self.proposal_top_k = width, proposal_top_k
         self.shape = DraftShape(DrafterKind.MODEL, width, proposal_top_k)
+
+    def _grow(self, logits, cum, trees, frontier, depths, depth, params, gens):
+        """Add one depth of children under the frontier (logits [B, F, V], cum [B, F], on the draft's
+        device). Updates `trees` and `frontier` in place (and `depths`: a sampled row whose draft
+        distribution is broken stops here) and returns the parent column [B, W] of each new frontier
+        node, their tokens [B, W] and cum [B, W], on the device. Everything is drawn on the device; the
+        host learns the drawn tokens in one transfer for the whole batch."""
+        B, F, V = logits.shape
+        W, device = self.width, logits.device
+        parent_col = torch.zeros(B, W, dtype=torch.long, device=device)
+        tokens = torch.zeros(B, W, dtype=torch.long, device=device)
+        new_cum = torch.full((B, W), float("-inf"), device=device)
+        ok = torch.ones(B, dtype=torch.bool, device=device)  # per row: its draft distribution was one
+        greedy_rows = [b for b in range(B) if params[b].greedy]
+        if greedy_rows:
+            logq = logits[greedy_rows].float().log_softmax(-1)  # [G, F, V]
+            top_logq, top_tok = logq.topk(W, dim=-1)  # [G, F, W]
+            scores = (cum[greedy_rows].unsqueeze(-1) + top_logq).view(len(greedy_rows), F * W)
+            best, flat = scores.topk(W, dim=-1)  # [G, W]
+            parent_col[greedy_rows] = flat // W
+            tokens[greedy_rows] = top_tok.view(len(greedy_rows), F * W).gather(1, flat)
+            new_cum[greedy_rows] = best
+        qs = {}  # sampled row -> q as (ids [F, m], probs [F, m]): what its new nodes were drawn from
+        for b in range(B):
+            if depths[b] < depth or params[b].greedy:
+                continue  # greedy: drawn above; or this row's tree stopped a depth ago (it sat the last forward out)
+            q = warp(logits[b], params[b])  # [F, V]
+            ok[b] = _is_distribution(q)
+            # a broken q (NaN logits, say) is swapped for a uniform one, so the draw cannot fail on the
+            # device; the row is dropped below, once the host sees `ok`
+            q = torch.where(ok[b], q, torch.full_like(q, 1.0 / V))
+            ids, probs = top_proposal(q, self.proposal_top_k)  # [F, m] each: the q the children are drawn from
+            if depth == 1:
+                tokens[b] = ids[0, torch.multinomial(probs[0], W, replacement=True, generator=gens[b])]
+            else:
+                tokens[b] = ids.gather(1, torch.multinomial(probs, 1, generator=gens[b])).view(W)
+                parent_col[b] = torch.arange(W, device=device)
+            qs[b] = ids, probs
+        pcols, toks, oks = to_host(parent_col, tokens, ok)  # the one device-to-host transfer of this depth
+        for b in range(B):
+            if depths[b] < depth:
+                continue
+            if not oks[b]:  # its tree stops here: it costs speed, not the request
+                log.warning("the draft's distribution for row %d is not finite; its tree stops at depth %d",
+                            b, depth - 1)
+                depths[b] = depth - 1
+                continue
+            pids = [trees[b].add_proposal(Proposal(qs[b][0][f], qs[b][1][f])) for f in range(F)] if b in qs else None
+            frontier[b] = [
+                trees[b].add(frontier[b][pc], tok, -1 if pids is None else pids[pc], from_model=True)
+                for pc, tok in zip(pcols[b], toks[b])
+            ]
+        return parent_col, tokens, new_cum
+
+
+
+class ModelDrafter(TreeGrower):
+    """A draft LM grows a tree `width` wide (TreeGrower), one draft forward per depth."""
+
+    feature_layers = ()
+    position_shift = 0  # a node's position is its token's (a head's sits one before: specdec.head_drafter)
+
+    def __init__(self, draft: CachedLM, width: int = 1, proposal_top_k: int = DEFAULT_PROPOSAL_TOP_K):
+        super().__init__(width, proposal_top_k)
+        self.lm = draft
         self.vocab = draft.model.get_input_embeddings().num_embeddings  # ids the draft can read: [0, vocab)
 
     @property
     def draft_lm(self) -> CachedLM:
         return self.lm
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm.device
 
     def _readable(self, chunks: list[list[int]]) -> list[list[int]]:
         """The target's tokens as the draft reads them: an id past the draft's embedding (a row of the
@@ -359,59 +432,6 @@ class ModelDrafter:
         packed = self.lm.forward(tokens, block, positions, visible, sizes=sizes)  # [N, V]
         return _unpacked(packed, sizes, tokens.shape[1]), None
 
-    def _grow(self, logits, cum, trees, frontier, depths, depth, params, gens):
-        """Add one depth of children under the frontier (logits [B, F, V], cum [B, F], on the draft's
-        device). Updates `trees` and `frontier` in place (and `depths`: a sampled row whose draft
-        distribution is broken stops here) and returns the parent column [B, W] of each new frontier
-        node, their tokens [B, W] and cum [B, W], on the device. Everything is drawn on the device; the
-        host learns the drawn tokens in one transfer for the whole batch."""
-        B, F, V = logits.shape
-        W, device = self.width, logits.device
-        parent_col = torch.zeros(B, W, dtype=torch.long, device=device)
-        tokens = torch.zeros(B, W, dtype=torch.long, device=device)
-        new_cum = torch.full((B, W), float("-inf"), device=device)
-        ok = torch.ones(B, dtype=torch.bool, device=device)  # per row: its draft distribution was one
-        greedy_rows = [b for b in range(B) if params[b].greedy]
-        if greedy_rows:
-            logq = logits[greedy_rows].float().log_softmax(-1)  # [G, F, V]
-            top_logq, top_tok = logq.topk(W, dim=-1)  # [G, F, W]
-            scores = (cum[greedy_rows].unsqueeze(-1) + top_logq).view(len(greedy_rows), F * W)
-            best, flat = scores.topk(W, dim=-1)  # [G, W]
-            parent_col[greedy_rows] = flat // W
-            tokens[greedy_rows] = top_tok.view(len(greedy_rows), F * W).gather(1, flat)
-            new_cum[greedy_rows] = best
-        qs = {}  # sampled row -> q as (ids [F, m], probs [F, m]): what its new nodes were drawn from
-        for b in range(B):
-            if depths[b] < depth or params[b].greedy:
-                continue  # greedy: drawn above; or this row's tree stopped a depth ago (it sat the last forward out)
-            q = warp(logits[b], params[b])  # [F, V]
-            ok[b] = _is_distribution(q)
-            # a broken q (NaN logits, say) is swapped for a uniform one, so the draw cannot fail on the
-            # device; the row is dropped below, once the host sees `ok`
-            q = torch.where(ok[b], q, torch.full_like(q, 1.0 / V))
-            ids, probs = top_proposal(q, self.proposal_top_k)  # [F, m] each: the q the children are drawn from
-            if depth == 1:
-                tokens[b] = ids[0, torch.multinomial(probs[0], W, replacement=True, generator=gens[b])]
-            else:
-                tokens[b] = ids.gather(1, torch.multinomial(probs, 1, generator=gens[b])).view(W)
-                parent_col[b] = torch.arange(W, device=device)
-            qs[b] = ids, probs
-        pcols, toks, oks = to_host(parent_col, tokens, ok)  # the one device-to-host transfer of this depth
-        for b in range(B):
-            if depths[b] < depth:
-                continue
-            if not oks[b]:  # its tree stops here: it costs speed, not the request
-                log.warning("the draft's distribution for row %d is not finite; its tree stops at depth %d",
-                            b, depth - 1)
-                depths[b] = depth - 1
-                continue
-            pids = [trees[b].add_proposal(Proposal(qs[b][0][f], qs[b][1][f])) for f in range(F)] if b in qs else None
-            frontier[b] = [
-                trees[b].add(frontier[b][pc], tok, -1 if pids is None else pids[pc], from_model=True)
-                for pc, tok in zip(pcols[b], toks[b])
-            ]
-        return parent_col, tokens, new_cum
-
 
 def _unpacked(packed: torch.Tensor, sizes: list[int], W: int) -> torch.Tensor:
     """[N, X] of the rows given W tokens each (sizes: W or 0) -> [B, W, X], zeros at rows that sat out."""
@@ -465,8 +485,12 @@ class MergedDrafter:
         self.feature_layers = model.feature_layers
 
     @property
-    def draft_lm(self) -> CachedLM:
-        return self.model.lm
+    def draft_lm(self) -> CachedLM | None:
+        return self.model.draft_lm
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
 
     def start(self, batch_size: int) -> None:
         self.model.start(batch_size)
@@ -504,11 +528,11 @@ class MergedDrafter:
         return trees
 
 
-def make_drafter(kind: DrafterKind | str, draft: CachedLM | None, width: int = 1,
+def make_drafter(kind: DrafterKind | str, draft, width: int = 1,
                  proposal_top_k: int = DEFAULT_PROPOSAL_TOP_K, suffix: SuffixConfig = SuffixConfig(),
                  corpus: TextIndex | None = None) -> Drafter | None:
-    """The drafter of this kind (a DrafterKind or its name); the model-based ones need a draft LM; the suffix
-    ones draft from `corpus` too, when given."""
+    """The drafter of this kind (a DrafterKind or its name); the model-based ones need a draft (draft_runner's: a
+    draft model's or an EAGLE-3 head's CachedLM, or Medusa heads); the suffix ones draft from `corpus` too."""
     try:
         kind = DrafterKind(kind)
     except ValueError:
@@ -525,11 +549,22 @@ def make_drafter(kind: DrafterKind | str, draft: CachedLM | None, width: int = 1
     return MergedDrafter(model, SuffixDrafter(suffix, corpus) if kind is DrafterKind.MODEL_SUFFIX else NgramDrafter())
 
 
-def _model_drafter(draft: CachedLM, width: int, proposal_top_k: int) -> ModelDrafter:
-    """A draft model's drafter, or a draft head's when the draft is one (an EAGLE-3 head)."""
+def _model_drafter(draft, width: int, proposal_top_k: int) -> TreeGrower:
+    """The drafter of a draft (draft_runner's): a draft model's, an EAGLE-3 head's or Medusa heads'."""
     from .eagle3 import Eagle3Head
-    from .head_drafter import HeadDrafter
+    from .head_drafter import HeadDrafter, MedusaDrafter
+    from .medusa import MedusaHeads
 
+    if isinstance(draft, MedusaHeads):
+        return MedusaDrafter(draft, width, proposal_top_k)
     if isinstance(draft.model, Eagle3Head):
         return HeadDrafter(draft, width, proposal_top_k)
     return ModelDrafter(draft, width, proposal_top_k)
+
+
+def draft_runner(model: torch.nn.Module):
+    """What make_drafter takes as a draft: a model's CachedLM (a draft model, an EAGLE-3 head), Medusa heads
+    as they are (they keep no cache)."""
+    from .medusa import MedusaHeads
+
+    return model if isinstance(model, MedusaHeads) else CachedLM(model)

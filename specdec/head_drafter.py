@@ -1,6 +1,8 @@
-"""Drafting with an EAGLE-3 head (specdec.eagle3): a ModelDrafter whose model reads, beside each token, a
-feature: the target's hidden states for committed tokens (each verdict carries those of its path, and a
-row joins with its prompt's), the head's own output for the nodes it drafts.
+"""Drafting from the target's own hidden states: each verdict carries those of its path (and a row joins
+with its prompt's), the inputs of the layers the drafter names (feature_layers).
+
+An EAGLE-3 head (specdec.eagle3) is a ModelDrafter whose model reads, beside each token, a feature: the
+target's hidden states for committed tokens, the head's own output for the nodes it drafts.
 
 The head's cache holds one pair (f_t, x_{t+1}) per committed position t whose feature it has: a row of
 committed tokens seq has len(seq) - 1 of them (the target has not run the last token, the root of the
@@ -10,9 +12,11 @@ a committed token is always the target's."""
 
 import torch
 
-from .drafters import ModelDrafter, _unpacked
+from .drafters import ModelDrafter, TreeGrower, _unpacked
 from .eagle3 import Eagle3Head
 from .kvcache import CachedLM, Prefilled
+from .medusa import MedusaHeads
+from .tree import TokenTree
 
 
 class HeadDrafter(ModelDrafter):
@@ -99,3 +103,71 @@ class HeadDrafter(ModelDrafter):
         packed, states = self.lm.forward_hidden(tokens, block, positions, visible, sizes=sizes, features=features)
         W = tokens.shape[1]
         return _unpacked(packed, sizes, W), _unpacked(states[0], sizes, W)
+
+
+class MedusaDrafter(TreeGrower):
+    """Medusa's heads (specdec.medusa) draft from the target's last hidden state at the token before the root
+    (the one whose logits gave the root): depth d's candidates are head d's, all heads in one pass, as a
+    dynamic tree of the `width` likeliest combinations when greedy, chains drawn from each head's q when
+    sampling (TreeGrower). No cache: each step reads the last hidden state of its verdict's path."""
+
+    draft_lm = None
+
+    def __init__(self, heads: MedusaHeads, width: int = 1, proposal_top_k: int = 256):
+        super().__init__(width, proposal_top_k)
+        self.heads = heads
+        self.feature_layers = (heads.target_layers,)  # hidden_states[L]: what the target's LM head reads
+        self.last: list[torch.Tensor | None] = []  # per row: the target's last hidden state before its root [H]
+
+    @property
+    def device(self) -> torch.device:
+        return self.heads.device
+
+    def start(self, batch_size: int) -> None:
+        self.last = [None] * batch_size
+
+    def prefill_alone(self, prompts: list[list[int]]) -> None:
+        return None
+
+    def add_rows(self, n: int, prefilled: Prefilled | None = None, features=None) -> None:
+        features = features if features is not None else [None] * n
+        self.last += [f[-1] if f is not None and f.shape[0] else None for f in features]
+
+    def select(self, rows: list[int]) -> None:
+        self.last = [self.last[r] for r in rows]
+
+    def commit(self, paths, features=None) -> None:
+        for b, f in enumerate(features or []):
+            if f is not None and f.shape[0]:
+                self.last[b] = f[-1]
+
+    def assume(self, paths):
+        raise NotImplementedError("Medusa heads do not draft ahead: the features of an assumed path are not the target's")
+
+    def next_tokens(self, seqs):
+        raise NotImplementedError("Medusa heads do not draft ahead")
+
+    def rollback(self, checkpoint, kept):
+        raise NotImplementedError("Medusa heads do not draft ahead")
+
+    @torch.inference_mode()
+    def propose(self, seqs, plans, params, gens) -> list[TokenTree]:
+        trees = [TokenTree.root(seq[-1]) for seq in seqs]
+        K = self.heads.num_heads
+        depths = [min(p.depth, K) if last is not None else 0 for p, last in zip(plans, self.last)]
+        D = max(depths, default=0)
+        if D == 0:
+            return trees  # a one-token prompt: nothing to draft from until its first verdict
+        H = self.heads.lm_heads[0].in_features
+        zeros = torch.zeros(H, dtype=self.heads.dtype, device=self.device)
+        hidden = torch.stack([last if last is not None else zeros for last in self.last])  # [B, H]
+        logits = self.heads(hidden)  # [B, K, V]: every depth's distribution, in one pass
+        B, W = len(seqs), self.width
+        frontier, cum = [[0] for _ in range(B)], torch.zeros(B, 1, device=self.device)
+        depth_logits = logits[:, 0].unsqueeze(1)  # [B, 1, V]: the root's children
+        for depth in range(1, D + 1):
+            _, _, cum = self._grow(depth_logits, cum, trees, frontier, depths, depth, params, gens)
+            if depth == D or all(d <= depth for d in depths):
+                break
+            depth_logits = logits[:, depth].unsqueeze(1).expand(B, W, -1).contiguous()  # [B, W, V]: the same for every node
+        return trees

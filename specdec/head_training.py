@@ -1,9 +1,15 @@
-"""Training an EAGLE-3 head (specdec.eagle3) for a target, with EAGLE-3's training-time test: the head is
-run `ttt_steps` times over each window, each time reading its own output of the step before in place of
-the target's features, as it will when it drafts deeper than one token. Step j's query at position t
-sees the target-fed keys up to t - j and its own chain's keys of steps 1..j (one per step), exactly the
-attention of a chain drafted j deep from position t - j. The loss at step j (weighted 0.8^j) is
-KL(p || q) over the draft vocabulary: p the target's next-token distribution, renormalised there."""
+"""Training draft heads for a target: EAGLE-3's (specdec.eagle3) and Medusa's (specdec.medusa).
+
+EAGLE-3, with its training-time test: the head is run `ttt_steps` times over each window, each time
+reading its own output of the step before in place of the target's features, as it will when it drafts
+deeper than one token. Step j's query at position t sees the target-fed keys up to t - j and its own
+chain's keys of steps 1..j (one per step), exactly the attention of a chain drafted j deep from position
+t - j. The loss at step j (weighted 0.8^j) is KL(p || q) over the draft vocabulary: p the target's
+next-token distribution, renormalised there.
+
+Medusa, by self-distillation: head i at position t learns the target's distribution at position t + 1 + i
+(KL, weighted 0.8^i), from the target's last hidden state at t; its residual blocks start at zero (each
+head starts as the target's LM head) and the LM head is the target's, shared and kept (original_lm_head)."""
 
 import json
 from pathlib import Path
@@ -12,8 +18,10 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from .cpu_linear import dense_weight
 from .device import HOST
 from .eagle3 import Eagle3Head, head_config, save_head, spread_aux_layers
+from .medusa import MedusaHeads, save_medusa
 from .training import TrainConfig, sample_windows, train
 
 STEP_DECAY = 0.8  # EAGLE-3's weight of the j-th step's loss
@@ -141,5 +149,80 @@ def train_head(target: PreTrainedModel, tokenizer, out_dir: str | Path, tokens: 
     summary = {"out": str(out), **result, "before": before, "after": after, "draft_vocab_size": draft_vocab_size,
                "aux_layers": list(head.aux_layers), "head_params": sum(p.numel() for n, p in head.named_parameters()
                                                                       if not n.startswith("embed_tokens."))}
+    (out / "distill_summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def new_medusa(target: PreTrainedModel, num_heads: int, num_layers: int = 1) -> MedusaHeads:
+    """Fresh Medusa heads for the target: blocks at zero (each head starts as the target's LM head, which they
+    share and do not train)."""
+    tc = target.config.get_text_config()
+    heads = MedusaHeads(tc.hidden_size, tc.vocab_size, num_heads, num_layers, shared_lm_head=True)
+    with torch.no_grad():
+        for block in heads.blocks:
+            for layer in block.layers:
+                layer.weight.zero_()
+        heads.lm_heads[0].weight.copy_(dense_weight(target.get_output_embeddings())[: tc.vocab_size])
+    heads.lm_heads.requires_grad_(False)
+    heads.target_layers = tc.num_hidden_layers
+    return heads.to(target.device, target.dtype)
+
+
+def _medusa_pass(target, heads: MedusaHeads, batch: torch.Tensor):
+    """-> the target's log p [B, S, V] and each head's log q [B, S, V] at every position."""
+    with torch.no_grad():
+        out = target(input_ids=batch, output_hidden_states=True)
+        logp = F.log_softmax(out.logits.float(), -1)
+    logq = [F.log_softmax(q.float(), -1) for q in heads.head_logits(out.hidden_states[-1])]
+    return logp, logq
+
+
+def medusa_loss(target: PreTrainedModel, heads: MedusaHeads):
+    """batch [B, S] -> sum over heads i of 0.8^i KL(p at t + 1 + i || head i at t)."""
+
+    def loss(batch: torch.Tensor) -> torch.Tensor:
+        logp, logq = _medusa_pass(target, heads, batch)
+        total = 0.0
+        for i, q in enumerate(logq):
+            p = logp[:, 1 + i :]  # the target's distribution i + 1 positions on
+            kl = (p.exp() * (p - q[:, : p.shape[1]])).sum(-1)
+            total = total + STEP_DECAY**i * kl.mean()
+        return total
+
+    return loss
+
+
+@torch.no_grad()
+def evaluate_medusa(target, heads: MedusaHeads, tokens: torch.Tensor, seq_len: int = 128, windows: int = 16,
+                    seed: int = 1234) -> dict:
+    """On held-out text, per head: greedy alpha (its argmax is the target's argmax i + 1 positions on) and KL."""
+    batch = sample_windows(tokens, windows, min(seq_len, tokens.numel() - 1), torch.Generator(device=HOST).manual_seed(seed))
+    logp, logq = _medusa_pass(target, heads, batch)
+    alpha, kl = [], []
+    for i, q in enumerate(logq):
+        p = logp[:, 1 + i :]
+        q = q[:, : p.shape[1]]
+        alpha.append(float((p.argmax(-1) == q.argmax(-1)).float().mean()))
+        kl.append(float((p.exp() * (p - q)).sum(-1).mean()))
+    return {"greedy_alpha": alpha, "kl": kl}
+
+
+def train_medusa(target: PreTrainedModel, tokenizer, out_dir: str | Path, tokens: torch.Tensor, heldout: torch.Tensor,
+                 num_heads: int = 4, num_layers: int = 1, cfg: TrainConfig = TrainConfig(), resume: bool = False,
+                 on_step=None) -> dict:
+    """Train Medusa heads for `target` on a token stream and save them (vLLM's layout, with the tokenizer) to
+    out_dir; resumable. -> a summary with held-out alpha per head before and after"""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target.eval().requires_grad_(False)
+    torch.manual_seed(cfg.seed)
+    heads = new_medusa(target, num_heads, num_layers)
+    before = evaluate_medusa(target, heads, heldout)
+    result = train(heads, medusa_loss(target, heads), tokens, cfg, out / "checkpoint", resume, "distill-medusa", on_step)
+    after = evaluate_medusa(target, heads, heldout)
+    save_medusa(heads, out)
+    tokenizer.save_pretrained(out)
+    summary = {"out": str(out), **result, "before": before, "after": after, "num_heads": num_heads,
+               "head_params": sum(p.numel() for p in heads.blocks.parameters())}
     (out / "distill_summary.json").write_text(json.dumps(summary, indent=2))
     return summary

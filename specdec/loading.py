@@ -9,6 +9,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from .cpu_linear import pack_linears
 from .eagle3 import is_eagle3, load_head
+from .medusa import is_medusa, load_medusa
 from .errors import UnsupportedModel
 from .gguf import is_gguf, model_folder
 from .grammar import Grammars
@@ -67,10 +68,10 @@ def check_supported(config: PretrainedConfig) -> None:
 
 def check_model(path: str) -> PretrainedConfig:
     """check_supported for the model in a folder (or a GGUF file), from its config.json alone -> that config."""
-    if is_eagle3(local_folder(path)):  # a Llama config: transformers would load it as a Llama, its weights unread
-        raise UnsupportedModel("EAGLE-3 head", f"{path!r} holds a draft head, not a causal LM: it drafts for its "
-                                               "target (load_draft), in one process (specdec generate and bench); "
-                                               "draft replicas do not serve heads yet")
+    if is_head(local_folder(path)):  # an EAGLE-3 head's config is a Llama's: transformers would load a Llama, its weights unread
+        raise UnsupportedModel("draft head", f"{path!r} holds draft heads (EAGLE-3 or Medusa), not a causal LM: they "
+                                             "draft for their target (load_draft), in one process (specdec generate "
+                                             "and bench); draft replicas do not serve heads yet")
     config = AutoConfig.from_pretrained(local_folder(path))
     check_supported(config)
     return config
@@ -100,10 +101,13 @@ def load_served_model(path: str, dtype: torch.dtype = torch.float32, device: str
 
 def load_draft(path: str, target: PreTrainedModel, dtype: torch.dtype = torch.float32, device: str = "cpu",
                served: bool = False) -> PreTrainedModel:
-    """A draft for this target: an EAGLE-3 head (specdec.eagle3: on the target's device and dtype, refused if
-    made for another target) or a draft model (load_model; as served with `served`)."""
+    """A draft for this target: an EAGLE-3 head (specdec.eagle3) or Medusa heads (specdec.medusa), on the
+    target's device and in its dtype and refused if made for another target, or a draft model (load_model;
+    as served with `served`)."""
     if is_eagle3(local_folder(path)):
         return load_head(local_folder(path), target)
+    if is_medusa(local_folder(path)):
+        return load_medusa(local_folder(path), target)
     return load_served_model(path, dtype, device) if served else load_model(path, dtype, device)
 
 
@@ -151,10 +155,15 @@ def check_same_vocabulary(target: PreTrainedTokenizerBase, draft: PreTrainedToke
 
 
 def check_draft_tokenizer(target: PreTrainedTokenizerBase, draft_path: str) -> None:
-    """check_same_vocabulary for a draft model; a head (which may ship no tokenizer) is checked against its
-    target's vocabulary size as it loads (specdec.eagle3)."""
-    if not is_eagle3(local_folder(draft_path)):
+    """check_same_vocabulary for a draft model; heads (which may ship no tokenizer) are checked against their
+    target's vocabulary size as they load."""
+    if not is_head(local_folder(draft_path)):
         check_same_vocabulary(target, load_tokenizer(draft_path))
+
+
+def is_head(path: str) -> bool:
+    """Whether the folder holds draft heads (EAGLE-3 or Medusa) rather than a model."""
+    return is_eagle3(path) or is_medusa(path)
 
 
 def local_folder(path: str) -> str:

@@ -115,10 +115,11 @@ class TargetWorker:
         return features
 
     def check_layers(self, layers: tuple[int, ...]) -> None:
-        """InvalidArgument("feature_layers") unless each names one of the target's layers."""
-        if any(not 0 <= i < self.num_layers for i in layers):
+        """InvalidArgument("feature_layers") unless each is in [0, L]: layer i's input, or (L) the last hidden
+        state, after the final norm (what the LM head reads: Medusa's)."""
+        if any(not 0 <= i <= self.num_layers for i in layers):
             raise InvalidArgument("feature_layers", f"names layers {list(layers)}; the target has {self.num_layers} "
-                                                    f"(ids in [0, {self.num_layers}))")
+                                                    f"(ids in [0, {self.num_layers}])")
 
     def remove(self, leaving: list[Hashable]) -> None:
         gone = set(leaving)

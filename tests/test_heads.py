@@ -1,7 +1,8 @@
-"""EAGLE-3 heads (specdec.eagle3, specdec.head_drafter, specdec.head_training): a checkpoint in the published
-layout loads and drafts; a head made for another target is refused; the target's features reach the head
-exactly; drafting with a head is lossless (greedy identical to plain decoding, sampling distributed as the
-target's); training raises the held-out alpha and resumes."""
+"""Draft heads, EAGLE-3's (specdec.eagle3) and Medusa's (specdec.medusa), drafting from the target's hidden
+states (specdec.head_drafter) and trained here (specdec.head_training): checkpoints in the published layouts
+load and draft; heads made for another target are refused; the target's features reach the heads exactly;
+drafting with heads is lossless (greedy identical to plain decoding, sampling distributed as the target's);
+training raises the held-out alpha and resumes."""
 
 import json
 
@@ -13,8 +14,11 @@ from specdec import CachedLM, SamplingParams, SpecConfig, SpeculativeEngine
 from specdec.drafters import make_drafter
 from specdec.eagle3 import HeadMismatch, is_eagle3, load_head, save_head
 from specdec.errors import UnsupportedModel
-from specdec.head_drafter import HeadDrafter
-from specdec.head_training import evaluate_head, frequent_tokens, new_head, step_mask, train_head
+from specdec.drafters import draft_runner
+from specdec.head_drafter import HeadDrafter, MedusaDrafter
+from specdec.head_training import (evaluate_head, frequent_tokens, new_head, new_medusa, step_mask, train_head,
+                                   train_medusa)
+from specdec.medusa import MedusaHeads, is_medusa, load_medusa, save_medusa
 from specdec.loading import load_draft, load_model, load_served_model
 from specdec.plain import hf_greedy_margin
 from specdec.target import TargetWorker
@@ -321,3 +325,156 @@ def test_training_resumes_from_its_checkpoint(target, tmp_path):
     with pytest.raises(ValueError, match="draft_vocab_size"):
         train_head(target, _NoTokenizer(), tmp_path, tokens, tokens[:200], VOCAB + 1, cfg)
     assert evaluate_head(target, load_head(tmp_path, target), tokens[:200], 2)["greedy_alpha"][1] >= 0
+
+
+# ------------------------------------------------------------------ Medusa
+
+
+def write_vllm_medusa(path, target, heads: int, layers: int, truncated: int | None = None, bias: bool = True,
+                      shared: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Medusa heads in vLLM's layout, written by hand -> the weights written."""
+    H, V = target.config.hidden_size, target.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    rows = truncated or V
+    weights = {}
+    for i in range(heads):
+        for layer in range(layers):
+            weights[f"blocks.{i}.layers.{layer}.weight"] = torch.randn(H, H, generator=g) * 0.1
+            if bias:
+                weights[f"blocks.{i}.layers.{layer}.bias"] = torch.randn(H, generator=g) * 0.1
+        if not shared:
+            weights[f"lm_heads.{i}.weight"] = torch.randn(rows, H, generator=g)
+    if shared:
+        weights["lm_head.weight"] = torch.randn(rows, H, generator=g)
+    if truncated:
+        weights["token_map"] = torch.randperm(V, generator=g)[:truncated].sort().values
+    config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": H, "vocab_size": V,
+              "num_heads": heads, "num_hidden_layers": layers, "truncated_vocab_size": truncated,
+              "medusa_fc_bias": bias, "original_lm_head": shared}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(weights, path / "model.safetensors")
+    return weights
+
+
+def test_vllms_medusa_layout_loads_as_written(tmp_path, target):
+    written = write_vllm_medusa(tmp_path / "m", target, heads=3, layers=2, truncated=40)
+    assert is_medusa(tmp_path / "m") and not is_eagle3(tmp_path / "m")
+    heads = load_medusa(tmp_path / "m", target)
+    assert heads.num_heads == 3 and heads.target_layers == target.config.num_hidden_layers
+    assert torch.equal(heads.blocks[2].layers[1].bias, written["blocks.2.layers.1.bias"])
+    h = torch.randn(5, target.config.hidden_size)
+    with torch.no_grad():
+        logits = heads(h)  # [5, 3, V]
+        x = h
+        for layer in range(2):
+            x = x + torch.nn.functional.silu(x @ written[f"blocks.1.layers.{layer}.weight"].T
+                                             + written[f"blocks.1.layers.{layer}.bias"])
+        want = x @ written["lm_heads.1.weight"].T  # head 1 over its 40 ids
+    assert logits.shape == (5, 3, VOCAB)
+    torch.testing.assert_close(logits[:, 1, written["token_map"]], want)
+    assert torch.isinf(logits[:, :, [t for t in range(VOCAB) if t not in written["token_map"]]]).all()
+
+
+def test_fasterdecodings_medusa_layout_loads_as_vllms(tmp_path, target):
+    """The original (medusa_num_heads, {i}.{l}.linear.*, {i}.{L}.weight) loads to the same heads as vLLM's."""
+    written = write_vllm_medusa(tmp_path / "vllm", target, heads=2, layers=1)
+    original = {}
+    for i in range(2):
+        original[f"{i}.0.linear.weight"] = written[f"blocks.{i}.layers.0.weight"]
+        original[f"{i}.0.linear.bias"] = written[f"blocks.{i}.layers.0.bias"]
+        original[f"{i}.1.weight"] = written[f"lm_heads.{i}.weight"]
+    (tmp_path / "orig").mkdir()
+    (tmp_path / "orig" / "config.json").write_text(json.dumps(
+        {"medusa_num_heads": 2, "medusa_num_layers": 1, "base_model_name_or_path": "the-target"}))
+    torch.save(original, tmp_path / "orig" / "medusa_lm_head.pt")
+    a, b = load_medusa(tmp_path / "vllm", target), load_medusa(tmp_path / "orig", target)
+    h = torch.randn(4, target.config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(a(h), b(h))
+
+
+def test_medusa_for_another_target_or_out_of_layout_is_refused(tmp_path, target):
+    write_vllm_medusa(tmp_path / "m", target, heads=2, layers=1)
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config | {"hidden_size": 32}))
+    with pytest.raises(HeadMismatch, match="hidden states of size 32"):
+        load_medusa(tmp_path / "m", target)
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config | {"vocab_size": 100}))
+    with pytest.raises(HeadMismatch, match="vocabulary of 100"):
+        load_medusa(tmp_path / "m", target)
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config | {"num_heads": 3}))
+    with pytest.raises(HeadMismatch, match="missing"):
+        load_medusa(tmp_path / "m", target)
+    with pytest.raises(UnsupportedModel, match="draft heads"):
+        load_model(str(tmp_path / "m"))
+
+
+def test_medusa_saved_here_is_vllms_layout(tmp_path, target):
+    heads = new_medusa(target, 3)
+    save_medusa(heads, tmp_path / "s")
+    config = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert config["num_heads"] == 3 and config["original_lm_head"] is True
+    from safetensors.torch import load_file
+
+    assert set(load_file(tmp_path / "s" / "model.safetensors")) == {
+        "blocks.0.layers.0.weight", "blocks.1.layers.0.weight", "blocks.2.layers.0.weight", "lm_head.weight"}
+    again = load_medusa(tmp_path / "s", target)
+    h = torch.randn(3, target.config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(again(h), heads(h))
+        # fresh heads are the target's LM head: each predicts what the target would next
+        torch.testing.assert_close(heads(h)[:, 2], target.lm_head(h))
+
+
+@pytest.fixture(scope="module")
+def trained_medusa(smooth, tmp_path_factory):
+    target, _ = smooth
+    engine = SpeculativeEngine(CachedLM(target), None, eos_token_ids=set())
+    outs = engine.generate([[i] for i in range(0, VOCAB, 2)], 100, SamplingParams(temperature=0.7, seed=1))
+    tokens = torch.cat([torch.tensor([i * 2] + o.token_ids) for i, o in enumerate(outs)])
+    out = tmp_path_factory.mktemp("medusa")
+    cut = tokens.numel() * 9 // 10
+    summary = train_medusa(target, _NoTokenizer(), out, tokens[:cut], tokens[cut:], num_heads=4,
+                           cfg=TrainConfig(steps=150, batch_size=16, seq_len=48))
+    return load_medusa(out, target), summary
+
+
+def test_medusa_training_raises_the_heldout_alpha(trained_medusa):
+    _, summary = trained_medusa
+    before, after = summary["before"]["greedy_alpha"], summary["after"]["greedy_alpha"]
+    assert len(after) == 4
+    # fresh, every head is the target's LM head: it guesses the next token, not the one i + 1 further
+    assert all(a > b for a, b in zip(after, before)), (before, after)
+    assert all(a < 0.9 * b for a, b in zip(summary["after"]["kl"], summary["before"]["kl"])), summary
+
+
+@pytest.mark.parametrize("kind, depth, width", [("model", 1, 1), ("model", 4, 1), ("model", 3, 3),
+                                                ("model", 6, 2), ("model+ngram", 4, 2), ("model", None, 1)])
+def test_medusa_greedy_matches_plain(smooth, trained_medusa, kind, depth, width):
+    """K = 6 over 4 heads drafts 4 deep at most."""
+    (target, reference), (heads, _) = smooth, trained_medusa
+    drafter = make_drafter(kind, draft_runner(heads), width)
+    assert isinstance(getattr(drafter, "model", drafter), MedusaDrafter)
+    engine = SpeculativeEngine(CachedLM(target), drafter, SpecConfig(depth=depth, max_depth=6), eos_token_ids=set())
+    outs = engine.generate(reference.prompts, NEW_TOKENS)
+    for i, (out, ref) in enumerate(zip(outs, reference.continuations)):
+        assert out.token_ids == ref, f"row {i} (prompt {reference.prompts[i]})"
+    accepted, drafted = sum(o.stats.accepted for o in outs), sum(o.stats.drafted for o in outs)
+    assert 0 < accepted < drafted
+    if kind == "model":
+        assert max(o.stats.drafted / o.stats.steps for o in outs) <= width * min(depth or 6, 4)
+
+
+@pytest.mark.parametrize("depth, width", [(2, 1), (2, 2)])
+def test_medusa_sampling_matches_target_distribution(small_target, depth, width):
+    heads = new_medusa(small_target, 2)
+    with torch.no_grad():
+        for block in heads.blocks:
+            block.layers[0].weight.normal_(0, 0.5)
+    drafter = make_drafter("model", draft_runner(heads.eval()), width)
+    counts, outs = sample_engine(small_target, drafter, depth, width, PARAMS_T1)
+    joint, margins, tv = fit(counts, exact_joint(small_target, PROMPT, 3, PARAMS_T1))
+    assert joint > 1e-4 and min(margins) > 1e-4, (joint, margins, tv)
+    accepted, drafted = sum(o.stats.accepted for o in outs), sum(o.stats.drafted for o in outs)
+    assert 0 < accepted < drafted

@@ -1,0 +1,187 @@
+"""Medusa heads (Cai et al., "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding
+Heads", arXiv 2401.10774): K residual blocks on the target's last hidden state (the one its LM head
+reads), each with an LM head; head i, at the position whose logits gave token t, predicts token t + 1 + i.
+All K run in one pass, with no cache of their own.
+
+Two layouts load: vLLM's (config `num_heads`, `num_hidden_layers`, `vocab_size`, `truncated_vocab_size`,
+`medusa_fc_bias`, `original_lm_head`; weights `blocks.{i}.layers.{l}.weight` (and `.bias`),
+`lm_heads.{i}.weight`, or one `lm_head.weight` with original_lm_head, `token_map` when the vocabulary is
+truncated) and FasterDecoding's original (config `medusa_num_heads`, `medusa_num_layers`; weights
+`{i}.{l}.linear.weight`/`.bias` and `{i}.{num_layers}.weight`, in medusa_lm_head.safetensors or .pt)."""
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from .cpu_linear import dense_weight
+from .eagle3 import HeadMismatch
+
+VLLM_FILES = ("model.safetensors", "pytorch_model.bin")
+ORIGINAL_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+
+
+class ResidualBlock(nn.Module):
+    """x + SiLU(W x), `layers` times."""
+
+    def __init__(self, hidden: int, layers: int, bias: bool):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(hidden, hidden, bias=bias) for _ in range(layers)])
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + self.act(layer(x))
+        return x
+
+
+class MedusaHeads(nn.Module):
+    """K heads: hidden [N, H] (the target's last hidden state) -> logits [N, K, V] over the target's
+    vocabulary (ids outside a truncated vocabulary at -inf)."""
+
+    def __init__(self, hidden: int, vocab_size: int, num_heads: int, num_layers: int, bias: bool = False,
+                 shared_lm_head: bool = False, token_map: torch.Tensor | None = None):
+        super().__init__()
+        if num_heads < 1 or num_layers < 0:
+            raise ValueError(f"Medusa needs num_heads >= 1 and num_layers >= 0, got {num_heads}, {num_layers}")
+        self.vocab_size = vocab_size
+        self.blocks = nn.ModuleList([ResidualBlock(hidden, num_layers, bias) for _ in range(num_heads)])
+        rows = vocab_size if token_map is None else token_map.numel()
+        self.lm_heads = nn.ModuleList([nn.Linear(hidden, rows, bias=False) for _ in range(1 if shared_lm_head else num_heads)])
+        self.register_buffer("token_map", token_map if token_map is not None else torch.arange(vocab_size))
+        self.target_layers = 0  # the target's layer count L: hidden_states[L] is what the heads read (set at load)
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def device(self) -> torch.device:
+        return self.token_map.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_heads[0].weight.dtype
+
+    def head_logits(self, hidden: torch.Tensor) -> list[torch.Tensor]:
+        """hidden [N, H] -> K x [N, rows]: each head's logits over its own (maybe truncated) vocabulary."""
+        hidden = hidden.to(self.dtype)
+        return [self.lm_heads[i % len(self.lm_heads)](block(hidden)) for i, block in enumerate(self.blocks)]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = torch.stack(self.head_logits(hidden), dim=1)  # [N, K, rows]
+        if self.token_map.numel() == self.vocab_size:
+            return logits
+        out = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.token_map, logits)
+
+
+def is_medusa(path: str | Path) -> bool:
+    """Whether the folder holds Medusa heads (vLLM's layout or FasterDecoding's)."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    raw = json.loads(config.read_text())
+    return "medusa_num_heads" in raw or raw.get("model_type") == "medusa" or "MedusaModel" in (raw.get("architectures") or ())
+
+
+def _read(path: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor] | None:
+    for name in names:
+        if (path / name).is_file():
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+                return load_file(path / name)
+            return torch.load(path / name, map_location="cpu", weights_only=True)
+    return None
+
+
+def _from_original(raw: dict, weights: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """FasterDecoding's layout as vLLM's: {i}.{l}.linear.* -> blocks.{i}.layers.{l}.*, {i}.{L}.weight -> lm_heads.{i}.weight."""
+    L = int(raw["medusa_num_layers"])
+    renamed = {}
+    for key, tensor in weights.items():
+        head, index, *rest = key.split(".")
+        if int(index) == L:
+            renamed[f"lm_heads.{head}.{'.'.join(rest)}"] = tensor
+        else:
+            renamed[f"blocks.{head}.layers.{index}.{'.'.join(r for r in rest if r != 'linear')}"] = tensor
+    bias = any(k.endswith(".bias") and k.startswith("blocks.") for k in renamed)
+    return {"num_heads": int(raw["medusa_num_heads"]), "num_hidden_layers": L, "medusa_fc_bias": bias}, renamed
+
+
+def load_medusa(path: str | Path, target: PreTrainedModel) -> MedusaHeads:
+    """The Medusa heads in `path` for this target, on its device and in its dtype. HeadMismatch for heads
+    made for another target (hidden size, vocabulary) or weights that do not fit their config."""
+    path = Path(path)
+    raw = json.loads((path / "config.json").read_text())
+    tc = target.config.get_text_config()
+    where = f"the Medusa heads in {str(path)!r}"
+    if "medusa_num_heads" in raw:
+        weights = _read(path, ORIGINAL_FILES)
+        if weights is None:
+            raise FileNotFoundError(f"{where}: no weights ({' or '.join(ORIGINAL_FILES)})")
+        config, weights = _from_original(raw, weights)
+        hidden, vocab = tc.hidden_size, tc.vocab_size  # its config names the base model, not these
+    else:
+        weights = _read(path, VLLM_FILES)
+        if weights is None:
+            raise FileNotFoundError(f"{where}: no weights ({' or '.join(VLLM_FILES)})")
+        config = raw
+        hidden, vocab = int(raw.get("hidden_size", tc.hidden_size)), int(raw.get("vocab_size", tc.vocab_size))
+    weights = {k.removeprefix("medusa_heads."): v for k, v in weights.items()}
+    if hidden != tc.hidden_size:
+        raise HeadMismatch(f"{where} read hidden states of size {hidden}; the target's are {tc.hidden_size}: they were "
+                           "made for another target")
+    if vocab != tc.vocab_size:
+        raise HeadMismatch(f"{where} draft over a vocabulary of {vocab} ids; the target's has {tc.vocab_size}: they "
+                           "were made for another target")
+    token_map = weights.pop("token_map", None)
+    truncated = config.get("truncated_vocab_size")
+    if truncated and truncated < vocab and token_map is None:
+        raise HeadMismatch(f"{where}: truncated_vocab_size {truncated} but no token_map")
+    if token_map is not None and (token_map.min() < 0 or token_map.max() >= vocab
+                                  or token_map.unique().numel() != token_map.numel()):
+        raise HeadMismatch(f"{where}: token_map names ids outside the target's vocabulary [0, {vocab}) or one twice")
+    shared = bool(config.get("original_lm_head", False))
+    heads = MedusaHeads(hidden, vocab, int(config["num_heads"]), int(config.get("num_hidden_layers", 1)),
+                        bool(config.get("medusa_fc_bias", False)), shared,
+                        token_map.long() if token_map is not None else None)
+    if shared and "lm_head.weight" in weights:
+        weights["lm_heads.0.weight"] = weights.pop("lm_head.weight")
+    if shared and "lm_heads.0.weight" not in weights:  # the original LM head: the target's own
+        weights["lm_heads.0.weight"] = dense_weight(target.get_output_embeddings())[heads.token_map.to(target.device)]
+    state = heads.state_dict()
+    missing = sorted(k for k in state if k not in weights and k != "token_map")
+    extra = sorted(k for k in weights if k not in state)
+    if missing or extra:
+        raise HeadMismatch(f"{where}: not in Medusa's layout for its config: missing {missing[:4]}, unexpected {extra[:4]}")
+    for name, tensor in weights.items():
+        if state[name].shape != tensor.shape:
+            raise HeadMismatch(f"{where}: {name} is {tuple(tensor.shape)}, expected {tuple(state[name].shape)}")
+    heads.load_state_dict(weights, strict=False)
+    heads.target_layers = tc.num_hidden_layers  # the last hidden state's index among the target's (what it reads)
+    return heads.to(target.device, target.dtype).eval()
+
+
+def save_medusa(heads: MedusaHeads, path: str | Path) -> None:
+    """Write the heads in vLLM's layout (config.json, model.safetensors), which vLLM and TensorRT-LLM load."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    shared = len(heads.lm_heads) == 1 and heads.num_heads > 1
+    truncated = heads.token_map.numel() < heads.vocab_size
+    config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": heads.lm_heads[0].in_features,
+              "vocab_size": heads.vocab_size, "num_heads": heads.num_heads,
+              "num_hidden_layers": len(heads.blocks[0].layers), "medusa_fc_bias": heads.blocks[0].layers[0].bias is not None
+              if heads.blocks[0].layers else False, "original_lm_head": shared,
+              "truncated_vocab_size": heads.token_map.numel() if truncated else None}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items() if k != "token_map"}
+    if shared:
+        state["lm_head.weight"] = state.pop("lm_heads.0.weight")
+    if truncated:
+        state["token_map"] = heads.token_map.cpu()
+    save_file(state, path / "model.safetensors")
