@@ -7,11 +7,10 @@ import ray
 
 from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.drafter_kinds import DrafterKind, DraftShape
-from specdec.drafters import Drafter, make_drafter
+from specdec.drafters import Drafter, draft_runner, make_drafter
 from specdec.suffix import TextIndex, read_corpus
 from specdec.errors import Unavailable
-from specdec.kvcache import CachedLM
-from specdec.loading import load_served_model, load_tokenizer, parse_dtype
+from specdec.loading import TargetParts, is_head, load_draft, load_served_model, load_tokenizer, local_folder, parse_dtype
 from specdec.sampling import SamplingParams
 
 from specdec.closed import RecentlyClosed
@@ -33,7 +32,7 @@ class DraftReplica:
                  shapes: dict[DrafterKind, DraftShape] | None = None,
                  overlap: bool = True, *, security: LinkSecurity | SharedSecurity, logical_gpus: bool = False,
                  corpora: dict[str, str] | None = None, corpus_max_tokens: int = 1_000_000,
-                 tokenizer: str | None = None):
+                 target_model: str | None = None):
         """drafts: task type -> (model folder, dtype); the "" entry drafts for every other task type.
         shapes: per drafter kind it runs, its tree width and its proposals' entries (speculation.*); the first
         drafts a request that names none. Default: model+ngram.
@@ -42,13 +41,15 @@ class DraftReplica:
         Ray's object store (SharedSecurity), so that it is not among the actor's creation arguments.
         logical_gpus: placement.logical_gpus (as TargetRank: a GPU from Ray without CUDA here stops it).
         corpora: per task type, a corpus its suffix drafts also draw from (speculation.suffix.corpora), read
-        at start with the target's tokenizer (the folder `tokenizer`), up to corpus_max_tokens tokens each."""
+        at start with the target's tokenizer, up to corpus_max_tokens tokens each.
+        target_model: the target's folder (models.target.path): its tokenizer for the corpora, and its config
+        and shared embeddings for draft heads (a draft that is an EAGLE-3 head or Medusa heads)."""
         use_assigned_cpus()
         device = device_for_actor(logical_gpus)  # before anything loads: a wrong image fails here
-        self.models = {task: load_served_model(path, parse_dtype(dtype), device)
+        self.models = {task: load_replica_draft(path, target_model, parse_dtype(dtype), device)
                        for task, (path, dtype) in drafts.items()}
         self.shapes = dict(shapes or {DrafterKind.MODEL_NGRAM: DraftShape()})
-        self.corpora = read_corpora(corpora or {}, tokenizer, corpus_max_tokens)
+        self.corpora = read_corpora(corpora or {}, target_model, corpus_max_tokens)
         self.overlap = overlap
         for kind in self.shapes:
             self._make_drafter(self.models.get(""), kind)  # fail at start
@@ -83,14 +84,16 @@ class DraftReplica:
             self._connect(target_address)
         loop = self.running[request_id] = self._loop_for(task_type, drafter)  # from here on it can be cancelled
         try:
-            # the draft runs the prompt while the target does (each on its own device)
+            # the draft runs the prompt while the target does (each on its own device); a head's prompt runs
+            # with the target's features, which come with the open
             # the open awaits admission holding no thread (the target may keep it waiting for room)
-            _, prefilled = await asyncio.gather(
-                self.target.open_async(request_id, prompt, params, stream, max_new_tokens),
+            layers = loop.drafter.feature_layers if loop.drafter is not None else ()
+            features, prefilled = await asyncio.gather(
+                self.target.open_async(request_id, prompt, params, stream, max_new_tokens, layers),
                 asyncio.to_thread(loop.prefill, prompt))
             steps = StepStream()
             loop.join(DraftRequest(request_id, prompt, params, max_new_tokens, set(eos), depth, steps, stream,
-                                   draft_prefill=prefilled))
+                                   draft_prefill=prefilled, features=features))
             async for item in steps.items():
                 yield item
         finally:  # an open refused (the target full or gone) leaves nothing behind either
@@ -125,8 +128,18 @@ class DraftReplica:
 
     def _make_drafter(self, model, kind: DrafterKind, corpus: TextIndex | None = None) -> Drafter | None:
         shape = self.shapes[kind]
-        return make_drafter(kind, CachedLM(model) if model is not None else None, shape.width,
+        return make_drafter(kind, draft_runner(model) if model is not None else None, shape.width,
                             shape.proposal_top_k, shape.suffix, corpus)
+
+
+def load_replica_draft(path: str, target_model: str | None, dtype, device):
+    """A draft model (as served), or draft heads for the target in `target_model` (its config and shared
+    embeddings read from its folder; the heads are refused if made for another target)."""
+    if is_head(local_folder(path)):
+        if target_model is None:
+            raise ValueError(f"{path!r} holds draft heads: they need their target's folder (models.target.path)")
+        return load_draft(path, TargetParts(target_model, dtype, device), dtype, device)
+    return load_served_model(path, dtype, device)
 
 
 def read_corpora(corpora: dict[str, str], tokenizer: str | None, max_tokens: int) -> dict[str, TextIndex]:

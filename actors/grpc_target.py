@@ -3,9 +3,10 @@
 import asyncio
 
 import grpc
+import torch
 
 from protos import specdec_tree_pb2 as tree_pb
-from specdec.errors import ResourceExhausted, Unavailable
+from specdec.errors import RequestFailed, ResourceExhausted, Unavailable
 from specdec.sampling import SamplingParams
 from specdec.target import Outcome
 from specdec.tree import TokenTree
@@ -29,28 +30,51 @@ class GrpcTarget:
     statuses the core's typed error (wire.error_of_status). verify() returns each row's verdict or its own
     error: one bad tree fails its request alone."""
 
-    def __init__(self, stub, open_timeout_s: float = OPEN_TIMEOUT_S,
-                 verify_timeout_s: float = VERIFY_TIMEOUT_S):  # stub: specdec_tree_pb2_grpc.TargetServiceStub
+    def __init__(self, stub, open_timeout_s: float = OPEN_TIMEOUT_S, verify_timeout_s: float = VERIFY_TIMEOUT_S,
+                 message_limit: int = MAX_MESSAGE_BYTES):  # stub: specdec_tree_pb2_grpc.TargetServiceStub
         self.stub = stub
-        self.open_timeout_s, self.verify_timeout_s = open_timeout_s, verify_timeout_s
+        self.open_timeout_s, self.verify_timeout_s, self.limit = open_timeout_s, verify_timeout_s, message_limit
+        self.feature_row_bytes = 0  # the widest features a verdict carries per node (of the requests opened)
 
-    def _open_request(self, rid, prompt, params, stream, max_new_tokens) -> tree_pb.OpenRequest:
+    def _open_request(self, rid, prompt, params, stream, max_new_tokens, feature_layers) -> tree_pb.OpenRequest:
         return tree_pb.OpenRequest(request_id=rid, prompt=prompt, stream=stream, params=wire.sampling_to_proto(params),
-                                   max_new_tokens=max_new_tokens)
+                                   max_new_tokens=max_new_tokens, feature_layers=list(feature_layers))
 
     def open(self, rid: str, prompt: list[int], params: SamplingParams, stream: int = 0,
-             max_new_tokens: int = 0) -> None:
+             max_new_tokens: int = 0, feature_layers: tuple[int, ...] = ()) -> torch.Tensor | None:
+        """Open the request; with feature_layers, -> its prompt's features [len(prompt) - 1, F] (on the host)."""
         try:
-            self.stub.Open(self._open_request(rid, prompt, params, stream, max_new_tokens),
+            self.stub.Open(self._open_request(rid, prompt, params, stream, max_new_tokens, feature_layers),
                            timeout=self.open_timeout_s)
         except grpc.RpcError as e:
             raise self._open_error(e) from None
+        return self.prompt_features(rid) if feature_layers else None
+
+    def prompt_features(self, rid: str) -> torch.Tensor:
+        """An opened request's prompt features, in as many PromptFeatures calls as the message limit needs."""
+        chunks, start, total = [], 0, None
+        while total is None or start < total:
+            try:
+                reply = self.stub.PromptFeatures(tree_pb.PromptFeaturesRequest(request_id=rid, start=start),
+                                                 timeout=self.verify_timeout_s)
+            except grpc.RpcError as e:
+                raise _error(e) from None
+            chunk = wire.features_from_proto(reply.features, "features")
+            if not chunk.shape[0] and reply.total_rows > start:
+                raise RequestFailed(f"request {rid!r}: the target sent no prompt features from row {start} of "
+                                    f"{reply.total_rows}")
+            chunks.append(chunk)
+            start, total = start + chunk.shape[0], reply.total_rows
+        features = torch.cat(chunks)
+        self.feature_row_bytes = max(self.feature_row_bytes, features.shape[1] * features.element_size())
+        return features
 
     async def open_async(self, rid: str, prompt: list[int], params: SamplingParams, stream: int = 0,
-                         max_new_tokens: int = 0) -> None:
+                         max_new_tokens: int = 0, feature_layers: tuple[int, ...] = ()) -> torch.Tensor | None:
         """open() awaited on an event loop, holding no thread while the target keeps it waiting for room;
-        cancelling it cancels the call (the target then drops the request from its queue)."""
-        call = self.stub.Open.future(self._open_request(rid, prompt, params, stream, max_new_tokens),
+        cancelling it cancels the call (the target then drops the request from its queue). Its prompt's
+        features, once it is admitted, are read on a thread (a few calls, none of them waiting for room)."""
+        call = self.stub.Open.future(self._open_request(rid, prompt, params, stream, max_new_tokens, feature_layers),
                                      timeout=self.open_timeout_s)
         loop = asyncio.get_running_loop()
         finished = loop.create_future()
@@ -65,6 +89,7 @@ class GrpcTarget:
             call.result()
         except grpc.RpcError as e:
             raise self._open_error(e) from None
+        return await asyncio.to_thread(self.prompt_features, rid) if feature_layers else None
 
     def _open_error(self, e: grpc.RpcError) -> Exception:
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -75,7 +100,7 @@ class GrpcTarget:
     def verify(self, trees: dict[str, TokenTree]) -> dict[str, Outcome]:
         """The trees in as few Verify calls as the link's message limit allows, sent at once (the target
         verifies what has come in its next forward); a tree over the limit by itself fails its own request."""
-        requests, outcomes = wire.verify_requests(trees, MAX_MESSAGE_BYTES)
+        requests, outcomes = wire.verify_requests(trees, self.limit, self.feature_row_bytes)
         calls = [self.stub.Verify.future(request, timeout=self.verify_timeout_s) for request in requests]
         for call in calls:
             try:

@@ -26,9 +26,9 @@ class LockstepWorker:
     def __init__(self, worker: TargetWorker, group: dist.ProcessGroup):
         self.worker, self.group = worker, group
 
-    def add(self, joining):
+    def add(self, joining, feature_layers=None):
         pinned = [(rid, prompt, _with_seed(params), stream) for rid, prompt, params, stream in joining]
-        return self._mirrored("add", pinned)
+        return self._mirrored("add", pinned, feature_layers)
 
     def remove(self, leaving):
         return self._mirrored("remove", leaving)

@@ -20,6 +20,7 @@ from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.errors import InvalidArgument
 
 from . import wire
+from .security import MAX_MESSAGE_BYTES
 from specdec.scheduler import TargetScheduler
 
 log = logging.getLogger(__name__)
@@ -27,8 +28,9 @@ VERIFY_THREADS = 16  # Verify calls waiting for a forward at once (one per repli
 
 
 class TargetService(tree_grpc.TargetServiceServicer):
-    def __init__(self, scheduler: TargetScheduler, verify_threads: int = VERIFY_THREADS):
-        self.scheduler = scheduler
+    def __init__(self, scheduler: TargetScheduler, verify_threads: int = VERIFY_THREADS,
+                 message_limit: int = MAX_MESSAGE_BYTES):
+        self.scheduler, self.limit = scheduler, message_limit  # limit: the link's, which a reply must fit
         self._verifiers = ThreadPoolExecutor(verify_threads, thread_name_prefix="verify-rpc")
 
     async def Open(self, request, context):
@@ -41,7 +43,7 @@ class TargetService(tree_grpc.TargetServiceServicer):
                 loop.call_soon_threadsafe(_settle, admitted, error)
 
             self.scheduler.open_then(args.request_id, args.prompt, args.params, args.stream, args.max_new_tokens,
-                                     done)  # a refusal at the door raises here: nothing of it is left behind
+                                     done, args.feature_layers)  # a refusal at the door raises here: nothing is left
             try:
                 await admitted
             except asyncio.CancelledError:  # the caller hung up or its deadline passed: it leaves the queue
@@ -65,6 +67,17 @@ class TargetService(tree_grpc.TargetServiceServicer):
             return self.scheduler.verify(trees)
         except Exception as e:  # noqa: BLE001 - each row learns it
             return {rid: e for rid in trees}
+
+    async def PromptFeatures(self, request, context):
+        async with _status(context):
+            wire.check_request_id(request.request_id, "request_id")
+            return await asyncio.get_running_loop().run_in_executor(self._verifiers, self._prompt_features, request)
+
+    def _prompt_features(self, request) -> tree_pb.PromptFeaturesResponse:
+        """As many rows as one message holds, from request.start on (read off the device here, not on the event loop)."""
+        chunk, total = self.scheduler.prompt_features(
+            request.request_id, request.start, lambda width, dtype: wire.feature_rows_that_fit(width, dtype, self.limit))
+        return tree_pb.PromptFeaturesResponse(features=wire.features_to_proto(chunk), total_rows=total)
 
     async def Close(self, request, context):  # returns at once: the rows go before the next forward
         self.scheduler.close(list(request.request_ids))

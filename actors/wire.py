@@ -52,15 +52,18 @@ def _proposals_to_proto(proposals: list[Proposal]) -> list[tree_pb.Proposal]:
 TREE_FRAMING_BYTES = 6
 
 
-def verify_requests(trees: dict[str, TokenTree], limit: int) -> tuple[list[tree_pb.VerifyRequest], dict[str, Exception]]:
+def verify_requests(trees: dict[str, TokenTree], limit: int,
+                    reply_bytes_per_node: int = 0) -> tuple[list[tree_pb.VerifyRequest], dict[str, Exception]]:
     """The trees as VerifyRequests of at most `limit` bytes each (the link's message limit), in order, as few
     as fit, and the requests whose tree alone is over the limit, each with its own error (RequestFailed,
-    naming its size and the limit): it fails its request, never the others sent beside it."""
+    naming its size and the limit): it fails its request, never the others sent beside it. With
+    `reply_bytes_per_node` (the features each verdict carries per node of its path), a tree also counts the
+    most its verdict may bring back, so that the reply to each request fits the limit too."""
     messages, refused = [], {}
     batch, size = [], 0
     for rid, tree in trees.items():
         msg = tree_to_proto(rid, tree)
-        n = msg.ByteSize() + TREE_FRAMING_BYTES
+        n = max(msg.ByteSize(), (tree.depth + 1) * reply_bytes_per_node) + TREE_FRAMING_BYTES
         if n > limit:
             refused[rid] = RequestFailed(f"its candidate tree ({len(tree)} nodes, {len(tree.proposals)} proposals) "
                                          f"is {n} bytes, over the draft-to-target link's message limit of {limit} "
@@ -164,6 +167,51 @@ def _proposal_from_proto(p: tree_pb.Proposal, field: str) -> Proposal:
     return Proposal(ids, q)
 
 
+# --- the target's hidden states (a draft head's features) -----------------------------------------------------
+
+FEATURE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+MAX_FEATURE_WIDTH = 1 << 16  # values per row (3 x the widest hidden sizes, ~16k, fits many times over)
+
+
+def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What hidden states of this dtype travel as: 16-bit as they are, anything else as bfloat16 (they feed a
+    draft head: its guesses, never what the target commits, depend on them)."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def features_to_proto(features: torch.Tensor) -> tree_pb.Features:
+    """features [rows, width] -> their bytes, in wire_dtype, leaving the device in one copy."""
+    dtype = wire_dtype(features.dtype)
+    name = next(n for n, d in FEATURE_DTYPES.items() if d == dtype)
+    host = features.detach().to(dtype).to(HOST).contiguous()
+    data = host.view(torch.int16).numpy().tobytes()  # numpy has no bfloat16: its bytes, as int16
+    return tree_pb.Features(data=data, rows=host.shape[0], width=host.shape[1], dtype=name)
+
+
+def features_from_proto(msg: tree_pb.Features, field: str, rows: int | None = None) -> torch.Tensor:
+    """-> [rows, width] on the host, in the wire's dtype; InvalidArgument naming the field when the message is
+    not a rows x width block of its dtype (or not `rows` rows, when given)."""
+    if msg.dtype not in FEATURE_DTYPES:
+        raise InvalidArgument(f"{field}.dtype", f"{msg.dtype!r}: must be one of {', '.join(FEATURE_DTYPES)}")
+    if msg.rows < 0 or not 1 <= msg.width <= MAX_FEATURE_WIDTH:
+        raise InvalidArgument(f"{field}.width", f"{msg.rows} rows of {msg.width} values: rows >= 0, width in "
+                                                f"1..{MAX_FEATURE_WIDTH}")
+    if rows is not None and msg.rows != rows:
+        raise InvalidArgument(f"{field}.rows", f"{msg.rows} rows, expected {rows}")
+    dtype = FEATURE_DTYPES[msg.dtype]
+    size = torch.tensor([], dtype=dtype).element_size()
+    if len(msg.data) != msg.rows * msg.width * size:
+        raise InvalidArgument(f"{field}.data", f"{len(msg.data)} bytes for {msg.rows} x {msg.width} {msg.dtype} values")
+    if not msg.rows:
+        return torch.zeros(0, msg.width, dtype=dtype)
+    return torch.frombuffer(bytearray(msg.data), dtype=dtype).view(msg.rows, msg.width)
+
+
+def feature_rows_that_fit(width: int, dtype: torch.dtype, limit: int) -> int:
+    """Rows of hidden states one message of `limit` bytes holds (with room for its framing), at least 1."""
+    return max(1, (limit - 1024) // (width * wire_dtype(dtype).itemsize))
+
+
 @dataclass(frozen=True)
 class OpenArgs:
     """An OpenRequest, checked: what TargetScheduler.open takes."""
@@ -173,6 +221,7 @@ class OpenArgs:
     params: SamplingParams
     stream: int
     max_new_tokens: int
+    feature_layers: tuple[int, ...] = ()
 
 
 def open_from_proto(msg: tree_pb.OpenRequest) -> OpenArgs:
@@ -187,17 +236,21 @@ def open_from_proto(msg: tree_pb.OpenRequest) -> OpenArgs:
         raise InvalidArgument("max_new_tokens", f"must be >= 0, got {msg.max_new_tokens}")
     if msg.stream < 0:
         raise InvalidArgument("stream", f"must be >= 0, got {msg.stream}")
+    if len(msg.feature_layers) > 8 or any(i < 0 for i in msg.feature_layers):
+        raise InvalidArgument("feature_layers", f"{list(msg.feature_layers)}: at most 8 layer ids, each >= 0")
     try:
         params = sampling_from_proto(msg.params)
     except InvalidArgument as e:
         raise InvalidArgument(f"params.{e.field}", e.reason) from None
-    return OpenArgs(msg.request_id, list(msg.prompt), params, msg.stream, msg.max_new_tokens)
+    return OpenArgs(msg.request_id, list(msg.prompt), params, msg.stream, msg.max_new_tokens, tuple(msg.feature_layers))
 
 
 def verdict_to_proto(request_id: str, v: Verdict) -> tree_pb.VerifyResult:
     logprobs = [tree_pb.CommittedLogprob(logprob=e.logprob, top_tokens=[t for t, _ in e.top],
                                          top_logprobs=[lp for _, lp in e.top]) for e in v.logprobs]
-    return tree_pb.VerifyResult(request_id=request_id, path=v.path, tokens=v.tokens, logprobs=logprobs)
+    features = features_to_proto(v.features) if v.features is not None else None
+    return tree_pb.VerifyResult(request_id=request_id, path=v.path, tokens=v.tokens, logprobs=logprobs,
+                                features=features)
 
 
 def verdict_from_proto(msg: tree_pb.VerifyResult) -> tuple[str, Verdict]:
@@ -211,7 +264,13 @@ def verdict_from_proto(msg: tree_pb.VerifyResult) -> tuple[str, Verdict]:
                          f"for {len(msg.tokens)} tokens), each with as many top tokens as top logprobs")
     logprobs = [TokenLogprob(token, e.logprob, list(zip(e.top_tokens, e.top_logprobs)))
                 for token, e in zip(msg.tokens, msg.logprobs)]
-    return msg.request_id, Verdict(path=list(msg.path), tokens=list(msg.tokens), logprobs=logprobs)
+    features = None
+    if msg.HasField("features"):
+        try:
+            features = features_from_proto(msg.features, "features", rows=len(msg.path))
+        except InvalidArgument as e:
+            raise ValueError(f"verdict of request {msg.request_id!r}: {e}") from None
+    return msg.request_id, Verdict(path=list(msg.path), tokens=list(msg.tokens), logprobs=logprobs, features=features)
 
 
 def sampling_to_proto(p: SamplingParams) -> tree_pb.SamplingParams:

@@ -91,7 +91,7 @@ def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
                                  name=f"draft-{i}-{topo.tag}", namespace=NAMESPACE)
             .remote(models.drafts(), topo.target_address, spec.shapes(), spec.overlap,
                     corpora=spec.suffix.corpora, corpus_max_tokens=spec.suffix.corpus_max_tokens,
-                    tokenizer=models.target.path,
+                    target_model=models.target.path,
                     security=topo.shared, logical_gpus=place.logical_gpus)
             for i in range(n_drafts)]
         ray.get([d.ready.remote() for d in topo.drafts], timeout=timeout_s)

@@ -44,22 +44,52 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., end_ids: _Optional[_Iterable[int]] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "params", "stream", "max_new_tokens")
+    __slots__ = ("request_id", "prompt", "params", "stream", "max_new_tokens", "feature_layers")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     stream: int
     max_new_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+    feature_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class Features(_message.Message):
+    __slots__ = ("data", "rows", "width", "dtype")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    rows: int
+    width: int
+    dtype: str
+    def __init__(self, data: _Optional[bytes] = ..., rows: _Optional[int] = ..., width: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class PromptFeaturesRequest(_message.Message):
+    __slots__ = ("request_id", "start")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    start: int
+    def __init__(self, request_id: _Optional[str] = ..., start: _Optional[int] = ...) -> None: ...
+
+class PromptFeaturesResponse(_message.Message):
+    __slots__ = ("features", "total_rows")
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    features: Features
+    total_rows: int
+    def __init__(self, features: _Optional[_Union[Features, _Mapping]] = ..., total_rows: _Optional[int] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("request_ids",)
@@ -124,18 +154,20 @@ class RowError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., field: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("request_id", "path", "tokens", "logprobs", "error")
+    __slots__ = ("request_id", "path", "tokens", "logprobs", "error", "features")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     path: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[CommittedLogprob]
     error: RowError
-    def __init__(self, request_id: _Optional[str] = ..., path: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[CommittedLogprob, _Mapping]]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ...) -> None: ...
+    features: Features
+    def __init__(self, request_id: _Optional[str] = ..., path: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[CommittedLogprob, _Mapping]]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("results",)

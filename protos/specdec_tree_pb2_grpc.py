@@ -49,6 +49,11 @@ class TargetServiceStub:
                 request_serializer=protos_dot_specdec__tree__pb2.CloseRequest.SerializeToString,
                 response_deserializer=protos_dot_specdec__tree__pb2.CloseResponse.FromString,
                 _registered_method=True)
+        self.PromptFeatures = channel.unary_unary(
+                '/specdec.v1.TargetService/PromptFeatures',
+                request_serializer=protos_dot_specdec__tree__pb2.PromptFeaturesRequest.SerializeToString,
+                response_deserializer=protos_dot_specdec__tree__pb2.PromptFeaturesResponse.FromString,
+                _registered_method=True)
 
 
 class TargetServiceServicer:
@@ -73,6 +78,13 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PromptFeatures(self, request, context):
+        """after Open, with feature_layers
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -90,6 +102,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.Close,
                     request_deserializer=protos_dot_specdec__tree__pb2.CloseRequest.FromString,
                     response_serializer=protos_dot_specdec__tree__pb2.CloseResponse.SerializeToString,
+            ),
+            'PromptFeatures': grpc.unary_unary_rpc_method_handler(
+                    servicer.PromptFeatures,
+                    request_deserializer=protos_dot_specdec__tree__pb2.PromptFeaturesRequest.FromString,
+                    response_serializer=protos_dot_specdec__tree__pb2.PromptFeaturesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -173,6 +190,33 @@ class TargetService:
             '/specdec.v1.TargetService/Close',
             protos_dot_specdec__tree__pb2.CloseRequest.SerializeToString,
             protos_dot_specdec__tree__pb2.CloseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PromptFeatures(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.TargetService/PromptFeatures',
+            protos_dot_specdec__tree__pb2.PromptFeaturesRequest.SerializeToString,
+            protos_dot_specdec__tree__pb2.PromptFeaturesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -76,7 +76,7 @@ class HeadDrafter(ModelDrafter):
         chunks, fused = [], []
         for b, seq in enumerate(seqs):
             have = self.lm.lengths[b]
-            f = torch.cat(self.pending[b]) if self.pending[b] else None
+            f = torch.cat(self.pending[b]).to(self.lm.device) if self.pending[b] else None  # from the wire: on the host
             n = 0 if f is None else f.shape[0]
             if have + n != len(seq) - 1:
                 raise RuntimeError(f"row {b}: the head has {have} positions and {n} features waiting for a sequence "
@@ -160,7 +160,8 @@ class MedusaDrafter(TreeGrower):
             return trees  # a one-token prompt: nothing to draft from until its first verdict
         H = self.heads.lm_heads[0].in_features
         zeros = torch.zeros(H, dtype=self.heads.dtype, device=self.device)
-        hidden = torch.stack([last if last is not None else zeros for last in self.last])  # [B, H]
+        hidden = torch.stack([last.to(self.device, self.heads.dtype) if last is not None else zeros
+                              for last in self.last])  # [B, H]
         logits = self.heads(hidden)  # [B, K, V]: every depth's distribution, in one pass
         B, W = len(seqs), self.width
         frontier, cum = [[0] for _ in range(B)], torch.zeros(B, 1, device=self.device)

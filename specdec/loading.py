@@ -1,5 +1,6 @@
 """Loading a target and a draft through transformers, and checking they share one vocabulary."""
 
+import json
 from pathlib import Path
 
 import torch
@@ -8,7 +9,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Distr
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .cpu_linear import pack_linears
-from .eagle3 import is_eagle3, load_head
+from .eagle3 import HeadMismatch, is_eagle3, load_head
 from .medusa import is_medusa, load_medusa
 from .errors import UnsupportedModel
 from .gguf import is_gguf, model_folder
@@ -70,8 +71,7 @@ def check_model(path: str) -> PretrainedConfig:
     """check_supported for the model in a folder (or a GGUF file), from its config.json alone -> that config."""
     if is_head(local_folder(path)):  # an EAGLE-3 head's config is a Llama's: transformers would load a Llama, its weights unread
         raise UnsupportedModel("draft head", f"{path!r} holds draft heads (EAGLE-3 or Medusa), not a causal LM: they "
-                                             "draft for their target (load_draft), in one process (specdec generate "
-                                             "and bench); draft replicas do not serve heads yet")
+                                             "draft for their target (load_draft, or a draft replica's models.draft)")
     config = AutoConfig.from_pretrained(local_folder(path))
     check_supported(config)
     return config
@@ -99,7 +99,7 @@ def load_served_model(path: str, dtype: torch.dtype = torch.float32, device: str
     return pack_linears(load_model(path, dtype, device))
 
 
-def load_draft(path: str, target: PreTrainedModel, dtype: torch.dtype = torch.float32, device: str = "cpu",
+def load_draft(path: str, target: "PreTrainedModel | TargetParts", dtype: torch.dtype = torch.float32, device: str = "cpu",
                served: bool = False) -> PreTrainedModel:
     """A draft for this target: an EAGLE-3 head (specdec.eagle3) or Medusa heads (specdec.medusa), on the
     target's device and in its dtype and refused if made for another target, or a draft model (load_model;
@@ -109,6 +109,67 @@ def load_draft(path: str, target: PreTrainedModel, dtype: torch.dtype = torch.fl
     if is_medusa(local_folder(path)):
         return load_medusa(local_folder(path), target)
     return load_served_model(path, dtype, device) if served else load_model(path, dtype, device)
+
+
+class TargetParts:
+    """What draft heads take from their target, read from its folder without loading its layers (a draft
+    replica holds no target): its config, device and dtype, and its input embedding and LM head, which a head
+    may share (an EAGLE-3 head without embed_tokens, Medusa's original_lm_head)."""
+
+    def __init__(self, path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        self.path = local_folder(path)
+        self.config = check_model(path)
+        self.dtype, self.device = dtype, torch.device(device)
+
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        weight = self._read(self._names()[0])
+        return torch.nn.Embedding.from_pretrained(weight, freeze=True)
+
+    def get_output_embeddings(self) -> torch.nn.Linear:
+        embedding, head = self._names()
+        weight = self._read(head) if head is not None and self._has(head) else self._read(embedding)  # tied: one
+        layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=self.device, dtype=self.dtype)
+        layer.weight.data = weight
+        return layer
+
+    def _names(self) -> tuple[str, str | None]:
+        """The checkpoint names of the embedding's and the LM head's weights (from the model built on no device)."""
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self.config)
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        head = model.get_output_embeddings()
+        return names[id(model.get_input_embeddings().weight)], names.get(id(head.weight)) if head is not None else None
+
+    def _files(self) -> dict[str, Path]:
+        """checkpoint name -> the safetensors file holding it."""
+        folder = Path(self.path)
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            return {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+        from safetensors import safe_open
+
+        single = folder / "model.safetensors"
+        if not single.is_file():
+            raise FileNotFoundError(f"the target in {self.path!r} has no safetensors weights, which draft heads read "
+                                    "their shared embedding from")
+        with safe_open(single, "pt") as f:
+            return {k: single for k in f.keys()}
+
+    def _key(self, name: str) -> str | None:
+        files = self._files()
+        return name if name in files else next((k for k in files if k.endswith("." + name) or name.endswith("." + k)), None)
+
+    def _has(self, name: str) -> bool:
+        return self._key(name) is not None
+
+    def _read(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        key = self._key(name)
+        if key is None:
+            raise HeadMismatch(f"the target in {self.path!r} has no {name} in its weights")
+        with safe_open(self._files()[key], "pt", device="cpu") as f:
+            return f.get_tensor(key).to(self.device, self.dtype)
 
 
 def load_sharded_model(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:

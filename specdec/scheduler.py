@@ -133,6 +133,7 @@ class _Join:
     waiter: _Waiter = field(default_factory=_Waiter)
     plain: "_Plain | None" = None  # set for a plain request the loop decodes itself
     feature_layers: tuple[int, ...] = ()  # its verdicts carry the inputs of these layers (a draft head's)
+    keep_features: bool = False  # its prompt's features wait for prompt_features (else they go to its waiter)
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,7 @@ class TargetScheduler:
         self._plain: dict[str, _Plain] = {}
         self._reserved: dict[str, int] = {}  # admitted request -> KV tokens it holds
         self._last_tree: dict[str, float] = {}  # open speculative row -> when its last tree came, oldest first
+        self._prompt_features: dict = {}  # opened request -> its prompt's features, until taken (prompt_features)
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="target-scheduler", daemon=True)
         self._thread.start()
@@ -202,14 +204,34 @@ class TargetScheduler:
         self.open_many([Opening(rid, prompt, params, stream, max_new_tokens)])
 
     def open_then(self, rid: str, prompt: list[int], params: SamplingParams, stream: int, max_new_tokens: int,
-                  done: Callable[[Exception | None], None]) -> None:
+                  done: Callable[[Exception | None], None], feature_layers: tuple[int, ...] = ()) -> None:
         """open() without blocking (the target's gRPC service awaits it on an event loop, holding no thread
         while the request waits for room): a refusal at the door (RequestExists, ResourceExhausted, an empty
         prompt, over the budget) raises here; otherwise `done(None)` is called once the request is admitted
         and prefilled, or `done(error)` when it never will be (closed while it waited, its prefill failed),
-        on the loop's thread (it must not block)."""
+        on the loop's thread (it must not block). With feature_layers, its prompt's features wait for
+        prompt_features (until taken, or until the request leaves)."""
         self._join_all([_Join(rid, list(prompt), params, stream, self._cost(prompt, max_new_tokens),
-                              waiter=_CallbackWaiter(done_callback=done))])
+                              waiter=_CallbackWaiter(done_callback=done), feature_layers=tuple(feature_layers),
+                              keep_features=True)])
+
+    def prompt_features(self, rid: str, start: int, rows_for: Callable[[int, object], int]):
+        """An opened request's prompt features from row `start`, at most rows_for(width, dtype) of them (what
+        one message holds) -> (rows [n, F], the prompt's rows in all); forgotten once the last row is taken.
+        UnknownRequest when it has none waiting (not opened with feature_layers, taken already, or closed);
+        InvalidArgument for a start past them."""
+        with self._cv:
+            features = self._prompt_features.get(rid)
+            if features is None:
+                raise UnknownRequest(f"request {rid!r} has no prompt features waiting (opened without "
+                                     "feature_layers, taken already, or closed)")
+            total = features.shape[0]
+            if not 0 <= start <= total:
+                raise InvalidArgument("start", f"{start}: the prompt has {total} rows of features")
+            chunk = features[start : start + max(1, rows_for(features.shape[1], features.dtype))]
+            if start + chunk.shape[0] >= total:
+                del self._prompt_features[rid]
+            return chunk, total
 
     def open_many(self, openings: list[Opening]) -> list:
         """open() for a batch at once (the in-process engine): queued together, so admitted together and
@@ -401,6 +423,7 @@ class TargetScheduler:
                 self._reserved.pop(rid, None)
                 self._last_tree.pop(rid, None)
                 self._plain.pop(rid, None)
+                self._prompt_features.pop(rid, None)
 
     def _close_early(self, rid: str) -> None:
         """A close that came before its open: drop it from the admission queue, or refuse it later."""
@@ -427,10 +450,12 @@ class TargetScheduler:
                 if j.plain:
                     tell(j.rid, j.plain.sink, [], j.plain.out, True, e)
             return
+        with self._cv:
+            self._prompt_features |= {j.rid: features[j.rid] for j in joining if j.keep_features and j.rid in features}
         for j in joining:
             if j.plain:
                 self._plain[j.rid] = j.plain
-            j.waiter.finish(features.get(j.rid))
+            j.waiter.finish(None if j.keep_features else features.get(j.rid))
 
     def _step(self, trees: dict[str, tuple[TokenTree, _Waiter]]) -> None:
         """One forward: the replicas' trees (of requests still open) and a lone root per plain row."""

@@ -201,3 +201,90 @@ def reference(target) -> Reference:
     print(f"\nreference: {len(prompts)} of {len(candidates)} prompts kept (lengths {sorted(map(len, prompts))})")
     assert len(prompts) >= 14, f"only {len(prompts)} prompts without near-ties"
     return Reference(prompts, conts)
+
+
+
+# ------------------------------------------------------------------ draft heads (tests/test_heads*.py)
+
+
+class NoTokenizer:
+    """What the head trainers save beside their heads, for tests that have no tokenizer to save."""
+
+    def save_pretrained(self, path):
+        pass
+
+
+@dataclass
+class Smooth:
+    model: object  # as served (linear layers packed)
+    path: str  # its folder, with the served tokenizer ("w<i>" is id i)
+    reference: Reference
+
+
+@pytest.fixture(scope="session")
+def smooth(tmp_path_factory) -> Smooth:
+    """A 3-layer Llama with transformers' own initialisation (the `target` fixture, scaled up to peaky logits,
+    is a function no head learns in seconds), with prompts and its plain greedy continuations (those passing
+    a near-tie dropped, as `reference`)."""
+    torch.manual_seed(5)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    path = tmp_path_factory.mktemp("smooth")
+    model.save_pretrained(path)
+    save_tokenizer(path, SERVED_WORDS, CHAT_TEMPLATE)
+    model = load_served_model(str(path))
+    prompts, conts = [], []
+    for p in [[5], [17, 42]] + make_prompts(seed=3, count=16):
+        tokens, gap = hf_greedy_margin(model, p, NEW_TOKENS)
+        if gap >= MIN_GAP:
+            prompts.append(p)
+            conts.append(tokens)
+    assert len(prompts) >= 10, len(prompts)
+    return Smooth(model, str(path), Reference(prompts, conts))
+
+
+@dataclass
+class Trained:
+    heads: object
+    path: str
+    summary: dict
+
+
+def _sampled_text(model, seed: int) -> torch.Tensor:
+    """Text the model samples at temperature 0.7 from each even token: [~3000] (what heads train on here)."""
+    from specdec import CachedLM, SamplingParams, SpeculativeEngine
+
+    engine = SpeculativeEngine(CachedLM(model), None, eos_token_ids=set())
+    outs = engine.generate([[i] for i in range(0, VOCAB, 2)], 100, SamplingParams(temperature=0.7, seed=seed))
+    return torch.cat([torch.tensor([i * 2] + o.token_ids) for i, o in enumerate(outs)])
+
+
+@pytest.fixture(scope="session")
+def trained_head(smooth, tmp_path_factory) -> Trained:
+    """An EAGLE-3 head trained on text `smooth` samples, for a few seconds: it agrees with it often."""
+    from specdec.eagle3 import load_head
+    from specdec.head_training import train_head
+    from specdec.training import TrainConfig
+
+    tokens, out = _sampled_text(smooth.model, 0), tmp_path_factory.mktemp("eagle3")
+    cut = tokens.numel() * 9 // 10
+    summary = train_head(smooth.model, NoTokenizer(), out, tokens[:cut], tokens[cut:], VOCAB - 8,
+                         TrainConfig(steps=150, batch_size=16, seq_len=48), ttt_steps=3)
+    return Trained(load_head(out, smooth.model), str(out), summary)
+
+
+@pytest.fixture(scope="session")
+def trained_medusa(smooth, tmp_path_factory) -> Trained:
+    """Four Medusa heads trained on text `smooth` samples, for a few seconds."""
+    from specdec.head_training import train_medusa
+    from specdec.medusa import load_medusa
+    from specdec.training import TrainConfig
+
+    tokens, out = _sampled_text(smooth.model, 1), tmp_path_factory.mktemp("medusa")
+    cut = tokens.numel() * 9 // 10
+    summary = train_medusa(smooth.model, NoTokenizer(), out, tokens[:cut], tokens[cut:], num_heads=4,
+                           cfg=TrainConfig(steps=150, batch_size=16, seq_len=48))
+    return Trained(load_medusa(out, smooth.model), str(out), summary)

@@ -19,13 +19,12 @@ from specdec.head_drafter import HeadDrafter, MedusaDrafter
 from specdec.head_training import (evaluate_head, frequent_tokens, new_head, new_medusa, step_mask, train_head,
                                    train_medusa)
 from specdec.medusa import MedusaHeads, is_medusa, load_medusa, save_medusa
-from specdec.loading import load_draft, load_model, load_served_model
-from specdec.plain import hf_greedy_margin
+from specdec.loading import load_draft, load_model
 from specdec.target import TargetWorker
 from specdec.training import TrainConfig
 from specdec.tree import TokenTree
 
-from conftest import MIN_GAP, NEW_TOKENS, VOCAB, Reference, make_prompts
+from conftest import NEW_TOKENS, VOCAB, NoTokenizer
 from test_sampling import PARAMS_T1, PROMPT, exact_joint, fit, sample_engine
 
 PUBLISHED_KEYS = {  # the weights of a published EAGLE-3 head (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B's names)
@@ -34,11 +33,6 @@ PUBLISHED_KEYS = {  # the weights of a published EAGLE-3 head (yuhuili/EAGLE3-LL
     "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight",
     "midlayer.mlp.down_proj.weight", "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
 }
-
-
-class _NoTokenizer:
-    def save_pretrained(self, path):
-        pass
 
 
 def write_published_head(path, target, draft_vocab: int, fmt: str = "safetensors", aux=None, seed: int = 0,
@@ -203,48 +197,8 @@ def test_verdicts_carry_the_targets_layer_inputs_at_the_committed_tokens(target)
 # ------------------------------------------------------------------ drafting, lossless
 
 
-@pytest.fixture(scope="module")
-def smooth(tmp_path_factory):
-    """A 3-layer Llama with transformers' own initialisation (conftest's target, scaled up to peaky logits,
-    is a function no head learns in seconds), as served, with prompts and its plain greedy continuations
-    (those passing a near-tie dropped, as conftest's reference)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(5)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)
-    path = tmp_path_factory.mktemp("smooth")
-    model.save_pretrained(path)
-    model = load_served_model(str(path))
-    prompts, conts = [], []
-    for p in [[5], [17, 42]] + make_prompts(seed=3, count=16):
-        tokens, gap = hf_greedy_margin(model, p, NEW_TOKENS)
-        if gap >= MIN_GAP:
-            prompts.append(p)
-            conts.append(tokens)
-    assert len(prompts) >= 10, len(prompts)
-    return model, Reference(prompts, conts)
-
-
-@pytest.fixture(scope="module")
-def trained_head(smooth, tmp_path_factory):
-    """A head trained on text the target samples, for a few seconds: it agrees with the target often."""
-    target, _ = smooth
-    engine = SpeculativeEngine(CachedLM(target), None, eos_token_ids=set())
-    outs = engine.generate([[i] for i in range(0, VOCAB, 2)], 100, SamplingParams(temperature=0.7, seed=0))
-    tokens = torch.cat([torch.tensor([i * 2] + o.token_ids) for i, o in enumerate(outs)])
-    out = tmp_path_factory.mktemp("head")
-    cut = tokens.numel() * 9 // 10
-    summary = train_head(target, _NoTokenizer(), out, tokens[:cut], tokens[cut:], VOCAB - 8,
-                         TrainConfig(steps=150, batch_size=16, seq_len=48), ttt_steps=3)
-    return load_head(out, target), summary
-
-
 def test_training_raises_the_heldout_alpha_at_every_depth(trained_head):
-    _, summary = trained_head
+    summary = trained_head.summary
     before, after = summary["before"]["greedy_alpha"], summary["after"]["greedy_alpha"]
     assert len(after) == 3
     assert all(a > b + 0.2 for a, b in zip(after, before)), (before, after)
@@ -254,7 +208,7 @@ def test_training_raises_the_heldout_alpha_at_every_depth(trained_head):
 @pytest.mark.parametrize("kind, depth, width", [("model", 1, 1), ("model", 4, 1), ("model", 3, 2), ("model", 5, 3),
                                                 ("model+ngram", 4, 2), ("model+suffix", 3, 1), ("model", None, 2)])
 def test_head_greedy_matches_plain(smooth, trained_head, kind, depth, width):
-    (target, reference), (head, _) = smooth, trained_head
+    target, reference, head = smooth.model, smooth.reference, trained_head.heads
     drafter = make_drafter(kind, CachedLM(head), width)
     assert isinstance(getattr(drafter, "model", drafter), HeadDrafter)
     engine = SpeculativeEngine(CachedLM(target), drafter, SpecConfig(depth=depth, max_depth=6), eos_token_ids=set())
@@ -270,7 +224,7 @@ def test_head_greedy_matches_plain(smooth, trained_head, kind, depth, width):
 
 
 def test_head_alone_each_prompt_and_across_calls(smooth, trained_head):
-    (target, reference), (head, _) = smooth, trained_head
+    target, reference, head = smooth.model, smooth.reference, trained_head.heads
     engine = SpeculativeEngine(CachedLM(target), make_drafter("model", CachedLM(head), 2), SpecConfig(depth=3),
                                eos_token_ids=set())
     for prompt, ref in list(zip(reference.prompts, reference.continuations))[:6]:
@@ -316,14 +270,14 @@ def test_draft_vocabulary_is_the_most_frequent_tokens():
 def test_training_resumes_from_its_checkpoint(target, tmp_path):
     tokens = torch.randint(0, VOCAB, (2000,), generator=torch.Generator().manual_seed(0))
     cfg = TrainConfig(steps=6, batch_size=4, seq_len=16, checkpoint_every=3)
-    first = train_head(target, _NoTokenizer(), tmp_path, tokens, tokens[:200], 32, cfg)
+    first = train_head(target, NoTokenizer(), tmp_path, tokens, tokens[:200], 32, cfg)
     assert first["steps"] == 6 and (tmp_path / "checkpoint" / "checkpoint.pt").is_file()
-    more = train_head(target, _NoTokenizer(), tmp_path, tokens, tokens[:200], 32,
+    more = train_head(target, NoTokenizer(), tmp_path, tokens, tokens[:200], 32,
                       TrainConfig(steps=9, batch_size=4, seq_len=16), resume=True)
     assert more["steps"] == 9
     assert load_head(tmp_path, target).d2t.numel() == 32
     with pytest.raises(ValueError, match="draft_vocab_size"):
-        train_head(target, _NoTokenizer(), tmp_path, tokens, tokens[:200], VOCAB + 1, cfg)
+        train_head(target, NoTokenizer(), tmp_path, tokens, tokens[:200], VOCAB + 1, cfg)
     assert evaluate_head(target, load_head(tmp_path, target), tokens[:200], 2)["greedy_alpha"][1] >= 0
 
 
@@ -427,21 +381,8 @@ def test_medusa_saved_here_is_vllms_layout(tmp_path, target):
         torch.testing.assert_close(heads(h)[:, 2], target.lm_head(h))
 
 
-@pytest.fixture(scope="module")
-def trained_medusa(smooth, tmp_path_factory):
-    target, _ = smooth
-    engine = SpeculativeEngine(CachedLM(target), None, eos_token_ids=set())
-    outs = engine.generate([[i] for i in range(0, VOCAB, 2)], 100, SamplingParams(temperature=0.7, seed=1))
-    tokens = torch.cat([torch.tensor([i * 2] + o.token_ids) for i, o in enumerate(outs)])
-    out = tmp_path_factory.mktemp("medusa")
-    cut = tokens.numel() * 9 // 10
-    summary = train_medusa(target, _NoTokenizer(), out, tokens[:cut], tokens[cut:], num_heads=4,
-                           cfg=TrainConfig(steps=150, batch_size=16, seq_len=48))
-    return load_medusa(out, target), summary
-
-
 def test_medusa_training_raises_the_heldout_alpha(trained_medusa):
-    _, summary = trained_medusa
+    summary = trained_medusa.summary
     before, after = summary["before"]["greedy_alpha"], summary["after"]["greedy_alpha"]
     assert len(after) == 4
     # fresh, every head is the target's LM head: it guesses the next token, not the one i + 1 further
@@ -453,7 +394,7 @@ def test_medusa_training_raises_the_heldout_alpha(trained_medusa):
                                                 ("model", 6, 2), ("model+ngram", 4, 2), ("model", None, 1)])
 def test_medusa_greedy_matches_plain(smooth, trained_medusa, kind, depth, width):
     """K = 6 over 4 heads drafts 4 deep at most."""
-    (target, reference), (heads, _) = smooth, trained_medusa
+    target, reference, heads = smooth.model, smooth.reference, trained_medusa.heads
     drafter = make_drafter(kind, draft_runner(heads), width)
     assert isinstance(getattr(drafter, "model", drafter), MedusaDrafter)
     engine = SpeculativeEngine(CachedLM(target), drafter, SpecConfig(depth=depth, max_depth=6), eos_token_ids=set())

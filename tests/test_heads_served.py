@@ -1,0 +1,283 @@
+"""Draft heads served across processes: the target ships its hidden states with each verdict and, chunked to
+the link's message limit, with each opened prompt (PromptFeatures); a draft replica loads the heads with no
+target of its own (its config and shared embeddings read from the target's folder). Greedy output stays
+plain decoding, over real gRPC and through a Ray topology of a tensor-parallel target and two replicas;
+sampling keeps the target's distribution."""
+
+import contextlib
+import json
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import ray
+import torch
+
+from actors import wire
+from actors.draft_replica import load_replica_draft
+from actors.grpc_target import GrpcTarget
+from actors.security import LinkSecurity, serve_target, target_channel
+from actors.target_service import TargetService
+from conftest import NEW_TOKENS, VOCAB
+from protos import specdec_tree_pb2 as tree_pb
+from protos import specdec_tree_pb2_grpc as tree_grpc
+from specdec.acceptance import Verdict
+from specdec.draft_loop import DraftLoop, DraftRequest
+from specdec.drafters import draft_runner, make_drafter
+from specdec.errors import InvalidArgument
+from specdec.head_training import new_head
+from specdec.kvcache import CachedLM
+from specdec.loading import TargetParts, load_model
+from specdec.plain import hf_greedy
+from specdec.sampling import SamplingParams
+from specdec.scheduler import KvBudget, TargetScheduler
+from specdec.target import TargetWorker
+from specdec.tree import TokenTree
+
+GREEDY = SamplingParams()
+SECRET = "heads-served-secret"
+
+
+class Collect:
+    def __init__(self):
+        self.tokens, self.done, self.error, self.stats = [], threading.Event(), None, None
+
+    def __call__(self, tokens, out, finished, error):
+        self.tokens += tokens
+        if finished:
+            self.error, self.stats = error, out.stats
+            self.done.set()
+
+    def wait(self, timeout: float = 120) -> list[int]:
+        assert self.done.wait(timeout), "the request never finished"
+        assert self.error is None, self.error
+        return self.tokens
+
+
+class CountingStub:
+    """A TargetService stub that counts the PromptFeatures calls made through it."""
+
+    def __init__(self, stub):
+        self.stub, self.feature_calls = stub, 0
+
+    def __getattr__(self, name):
+        if name == "PromptFeatures":
+            self.feature_calls += 1
+        return getattr(self.stub, name)
+
+
+@contextlib.contextmanager
+def serving(model, limit: int, **budget):
+    """The model's scheduler behind a real TargetService on loopback with this message limit -> (scheduler,
+    a GrpcTarget with the same limit, its counting stub)."""
+    scheduler = TargetScheduler(TargetWorker(CachedLM(model)), KvBudget(**budget))
+    server, port = serve_target(TargetService(scheduler, message_limit=limit), tree_grpc.add_TargetServiceServicer_to_server,
+                                "127.0.0.1", LinkSecurity(SECRET))
+    channel = target_channel(f"127.0.0.1:{port}", LinkSecurity(SECRET))
+    stub = CountingStub(tree_grpc.TargetServiceStub(channel))
+    try:
+        yield scheduler, GrpcTarget(stub, message_limit=limit), stub
+    finally:
+        channel.close()
+        server.stop(grace=None)
+        scheduler.stop()
+
+
+def run_remote(remote: GrpcTarget, drafter, prompts, new_tokens, params=GREEDY, depth=3, prefix="r") -> list[Collect]:
+    """Each prompt opened on the remote target (with the drafter's feature layers) and stepped by one draft loop."""
+    loop = DraftLoop(remote, drafter, overlap=False)
+    sinks = [Collect() for _ in prompts]
+
+    def start(i: int) -> None:
+        rid = f"{prefix}{i}"
+        features = remote.open(rid, prompts[i], params, i, new_tokens, drafter.feature_layers)
+        loop.join(DraftRequest(rid, prompts[i], params, new_tokens, set(), depth, sinks[i], stream=i, features=features))
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(start, range(len(prompts))))
+    for sink in sinks:
+        sink.done.wait(300)
+    loop.stop()
+    return sinks
+
+
+@pytest.mark.parametrize("heads, width", [("trained_head", 1), ("trained_head", 2), ("trained_medusa", 2)])
+def test_heads_over_grpc_equal_plain_decoding(smooth, heads, width, request):
+    """A head loaded as a replica loads it (TargetParts: no target model), its features over the wire in
+    bfloat16, a 2 KiB message limit: prompt features come in several PromptFeatures calls, and a step's
+    trees in several Verify calls whose replies (the verdicts' features) fit too."""
+    trained = request.getfixturevalue(heads)
+    model = load_replica_draft(trained.path, smooth.path, torch.float32, "cpu")
+    drafter = make_drafter("model", draft_runner(model), width)
+    with serving(smooth.model, limit=2048) as (scheduler, remote, stub):
+        sinks = run_remote(remote, drafter, smooth.reference.prompts, NEW_TOKENS)
+        assert [s.wait() for s in sinks] == smooth.reference.continuations
+        assert stub.feature_calls > len(sinks)  # the longer prompts' features took more than one message
+        assert remote.feature_row_bytes == len(drafter.feature_layers) * 64 * 2  # bfloat16 on the wire
+    accepted = sum(s.stats.accepted for s in sinks)
+    assert accepted > 0 and accepted < sum(s.stats.drafted for s in sinks)
+
+
+def test_a_4000_token_prompt_with_a_head_is_served(smooth, trained_head, tmp_path):
+    """The head's target with a context of 4200 positions: a 4000-token prompt's features (4000 x 3 x 64
+    bfloat16 values) come over a 64 KiB link in chunks, and the output is plain decoding's."""
+    model = load_model(smooth.path)
+    model.config.max_position_embeddings = 4200
+    model.save_pretrained(tmp_path / "long")
+    long_target = load_model(str(tmp_path / "long"))
+    head = load_replica_draft(trained_head.path, str(tmp_path / "long"), torch.float32, "cpu")
+    prompt = torch.randint(0, VOCAB, (4000,), generator=torch.Generator().manual_seed(4)).tolist()
+    with serving(long_target, limit=65536, max_tokens=5000) as (_, remote, stub):
+        (sink,) = run_remote(remote, make_drafter("model", draft_runner(head), 1), [prompt], 8)
+        assert sink.wait() == hf_greedy(long_target, prompt, 8)
+        assert stub.feature_calls >= 4000 * 3 * 64 * 2 // 65536
+
+
+def test_heads_sampling_over_grpc_keeps_the_targets_distribution(small_target, model_dirs, tmp_path):
+    """Seeded samples drafted by a random EAGLE-3 head over gRPC (features in bfloat16): the joint of their
+    first 3 tokens is the target's (chi-square against enumeration)."""
+    from specdec.eagle3 import save_head
+    from test_sampling import P_MIN, PROMPT, chi_square_pvalue, exact_joint
+
+    head = new_head(small_target, torch.tensor([0, 1, 2, 4, 5, 7]))
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if p.dim() >= 2 and not name.startswith("embed_tokens"):
+                p.normal_(0, 0.3)
+    save_head(head, tmp_path / "head")
+    drafter = make_drafter("model", draft_runner(load_replica_draft(str(tmp_path / "head"), model_dirs.small_target,
+                                                                    torch.float32, "cpu")), 2)
+    m, n_tokens, params = 1200, 3, SamplingParams(temperature=1.0, seed=5)
+    with serving(small_target, limit=1 << 20, max_rows=m) as (scheduler, remote, _):
+        sinks = run_remote(remote, drafter, [PROMPT] * m, n_tokens, params, depth=2, prefix="s")
+        outcomes = Counter(tuple(s.wait()) for s in sinks)
+        assert scheduler.stats().largest_batch > 8
+    assert sum(s.stats.accepted for s in sinks) > 0
+    assert chi_square_pvalue(outcomes, exact_joint(small_target, PROMPT, n_tokens, params), m) > P_MIN
+
+
+# ------------------------------------------------------------------ the wire and the target's side
+
+
+def test_features_cross_the_wire_in_16_bits_and_malformed_ones_are_refused():
+    f = torch.randn(5, 12)
+    msg = wire.features_to_proto(f)
+    assert msg.dtype == "bfloat16" and len(msg.data) == 5 * 12 * 2
+    back = wire.features_from_proto(msg, "features", rows=5)
+    torch.testing.assert_close(back.float(), f.to(torch.bfloat16).float())
+    half = wire.features_from_proto(wire.features_to_proto(f.half()), "features")
+    assert half.dtype == torch.float16 and torch.equal(half, f.half())
+    for change, field in [(dict(dtype="int8"), "features.dtype"), (dict(rows=6), "features.data"),
+                          (dict(width=0), "features.width"), (dict(rows=-1), "features.width")]:
+        bad = tree_pb.Features()
+        bad.CopyFrom(msg)
+        for k, v in change.items():
+            setattr(bad, k, v)
+        with pytest.raises(InvalidArgument) as e:
+            wire.features_from_proto(bad, "features")
+        assert e.value.field == field
+    with pytest.raises(InvalidArgument, match="expected 4"):
+        wire.features_from_proto(msg, "features", rows=4)
+    verdict = wire.verdict_to_proto("r", Verdict([0, 1], [3, 4], features=torch.randn(3, 12)))  # 3 rows, 2 nodes
+    with pytest.raises(ValueError, match="verdict of request 'r'.*expected 2"):
+        wire.verdict_from_proto(verdict)
+
+
+def test_verify_requests_split_so_that_the_replies_fit():
+    trees = {}
+    for i in range(6):
+        tree = TokenTree.root(1)
+        tree.add_guesses([2, 3, 4], [-1, 0, 1], share_prefix=False)  # 4 nodes deep: a reply of up to 4 rows
+        trees[f"r{i}"] = tree
+    alone, _ = wire.verify_requests(trees, 4096)
+    assert len(alone) == 1
+    split, refused = wire.verify_requests(trees, 4096, reply_bytes_per_node=400)  # 1600 bytes a reply: 2 a message
+    assert len(split) == 3 and not refused
+    _, refused = wire.verify_requests(trees, 4096, reply_bytes_per_node=2000)
+    assert set(refused) == set(trees)
+
+
+def test_prompt_features_are_kept_until_taken_or_closed(smooth):
+    scheduler = TargetScheduler(TargetWorker(CachedLM(smooth.model)), KvBudget())
+    try:
+        done = threading.Event()
+        scheduler.open_then("a", [3, 4, 5, 6, 7], GREEDY, 0, 4, lambda error: done.set(), feature_layers=(0, 3))
+        assert done.wait(30)
+        first, total = scheduler.prompt_features("a", 0, lambda width, dtype: 3)
+        assert total == 4 and first.shape == (3, 2 * 64)
+        rest, _ = scheduler.prompt_features("a", 3, lambda width, dtype: 3)
+        assert rest.shape[0] == 1
+        with pytest.raises(KeyError, match="no prompt features waiting"):  # all taken: forgotten
+            scheduler.prompt_features("a", 0, lambda width, dtype: 3)
+        done.clear()
+        scheduler.open_then("b", [3, 4, 5], GREEDY, 0, 4, lambda error: done.set(), feature_layers=(1, 1, 2))
+        assert done.wait(30)
+        scheduler.close(["b"])
+        with pytest.raises(KeyError):
+            for _ in range(200):  # gone with its row, before the next forward
+                scheduler.prompt_features("b", 0, lambda width, dtype: 1)
+                threading.Event().wait(0.01)
+        with pytest.raises(InvalidArgument, match="feature_layers"):  # 3 layers: ids 0..3
+            scheduler.open_then("c", [3, 4], GREEDY, 0, 4, lambda error: None, feature_layers=(4,))
+    finally:
+        scheduler.stop()
+
+
+def test_target_parts_reads_the_embeddings_a_head_shares(smooth):
+    parts = TargetParts(smooth.path)
+    assert parts.config.hidden_size == 64
+    torch.testing.assert_close(parts.get_input_embeddings().weight, smooth.model.get_input_embeddings().weight)
+    plain = load_model(smooth.path)
+    torch.testing.assert_close(parts.get_output_embeddings().weight, plain.lm_head.weight)
+
+
+# ------------------------------------------------------------------ a Ray topology
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_heads_on_replicas_beside_a_tensor_parallel_target_equal_plain_decoding(cluster, smooth, trained_head,
+                                                                               trained_medusa):
+    """Two draft replicas load the heads (from the target's folder: no target model of their own): the EAGLE-3
+    head drafts for every task type but "medusa", Medusa's heads for that one. The target is split over two
+    ranks; the verdicts' features come from rank 0. Greedy output is plain decoding's, and the requests
+    really speculated."""
+    import asyncio
+
+    from cluster.admission import Request
+    from cluster.config import parse_config
+    from cluster.frontend import Frontend
+    from cluster.placement import start_topology
+    from cluster.speculation import Speculation
+
+    cfg = parse_config({"models": {"target": {"path": smooth.path}, "draft": {"path": trained_head.path},
+                                   "task_drafts": {"medusa": {"path": trained_medusa.path}}},
+                        "placement": {"tensor_parallel_size": 2, "draft_replicas": 2, "logical_gpus": True},
+                        "speculation": {"drafter": "model"}, "routing": {"default": {}}})
+    frontend = Frontend(cfg, start_topology(cfg))
+    prompts = ["w5 w17 w3", "w40 w41 w42 w43 w44 w45", "w9 w1 w2 w1 w2 w1 w2"]
+
+    async def complete(prompt: str, task_type: str):
+        job = frontend.admission.admit(Request(prompt=prompt, task_type=task_type, max_new_tokens=NEW_TOKENS,
+                                               speculation=Speculation.ON))
+        tokens, last = [], None
+        async for chunk in frontend.generate(job):
+            tokens += chunk.token_ids
+            last = chunk
+        return tokens, last.stats
+
+    try:
+        for prompt in prompts:
+            want = hf_greedy(smooth.model, frontend.tokenizer(prompt)["input_ids"], NEW_TOKENS)
+            for task_type in ("code", "medusa"):
+                tokens, stats = asyncio.run(complete(prompt, task_type))
+                assert tokens == want, (prompt, task_type)
+                assert stats.speculative and stats.drafted > 0
+    finally:
+        frontend.shutdown()
