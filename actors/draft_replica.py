@@ -7,7 +7,8 @@ import ray
 
 from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.drafter_kinds import DrafterKind, DraftShape
-from specdec.drafters import Drafter, draft_runner, make_drafter
+from specdec.drafters import Drafter
+from specdec.drafter_factory import draft_runner, make_drafter
 from specdec.suffix import TextIndex, read_corpus
 from specdec.errors import Unavailable
 from specdec.loading import TargetParts, is_head, load_draft, load_served_model, load_tokenizer, local_folder, parse_dtype

@@ -9,7 +9,7 @@ import importlib
 _HOMES = {  # name -> the module of this package that defines it
     "SpecConfig": "engine",
     "Drafter": "drafters", "MergedDrafter": "drafters", "ModelDrafter": "drafters", "NgramDrafter": "drafters", "SuffixDrafter": "drafters",
-    "make_drafter": "drafters", "DrafterKind": "drafter_kinds",
+    "make_drafter": "drafter_factory", "DrafterKind": "drafter_kinds",
     "Generation": "generation", "RequestStats": "generation", "SpeculativeEngine": "engine",
     "CachedLM": "kvcache", "SamplingParams": "sampling", "TokenTree": "tree",
 }

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from .drafters import draft_runner, make_drafter
+from .drafter_factory import draft_runner, make_drafter
 from .engine import SpecConfig, SpeculativeEngine
 from .kvcache import CachedLM
 from .drafter_kinds import HEAD_MODES

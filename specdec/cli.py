@@ -161,7 +161,7 @@ def spec_config(args):
 def cmd_generate(args) -> None:
     import torch
 
-    from .drafters import draft_runner, make_drafter
+    from .drafter_factory import draft_runner, make_drafter
     from .engine import SpeculativeEngine
     from .kvcache import CachedLM
     from .loading import check_draft_tokenizer, eos_ids, load_draft, load_served_model, load_tokenizer, parse_dtype

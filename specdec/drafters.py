@@ -1,11 +1,12 @@
 """Drafters propose a token tree per sequence; the target verifies it.
 
-A drafter sees only token ids and sampling settings, and is told which tree nodes were accepted,
-so it can live in another process than the target. Protocol:
+A drafter sees token ids and sampling settings, and is told which tree nodes were accepted, so it can
+live in another process than the target; a drafter with feature_layers (draft heads: specdec.head_drafter)
+also reads the target's hidden states, which its rows join with and each verdict carries. Protocol:
   start(batch)                    a new batch of sequences
-  add_rows(n)                     n new sequences join the batch (at its end)
+  add_rows(n, features=...)       n new sequences join the batch (at its end), with their prompts' features
   propose(seqs, plans, ...)       one tree per row, rooted at the row's last token
-  commit(paths)                   per row, the accepted node indices (root first)
+  commit(paths, features)         per row, the accepted node indices (root first) and their features
   select(rows)                    keep only these rows (the others finished)
 Drafting ahead (specdec.ahead) also uses:
   assume(paths)                   commit paths as if accepted; returns a checkpoint to go back to
@@ -526,45 +527,3 @@ class MergedDrafter:
             draft = self.lookup.guess(row, seq, plan.ngram)
             tree.add_guesses(draft.tokens, draft.parents, share_prefix=p.greedy)
         return trees
-
-
-def make_drafter(kind: DrafterKind | str, draft, width: int = 1,
-                 proposal_top_k: int = DEFAULT_PROPOSAL_TOP_K, suffix: SuffixConfig = SuffixConfig(),
-                 corpus: TextIndex | None = None) -> Drafter | None:
-    """The drafter of this kind (a DrafterKind or its name); the model-based ones need a draft (draft_runner's: a
-    draft model's or an EAGLE-3 head's CachedLM, or Medusa heads); the suffix ones draft from `corpus` too."""
-    try:
-        kind = DrafterKind(kind)
-    except ValueError:
-        raise ValueError(f"unknown drafter {kind!r}: choose one of {', '.join(DrafterKind)}") from None
-    if kind is DrafterKind.NONE:
-        return None
-    if not kind.uses_model:
-        return SuffixDrafter(suffix, corpus) if kind is DrafterKind.SUFFIX else NgramDrafter()
-    if draft is None:
-        raise ValueError(f"drafter {kind.value!r} needs a draft model (--draft DIR)")
-    model = _model_drafter(draft, width, proposal_top_k)
-    if kind is DrafterKind.MODEL:
-        return model
-    return MergedDrafter(model, SuffixDrafter(suffix, corpus) if kind is DrafterKind.MODEL_SUFFIX else NgramDrafter())
-
-
-def _model_drafter(draft, width: int, proposal_top_k: int) -> TreeGrower:
-    """The drafter of a draft (draft_runner's): a draft model's, an EAGLE-3 head's or Medusa heads'."""
-    from .eagle3 import Eagle3Head
-    from .head_drafter import HeadDrafter, MedusaDrafter
-    from .medusa import MedusaHeads
-
-    if isinstance(draft, MedusaHeads):
-        return MedusaDrafter(draft, width, proposal_top_k)
-    if isinstance(draft.model, Eagle3Head):
-        return HeadDrafter(draft, width, proposal_top_k)
-    return ModelDrafter(draft, width, proposal_top_k)
-
-
-def draft_runner(model: torch.nn.Module):
-    """What make_drafter takes as a draft: a model's CachedLM (a draft model, an EAGLE-3 head), Medusa heads
-    as they are (they keep no cache)."""
-    from .medusa import MedusaHeads
-
-    return model if isinstance(model, MedusaHeads) else CachedLM(model)

@@ -6,7 +6,7 @@ import pytest
 from specdec import CachedLM, SpecConfig, SpeculativeEngine
 from specdec.adaptive import Costs, Load, StepCosts, best_k, best_speculative_k, expected_tokens, goodput_by_k
 from specdec.drafter_kinds import DraftShape
-from specdec.drafters import make_drafter
+from specdec.drafter_factory import make_drafter
 
 
 def test_expected_tokens():

@@ -8,7 +8,8 @@ import pytest
 
 from specdec.acceptance import Verdict
 from specdec.ahead import assumed_path, draft_ahead, settle
-from specdec.drafters import Plan, make_drafter
+from specdec.drafters import Plan
+from specdec.drafter_factory import make_drafter
 from specdec.kvcache import CachedLM
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree

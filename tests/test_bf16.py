@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdec import CachedLM, SpecConfig, SpeculativeEngine
-from specdec.drafters import make_drafter
+from specdec.drafter_factory import make_drafter
 from specdec.loading import load_model, load_served_model
 
 NEW = 16

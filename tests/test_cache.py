@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from specdec import CachedLM, ModelDrafter, SamplingParams, SpecConfig, SpeculativeEngine
-from specdec.drafters import Plan, make_drafter
+from specdec.drafters import Plan
+from specdec.drafter_factory import make_drafter
 
 ATOL = 1e-5
 GREEDY = SamplingParams()

@@ -105,7 +105,7 @@ def penalised_prompts():
 @pytest.mark.parametrize("kind", ["chain", "tree", "merged", "ngram"])
 def test_greedy_with_penalties_speculative_equals_plain_and_the_written_out_reference(target, draft, penalised_prompts,
                                                                                        kind):
-    from specdec.drafters import make_drafter
+    from specdec.drafter_factory import make_drafter
 
     depth, width, drafter_kind = {"chain": (4, 1, "model"), "tree": (3, 3, "model"), "merged": (3, 2, "model+ngram"),
                                   "ngram": (4, 1, "ngram")}[kind]
@@ -120,7 +120,7 @@ def test_greedy_with_penalties_speculative_equals_plain_and_the_written_out_refe
 
 
 def test_greedy_repetition_penalty_equals_transformers_generate(target, draft, penalised_prompts):
-    from specdec.drafters import make_drafter
+    from specdec.drafter_factory import make_drafter
 
     params = SamplingParams(repetition_penalty=1.3)
     speculative = greedy(target, make_drafter("model", CachedLM(draft), 2), 3, 2, params, penalised_prompts)
@@ -246,7 +246,7 @@ def json_pair(tmp_path_factory):
 
 
 def grammar_engine(json_pair, drafter_kind: str | None, depth: int, width: int) -> SpeculativeEngine:
-    from specdec.drafters import make_drafter
+    from specdec.drafter_factory import make_drafter
 
     target, draft, tokenizer = json_pair
     drafter = make_drafter(drafter_kind, CachedLM(draft), width) if drafter_kind else None

@@ -13,7 +13,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fake_cuda import CUDA, fake_cuda, to_fake_cuda
-from specdec.drafters import ModelDrafter, Plan, make_drafter
+from specdec.drafters import ModelDrafter, Plan
+from specdec.drafter_factory import make_drafter
 from specdec.kvcache import CachedLM
 from specdec.sampling import SamplingParams, make_generator
 from specdec.target import TargetWorker

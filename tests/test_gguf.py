@@ -21,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from cluster.local import free_port
 from specdec import CachedLM, SpecConfig, SpeculativeEngine
 from specdec.cli import main
-from specdec.drafters import make_drafter
+from specdec.drafter_factory import make_drafter
 from specdec.errors import UnsupportedModel
 from specdec.gguf import FORMAT
 from specdec.loading import eos_ids, load_model, load_served_model, load_tokenizer

@@ -14,7 +14,7 @@ import torch
 from conftest import NEW_TOKENS
 from specdec.plain import hf_greedy
 from specdec import CachedLM, SamplingParams, SpecConfig, SpeculativeEngine
-from specdec.drafters import make_drafter
+from specdec.drafter_factory import make_drafter
 from specdec.loading import load_model
 from test_bf16 import prefix_agreement
 from test_sampling import N_TOKENS, P_MIN, PARAMS_T1, PARAMS_WARPED, PROMPT, chi_square_pvalue, exact_joint, \

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specdec import CachedLM, ModelDrafter, SamplingParams, SpecConfig, SpeculativeEngine
-from specdec.drafters import make_drafter
+from specdec.drafter_factory import make_drafter
 
 from conftest import NEW_TOKENS
 from specdec.plain import hf_greedy_margin

@@ -20,7 +20,7 @@ from actors.target_service import TargetService
 from conftest import NEW_TOKENS
 from protos import specdec_tree_pb2 as tree_pb
 from protos import specdec_tree_pb2_grpc as tree_grpc
-from specdec.drafters import make_drafter
+from specdec.drafter_factory import make_drafter
 from specdec.errors import ResourceExhausted
 from specdec.kvcache import CachedLM
 from specdec.sampling import SamplingParams

@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import save_file
 
 from specdec import CachedLM, SamplingParams, SpecConfig, SpeculativeEngine
-from specdec.drafters import make_drafter
+from specdec.drafter_factory import make_drafter
 from specdec.eagle3 import HeadMismatch, is_eagle3, load_head, save_head
 from specdec.errors import UnsupportedModel
-from specdec.drafters import draft_runner
+from specdec.drafter_factory import draft_runner
 from specdec.head_drafter import HeadDrafter, MedusaDrafter
 from specdec.head_training import (evaluate_head, frequent_tokens, new_head, new_medusa, step_mask, train_head,
                                    train_medusa)

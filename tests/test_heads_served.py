@@ -24,7 +24,7 @@ from protos import specdec_tree_pb2 as tree_pb
 from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.acceptance import Verdict
 from specdec.draft_loop import DraftLoop, DraftRequest
-from specdec.drafters import draft_runner, make_drafter
+from specdec.drafter_factory import draft_runner, make_drafter
 from specdec.errors import InvalidArgument
 from specdec.head_training import new_head
 from specdec.kvcache import CachedLM

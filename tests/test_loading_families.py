@@ -13,7 +13,7 @@ from transformers import (BartConfig, BloomConfig, FalconConfig, Gemma2Config, G
 from cluster.config import parse_config
 from cluster.frontend import check_served_models
 from specdec import CachedLM, SpecConfig, SpeculativeEngine
-from specdec.drafters import make_drafter
+from specdec.drafter_factory import make_drafter
 from specdec.errors import UnsupportedModel
 from specdec import loading
 

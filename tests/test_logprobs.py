@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specdec import CachedLM, SamplingParams, SpecConfig, SpeculativeEngine
-from specdec.drafters import make_drafter
+from specdec.drafter_factory import make_drafter
 from specdec.errors import InvalidArgument
 from specdec.logprobs import MAX_LOGPROBS
 

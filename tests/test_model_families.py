@@ -19,7 +19,7 @@ from specdec.draft_loop import DraftLoop, DraftRequest
 from cluster.local import free_port
 from conftest import save_tokenizer
 from specdec import CachedLM, SamplingParams, SpecConfig, SpeculativeEngine
-from specdec.drafters import make_drafter
+from specdec.drafter_factory import make_drafter
 from specdec.kvcache import has_sliding_window
 from specdec.loading import check_same_vocabulary, load_model, load_tokenizer
 from specdec.plain import hf_greedy

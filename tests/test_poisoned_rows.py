@@ -12,7 +12,8 @@ import torch
 
 from specdec.draft_loop import DraftLoop, DraftRequest
 from conftest import NEW_TOKENS, VOCAB
-from specdec.drafters import Plan, make_drafter
+from specdec.drafters import Plan
+from specdec.drafter_factory import make_drafter
 from specdec.errors import InvalidArgument, RequestFailed
 from specdec.kvcache import CachedLM
 from specdec.sampling import MIN_TEMPERATURE, SamplingParams, make_generator, warp

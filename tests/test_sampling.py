@@ -15,7 +15,8 @@ import specdec.target
 from specdec import CachedLM, ModelDrafter, SamplingParams, SpecConfig, SpeculativeEngine
 from specdec.acceptance import Verdict, accept_sampling
 from specdec.drafter_kinds import DEFAULT_PROPOSAL_TOP_K
-from specdec.drafters import Plan, make_drafter
+from specdec.drafters import Plan
+from specdec.drafter_factory import make_drafter
 from specdec.sampling import make_generator, warp
 from specdec.tree import Proposal, TokenTree, dense_proposals
 

@@ -4,7 +4,7 @@ different samples; a request's sample does not depend on the other requests of i
 import pytest
 
 from specdec import CachedLM, SamplingParams, SpecConfig, SpeculativeEngine
-from specdec.drafters import make_drafter
+from specdec.drafter_factory import make_drafter
 
 PROMPTS = [[1, 2, 3, 4, 5], [9, 9, 8, 9, 9, 8, 9], [30], [12, 40, 41, 12, 40, 41, 12, 40, 41, 63, 2]]
 NEW = 16

@@ -10,7 +10,7 @@ from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, Mi
 
 from specdec.draft_loop import DraftLoop, DraftRequest
 from specdec import CachedLM, SamplingParams, SpecConfig, SpeculativeEngine
-from specdec.drafters import make_drafter
+from specdec.drafter_factory import make_drafter
 from specdec.kvcache import has_sliding_window
 from specdec.loading import load_model
 from specdec.plain import hf_greedy

@@ -85,7 +85,8 @@ def test_engine_still_works_after_rejected_request(engine):
 
 
 def test_make_drafter_names(draft):
-    from specdec.drafters import DrafterKind, MergedDrafter, NgramDrafter, SuffixDrafter, make_drafter
+    from specdec.drafters import DrafterKind, MergedDrafter, NgramDrafter, SuffixDrafter
+    from specdec.drafter_factory import make_drafter
 
     assert make_drafter("none", None) is None
     assert isinstance(make_drafter("ngram", None), NgramDrafter)

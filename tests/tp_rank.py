@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from specdec import CachedLM, SpecConfig, SpeculativeEngine
-from specdec.drafters import make_drafter
+from specdec.drafter_factory import make_drafter
 from specdec.loading import load_model, load_sharded_model
 
 

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoTokenizer
 
 from specdec import CachedLM, SpecConfig, SpeculativeEngine
-from specdec.drafters import make_drafter
+from specdec.drafter_factory import make_drafter
 from specdec.loading import load_model
 from specdec.prompts import load_prompts
 

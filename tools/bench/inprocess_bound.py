@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from specdec.draft_loop import DraftLoop, DraftRequest
 from specdec.scheduler import TargetScheduler
-from specdec.drafters import make_drafter
+from specdec.drafter_factory import make_drafter
 from specdec.kvcache import CachedLM
 from specdec.loading import load_served_model
 from specdec.prompts import load_prompts

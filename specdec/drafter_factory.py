@@ -1,0 +1,48 @@
+"""Which drafter a drafter kind and a draft make: make_drafter builds a kind's drafter over a draft model, an
+EAGLE-3 head or Medusa heads (draft_runner), or over none (the lookup drafters)."""
+
+import torch
+
+from .drafter_kinds import DEFAULT_PROPOSAL_TOP_K, DrafterKind
+from .drafters import Drafter, MergedDrafter, ModelDrafter, NgramDrafter, SuffixDrafter, TreeGrower
+from .eagle3 import Eagle3Head
+from .head_drafter import HeadDrafter, MedusaDrafter
+from .kvcache import CachedLM
+from .medusa import MedusaHeads
+from .suffix import SuffixConfig, TextIndex
+
+
+def make_drafter(kind: DrafterKind | str, draft, width: int = 1,
+                 proposal_top_k: int = DEFAULT_PROPOSAL_TOP_K, suffix: SuffixConfig = SuffixConfig(),
+                 corpus: TextIndex | None = None) -> Drafter | None:
+    """The drafter of this kind (a DrafterKind or its name); the model-based ones need a draft (draft_runner's: a
+    draft model's or an EAGLE-3 head's CachedLM, or Medusa heads); the suffix ones draft from `corpus` too."""
+    try:
+        kind = DrafterKind(kind)
+    except ValueError:
+        raise ValueError(f"unknown drafter {kind!r}: choose one of {', '.join(DrafterKind)}") from None
+    if kind is DrafterKind.NONE:
+        return None
+    if not kind.uses_model:
+        return SuffixDrafter(suffix, corpus) if kind is DrafterKind.SUFFIX else NgramDrafter()
+    if draft is None:
+        raise ValueError(f"drafter {kind.value!r} needs a draft model (--draft DIR)")
+    model = _model_drafter(draft, width, proposal_top_k)
+    if kind is DrafterKind.MODEL:
+        return model
+    return MergedDrafter(model, SuffixDrafter(suffix, corpus) if kind is DrafterKind.MODEL_SUFFIX else NgramDrafter())
+
+
+def _model_drafter(draft, width: int, proposal_top_k: int) -> TreeGrower:
+    """The drafter of a draft (draft_runner's): a draft model's, an EAGLE-3 head's or Medusa heads'."""
+    if isinstance(draft, MedusaHeads):
+        return MedusaDrafter(draft, width, proposal_top_k)
+    if isinstance(draft.model, Eagle3Head):
+        return HeadDrafter(draft, width, proposal_top_k)
+    return ModelDrafter(draft, width, proposal_top_k)
+
+
+def draft_runner(model: torch.nn.Module):
+    """What make_drafter takes as a draft: a model's CachedLM (a draft model, an EAGLE-3 head), Medusa heads
+    as they are (they keep no cache)."""
+    return model if isinstance(model, MedusaHeads) else CachedLM(model)
