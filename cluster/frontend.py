@@ -13,7 +13,7 @@ import ray
 from transformers import GenerationConfig
 
 from specdec.errors import InvalidArgument, RequestFailed, ResourceExhausted, Unavailable
-from specdec.loading import check_model, eos_ids, load_tokenizer
+from specdec.loading import check_draft, check_model, eos_ids, load_tokenizer
 
 from specdec.scheduler import HELD
 
@@ -46,12 +46,13 @@ class IngressStats:
 
 
 def check_served_models(cfg: ServeConfig):
-    """Every model the config serves (target, drafts) is one specdec decodes exactly, from its config alone,
-    before any actor takes a GPU (specdec.loading.check_supported; UnsupportedModel names the type and
-    why) -> the target's config."""
+    """Every model the config serves (target, drafts) is one specdec decodes exactly, and draft heads were
+    made for the target, from configs alone, before any actor takes a GPU (specdec.loading.check_supported;
+    UnsupportedModel names the type and why; HeadMismatch what differs) -> the target's config."""
+    target = check_model(cfg.models.target.path)
     for path, _ in cfg.models.drafts().values():
-        check_model(path)
-    return check_model(cfg.models.target.path)
+        check_draft(path, target)  # a draft model, or heads made for this target
+    return target
 
 
 class Frontend:

@@ -10,6 +10,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from .cpu_linear import pack_linears
 from .eagle3 import HeadMismatch, is_eagle3, load_head
+from .eagle3 import read_config as read_eagle3_config
+from .medusa import check_fits as medusa_fits
 from .medusa import is_medusa, load_medusa
 from .errors import UnsupportedModel
 from .gguf import is_gguf, model_folder
@@ -213,6 +215,18 @@ def check_same_vocabulary(target: PreTrainedTokenizerBase, draft: PreTrainedToke
             f"the target's tokenizer ({len(tv)} tokens) and the draft's ({len(dv)} tokens) differ "
             f"(e.g. {differ}); speculative decoding needs one vocabulary: use a draft trained with the target's tokenizer"
         )
+
+
+def check_draft(path: str, target_config: PretrainedConfig) -> None:
+    """A draft a server is given, from configs alone: draft heads made for this target (HeadMismatch naming
+    what differs), or a model specdec decodes exactly (check_model)."""
+    folder = local_folder(path)
+    if is_eagle3(folder):
+        read_eagle3_config(folder, target_config)
+    elif is_medusa(folder):
+        medusa_fits(folder, target_config)
+    else:
+        check_model(path)
 
 
 def check_draft_tokenizer(target: PreTrainedTokenizerBase, draft_path: str) -> None:

@@ -111,10 +111,27 @@ def _from_original(raw: dict, weights: dict[str, torch.Tensor]) -> tuple[dict, d
     return {"num_heads": int(raw["medusa_num_heads"]), "num_hidden_layers": L, "medusa_fc_bias": bias}, renamed
 
 
+def check_fits(path: str | Path, target_config) -> tuple[int, int]:
+    """HeadMismatch unless the Medusa heads in `path` were made for a target of this config (hidden size,
+    vocabulary; FasterDecoding's config names neither, only its base model) -> (hidden size, vocabulary)."""
+    raw = json.loads((Path(path) / "config.json").read_text())
+    tc = target_config.get_text_config()
+    where = f"the Medusa heads in {str(path)!r}"
+    hidden, vocab = int(raw.get("hidden_size", tc.hidden_size)), int(raw.get("vocab_size", tc.vocab_size))
+    if hidden != tc.hidden_size:
+        raise HeadMismatch(f"{where} read hidden states of size {hidden}; the target's are {tc.hidden_size}: they were "
+                           "made for another target")
+    if vocab != tc.vocab_size:
+        raise HeadMismatch(f"{where} draft over a vocabulary of {vocab} ids; the target's has {tc.vocab_size}: they "
+                           "were made for another target")
+    return hidden, vocab
+
+
 def load_medusa(path: str | Path, target: PreTrainedModel) -> MedusaHeads:
     """The Medusa heads in `path` for this target, on its device and in its dtype. HeadMismatch for heads
     made for another target (hidden size, vocabulary) or weights that do not fit their config."""
     path = Path(path)
+    hidden, vocab = check_fits(path, target.config)
     raw = json.loads((path / "config.json").read_text())
     tc = target.config.get_text_config()
     where = f"the Medusa heads in {str(path)!r}"
@@ -123,20 +140,12 @@ def load_medusa(path: str | Path, target: PreTrainedModel) -> MedusaHeads:
         if weights is None:
             raise FileNotFoundError(f"{where}: no weights ({' or '.join(ORIGINAL_FILES)})")
         config, weights = _from_original(raw, weights)
-        hidden, vocab = tc.hidden_size, tc.vocab_size  # its config names the base model, not these
     else:
         weights = _read(path, VLLM_FILES)
         if weights is None:
             raise FileNotFoundError(f"{where}: no weights ({' or '.join(VLLM_FILES)})")
         config = raw
-        hidden, vocab = int(raw.get("hidden_size", tc.hidden_size)), int(raw.get("vocab_size", tc.vocab_size))
     weights = {k.removeprefix("medusa_heads."): v for k, v in weights.items()}
-    if hidden != tc.hidden_size:
-        raise HeadMismatch(f"{where} read hidden states of size {hidden}; the target's are {tc.hidden_size}: they were "
-                           "made for another target")
-    if vocab != tc.vocab_size:
-        raise HeadMismatch(f"{where} draft over a vocabulary of {vocab} ids; the target's has {tc.vocab_size}: they "
-                           "were made for another target")
     token_map = weights.pop("token_map", None)
     truncated = config.get("truncated_vocab_size")
     if truncated and truncated < vocab and token_map is None:

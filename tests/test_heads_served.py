@@ -281,3 +281,24 @@ def test_heads_on_replicas_beside_a_tensor_parallel_target_equal_plain_decoding(
                 assert stats.speculative and stats.drafted > 0
     finally:
         frontend.shutdown()
+
+
+def test_serve_checks_heads_against_the_target_before_the_actors_start(smooth, trained_head, trained_medusa,
+                                                                         model_dirs, tmp_path):
+    """A server's drafts may be heads made for its target; heads made for another (here the tests' other
+    target: its hidden size differs) are refused before Ray starts, naming what differs."""
+    from cluster.config import parse_config
+    from cluster.frontend import check_served_models
+    from specdec.eagle3 import HeadMismatch
+
+    def cfg(target, draft):
+        return parse_config({"models": {"target": {"path": target}, "draft": {"path": draft},
+                                        "task_drafts": {"medusa": {"path": trained_medusa.path}}}})
+
+    assert check_served_models(cfg(smooth.path, trained_head.path)).hidden_size == 64
+    other = tmp_path / "wide"
+    load_model(smooth.path).config.__class__(vocab_size=VOCAB, hidden_size=96, intermediate_size=128,
+                                             num_hidden_layers=3, num_attention_heads=4,
+                                             num_key_value_heads=2).save_pretrained(other)
+    with pytest.raises(HeadMismatch, match=r"hidden states of size 64 \(target_hidden_size\); the target.s are 96"):
+        check_served_models(cfg(str(other), trained_head.path))
