@@ -177,7 +177,7 @@ def cmd_generate(args) -> None:
     tokenizer = load_tokenizer(args.target)
     target = load_served_model(args.target, dtype, args.device)
     draft = None
-    if args.draft and drafter_name in ("model", "model+ngram"):
+    if args.draft and DrafterKind(drafter_name).uses_model:
         check_draft_tokenizer(tokenizer, args.draft)
         draft = draft_runner(load_draft(args.draft, target, dtype, args.device, served=True))
     engine = SpeculativeEngine(CachedLM(target), make_drafter(drafter_name, draft, width), config,

@@ -185,8 +185,10 @@ class TargetWorker:
         sizes = [len(trees[rid]) if rid in trees else 0 for rid in self.rows]  # rows not given a tree sit out
         start = self.lm.size
         tokens, block, positions = layout(row_trees, self.lm.lengths)
-        featured = any(self.requests[rid].feature_layers for rid in trees)
-        logits, states = self.lm.forward_hidden(tokens, block, positions, sizes=sizes, hidden=featured)  # [N, V]: the trees' nodes, row after row
+        if any(self.requests[rid].feature_layers for rid in trees):  # a head's row: the layers' inputs too
+            logits, states = self.lm.forward_hidden(tokens, block, positions, sizes=sizes)
+        else:
+            logits, states = self.lm.forward(tokens, block, positions, sizes=sizes), ()  # [N, V]: the trees' nodes, row after row
         held = self._processed(logits, row_trees, sizes)  # what p is drawn from (logprobs: the raw logits)
         (argmax,) = to_host(held.argmax(-1))  # the forward's one wait for the device (greedy rows)
         keep, offset = [], 0
