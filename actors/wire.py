@@ -199,11 +199,11 @@ def features_from_proto(msg: tree_pb.Features, field: str, rows: int | None = No
     if rows is not None and msg.rows != rows:
         raise InvalidArgument(f"{field}.rows", f"{msg.rows} rows, expected {rows}")
     dtype = FEATURE_DTYPES[msg.dtype]
-    size = torch.tensor([], dtype=dtype).element_size()
+    size = dtype.itemsize
     if len(msg.data) != msg.rows * msg.width * size:
         raise InvalidArgument(f"{field}.data", f"{len(msg.data)} bytes for {msg.rows} x {msg.width} {msg.dtype} values")
     if not msg.rows:
-        return torch.zeros(0, msg.width, dtype=dtype)
+        return torch.zeros(0, msg.width, dtype=dtype, device=HOST)
     return torch.frombuffer(bytearray(msg.data), dtype=dtype).view(msg.rows, msg.width)
 
 

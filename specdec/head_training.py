@@ -31,7 +31,7 @@ def frequent_tokens(tokens: torch.Tensor, vocab_size: int, draft_vocab_size: int
     """The draft vocabulary: the `draft_vocab_size` ids most frequent in `tokens` (ties to the lower id),
     ascending -> [draft_vocab_size]"""
     counts = torch.bincount(tokens.flatten().cpu(), minlength=vocab_size)[:vocab_size].float()
-    counts -= torch.arange(vocab_size) * 1e-9  # a stable order among equal counts
+    counts -= torch.arange(vocab_size, device=HOST) * 1e-9  # a stable order among equal counts
     return counts.topk(draft_vocab_size).indices.sort().values
 
 

@@ -108,13 +108,10 @@ class _SplitStub:
         self.Verify = Verify
 
 
-def test_grpc_target_sends_the_batch_in_calls_under_the_limit(sampled_trees, monkeypatch):
-    import actors.grpc_target
-
+def test_grpc_target_sends_the_batch_in_calls_under_the_limit(sampled_trees):
     one = wire.tree_to_proto("r0", sampled_trees["r0"]).ByteSize() + wire.TREE_FRAMING_BYTES
-    monkeypatch.setattr(actors.grpc_target, "MAX_MESSAGE_BYTES", 5 * one + 10)
     stub = _SplitStub()
-    outcomes = GrpcTarget(stub).verify(sampled_trees)
+    outcomes = GrpcTarget(stub, message_limit=5 * one + 10).verify(sampled_trees)
     assert set(outcomes) == set(sampled_trees) and all(o.tokens == [1] for o in outcomes.values())
     assert len(stub.sizes) == -(-ROWS // 5) and max(stub.sizes) <= 5 * one + 10
 

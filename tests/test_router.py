@@ -477,10 +477,11 @@ def test_the_scheduler_times_device_work_and_leaves_a_sizes_cold_first_forward_o
     worker = TargetWorker(CachedLM(target))
     add, verify = worker.add, worker.verify
 
-    def prefill(joining):
+    def prefill(joining, feature_layers=None):
         events.append("add")
-        add(joining)
+        features = add(joining, feature_layers)
         queued[0] = 0.05  # launched, not done
+        return features
 
     def forward(*args, **kwargs):
         events.append("verify")

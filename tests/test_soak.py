@@ -343,6 +343,9 @@ class _FakeTarget:
                         results.append(pb.VerifyResult(request_id=t.request_id, path=[0], tokens=[5]))
                 return pb.VerifyResponse(results=results)
 
+            def PromptFeatures(self, request, context):  # a replica with a draft model never asks
+                context.abort(grpc.StatusCode.NOT_FOUND, "no prompt features")
+
             def Close(self, request, context):
                 fake.closed += list(request.request_ids)
                 return pb.CloseResponse()
