@@ -24,6 +24,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaMLP, LlamaPreTrainedModel, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding)
 
+from .device import HOST
+
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")  # SGLang's and EAGLE's name, vLLM's
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 
@@ -96,7 +98,7 @@ class Eagle3Head(LlamaPreTrainedModel):
         self.midlayer = Eagle3Layer(config)
         self.norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(H, dv, bias=False)
-        self.register_buffer("d2t", torch.zeros(dv, dtype=torch.long), persistent=True)  # host: moved with the module
+        self.register_buffer("d2t", torch.zeros(dv, dtype=torch.long, device=HOST), persistent=True)  # moved with the module
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.post_init()
 
@@ -253,6 +255,6 @@ def save_head(head: Eagle3Head, path: str | Path, include_embedding: bool = Fals
     (path / "config.json").write_text(json.dumps(config, indent=2))
     state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()
              if include_embedding or not k.startswith("embed_tokens.")}
-    t2d = torch.zeros(head.config.vocab_size, dtype=torch.bool)  # host: written to the file
+    t2d = torch.zeros(head.config.vocab_size, dtype=torch.bool, device=HOST)  # written to the file
     t2d[head.target_ids().cpu()] = True
     save_file({**state, "t2d": t2d}, path / "model.safetensors")

@@ -17,6 +17,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .cpu_linear import dense_weight
+from .device import HOST
 from .eagle3 import HeadMismatch
 
 VLLM_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -50,7 +51,7 @@ class MedusaHeads(nn.Module):
         self.blocks = nn.ModuleList([ResidualBlock(hidden, num_layers, bias) for _ in range(num_heads)])
         rows = vocab_size if token_map is None else token_map.numel()
         self.lm_heads = nn.ModuleList([nn.Linear(hidden, rows, bias=False) for _ in range(1 if shared_lm_head else num_heads)])
-        identity = torch.arange(vocab_size)  # host: moved with the module
+        identity = torch.arange(vocab_size, device=HOST)  # moved with the module
         self.register_buffer("token_map", token_map if token_map is not None else identity)
         self.target_layers = 0  # the target's layer count L: hidden_states[L] is what the heads read (set at load)
 
