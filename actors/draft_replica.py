@@ -12,6 +12,7 @@ from specdec.drafter_factory import draft_runner, make_drafter
 from specdec.suffix import TextIndex, read_corpus
 from specdec.errors import Unavailable
 from specdec.loading import TargetParts, is_head, load_draft, load_served_model, load_tokenizer, local_folder, parse_dtype
+from specdec.prefix_cache import PrefixCache
 from specdec.sampling import SamplingParams
 
 from specdec.closed import RecentlyClosed
@@ -33,7 +34,7 @@ class DraftReplica:
                  shapes: dict[DrafterKind, DraftShape] | None = None,
                  overlap: bool = True, *, security: LinkSecurity | SharedSecurity, logical_gpus: bool = False,
                  corpora: dict[str, str] | None = None, corpus_max_tokens: int = 1_000_000,
-                 target_model: str | None = None):
+                 target_model: str | None = None, prefix_cache_tokens: int = 0):
         """drafts: task type -> (model folder, dtype); the "" entry drafts for every other task type.
         shapes: per drafter kind it runs, its tree width and its proposals' entries (speculation.*); the first
         drafts a request that names none. Default: model+ngram.
@@ -44,16 +45,18 @@ class DraftReplica:
         corpora: per task type, a corpus its suffix drafts also draw from (speculation.suffix.corpora), read
         at start with the target's tokenizer, up to corpus_max_tokens tokens each.
         target_model: the target's folder (models.target.path): its tokenizer for the corpora, and its config
-        and shared embeddings for draft heads (a draft that is an EAGLE-3 head or Medusa heads)."""
+        and shared embeddings for draft heads (a draft that is an EAGLE-3 head or Medusa heads).
+        prefix_cache_tokens: each draft model's prefix cache, shared by its loops (0: none)."""
         use_assigned_cpus()
         device = device_for_actor(logical_gpus)  # before anything loads: a wrong image fails here
         self.models = {task: load_replica_draft(path, target_model, parse_dtype(dtype), device)
                        for task, (path, dtype) in drafts.items()}
+        self.prefixes = {task: PrefixCache(prefix_cache_tokens) for task in self.models} if prefix_cache_tokens else {}
         self.shapes = dict(shapes or {DrafterKind.MODEL_NGRAM: DraftShape()})
         self.corpora = read_corpora(corpora or {}, target_model, corpus_max_tokens)
         self.overlap = overlap
         for kind in self.shapes:
-            self._make_drafter(self.models.get(""), kind)  # fail at start
+            self._make_drafter("", kind)  # fail at start
         self.security, self.target_address = resolve(security), target_address
         self.channel = target_channel(target_address, self.security)
         self.target = GrpcTarget(tree_grpc.TargetServiceStub(self.channel))  # shared by the loops
@@ -122,14 +125,15 @@ class DraftReplica:
         if kind not in self.shapes:
             raise ValueError(f"drafter {kind.value!r} is not run by this replica ({', '.join(map(str, self.shapes))})")
         if (key, kind) not in self.loops:
-            model = self.models.get(key, self.models.get(""))
-            self.loops[(key, kind)] = DraftLoop(self.target, self._make_drafter(model, kind, self.corpora.get(key)),
+            task = key if key in self.models else ""
+            self.loops[(key, kind)] = DraftLoop(self.target, self._make_drafter(task, kind, self.corpora.get(key)),
                                                 on_step=self.step_timer, overlap=self.overlap)
         return self.loops[(key, kind)]
 
-    def _make_drafter(self, model, kind: DrafterKind, corpus: TextIndex | None = None) -> Drafter | None:
-        shape = self.shapes[kind]
-        return make_drafter(kind, draft_runner(model) if model is not None else None, shape.width,
+    def _make_drafter(self, task: str, kind: DrafterKind, corpus: TextIndex | None = None) -> Drafter | None:
+        """task: the task type whose draft model it drafts with ("": the rest's)."""
+        shape, model = self.shapes[kind], self.models.get(task)
+        return make_drafter(kind, draft_runner(model, self.prefixes.get(task)) if model is not None else None, shape.width,
                             shape.proposal_top_k, shape.suffix, corpus)
 
 

@@ -58,6 +58,16 @@ target_kv_tokens_reserved = LazyMetric(Gauge, "target_kv_tokens_reserved", "KV t
 target_idle_rows_closed = LazyMetric(Counter, "target_idle_rows_closed", "Speculative rows the target closed "
                                      "because no tree came for idle_row_timeout_s (their replica or client was gone)")
 
+target_prefix_cached_tokens = LazyMetric(Gauge, "target_prefix_cached_tokens", "Tokens whose KV the target's "
+                                         "prefix cache holds")
+target_prefix_prompt_tokens = LazyMetric(Counter, "target_prefix_prompt_tokens", "Prompt tokens looked up in the "
+                                         "target's prefix cache")
+target_prefix_hit_tokens = LazyMetric(Counter, "target_prefix_hit_tokens", "Prompt tokens found in the target's "
+                                      "prefix cache (their prefill skipped); the hit rate is this over "
+                                      "target_prefix_prompt_tokens")
+target_prefix_evicted_tokens = LazyMetric(Counter, "target_prefix_evicted_tokens", "Tokens the target's prefix "
+                                          "cache evicted for room (least recently used first)")
+
 
 class StepTimer:
     """A draft replica's per-step times, as its DraftLoop reports them: (draft seconds, verify round trip)."""
@@ -78,13 +88,20 @@ def observe_forward(seconds: float) -> None:
 def publish_target(stats: Callable[[], "TargetStats"]) -> None:
     """The target's gauges from its scheduler's stats(), every GAUGES_EVERY_S, for as long as the process
     lives (rank 0 runs it on a thread of its own)."""
-    closed = 0
+    counted = dict.fromkeys(COUNTERS, 0)  # what the counters have been given so far
     while True:
         now = stats()
         target_open_requests().set(now.open_requests)
         target_waiting_requests().set(now.waiting)
         target_kv_tokens_reserved().set(now.kv_tokens_reserved)
-        if now.idle_rows_closed > closed:
-            target_idle_rows_closed().inc(now.idle_rows_closed - closed)
-            closed = now.idle_rows_closed
+        target_prefix_cached_tokens().set(now.prefix_cached_tokens)
+        for name, counter in COUNTERS.items():
+            if (total := getattr(now, name)) > counted[name]:
+                counter().inc(total - counted[name])
+                counted[name] = total
         time.sleep(GAUGES_EVERY_S)
+
+
+# the scheduler's cumulative counts that are Prometheus counters, by TargetStats field
+COUNTERS = {"idle_rows_closed": target_idle_rows_closed, "prefix_prompt_tokens": target_prefix_prompt_tokens,
+            "prefix_hit_tokens": target_prefix_hit_tokens, "prefix_evicted_tokens": target_prefix_evicted_tokens}

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.cpu_linear import packed_numel
 from specdec.kvcache import CachedLM
+from specdec.prefix_cache import PrefixCache
 from specdec.loading import load_grammars, load_served_model, load_sharded_model, parse_dtype
 from specdec.sampling import SamplingParams
 from specdec.target import TargetWorker
@@ -75,8 +76,9 @@ class TargetRank:
 
     def __init__(self, model_path: str, dtype: str = "float32", rank: int = 0, world_size: int = 1,
                  dist_address: str | None = None, budget: KvBudget = KvBudget(), idle_timeout_s: float = 30.0,
-                 *, security: LinkSecurity | SharedSecurity, logical_gpus: bool = False):
-        """logical_gpus: placement.logical_gpus (the models on the CPU whatever GPUs Ray gave; without it a
+                 prefix_cache_tokens: int = 0, *, security: LinkSecurity | SharedSecurity, logical_gpus: bool = False):
+        """prefix_cache_tokens: server.prefix_cache_tokens (0: no prefix cache).
+        logical_gpus: placement.logical_gpus (the models on the CPU whatever GPUs Ray gave; without it a
         GPU from Ray and no CUDA here stops the rank: device_for_actor)."""
         use_assigned_cpus()
         device = device_for_actor(logical_gpus)  # before anything loads: a wrong image fails here
@@ -87,7 +89,8 @@ class TargetRank:
         else:
             group = _join_tensor_parallel_group(rank, world_size, dist_address, device)
             model = load_sharded_model(model_path, parse_dtype(dtype))
-        worker = TargetWorker(CachedLM(model), load_grammars(model_path, model))
+        prefix = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None  # every rank alike: they add and remove alike
+        worker = TargetWorker(CachedLM(model, prefix), load_grammars(model_path, model))
         self.weights_held = _local_numel(model)
         if world_size > 1:
             if rank > 0:

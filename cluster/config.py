@@ -252,6 +252,11 @@ class ServerConfig(_Section):
     max_running_requests: int = Field(64, ge=1)
     max_kv_tokens: int = Field(65536, ge=1)
     max_waiting_requests: int = Field(256, ge=0)
+    # prefix cache: the KV of prompts and outputs kept after their requests end, on the target and on each
+    # draft replica (per draft model), for later prompts that begin the same way (a shared system prompt, a
+    # conversation's next turn); up to this many tokens each, in blocks of 16, least recently used evicted
+    # first. Held beside the running requests' KV (max_kv_tokens), as memory is used. 0: off.
+    prefix_cache_tokens: int = Field(16384, ge=0, le=10_000_000)
     idle_row_timeout_s: float = Field(30.0, gt=0)  # a speculative row with no tree for this long is closed
     max_n: int = Field(8, ge=1)  # most samples one request may ask for (OpenAI's n)
     # the largest request body (HTTP) or message (gRPC, RAY_SERVE_GRPC_MAX_MESSAGE_SIZE of Serve's proxy), in

@@ -91,7 +91,7 @@ def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
                                  name=f"draft-{i}-{topo.tag}", namespace=NAMESPACE)
             .remote(models.drafts(), topo.target_address, spec.shapes(), spec.overlap,
                     corpora=spec.suffix.corpora, corpus_max_tokens=spec.suffix.corpus_max_tokens,
-                    target_model=models.target.path,
+                    target_model=models.target.path, prefix_cache_tokens=cfg.server.prefix_cache_tokens,
                     security=topo.shared, logical_gpus=place.logical_gpus)
             for i in range(n_drafts)]
         ray.get([d.ready.remote() for d in topo.drafts], timeout=timeout_s)
@@ -113,7 +113,7 @@ def start_target_ranks(cfg: ServeConfig, pg: PlacementGroup, tag: str, security:
                                 max_concurrency=ACTOR_CONCURRENCY, scheduling_strategy=_on(pg, r),
                                 name=f"target-{r}-{tag}", namespace=NAMESPACE)
              .remote(cfg.models.target.path, cfg.models.target.dtype, r, tp, rendezvous, kv_budget(cfg),
-                     server.idle_row_timeout_s, security=security, logical_gpus=place.logical_gpus)
+                     server.idle_row_timeout_s, server.prefix_cache_tokens, security=security, logical_gpus=place.logical_gpus)
              for r in range(tp)]
     try:
         ray.get([rank.ready.remote() for rank in ranks], timeout=timeout_s)

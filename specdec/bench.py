@@ -22,7 +22,7 @@ from .plain import hf_generate
 from .prompts import load_prompts
 from .sampling import SamplingParams
 from .suffix import TextIndex, read_corpus
-from .workload import Conversation, turns_of
+from .workload import Conversation, rows_for, turns_of
 
 
 @dataclass
@@ -129,7 +129,7 @@ def run_bench(args) -> None:
     if head is not None and only is not None:
         only |= set(HEAD_MODES)
     modes = build_modes(target, draft, eos, args.max_new_tokens, params, only, corpus, head)
-    rows = load_prompts(args.prompts, args.limit, tokenizer)
+    rows = rows_for(args.workload, load_prompts(args.prompts, args.limit, tokenizer), tokenizer)
     turns = turns_of(args.workload, args.turns)
     # each mode holds its own conversations: a turn's prompt carries that mode's earlier outputs
     talks = {mode.name: [Conversation.open(r, tokenizer) for r in rows] for mode in modes}

@@ -72,8 +72,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     b.add_argument("--limit", type=int, help="use only the first N prompts of each task type")
     b.add_argument("--modes", help="comma-separated subset of modes to run (plain always runs)")
     b.add_argument("--workload", choices=[w.value for w in Workload], default=Workload.SINGLE.value,
-                   help="single: each prompt once; multi-turn: each prompt opens a conversation whose every turn "
-                        "resends the last prompt, its output and a follow-up (docs/usage.md)")
+                   help="single: each prompt once; shared-prefix: each prompt once after one shared system prompt; "
+                        "multi-turn: each prompt opens a conversation whose every turn resends the last prompt, its "
+                        "output and a follow-up (docs/usage.md)")
     b.add_argument("--turns", type=int, default=DEFAULT_TURNS, help=f"turns per conversation of multi-turn "
                    f"(default {DEFAULT_TURNS})")
     b.add_argument("--head", help="draft heads' folder for the target (EAGLE-3 or Medusa): adds the modes "

@@ -171,6 +171,9 @@ class DraftLoop:
         gone = {id(r) for r in leaving}
         keep = [i for i, r in enumerate(self.rows) if id(r) not in gone]
         if self.drafter is not None:
+            if (lm := self.drafter.draft_lm) is not None:  # what the draft ran stays for prompts that begin the same way
+                ending = [i for i, r in enumerate(self.rows) if id(r) in gone]
+                lm.remember(ending, [self.rows[i].seq[:-1] for i in ending])
             self.drafter.select(keep)
         self.rows = [self.rows[i] for i in keep]
         if close:

@@ -19,6 +19,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .device import HOST, host_tensor, to_device
+from .prefix_cache import LayerKV, PrefixCache
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,27 @@ class GrowingLayer(CacheLayerMixin):
         self._set_length(self.n + T)
         return self.keys, self.values
 
+    @classmethod
+    def holding(cls, rows: list[LayerKV | None], like: LayerKV) -> "GrowingLayer":
+        """A layer whose row b holds rows[b]'s keys and values (each [H, n_b, D]; None: nothing), in slots
+        [0, n_b); `like`: one of them (the shapes, dtype and device)."""
+        layer = cls()
+        layer.lazy_initialization(*like)
+        H, _, D = like[0].shape
+        n = max((kv[0].shape[1] for kv in rows if kv is not None), default=0)
+        cap = -(-n // GROW_SLOTS) * GROW_SLOTS
+        layer.buf_k, layer.buf_v = (like[0].new_zeros((len(rows), H, cap, D)) for _ in range(2))
+        for b, kv in enumerate(rows):
+            if kv is not None:
+                layer.buf_k[b, :, : kv[0].shape[1]] = kv[0]
+                layer.buf_v[b, :, : kv[1].shape[1]] = kv[1]
+        layer._set_length(n)
+        return layer
+
+    def row(self, b: int, n: int) -> LayerKV:
+        """Row b's keys and values in slots [0, n): views, each [H, n, D]."""
+        return self.buf_k[b, :, :n], self.buf_v[b, :, :n]
+
     def _grown(self, buf, shape, like):
         new = torch.empty(shape, dtype=like.dtype, device=like.device)
         if buf is not None:
@@ -256,8 +278,10 @@ class GrowingLayer(CacheLayerMixin):
 
 
 class CachedLM:
-    def __init__(self, model: PreTrainedModel):
-        self.model = model
+    def __init__(self, model: PreTrainedModel, prefix: PrefixCache | None = None):
+        """prefix: the KV of prompts and outputs run before, kept for prompts that begin the same way
+        (prefill_alone reads it, remember and prefill_alone write it); None: every prompt runs whole."""
+        self.model, self.prefix = model, prefix
         self.device = model.device
         self.eager = run_ragged_capable(model) == "eager"
         self.packs = model.config._attn_implementation.startswith("specdec_ragged_")  # else a ragged block runs padded
@@ -424,10 +448,34 @@ class CachedLM:
         """These sequences prefilled on their own, to join this batch later (join): the batch is not
         touched, so another thread may run this while the batch steps. hidden: keep the model's hidden
         states of their tokens too (Prefilled.hidden)."""
-        fresh = CachedLM(self.model)
+        fresh = CachedLM(self.model, self.prefix)
         fresh.reset(len(chunks))
-        _, states = fresh.prefill_hidden(chunks, hidden=hidden)
+        if self.prefix is not None and not hidden:  # the hidden states of cached tokens are not kept
+            fresh._reuse(chunks)
+        _, states = fresh.prefill_hidden([c[n:] for c, n in zip(chunks, fresh.lengths)], hidden=hidden)
+        fresh.remember(list(range(len(chunks))), chunks)
         return Prefilled(chunks, fresh, states)
+
+    def _reuse(self, chunks: list[list[int]]) -> None:
+        """An empty batch takes, as each row's first committed tokens, the longest cached prefix of its chunk."""
+        taken = [self.prefix.take(chunk) for chunk in chunks]  # per row: per layer (keys, values), or []
+        like = next((kv for kv in taken if kv), None)
+        if like is None:
+            return
+        self.kv = Cache(layers=[GrowingLayer.holding([kv[i] if kv else None for kv in taken], like[i])
+                                for i in range(len(like))])
+        self.lengths = [kv[0][0].shape[1] if kv else 0 for kv in taken]
+
+    @torch.inference_mode()
+    def remember(self, rows: list[int], tokens: list[list[int]]) -> None:
+        """Keep these rows' committed KV in the prefix cache (if any), as the KV of these tokens: row
+        rows[i]'s first len(tokens[i]) committed tokens (fewer if it has fewer), whole blocks of them."""
+        if self.prefix is None or not self.kv.layers:
+            return
+        for b, row_tokens in zip(rows, tokens):
+            n = min(len(row_tokens), self.lengths[b])
+            if n >= self.prefix.block_tokens:
+                self.prefix.store(row_tokens[:n], [layer.row(b, n) for layer in self.kv.layers])
 
     @torch.inference_mode()
     def join(self, rows: "list[list[int]] | Prefilled") -> None:

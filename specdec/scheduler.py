@@ -32,7 +32,8 @@ LOAD_SMOOTHING = 0.2  # weight of each forward in the batch's moving average
 
 
 # What the target holds now, as /v1/stats's target section and GetStats's TargetStats show it.
-HELD = ("open_requests", "kv_tokens_reserved", "waiting", "largest_batch", "idle_rows_closed")
+HELD = ("open_requests", "kv_tokens_reserved", "waiting", "largest_batch", "idle_rows_closed", "prefix_cached_tokens",
+        "prefix_prompt_tokens", "prefix_hit_tokens", "prefix_evicted_tokens")
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,12 @@ class TargetStats:
     kv_tokens_reserved: int = 0  # the slots the cache may come to hold for them
     waiting: int = 0  # in the admission queue
     idle_rows_closed: int = 0
+    # the target's prefix cache (specdec.prefix_cache; all 0 without one): tokens it holds now, prompt tokens
+    # looked up in it, of those found (their prefill skipped), and tokens evicted for room
+    prefix_cached_tokens: int = 0
+    prefix_prompt_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_evicted_tokens: int = 0
     forward_costs: dict[int, float] = field(default_factory=dict)  # seconds by batch tokens (the router's table)
     batch_tokens: float = 0.0  # the batch now, smoothed: tokens per forward, committed per forward, rows
     committed_per_forward: float = 0.0
@@ -292,13 +299,16 @@ class TargetScheduler:
             # a closed request holds nothing: its row goes before the next forward
             held = {rid: tokens for rid, tokens in self._reserved.items() if rid not in self._leaving}
             load = self._load if held else Load()  # an idle target has no batch
+            prefix = self.worker.prefix_stats()
             return TargetStats(
                 forwards=self.forwards, forward_time_s=self.forward_time_s, stall_time_s=self.stall_time_s,
                 committed_tokens=self.committed_tokens, trees_verified=self.trees_verified,
                 tree_loop_time_s=self.tree_loop_time_s, largest_batch=self.largest_batch, open_requests=len(held),
                 kv_tokens_reserved=self.budget.slots(list(held.values())), waiting=len(self._waiting),
                 idle_rows_closed=self.idle_rows_closed, forward_costs=dict(self.costs.verify_table),
-                batch_tokens=load.batch_tokens, committed_per_forward=load.committed, batch_rows=load.rows)
+                batch_tokens=load.batch_tokens, committed_per_forward=load.committed, batch_rows=load.rows,
+                prefix_cached_tokens=prefix.cached_tokens, prefix_prompt_tokens=prefix.looked_up_tokens,
+                prefix_hit_tokens=prefix.hit_tokens, prefix_evicted_tokens=prefix.evicted_tokens)
 
     def stop(self) -> None:
         with self._cv:

@@ -18,6 +18,7 @@ from .errors import InvalidArgument, RequestExists, RequestFailed, UnknownReques
 from .grammar import Grammars, RowGrammar
 from .kvcache import CachedLM
 from .logprobs import committed_logprobs
+from .prefix_cache import PrefixStats
 from .processors import History, process
 from .sampling import SamplingParams, make_generator
 from .tree import TokenTree, layout
@@ -124,10 +125,17 @@ class TargetWorker:
     def remove(self, leaving: list[Hashable]) -> None:
         gone = set(leaving)
         keep = [row for row, rid in enumerate(self.rows) if rid not in gone]
+        ending = [row for row, rid in enumerate(self.rows) if rid in gone]
+        # what they ran stays for prompts that begin the same way (a conversation's next turn)
+        self.lm.remember(ending, [self.requests[self.rows[row]].seq for row in ending])
         self.lm.select(keep)
         self.rows = [self.rows[row] for row in keep]
         for rid in gone:
             del self.requests[rid]
+
+    def prefix_stats(self) -> PrefixStats:
+        """The prefix cache's counts (all 0 without one)."""
+        return self.lm.prefix.stats() if self.lm.prefix is not None else PrefixStats()
 
     def last_token(self, rid: Hashable) -> int:
         return self.requests[rid].seq[-1]

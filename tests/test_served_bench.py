@@ -18,7 +18,7 @@ from tools.served_bench import percentile
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
 from specdec.loading import load_model, load_tokenizer
-from specdec.workload import follow_up
+from specdec.workload import SYSTEM_PROMPT, follow_up, with_system_prompt
 
 NEW_TOKENS = 6
 HERE = "cuda:0" if torch.cuda.is_available() else "cpu"  # where the references run: the served device when there is one
@@ -35,12 +35,15 @@ class FakeSpecDecode(api_grpc.SpecDecodeServicer):
     def __init__(self, outputs: dict[str, list[int]], wrong_in: str | None = None, wrong_from: int = -1):
         self.outputs, self.wrong_in, self.wrong_from = outputs, wrong_in, wrong_from
         self.forwards = 0
+        self.prompt_words = 0  # what its prefix cache "looked up": the prompts' words; half of them "hit"
         self.lock = threading.Lock()
         self.authorizations = []  # each call's authorization metadata
 
     def GenerateStream(self, request, context):
         self.authorizations.append(dict(context.invocation_metadata()).get("authorization"))
         tokens = list(self.outputs[request.prompt][:request.max_new_tokens])
+        with self.lock:
+            self.prompt_words += 2 * len(request.prompt.split())
         mode = api.Speculation.Name(request.speculation)
         if mode == self.wrong_in:
             at = self.wrong_from % len(tokens)
@@ -71,7 +74,9 @@ class Served:
         class Stats(BaseHTTPRequestHandler):
             def do_GET(self):
                 seen.append(self.headers.get("Authorization"))
-                body = json.dumps({"timing": {"forwards": servicer.forwards, "forward_s": 0.002 * servicer.forwards}})
+                body = json.dumps({"timing": {"forwards": servicer.forwards, "forward_s": 0.002 * servicer.forwards},
+                                   "target": {"prefix_prompt_tokens": servicer.prompt_words,
+                                              "prefix_hit_tokens": servicer.prompt_words // 2}})
                 self.send_response(200 if self.path == "/v1/stats" else 404)
                 self.send_header("Content-Type", "application/json")
                 self.end_headers()
@@ -240,6 +245,41 @@ def test_multi_turn_resends_each_conversation_with_its_answers(bench_setup, caps
         second = f"{row['prompt']}{answer}\n\n{follow_up(row['task_type'], 1)}\n"
         assert asked.count(second) == 2 * 3  # every cell: 2 client counts x off, on, auto
     assert final["references"]["generate"]["identical_to_off"] == f"{2 * len(PROMPTS)}/{2 * len(PROMPTS)}"
+
+
+class SameOutput(dict):
+    def __missing__(self, prompt):
+        return list(range(1, NEW_TOKENS + 1))
+
+
+def test_shared_prefix_sends_every_prompt_after_one_system_prompt(bench_setup, capsys):
+    _, prompts, _ = bench_setup
+    servicer = FakeSpecDecode(SameOutput())
+    asked = []
+    stream = servicer.GenerateStream
+    servicer.GenerateStream = lambda request, context: (asked.append(request.prompt), (yield from stream(request, context)))
+    served = Served(servicer)
+    try:
+        main(argv(served, prompts, "--workload", "shared-prefix", "--json"))
+    finally:
+        served.close()
+    final = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert sorted(set(asked)) == sorted(SYSTEM_PROMPT + "\n\n" + row["prompt"] for row in PROMPTS)
+    for r in final["rows"]:
+        assert r["requests"] == len(PROMPTS) and r["prefix_hit_rate"] == 0.5  # the fake's counts, per cell
+        assert r["ttft_p50_ms"] <= r["ttft_p95_ms"]
+
+
+def test_a_chat_row_gets_the_system_prompt_before_its_own(bench_setup):
+    target, _, _ = bench_setup
+    tokenizer = load_tokenizer(target)
+    row = {"task_type": "chat", "messages": [{"role": "system", "content": "w7"}, {"role": "user", "content": "w8"}]}
+    sent = with_system_prompt(row, tokenizer)
+    assert sent["messages"][0] == {"role": "system", "content": SYSTEM_PROMPT + "\n\nw7"}
+    assert sent["messages"][1:] == row["messages"][1:] and row["messages"][0]["content"] == "w7"  # the row is not changed
+    assert sent["prompt"] == tokenizer.apply_chat_template(sent["messages"], tokenize=False, add_generation_prompt=True)
+    plain = with_system_prompt({"task_type": "chat", "messages": [{"role": "user", "content": "w8"}]}, tokenizer)
+    assert plain["messages"][0] == {"role": "system", "content": SYSTEM_PROMPT}
 
 
 def test_multi_turn_needs_the_targets_tokenizer(bench_setup):

@@ -116,6 +116,26 @@ def test_generate_and_stream_equal_plain_greedy(server, target, speculation):
         assert one.stats.drafted > 0 and one.stats.accepted > 0
 
 
+@pytest.mark.parametrize("speculation", [api.SPECULATION_ON, api.SPECULATION_OFF])
+def test_a_conversations_next_turn_reuses_its_cached_prefix_and_says_the_same(server, target, speculation):
+    """The prefix cache is on by default (server.prefix_cache_tokens): turn 2 resends turn 1's prompt and
+    answer, whose blocks the target kept; its output is still plain greedy decoding's."""
+    first = " ".join(f"w{(7 * i + speculation) % 60 + 1}" for i in range(36))  # past two 16-token blocks
+    reply = server.stub.Generate(api.GenerateRequest(prompt=first, max_new_tokens=8, speculation=speculation),
+                                 timeout=60)
+    assert list(reply.token_ids) == expected(server, target, first, 8)
+    second = first + " " + " ".join(f"w{t}" for t in reply.token_ids) + " w9 w10"
+    before = http(server, "/v1/stats")[1]["target"]
+    reply = server.stub.Generate(api.GenerateRequest(prompt=second, max_new_tokens=12, speculation=speculation),
+                                 timeout=60)
+    assert list(reply.token_ids) == expected(server, target, second, 12)
+    after = http(server, "/v1/stats")[1]["target"]
+    assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] >= 32
+    assert after["prefix_prompt_tokens"] - before["prefix_prompt_tokens"] == len(server.tokenizer(second)["input_ids"]) - 1
+    assert 0 < after["prefix_cached_tokens"] <= 16384
+    assert server.stub.GetStats(api.GetStatsRequest()).target.prefix_hit_tokens >= after["prefix_hit_tokens"]
+
+
 INVALID = [
     ({"prompt": ""}, "prompt"),
     ({"max_new_tokens": 0}, "max_new_tokens"),

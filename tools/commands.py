@@ -39,7 +39,8 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
     sb.add_argument("--max-new-tokens", type=int, default=64)
     sb.add_argument("--limit", type=int, help="use only the first N prompts of each task type")
     sb.add_argument("--workload", choices=[w.value for w in Workload], default=Workload.SINGLE.value,
-                    help="single: each prompt once; multi-turn: each prompt opens a conversation whose every turn "
+                    help="single: each prompt once; shared-prefix: each prompt once after one shared system prompt "
+                         "(chat rows need --target); multi-turn: each prompt opens a conversation whose every turn "
                          "resends the last prompt, its answer and a follow-up, one client's turns in order (needs "
                          "--target)")
     sb.add_argument("--turns", type=int, default=DEFAULT_TURNS, help=f"turns per conversation of multi-turn "

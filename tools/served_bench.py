@@ -39,10 +39,11 @@ from cluster.speculation import Speculation
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
 from specdec.prompts import load_prompts
-from specdec.workload import Conversation, turns_of
+from specdec.workload import Conversation, rows_for, turns_of
 
 
 TIMING_KEYS = ("forwards", "forward_s", "steps", "step_round_trip_s", "draft_s", "drafted_ahead")  # GET /v1/stats
+PREFIX_KEYS = ("prefix_prompt_tokens", "prefix_hit_tokens")  # GET /v1/stats "target": its prefix cache's counts
 REFERENCES = ("generate", "generate_batch")
 
 # How greedy output is held to a reference (another mode's, or plain decoding's), here and in the soak.
@@ -123,7 +124,7 @@ def bench_main(args) -> None:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     tokenizer = _tokenizer(args.target)
-    rows = load_prompts(args.prompts, args.limit, tokenizer)
+    rows = rows_for(args.workload, load_prompts(args.prompts, args.limit, tokenizer), tokenizer)
     turns = turns_of(args.workload, args.turns)
     if turns > 1 and tokenizer is None:
         raise ValueError("--workload multi-turn needs --target DIR: its tokenizer reads each answer into the next turn")
@@ -284,7 +285,7 @@ def cell_row(clients: int, mode: Speculation, wall: float, replies: list[Reply],
     off = next((r["tokens_per_s"] for r in earlier if r["clients"] == clients and r["mode"] == "off"), None)
     ms = lambda s: None if s is None else round(1000 * s, 3)  # noqa: E731
     tpot = [r.tpot_s for r in replies if r.tpot_s is not None]
-    delta = {k: after[k] - before[k] for k in TIMING_KEYS if k in after and k in before}
+    delta = {k: after[k] - before[k] for k in TIMING_KEYS + PREFIX_KEYS if k in after and k in before}
 
     def per(key: str, count: str) -> float | None:  # server ms per forward / per step, when reported
         return round(1000 * delta[key] / delta[count], 3) if key in delta and delta.get(count) else None
@@ -295,6 +296,10 @@ def cell_row(clients: int, mode: Speculation, wall: float, replies: list[Reply],
         "speedup": 1.0 if mode == Speculation.OFF else round(tps / off, 3) if off else None,
         "tpot_p50_ms": ms(percentile(tpot, 50)), "tpot_p95_ms": ms(percentile(tpot, 95)),
         "ttft_p50_ms": ms(percentile([r.ttft_s for r in replies if r.ttft_s is not None], 50)),
+        "ttft_p95_ms": ms(percentile([r.ttft_s for r in replies if r.ttft_s is not None], 95)),
+        # the target's prefix cache: prompt tokens found cached / looked up in this cell (None: not reported)
+        "prefix_hit_rate": round(delta["prefix_hit_tokens"] / delta["prefix_prompt_tokens"], 3)
+        if delta.get("prefix_prompt_tokens") else None,
         "steps": sum(r.steps for r in replies), "accepted": sum(r.accepted for r in replies),
         "drafted": sum(r.drafted for r in replies),
         # float32: a mismatch stops the run; another dtype: agreement with off (below AGREEMENT_FLOOR stops it)
@@ -329,7 +334,8 @@ class _StatsReader:
         timing = body.get("timing") if isinstance(body, dict) else None
         if not isinstance(timing, dict):
             return self._note(f"GET {self.http}/v1/stats has no 'timing'")
-        return {k: v for k, v in timing.items() if k in TIMING_KEYS and isinstance(v, int | float)}
+        target = body.get("target") if isinstance(body.get("target"), dict) else {}
+        return {k: v for k, v in (timing | target).items() if k in TIMING_KEYS + PREFIX_KEYS and isinstance(v, int | float)}
 
     def _note(self, msg: str) -> dict:
         if not self.noted:
@@ -431,14 +437,16 @@ def table(rows: list[dict], references: dict, args, n_prompts: int) -> str:
              f"max_new_tokens={args.max_new_tokens}, "
              f"greedy, server {args.address}",
              f"{'clients':>7} {'mode':<5} {'tok/s':>7} {'vs off':>7} {'tpot p50':>9} {'tpot p95':>9} {'ttft p50':>9} "
-             f"{'accepted/drafted':>17} {'steps':>6} {'forward':>8} {'round trip':>10} {'draft':>7}  (ms) {'ahead':>6}"]
+             f"{'ttft p95':>9} {'accepted/drafted':>17} {'steps':>6} {'forward':>8} {'round trip':>10} {'draft':>7}  (ms) "
+             f"{'ahead':>6} {'prefix hits':>11}"]
     for r in rows:
         acc = f"{r['accepted']}/{r['drafted']}"
         lines.append(
             f"{r['clients']:>7} {r['mode']:<5} {r['tokens_per_s']:>7.1f} {fmt(r['speedup'], '.2f'):>6}x "
             f"{fmt(r['tpot_p50_ms']):>9} {fmt(r['tpot_p95_ms']):>9} {fmt(r['ttft_p50_ms']):>9} "
-            f"{acc:>17} {r['steps']:>6} {fmt(r['target_forward_ms']):>8} "
-            f"{fmt(r['step_round_trip_ms']):>10} {fmt(r['draft_ms']):>7}       {fmt(r.get('drafted_ahead'), '.2f'):>6}")
+            f"{fmt(r.get('ttft_p95_ms')):>9} {acc:>17} {r['steps']:>6} {fmt(r['target_forward_ms']):>8} "
+            f"{fmt(r['step_round_trip_ms']):>10} {fmt(r['draft_ms']):>7}       {fmt(r.get('drafted_ahead'), '.2f'):>6} "
+            f"{fmt(r.get('prefix_hit_rate'), '.3f'):>11}")
     dtype = args.dtype
     if not rows:
         lines.append("no cells")
