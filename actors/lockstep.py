@@ -30,6 +30,19 @@ class LockstepWorker:
         pinned = [(rid, prompt, _with_seed(params), stream) for rid, prompt, params, stream in joining]
         return self._mirrored("add", pinned, feature_layers)
 
+    def begin(self, joining, feature_layers=None, budget=None):
+        pinned = [(rid, prompt, _with_seed(params), stream) for rid, prompt, params, stream in joining]
+        return self._mirrored("begin", pinned, feature_layers, budget)
+
+    def advance(self, handle, budget):
+        return self._mirrored("advance", handle, budget)
+
+    def abandon(self, handle):
+        return self._mirrored("abandon", handle)
+
+    def complete(self, handle):
+        return self._mirrored("complete", handle)
+
     def remove(self, leaving):
         return self._mirrored("remove", leaving)
 

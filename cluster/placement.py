@@ -113,7 +113,8 @@ def start_target_ranks(cfg: ServeConfig, pg: PlacementGroup, tag: str, security:
                                 max_concurrency=ACTOR_CONCURRENCY, scheduling_strategy=_on(pg, r),
                                 name=f"target-{r}-{tag}", namespace=NAMESPACE)
              .remote(cfg.models.target.path, cfg.models.target.dtype, r, tp, rendezvous, kv_budget(cfg),
-                     server.idle_row_timeout_s, server.prefix_cache_tokens, security=security, logical_gpus=place.logical_gpus)
+                     server.idle_row_timeout_s, server.prefix_cache_tokens, server.max_batched_tokens,
+                     security=security, logical_gpus=place.logical_gpus)
              for r in range(tp)]
     try:
         ray.get([rank.ready.remote() for rank in ranks], timeout=timeout_s)

@@ -22,7 +22,7 @@ from .ahead import Ahead, draft_ahead, settle
 from .closed import RecentlyClosed
 from .drafters import Drafter, Plan
 from .generation import Generation, emit, record_step
-from .kvcache import Prefilled
+from .kvcache import Prefilled, compacting
 from .sampling import SamplingParams, make_generator
 from .sinks import Sink, tell
 from .target import Outcome
@@ -169,10 +169,10 @@ class DraftLoop:
         if not leaving:
             return
         gone = {id(r) for r in leaving}
-        keep = [i for i, r in enumerate(self.rows) if id(r) not in gone]
+        ending = [i for i, r in enumerate(self.rows) if id(r) in gone]
+        keep = compacting(len(self.rows), ending)  # the last rows fill the gaps: the draft's cache copies only them
         if self.drafter is not None:
             if (lm := self.drafter.draft_lm) is not None:  # what the draft ran stays for prompts that begin the same way
-                ending = [i for i, r in enumerate(self.rows) if id(r) in gone]
                 lm.remember(ending, [self.rows[i].seq[:-1] for i in ending])
             self.drafter.select(keep)
         self.rows = [self.rows[i] for i in keep]

@@ -49,6 +49,7 @@ class Ragged:
 # memory follows what the target's KV budget counts (doubling kept up to twice the rows' slots, and four
 # times at the copy).
 GROW_SLOTS = 256
+ROW_STEP = 4  # rows the cache's buffer holds are a multiple of this (spare rows for requests joining)
 
 _BLOCK: contextvars.ContextVar[Ragged | None] = contextvars.ContextVar("specdec_ragged_block", default=None)
 
@@ -77,11 +78,36 @@ OWN_PATH_ATTENTION = frozenset({"falcon", "gptj", "codegen"})
 
 @dataclass
 class Prefilled:
-    """Sequences prefilled on their own (CachedLM.prefill_alone), waiting to join a batch."""
+    """Sequences prefilled on their own (CachedLM.prefill_alone), waiting to join a batch: whole, or so far
+    (chunked prefill: advance runs more of them)."""
 
     chunks: list[list[int]]  # each sequence's committed tokens
-    lm: "CachedLM"  # holding exactly these
+    lm: "CachedLM"  # holding each chunk's first lm.lengths[b] tokens (exactly the chunks, once done)
     hidden: tuple[torch.Tensor, ...] = ()  # with hidden=True: the model's hidden states of these tokens, each [N, H]
+
+    @property
+    def remaining(self) -> int:
+        """Tokens of the chunks not run yet."""
+        return sum(len(c) - n for c, n in zip(self.chunks, self.lm.lengths))
+
+    @torch.inference_mode()
+    def advance(self, budget: int | None = None, hidden: bool = False) -> int:
+        """Run up to `budget` more of the chunks' tokens (None: all of them), row after row, in one forward
+        -> tokens run. hidden: keep their hidden states (Prefilled.hidden; only for a prefill run whole).
+        Once done, the chunks' blocks go to the prefix cache."""
+        if hidden and (budget is not None or any(self.lm.lengths)):
+            raise ValueError("hidden states are kept only for a prefill run whole, in one forward")
+        left, take = self.remaining if budget is None else budget, []
+        for chunk, n in zip(self.chunks, self.lm.lengths):
+            k = max(0, min(len(chunk) - n, left))
+            take.append(chunk[n : n + k])
+            left -= k
+        ran = sum(map(len, take))
+        if ran:
+            _, self.hidden = self.lm.prefill_hidden(take, hidden=hidden)
+        if not self.remaining:
+            self.lm.remember(list(range(len(self.chunks))), self.chunks)
+        return ran
 
 
 def ragged_attention(module, query, key, value, attention_mask, inner: str, **kwargs):
@@ -159,8 +185,10 @@ def _running_ragged(block: Ragged):
 
 
 class GrowingLayer(CacheLayerMixin):
-    """One layer's keys and values [B, H, S, D] in a buffer with spare room, written in place: a
-    forward costs O(new tokens), not a copy of the whole cache (as torch.cat in DynamicLayer does)."""
+    """One layer's keys and values [B, H, S, D] in a buffer with spare room in both rows and slots
+    [B', H, S', D], written in place: a forward costs O(new tokens), not a copy of the whole cache (as
+    torch.cat in DynamicLayer does); a row joins into spare rows and a row leaving moves only the rows
+    that fill its place (keep_rows), so neither copies the batch."""
 
     is_sliding = False
     is_compileable = False
@@ -168,7 +196,7 @@ class GrowingLayer(CacheLayerMixin):
 
     def __init__(self):
         super().__init__()
-        self.n = 0
+        self.n = self.b = 0  # slots, rows
         self.buf_k = self.buf_v = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -182,11 +210,13 @@ class GrowingLayer(CacheLayerMixin):
         if (block := _BLOCK.get()) is not None:  # zeros at the padding: a masked slot's weight is 0, and 0 * garbage may be NaN
             key_states, value_states = block.pad(key_states), block.pad(value_states)
         B, H, T, D = key_states.shape
-        if self.buf_k is None or self.n + T > self.buf_k.shape[2]:
-            cap = -(-(self.n + T) // GROW_SLOTS) * GROW_SLOTS  # what is needed, rounded up to a step
-            self.buf_k, self.buf_v = (self._grown(buf, (B, H, cap, D), key_states) for buf in (self.buf_k, self.buf_v))
-        self.buf_k[:, :, self.n : self.n + T] = key_states
-        self.buf_v[:, :, self.n : self.n + T] = value_states
+        if self.buf_k is None:
+            self.b = B
+            self._reserve(B, T, key_states)
+        elif self.n + T > self.buf_k.shape[2]:
+            self._reserve(self.b, self.n + T, key_states)
+        self.buf_k[:B, :, self.n : self.n + T] = key_states
+        self.buf_v[:B, :, self.n : self.n + T] = value_states
         self._set_length(self.n + T)
         return self.keys, self.values
 
@@ -196,10 +226,9 @@ class GrowingLayer(CacheLayerMixin):
         [0, n_b); `like`: one of them (the shapes, dtype and device)."""
         layer = cls()
         layer.lazy_initialization(*like)
-        H, _, D = like[0].shape
+        layer.b = len(rows)
         n = max((kv[0].shape[1] for kv in rows if kv is not None), default=0)
-        cap = -(-n // GROW_SLOTS) * GROW_SLOTS
-        layer.buf_k, layer.buf_v = (like[0].new_zeros((len(rows), H, cap, D)) for _ in range(2))
+        layer._reserve(len(rows), n, like[0], zeros=True)
         for b, kv in enumerate(rows):
             if kv is not None:
                 layer.buf_k[b, :, : kv[0].shape[1]] = kv[0]
@@ -211,15 +240,30 @@ class GrowingLayer(CacheLayerMixin):
         """Row b's keys and values in slots [0, n): views, each [H, n, D]."""
         return self.buf_k[b, :, :n], self.buf_v[b, :, :n]
 
-    def _grown(self, buf, shape, like):
-        new = torch.empty(shape, dtype=like.dtype, device=like.device)
-        if buf is not None:
-            new[:, :, : self.n] = buf[:, :, : self.n]
-        return new
+    def _reserve(self, rows: int, slots: int, like: torch.Tensor, zeros: bool = False) -> None:
+        """Room for at least `rows` rows of `slots` slots (rounded up: ROW_STEP rows, GROW_SLOTS slots), the
+        rows held so far copied over. zeros: the new buffer starts zeroed."""
+        H, D = like.shape[1] if like.dim() == 4 else like.shape[0], like.shape[-1]
+        rows_cap = -(-max(rows, 1) // ROW_STEP) * ROW_STEP
+        slots_cap = -(-max(slots, 1) // GROW_SLOTS) * GROW_SLOTS
+        make = torch.zeros if zeros else torch.empty
+        new_k, new_v = (make((rows_cap, H, slots_cap, D), dtype=like.dtype, device=like.device) for _ in range(2))
+        if self.buf_k is not None:
+            kept = min(self.b, rows_cap)
+            new_k[:kept, :, : self.n] = self.buf_k[:kept, :, : self.n]
+            new_v[:kept, :, : self.n] = self.buf_v[:kept, :, : self.n]
+        self.buf_k, self.buf_v = new_k, new_v
+
+    def _room_for_rows(self, rows: int, slots: int) -> None:
+        """Room for `rows` rows of `slots` slots, growing by half again (amortised) when short of either."""
+        cap_rows, cap_slots = self.buf_k.shape[0], self.buf_k.shape[2]
+        if rows > cap_rows or slots > cap_slots:
+            self._reserve(max(rows, cap_rows + cap_rows // 2) if rows > cap_rows else cap_rows,
+                          max(slots, cap_slots), self.buf_k)
 
     def _set_length(self, n: int) -> None:
         self.n = n
-        self.keys, self.values = self.buf_k[:, :, :n], self.buf_v[:, :, :n]
+        self.keys, self.values = self.buf_k[: self.b, :, :n], self.buf_v[: self.b, :, :n]
 
     def move(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """keys[rows[i], :, dst[i]] = keys[rows[i], :, src[i]] (and values), reading before writing."""
@@ -231,37 +275,49 @@ class GrowingLayer(CacheLayerMixin):
             self._set_length(self.n - abs(tokens_to_remove))
 
     def add_rows(self, n: int) -> None:
-        """n new, empty sequences at the end of the batch."""
+        """n new, empty sequences at the end of the batch (their slots zeros)."""
         if self.buf_k is not None:
-            self.buf_k, self.buf_v = (torch.cat([b, b.new_zeros((n, *b.shape[1:]))]) for b in (self.buf_k, self.buf_v))
+            self._room_for_rows(self.b + n, self.n)
+            self.buf_k[self.b : self.b + n, :, : self.n] = 0
+            self.buf_v[self.b : self.b + n, :, : self.n] = 0
+            self.b += n
             self._set_length(self.n)
 
     def append_rows(self, other: "GrowingLayer") -> None:
-        """other's sequences join at the end of the batch, their slots [0, other.n) copied as they are."""
+        """other's sequences join at the end of the batch, their slots [0, other.n) copied as they are: the
+        cost is theirs, not the batch's (but when the batch's buffer must grow)."""
         if self.buf_k is None:  # nothing here yet: other's rows are the batch
             self.dtype, self.device, self.is_initialized = other.dtype, other.device, True
-            self.buf_k, self.buf_v = other.buf_k, other.buf_v
+            self.buf_k, self.buf_v, self.b = other.buf_k, other.buf_v, other.b
             self._set_length(other.n)
             return
-        n = max(self.n, other.n)
-        if n > self.buf_k.shape[2]:
-            B, H, _, D = self.buf_k.shape
-            self.buf_k, self.buf_v = (self._grown(buf, (B, H, 2 * n, D), buf) for buf in (self.buf_k, self.buf_v))
-        joined = []
+        n, rows = max(self.n, other.n), self.b + other.b
+        self._room_for_rows(rows, n)
         for mine, theirs in ((self.buf_k, other.buf_k), (self.buf_v, other.buf_v)):
             # slots the batch's rows now expose unwritten: zeros, never uninitialised memory, whose NaNs
             # would leak through attention (a masked slot's weight is 0, and 0 * NaN is NaN)
-            mine[:, :, self.n : n] = 0
-            rows = mine.new_zeros((theirs.shape[0], *mine.shape[1:]))  # [B', H, cap, D]
-            rows[:, :, : other.n] = theirs[:, :, : other.n]
-            joined.append(torch.cat([mine, rows]))
-        self.buf_k, self.buf_v = joined
+            mine[: self.b, :, self.n : n] = 0
+            mine[self.b : rows, :, : other.n] = theirs[: other.b, :, : other.n]
+            mine[self.b : rows, :, other.n : n] = 0
+        self.b = rows
         self._set_length(n)
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            self.buf_k, self.buf_v = self.buf_k.index_select(0, indices), self.buf_v.index_select(0, indices)
-            self._set_length(self.n)
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only these rows, in this order: row i becomes rows[i]. Only the rows that change places are
+        copied (TargetWorker leaves by filling each gap from the end: compacting). A buffer left mostly empty
+        shrinks."""
+        if not self.is_initialized or self.buf_k is None:
+            return
+        moved = [i for i, r in enumerate(rows) if r != i]
+        if moved:
+            dst = host_tensor(moved, torch.long, self.buf_k.device)
+            src = host_tensor([rows[i] for i in moved], torch.long, self.buf_k.device)
+            for buf in (self.buf_k, self.buf_v):
+                buf[dst, :, : self.n] = buf[src, :, : self.n]  # the moved rows read (copied) before written
+        self.b = len(rows)
+        if self.buf_k.shape[0] > 4 * max(self.b, ROW_STEP):  # capacity follows what the rows use
+            self._reserve(self.b, self.n, self.buf_k)
+        self._set_length(self.n)
 
     def get_seq_length(self) -> int:
         return self.n
@@ -273,8 +329,20 @@ class GrowingLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.n, self.buf_k, self.buf_v, self.keys, self.values = 0, None, None, None, None
+        self.n, self.b, self.buf_k, self.buf_v, self.keys, self.values = 0, 0, None, None, None, None
         self.is_initialized = False
+
+
+def compacting(rows: int, leaving: list[int]) -> list[int]:
+    """The rows that stay when `leaving` leave a batch of `rows`, in the order that moves fewest (for
+    CachedLM.select): each gap left before the new end is filled by a row from past it, the others stay."""
+    gone = set(leaving)
+    end = rows - len(gone)
+    keep = list(range(end))
+    tail = (r for r in range(end, rows) if r not in gone)
+    for hole in sorted(r for r in gone if r < end):
+        keep[hole] = next(tail)
+    return keep
 
 
 class CachedLM:
@@ -444,17 +512,18 @@ class CachedLM:
         self.lengths += [0] * n
 
     @torch.inference_mode()
-    def prefill_alone(self, chunks: list[list[int]], hidden: bool = False) -> "Prefilled":
+    def prefill_alone(self, chunks: list[list[int]], hidden: bool = False, budget: int | None = None) -> "Prefilled":
         """These sequences prefilled on their own, to join this batch later (join): the batch is not
         touched, so another thread may run this while the batch steps. hidden: keep the model's hidden
-        states of their tokens too (Prefilled.hidden)."""
+        states of their tokens too (Prefilled.hidden). budget: run at most this many tokens now (chunked
+        prefill), the rest by Prefilled.advance; None: all."""
         fresh = CachedLM(self.model, self.prefix)
         fresh.reset(len(chunks))
         if self.prefix is not None and not hidden:  # the hidden states of cached tokens are not kept
             fresh._reuse(chunks)
-        _, states = fresh.prefill_hidden([c[n:] for c, n in zip(chunks, fresh.lengths)], hidden=hidden)
-        fresh.remember(list(range(len(chunks))), chunks)
-        return Prefilled(chunks, fresh, states)
+        prefilled = Prefilled(chunks, fresh)
+        prefilled.advance(budget, hidden)
+        return prefilled
 
     def _reuse(self, chunks: list[list[int]]) -> None:
         """An empty batch takes, as each row's first committed tokens, the longest cached prefix of its chunk."""
@@ -482,6 +551,8 @@ class CachedLM:
         """New sequences join the batch with these tokens committed, prefilled on their own (now, or
         before by prefill_alone): the forward costs O(new rows x their tokens), whatever the batch holds."""
         chunks = rows.chunks if isinstance(rows, Prefilled) else rows
+        if isinstance(rows, Prefilled) and rows.remaining:
+            raise ValueError(f"{rows.remaining} tokens of these sequences are not prefilled yet (Prefilled.advance)")
         if not any(chunks):
             self.add_rows(len(chunks))
             return
@@ -503,9 +574,8 @@ class CachedLM:
         """Keep only these rows of the batch (the others finished)."""
         if rows == list(range(len(self.lengths))):
             return
-        index = host_tensor(rows, torch.long, self.device)
         for layer in self.kv.layers:
-            layer.batch_select_indices(index)
+            layer.keep_rows(rows)
         self.lengths = [self.lengths[r] for r in rows]
         self._crop_to_longest()
 

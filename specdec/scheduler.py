@@ -170,10 +170,18 @@ class _Plain:
 
 class TargetScheduler:
     def __init__(self, worker: TargetWorker, budget: KvBudget = KvBudget(),
-                 on_forward: Callable[[float], None] = lambda seconds: None, idle_timeout_s: float | None = 30.0):
-        """idle_timeout_s: None never closes an idle row (in one process every row's caller is alive)."""
+                 on_forward: Callable[[float], None] = lambda seconds: None, idle_timeout_s: float | None = 30.0,
+                 max_batched_tokens: int | None = None):
+        """idle_timeout_s: None never closes an idle row (in one process every row's caller is alive).
+        max_batched_tokens: chunked prefill; each iteration runs its forward (every tree and plain row), then
+        joining prompts' tokens up to this many less the forward's (at least a quarter of it), in chunks, so
+        a long prompt never stalls the running rows for longer than a chunk. None: each joining prompt is
+        prefilled whole before the forward."""
+        if max_batched_tokens is not None and max_batched_tokens < 1:
+            raise ValueError(f"max_batched_tokens must be >= 1 or None, got {max_batched_tokens}")
         self.worker, self.budget, self.on_forward = worker, budget, on_forward
-        self.idle_timeout_s = idle_timeout_s
+        self.idle_timeout_s, self.max_batched_tokens = idle_timeout_s, max_batched_tokens
+        self._prefilling: collections.deque[tuple[int, list[_Join]]] = collections.deque()  # (worker handle, joins)
         self.forwards = 0  # forwards run (verify steps, plain rows included)
         self.largest_batch = 0  # most rows in one forward
         self.forward_time_s = 0.0
@@ -364,7 +372,7 @@ class TargetScheduler:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._stopped or self._leaving or self._trees or self._plain
-                                  or self._admissible(), timeout=self._until_idle())
+                                  or self._prefilling or self._admissible(), timeout=self._until_idle())
                 if self._stopped:
                     return
                 leaving, self._leaving = self._leaving + self._idle(), []
@@ -376,7 +384,11 @@ class TargetScheduler:
             self._add(joining)
             if stalled:  # the prefill reads nothing back: on a GPU only the clock's synchronize waits for it
                 self.stall_time_s += self._clock() - t0
-            self._step(trees)
+            tokens = self._step(trees)
+            if self._prefilling:
+                t0 = self._clock()
+                self._prefill_chunks(tokens)
+                self.stall_time_s += self._clock() - t0
 
     def _until_idle(self) -> float | None:
         """Seconds until the row heard from longest ago goes idle; None while there is none."""
@@ -445,30 +457,74 @@ class TargetScheduler:
             self._closed_early.add(rid)
 
     def _add(self, joining: list[_Join]) -> None:
+        """Admitted requests begin joining: prefilled whole and joined now, or (chunked prefill) queued for
+        _prefill_chunks."""
         if not joining:
             return
+        chunked = self.max_batched_tokens is not None
         try:
-            features = self.worker.add([(j.rid, j.prompt, j.params, j.stream) for j in joining],
-                                       {j.rid: j.feature_layers for j in joining if j.feature_layers})
+            handle = self.worker.begin([(j.rid, j.prompt, j.params, j.stream) for j in joining],
+                                       {j.rid: j.feature_layers for j in joining if j.feature_layers},
+                                       budget=0 if chunked else None)
+            if not chunked:
+                self._complete(handle, joining)
         except Exception as e:  # noqa: BLE001 - every joiner learns why
-            with self._cv:
-                for j in joining:
-                    self._reserved.pop(j.rid, None)
-                    self._last_tree.pop(j.rid, None)
-            for j in joining:
-                j.waiter.finish(error=e)
-                if j.plain:
-                    tell(j.rid, j.plain.sink, [], j.plain.out, True, e)
+            self._fail_joins(joining, e)
             return
+        if chunked:
+            self._prefilling.append((handle, joining))
+
+    def _prefill_chunks(self, forward_tokens: int) -> None:
+        """Run joining prompts' tokens, the oldest first, up to max_batched_tokens less the forward's (at
+        least a quarter of it); those done join the batch."""
+        budget = max(self.max_batched_tokens - forward_tokens, self.max_batched_tokens // 4, 1)
+        while self._prefilling and budget > 0:
+            handle, joins = self._prefilling[0]
+            try:
+                budget -= self.worker.advance(handle, budget)
+                if self.worker.remaining(handle):
+                    return
+                self._prefilling.popleft()
+                self._complete(handle, joins)
+            except Exception as e:  # noqa: BLE001 - these joiners learn why; the batch goes on
+                self._prefilling.popleft()
+                self.worker.abandon(handle)
+                self._fail_joins(joins, e)
+
+    def _complete(self, handle: int, joins: list[_Join]) -> None:
+        """begin's requests join the batch and their callers hear it; any closed meanwhile (while their prompt
+        was prefilled in chunks) leave again at once."""
+        features = self.worker.complete(handle)
         with self._cv:
-            self._prompt_features |= {j.rid: features[j.rid] for j in joining if j.keep_features and j.rid in features}
-        for j in joining:
+            closed = {j.rid for j in joins if j.rid not in self._reserved}
+            self._prompt_features |= {j.rid: features[j.rid] for j in joins
+                                      if j.keep_features and j.rid in features and j.rid not in closed}
+        if closed:
+            self.worker.remove(list(closed))
+        for j in joins:
+            if j.rid in closed:
+                error = UnknownRequest(f"request {j.rid!r} was closed while its prompt was prefilled")
+                j.waiter.finish(error=error)
+                if j.plain:
+                    tell(j.rid, j.plain.sink, [], j.plain.out, True, error)
+                continue
             if j.plain:
                 self._plain[j.rid] = j.plain
             j.waiter.finish(None if j.keep_features else features.get(j.rid))
 
-    def _step(self, trees: dict[str, tuple[TokenTree, _Waiter]]) -> None:
-        """One forward: the replicas' trees (of requests still open) and a lone root per plain row."""
+    def _fail_joins(self, joins: list[_Join], error: Exception) -> None:
+        with self._cv:
+            for j in joins:
+                self._reserved.pop(j.rid, None)
+                self._last_tree.pop(j.rid, None)
+        for j in joins:
+            j.waiter.finish(error=error)
+            if j.plain:
+                tell(j.rid, j.plain.sink, [], j.plain.out, True, error)
+
+    def _step(self, trees: dict[str, tuple[TokenTree, _Waiter]]) -> int:
+        """One forward: the replicas' trees (of requests still open) and a lone root per plain row. -> the
+        tokens it ran (0: none ran)"""
         waiters = list({id(w): w for _, w in trees.values()}.values())
         batch = {rid: tree for rid, (tree, _) in trees.items() if rid in self.worker.requests}
         verified = [waiter for rid, (_, waiter) in trees.items() if rid in batch]  # closed requests get no verdict
@@ -476,15 +532,15 @@ class TargetScheduler:
         if not batch:
             for waiter in waiters:
                 waiter.finish({})
-            return
+            return 0
         t0 = self._clock()
         try:
-            outcomes, _ = self.worker.verify(batch, max_nodes=self.budget.tree_room)
+            outcomes, tokens = self.worker.verify(batch, max_nodes=self.budget.tree_room)
         except Exception as e:  # noqa: BLE001 - the forward itself failed: handed to each waiting caller
             for waiter in waiters:
                 waiter.finish(error=e)
             self._finish_plain({rid: e for rid in self._plain})
-            return
+            return 0
         now = self._clock()  # verify's host read has waited for the device; the clock says so, not by chance
         elapsed = now - t0
         with self._cv:
@@ -506,6 +562,7 @@ class TargetScheduler:
             elif not self._advance_plain(rid, plain, batch[rid], outcome, elapsed):
                 ending[rid] = None
         self._finish_plain(ending)
+        return tokens
 
     def _clock(self) -> float:
         """perf_counter once the target's device has done what it was given (specdec.adaptive.clock): the

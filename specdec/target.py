@@ -6,6 +6,7 @@ the vocabulary, a position past the model's context, more nodes than the request
 for its own request before the forward, and a row whose acceptance fails ends alone; the others in the
 batch go on."""
 
+import itertools
 import logging
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from .acceptance import Verdict, accept_greedy, accept_sampling
 from .device import HOST, host_tensor, to_host
 from .errors import InvalidArgument, RequestExists, RequestFailed, UnknownRequest
 from .grammar import Grammars, RowGrammar
-from .kvcache import CachedLM
+from .kvcache import CachedLM, Prefilled, compacting
 from .logprobs import committed_logprobs
 from .prefix_cache import PrefixStats
 from .processors import History, process
@@ -47,6 +48,16 @@ class _Request:
             self.grammar.commit(tokens)
 
 
+@dataclass
+class _Joining:
+    """Requests begun (TargetWorker.begin), their prompts being prefilled before they join."""
+
+    joining: list[tuple[Hashable, list[int], SamplingParams, int]]
+    feature_layers: dict[Hashable, tuple[int, ...]]
+    grammars: dict[Hashable, RowGrammar]
+    prefilled: Prefilled
+
+
 class TargetWorker:
     def __init__(self, lm: CachedLM, grammars: Grammars | None = None):
         """grammars: the target's tokenizer for requests with a grammar (None: such requests are refused)."""
@@ -54,6 +65,8 @@ class TargetWorker:
         lm.reset(0)
         self.requests: dict[Hashable, _Request] = {}
         self.rows: list[Hashable] = []  # batch row -> request id
+        self._joining: dict[int, _Joining] = {}  # by handle: requests begun, being prefilled (begin)
+        self._handles = itertools.count()
         config = lm.model.config.get_text_config()
         self.vocab_size: int = config.vocab_size  # token ids the embedding takes: [0, vocab_size)
         self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
@@ -92,6 +105,14 @@ class TargetWorker:
         carry the inputs of these layers of the target (a draft head's features). -> those requests'
         prompt features [len(prompt) - 1, F]: the prompt's tokens but the last, which the first tree's
         verdict carries as its root's"""
+        return self.complete(self.begin(joining, feature_layers))
+
+    def begin(self, joining: list[tuple[Hashable, list[int], SamplingParams, int]],
+              feature_layers: dict[Hashable, tuple[int, ...]] | None = None, budget: int | None = None) -> int:
+        """add, in steps (chunked prefill): check the requests (raising as add does) and prefill up to `budget`
+        of their prompts' tokens (None: all), then advance runs more and complete joins them. -> a handle
+        for those calls. Requests with feature_layers are prefilled whole now (their features come from one
+        forward)."""
         feature_layers = feature_layers or {}
         grammars = {}
         for rid, prompt, params, _ in joining:
@@ -102,10 +123,33 @@ class TargetWorker:
             if params.grammar is not None:
                 grammars[rid] = self.grammars.matcher(params.grammar)  # InvalidArgument if it does not compile
         chunks = [prompt[:-1] for _, prompt, _, _ in joining]  # the last token is the first tree's root
-        prefilled = self.lm.prefill_alone(chunks, hidden=bool(feature_layers))
+        hidden = bool(feature_layers)
+        prefilled = self.lm.prefill_alone(chunks, hidden=hidden, budget=None if hidden else budget)
+        handle = next(self._handles)
+        self._joining[handle] = _Joining(joining, feature_layers, grammars, prefilled)
+        return handle
+
+    def advance(self, handle: int, budget: int) -> int:
+        """Prefill up to `budget` more tokens of begin's requests -> tokens run (0: they are all prefilled)."""
+        return self._joining[handle].prefilled.advance(budget)
+
+    def remaining(self, handle: int) -> int:
+        """Tokens of begin's prompts not prefilled yet."""
+        return self._joining[handle].prefilled.remaining
+
+    def abandon(self, handle: int) -> None:
+        """begin's requests will not join (their prefill failed, say); nothing if they already did."""
+        self._joining.pop(handle, None)
+
+    def complete(self, handle: int) -> dict[Hashable, torch.Tensor]:
+        """begin's requests join the batch, their prompts prefilled -> add's features."""
+        pending = self._joining.pop(handle)
+        joining, feature_layers, grammars, prefilled = (pending.joining, pending.feature_layers, pending.grammars,
+                                                        pending.prefilled)
+        prefilled.advance()  # what is left, if any
         self.lm.join(prefilled)
         features, offset = {}, 0
-        for (rid, prompt, params, stream), chunk in zip(joining, chunks):
+        for (rid, prompt, params, stream), chunk in zip(joining, prefilled.chunks):
             gen = make_generator(params.seed, stream, self.lm.device, role="target")
             layers = tuple(feature_layers.get(rid, ()))
             self.requests[rid] = _Request(list(prompt), params, gen, len(prompt), grammars.get(rid), layers)
@@ -124,8 +168,8 @@ class TargetWorker:
 
     def remove(self, leaving: list[Hashable]) -> None:
         gone = set(leaving)
-        keep = [row for row, rid in enumerate(self.rows) if rid not in gone]
         ending = [row for row, rid in enumerate(self.rows) if rid in gone]
+        keep = compacting(len(self.rows), ending)
         # what they ran stays for prompts that begin the same way (a conversation's next turn)
         self.lm.remember(ending, [self.requests[self.rows[row]].seq for row in ending])
         self.lm.select(keep)

@@ -21,6 +21,9 @@ from protos import specdec_api_pb2_grpc as api_grpc
 
 LABELS = {"task_type", "mode", "event", "replica"}  # specdec's own; Ray adds WorkerId, NodeAddress and more
 SENT = {("code", "speculative"): 3, ("prose", "plain"): 2}  # (task type, mode) -> requests
+PREFIX_CAP = 32  # the target's prefix cache: two blocks, so that LONG's prompts evict
+# "chat" requests, plain: a 40-token prompt twice (the second finds two blocks cached), then another (evicting)
+LONG = [" ".join(f"w{(5 * i + shift) % 60 + 1}" for i in range(40)) for shift in (0, 0, 1)]
 MAX_NEW_TOKENS = 12
 LATENCIES = ("time_to_first_token_seconds", "time_per_output_token_seconds")  # per request
 STEPS = {"draft_step_seconds": ["draft-0"], "verify_step_seconds": ["draft-0", "target"]}  # name -> replicas
@@ -35,7 +38,7 @@ def cluster(model_dirs, tmp_path_factory):
     config = {"models": {"target": {"path": str(target_dir)}, "draft": {"path": model_dirs.draft}},
               "placement": {"tensor_parallel_size": 1, "draft_replicas": 1, "logical_gpus": True},
               "speculation": {"drafter": "model"},
-              "server": {"grpc_port": free_port()}}
+              "server": {"grpc_port": free_port(), "prefix_cache_tokens": PREFIX_CAP}}
     path = root / "specdec.yaml"
     path.write_text(yaml.safe_dump(config))
     metrics_port = free_port()
@@ -52,6 +55,9 @@ def cluster(model_dirs, tmp_path_factory):
                                                       max_new_tokens=MAX_NEW_TOKENS, speculation=speculation[mode]),
                                   timeout=60)
             assert len(reply.token_ids) == MAX_NEW_TOKENS
+    for prompt in LONG:
+        stub.Generate(api.GenerateRequest(prompt=prompt, task_type="chat", max_new_tokens=4,
+                                          speculation=api.SPECULATION_OFF), timeout=60)
     with pytest.raises(grpc.RpcError):
         stub.Generate(api.GenerateRequest(prompt="w1", task_type="prose", max_new_tokens=0), timeout=60)
     yield stub, f"http://127.0.0.1:{metrics_port}/metrics"
@@ -87,7 +93,8 @@ def exported(url: str, code_alpha: float) -> dict:
         if (all(value(m, f"{h}_count", task_type=t, mode=mode) == n for h in LATENCIES for (t, mode), n in SENT.items())
                 and all(value(m, f"{name}_count", replica=r) for name, replicas in STEPS.items() for r in replicas)
                 and value(m, "alpha", task_type="code") == pytest.approx(code_alpha)
-                and value(m, "queue_depth") == 0 and value(m, "target_open_requests") == 0):
+                and value(m, "queue_depth") == 0 and value(m, "target_open_requests") == 0
+                and value(m, "target_prefix_evicted_tokens_total")):
             return m
         assert time.monotonic() < deadline, f"metrics not exported in time: {dict(m)}"
         time.sleep(1)
@@ -101,7 +108,8 @@ def test_metrics_are_exported_per_task_type_and_replica(cluster):
     for (task_type, mode), n in SENT.items():
         assert value(m, "requests_total", task_type=task_type, mode=mode) == n
         assert value(m, "output_tokens_total", task_type=task_type, mode=mode) == n * MAX_NEW_TOKENS
-    assert set(m["requests_total"]) == {(("mode", mode), ("task_type", t)) for t, mode in SENT}
+    long = {(("mode", "plain"), ("task_type", "chat"))}  # LONG's
+    assert set(m["requests_total"]) == {(("mode", mode), ("task_type", t)) for t, mode in SENT} | long
     for name in LATENCIES:
         assert set(m[f"{name}_count"]) == set(m["requests_total"])
         assert all(0 < m[f"{name}_sum"][labels] < 10 * n for labels, n in m[f"{name}_count"].items())
@@ -119,6 +127,10 @@ def test_metrics_are_exported_per_task_type_and_replica(cluster):
 
     assert value(m, "target_up") == 1  # the target group serves, holding nothing now
     assert value(m, "target_waiting_requests") == 0 == value(m, "target_kv_tokens_reserved")
+    # the prefix cache: LONG's second prompt found two blocks; the third evicted for room, within the cap
+    assert value(m, "target_prefix_hit_tokens_total") >= 32
+    assert value(m, "target_prefix_prompt_tokens_total") >= 3 * 39
+    assert value(m, "target_prefix_evicted_tokens_total") >= 16 and 0 < value(m, "target_prefix_cached_tokens") <= PREFIX_CAP
 
     for name, replicas in STEPS.items():
         assert {dict(labels)["replica"] for labels in m[f"{name}_count"]} == set(replicas)
