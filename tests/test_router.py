@@ -475,19 +475,19 @@ def test_the_scheduler_times_device_work_and_leaves_a_sizes_cold_first_forward_o
 
     monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
     worker = TargetWorker(CachedLM(target))
-    add, verify = worker.add, worker.verify
+    begin, verify = worker.begin, worker.verify
 
-    def prefill(joining, feature_layers=None):
-        events.append("add")
-        features = add(joining, feature_layers)
+    def prefill(joining, feature_layers=None, budget=None):  # without chunks, begin prefills whole
+        events.append("prefill")
+        handle = begin(joining, feature_layers, budget)
         queued[0] = 0.05  # launched, not done
-        return features
+        return handle
 
     def forward(*args, **kwargs):
         events.append("verify")
         return verify(*args, **kwargs)
 
-    worker.add, worker.verify = prefill, forward
+    worker.begin, worker.verify = prefill, forward
     scheduler = TargetScheduler(worker)
     assert scheduler.device == torch.device("cpu")
     scheduler.device = torch.device("cuda:0")  # the timers' device; the model stays on the CPU
@@ -500,7 +500,7 @@ def test_the_scheduler_times_device_work_and_leaves_a_sizes_cold_first_forward_o
     finally:
         scheduler.stop()
     sync = ("sync", "cuda:0")
-    assert events[:6] == [sync, "add", sync, sync, "verify", sync]  # the stall's end waited for the prefill
+    assert events[:6] == [sync, "prefill", sync, sync, "verify", sync]  # the stall's end waited for the prefill
     assert stats.stall_time_s >= 0.05  # the prefill's device time, which no forward is charged with now
     assert stats.forwards == 3 and list(stats.forward_costs) == [1]  # 3 forwards of 1 token, the first left out
 
