@@ -161,3 +161,37 @@ def test_a_repeated_prompt_is_prefilled_from_its_cached_blocks(target):
         torch.testing.assert_close(layer.keys[0, :, :n], fresh.keys[0, :, :n], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(layer.values[0, :, :n], fresh.values[0, :, :n], atol=1e-5, rtol=1e-5)
     assert again.lm.lengths == [len(prompt), 30]
+
+
+def test_a_draft_replica_keeps_what_its_rows_ran_and_prefills_the_next_turn_from_it(target, draft):
+    """As a draft replica runs a request (its prompt prefilled off the loop, DraftLoop.prefill): when the
+    request ends, the draft's KV of its prompt and output stays; the next turn's prompt takes it, and the
+    draft's cache of that prompt equals a fresh prefill of it."""
+    from specdec.draft_loop import DraftLoop, DraftRequest
+    from specdec.scheduler import KvBudget, Opening, TargetScheduler
+    from specdec.target import TargetWorker
+    from test_cache import fresh_kv
+    from test_grpc_trees import Collect, wait_until_empty
+
+    scheduler = TargetScheduler(TargetWorker(CachedLM(target)), KvBudget(), idle_timeout_s=None)
+    prefix = PrefixCache(4096)
+    loop = DraftLoop(scheduler, make_drafter("model", draft_runner(draft, prefix)), overlap=False)
+    prompt = conversations(seed=7, count=1)[0]
+    turns = []
+    for turn, rid in enumerate(("t1", "t2")):
+        sink = Collect()
+        scheduler.open_many([Opening(rid, prompt, SamplingParams(), 0, NEW_TOKENS)])
+        prefilled = loop.prefill(prompt)
+        if turn:  # the first turn's prompt and answer were kept: all whole blocks of it
+            kept = (len(turns[0]) - 1) // 16 * 16
+            assert prefix.stats().hit_tokens >= kept >= 48
+            for (k, v), layer in zip(fresh_kv(draft, prompt[:-1]), prefilled.lm.kv.layers):
+                torch.testing.assert_close(layer.keys[0, :, : len(prompt) - 1], k, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(layer.values[0, :, : len(prompt) - 1], v, atol=1e-5, rtol=1e-5)
+        loop.join(DraftRequest(rid, prompt, SamplingParams(), NEW_TOKENS, set(), 3, sink, draft_prefill=prefilled))
+        tokens, _, _ = sink.wait()
+        turns.append(prompt + tokens)
+        prompt = prompt + tokens + [1, 2, 3]
+    wait_until_empty(scheduler)
+    loop.stop()
+    scheduler.stop()
