@@ -487,7 +487,8 @@ class TargetScheduler:
                 self._prefilling.popleft()
                 self._complete(handle, joins)
             except Exception as e:  # noqa: BLE001 - these joiners learn why; the batch goes on
-                self._prefilling.popleft()
+                if self._prefilling and self._prefilling[0][0] == handle:
+                    self._prefilling.popleft()
                 self.worker.abandon(handle)
                 self._fail_joins(joins, e)
 

@@ -114,3 +114,39 @@ def test_a_request_closed_while_its_prompt_is_prefilled_leaves_and_its_caller_he
     scheduler.close(["running"])
     wait_until_empty(scheduler)
     scheduler.stop()
+
+
+def test_a_failed_chunk_ends_its_own_requests_and_the_batch_goes_on(target):
+    scheduler = TargetScheduler(TargetWorker(CachedLM(target)), KvBudget(), max_batched_tokens=8)
+    worker, advance = scheduler.worker, scheduler.worker.advance
+    doomed = []
+
+    def failing(handle, budget):  # the first group's second chunk fails (out of memory, say)
+        if handle == 0 and worker.remaining(handle) < 40:
+            doomed.append(handle)
+            raise RuntimeError("out of memory in a chunk")
+        return advance(handle, budget)
+
+    worker.advance = failing
+    errors, opened = [], []
+
+    def open_one(rid, prompt):
+        try:
+            scheduler.open(rid, prompt, GREEDY, max_new_tokens=4)
+            opened.append(rid)
+        except RuntimeError as e:
+            errors.append((rid, str(e)))
+
+    first = threading.Thread(target=open_one, args=("first", prompts(4, 1, 48, 48)[0]))
+    first.start()
+    while not scheduler._prefilling:
+        threading.Event().wait(0.001)
+    second = threading.Thread(target=open_one, args=("second", prompts(5, 1, 30, 30)[0]))
+    second.start()
+    first.join(60)
+    second.join(60)
+    assert doomed and errors == [("first", "out of memory in a chunk")] and opened == ["second"]
+    assert "second" in worker.requests and "first" not in worker.requests and not worker._joining
+    scheduler.close(["second"])
+    wait_until_empty(scheduler)
+    scheduler.stop()
