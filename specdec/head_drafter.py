@@ -19,7 +19,21 @@ from .medusa import MedusaHeads
 from .tree import TokenTree
 
 
-class HeadDrafter(ModelDrafter):
+class _NoDraftingAhead:
+    """Heads do not draft ahead (specdec.ahead): the features of an assumed path are not the target's."""
+
+    def assume(self, paths):
+        raise NotImplementedError(f"{type(self).__name__} does not draft ahead: the features of an assumed path "
+                                  "are not the target's")
+
+    def next_tokens(self, seqs):
+        raise NotImplementedError(f"{type(self).__name__} does not draft ahead")
+
+    def rollback(self, checkpoint, kept):
+        raise NotImplementedError(f"{type(self).__name__} does not draft ahead")
+
+
+class HeadDrafter(_NoDraftingAhead, ModelDrafter):
     """A ModelDrafter over a draft head: the same trees (dynamic when greedy, chains of q-drawn children
     when sampling), each depth's forward fed the head's output at the node's parent."""
 
@@ -60,15 +74,6 @@ class HeadDrafter(ModelDrafter):
             if f is not None:
                 pending.append(f)
 
-    def assume(self, paths):
-        raise NotImplementedError("a draft head does not draft ahead: the features of an assumed path are not the target's")
-
-    def next_tokens(self, seqs):
-        raise NotImplementedError("a draft head does not draft ahead")
-
-    def rollback(self, checkpoint, kept):
-        raise NotImplementedError("a draft head does not draft ahead")
-
     def _catch_up(self, seqs: list[list[int]], depths: list[int]) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Run each row's pairs the head has not seen (its features waiting, with the tokens after them) ->
         logits after each row's root [B, V] and the head's output there [B, 1, H]. A row with no pair at all
@@ -105,7 +110,7 @@ class HeadDrafter(ModelDrafter):
         return _unpacked(packed, sizes, W), _unpacked(states[0], sizes, W)
 
 
-class MedusaDrafter(TreeGrower):
+class MedusaDrafter(_NoDraftingAhead, TreeGrower):
     """Medusa's heads (specdec.medusa) draft from the target's last hidden state at the token before the root
     (the one whose logits gave the root): depth d's candidates are head d's, all heads in one pass, as a
     dynamic tree of the `width` likeliest combinations when greedy, chains drawn from each head's q when
@@ -140,15 +145,6 @@ class MedusaDrafter(TreeGrower):
         for b, f in enumerate(features or []):
             if f is not None and f.shape[0]:
                 self.last[b] = f[-1]
-
-    def assume(self, paths):
-        raise NotImplementedError("Medusa heads do not draft ahead: the features of an assumed path are not the target's")
-
-    def next_tokens(self, seqs):
-        raise NotImplementedError("Medusa heads do not draft ahead")
-
-    def rollback(self, checkpoint, kept):
-        raise NotImplementedError("Medusa heads do not draft ahead")
 
     @torch.inference_mode()
     def propose(self, seqs, plans, params, gens) -> list[TokenTree]:

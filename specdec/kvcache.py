@@ -97,6 +97,8 @@ class Prefilled:
         Once done, the chunks' blocks go to the prefix cache."""
         if hidden and (budget is not None or any(self.lm.lengths)):
             raise ValueError("hidden states are kept only for a prefill run whole, in one forward")
+        if not self.remaining:  # done (or all taken from the prefix cache, which holds it already)
+            return 0
         left, take = self.remaining if budget is None else budget, []
         for chunk, n in zip(self.chunks, self.lm.lengths):
             k = max(0, min(len(chunk) - n, left))

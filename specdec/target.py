@@ -146,8 +146,7 @@ class TargetWorker:
         pending = self._joining.pop(handle)
         joining, feature_layers, grammars, prefilled = (pending.joining, pending.feature_layers, pending.grammars,
                                                         pending.prefilled)
-        prefilled.advance()  # what is left, if any
-        self.lm.join(prefilled)
+        self.lm.join(prefilled)  # ValueError while some of it is not prefilled (advance)
         features, offset = {}, 0
         for (rid, prompt, params, stream), chunk in zip(joining, prefilled.chunks):
             gen = make_generator(params.seed, stream, self.lm.device, role="target")
