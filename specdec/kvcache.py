@@ -118,6 +118,8 @@ def ragged_attention(module, query, key, value, attention_mask, inner: str, **kw
     against the rows' keys and values [B, H, S, D] and the output packed again -> [1, N, H, D]."""
     if inner == "eager":  # each model file defines its own eager attention
         attend = sys.modules[type(module).__module__].eager_attention_forward
+    elif _grouped_on_cpu(module, query, attention_mask, kwargs):
+        attend = _sdpa_grouped
     else:
         attend = ALL_ATTENTION_FUNCTIONS[inner]
     if (window := _window_of(module, kwargs)) and (positions := _POSITIONS.get()) is not None:
@@ -126,6 +128,29 @@ def ragged_attention(module, query, key, value, attention_mask, inner: str, **kw
         return attend(module, query, key, value, attention_mask, **kwargs)
     out, weights = attend(module, block.pad(query), key, value, attention_mask, **kwargs)  # [B, T, H, D]
     return block.pack(out), weights
+
+
+# what an attention call may carry that _sdpa_grouped does not apply: transformers' own sdpa takes those
+_NOT_GROUPED = ("softcap", "position_bias", "s_aux", "sinks", "output_attentions")
+
+
+def _grouped_on_cpu(module, query: torch.Tensor, mask: torch.Tensor | None, kwargs) -> bool:
+    """Whether this call runs _sdpa_grouped: grouped-query attention on a CPU under a mask (without one, as in
+    transformers' own generate, its sdpa groups the heads itself), with nothing it does not apply.
+    transformers' sdpa copies each key and value head once per query head of its group whenever there is a
+    mask (ours always has one), since CUDA's fast kernels take no mask with grouped heads; on a CPU, torch's
+    kernel takes both, and the copies were most of a long context's decode step (docs/performance.md)."""
+    return (query.device.type == "cpu" and getattr(module, "num_key_value_groups", 1) > 1
+            and mask is not None and not any(kwargs.get(k) for k in _NOT_GROUPED))
+
+
+def _sdpa_grouped(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                  **kwargs):
+    """query [B, Hq, T, D], key and value [B, Hkv, S, D] with Hq = Hkv x the groups -> [B, T, Hq, D], as
+    transformers' sdpa gives it, without copying keys and values out to every query head."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _window_of(module, kwargs) -> int | None:

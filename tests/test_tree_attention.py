@@ -190,3 +190,42 @@ def test_a_wrapped_model_still_generates_as_before(model, model_dirs):
     assert fresh.config._attn_implementation == inner
     want = fresh.eval().generate(prompt, max_new_tokens=12, do_sample=False)
     assert torch.equal(model.generate(prompt, max_new_tokens=12, do_sample=False), want)
+
+
+class _Grouped(torch.nn.Module):
+    num_key_value_groups = 2
+
+
+@pytest.mark.parametrize("T, S", [(1, 9), (5, 12), (8, 40)])
+def test_grouped_sdpa_on_cpu_equals_transformers_sdpa(T, S):
+    """A masked grouped-query call on a CPU runs _sdpa_grouped (no key and value copies per query head),
+    which gives transformers' sdpa result exactly."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from specdec import kvcache
+
+    g = torch.Generator().manual_seed(T * S)
+    q, k, v = torch.randn(3, 4, T, 16, generator=g), torch.randn(3, 2, S, 16, generator=g), torch.randn(3, 2, S, 16, generator=g)
+    mask = torch.rand(3, 1, T, S, generator=g) > 0.4
+    mask[..., 0] = True
+    module = _Grouped()
+    assert kvcache._grouped_on_cpu(module, q, mask, {"scaling": 0.25})
+    assert not kvcache._grouped_on_cpu(module, q, None, {})  # transformers' sdpa groups an unmasked call itself
+    assert not kvcache._grouped_on_cpu(module, q, mask, {"softcap": 30.0})
+    ours, _ = kvcache._sdpa_grouped(module, q, k, v, mask, scaling=0.25)
+    theirs, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+
+
+def test_cached_lm_runs_grouped_attention_on_cpu(target, monkeypatch):
+    """The test target groups its heads (4 query, 2 key-value): a CachedLM forward on the CPU takes the
+    grouped path in every layer, and its tree logits stay exact (checked above, with the same model)."""
+    from specdec import kvcache
+
+    calls = []
+    real = kvcache._sdpa_grouped
+    monkeypatch.setattr(kvcache, "_sdpa_grouped", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    lm = CachedLM(target)
+    lm.reset(2)
+    lm.prefill([[1, 2, 3], [4, 5]])
+    assert len(calls) == target.config.num_hidden_layers
