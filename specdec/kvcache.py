@@ -139,7 +139,7 @@ def _grouped_on_cpu(module, query: torch.Tensor, mask: torch.Tensor | None, kwar
     transformers' own generate, its sdpa groups the heads itself), with nothing it does not apply.
     transformers' sdpa copies each key and value head once per query head of its group whenever there is a
     mask (ours always has one), since CUDA's fast kernels take no mask with grouped heads; on a CPU, torch's
-    kernel takes both, and the copies were most of a long context's decode step (docs/performance.md)."""
+    kernel takes both, and the copies were a third to two thirds of a long context's verify step (docs/performance.md)."""
     return (query.device.type == "cpu" and getattr(module, "num_key_value_groups", 1) > 1
             and mask is not None and not any(kwargs.get(k) for k in _NOT_GROUPED))
 
