@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 from .acceptance import Verdict
 from .adaptive import Costs, Load, clock
+from .blocks import BLOCK_TOKENS
 from .closed import RecentlyClosed
 from .errors import InvalidArgument, RequestExists, ResourceExhausted, UnknownRequest
 from .generation import Generation, emit, record_step
@@ -76,8 +77,9 @@ class TargetStats:
 class KvBudget:
     """What the target may hold at once: rows (requests) and KV slots, and how many requests may wait
     for room in the admission queue. Each request reserves its most (prompt + max_new_tokens + the
-    largest tree it may send); the cache is rectangular (every row as long as the longest), so what the
-    requests hold is rows x the largest reservation (`slots`), and that is what max_tokens bounds."""
+    largest tree it may send) in whole blocks; a row holds the blocks it uses (specdec.blocks), so what
+    the requests hold is the sum of their reservations (`slots`; less where they share a prefix), and
+    that is what max_tokens bounds."""
 
     max_rows: int = 64
     max_tokens: int = 65536
@@ -90,13 +92,8 @@ class KvBudget:
 
     @staticmethod
     def slots(reservations: list[int]) -> int:
-        """The KV slots per layer the cache holds at most for requests of these reservations."""
-        return KvBudget.rectangle(len(reservations), max(reservations, default=0))
-
-    @staticmethod
-    def rectangle(rows: int, longest: int) -> int:
-        """The KV slots per layer of `rows` requests whose largest reservation is `longest`."""
-        return rows * longest
+        """The KV slots per layer the cache holds at most for requests of these reservations: their blocks."""
+        return sum(-(-r // BLOCK_TOKENS) * BLOCK_TOKENS for r in reservations)
 
 
 @dataclass
@@ -361,10 +358,10 @@ class TargetScheduler:
 
     def _left_waiting(self, queue) -> int:
         """How many of these queued requests would still wait once the free budget is filled from the head."""
-        rows, longest = len(self._reserved), max(self._reserved.values(), default=0)
+        rows, slots = len(self._reserved), self.budget.slots(list(self._reserved.values()))
         for i, join in enumerate(queue):  # one pass: a queue of thousands (one engine batch) stays cheap
-            rows, longest = rows + 1, max(longest, join.tokens)
-            if rows > self.budget.max_rows or self.budget.rectangle(rows, longest) > self.budget.max_tokens:
+            rows, slots = rows + 1, slots + self.budget.slots([join.tokens])
+            if rows > self.budget.max_rows or slots > self.budget.max_tokens:
                 return len(queue) - i
         return 0
 
