@@ -61,6 +61,7 @@ class Positions:
         return (self.queries[:, None, :, None] - self.keys[:, None, None, :]) < window
 
 
+_READING: contextvars.ContextVar["_Slots | None"] = contextvars.ContextVar("specdec_reading", default=None)
 _POSITIONS: contextvars.ContextVar[Positions | None] = contextvars.ContextVar("specdec_positions", default=None)
 INNER_ATTENTION = ("sdpa", "eager")  # the attention a CachedLM's model may come with
 # Families whose attention runs on a path of its own, not through transformers' attention interface, but
@@ -117,10 +118,44 @@ def ragged_attention(module, query, key, value, attention_mask, inner: str, **kw
         attend = ALL_ATTENTION_FUNCTIONS[inner]
     if (window := _window_of(module, kwargs)) and (positions := _POSITIONS.get()) is not None:
         attention_mask = _within_window(attention_mask, positions.within(window))
-    if (block := _BLOCK.get()) is None:
+    block = _BLOCK.get()
+    if key.dim() == 3:  # the pool itself (PagedLayer.update): the rows' keys and values are read here
+        out = _attend_blocks(attend, module, query if block is None else block.pad(query), key, value,
+                             attention_mask, _READING.get(), **kwargs)  # [B, T, H, D]
+        return (out if block is None else block.pack(out)), None
+    if block is None:
         return attend(module, query, key, value, attention_mask, **kwargs)
     out, weights = attend(module, block.pad(query), key, value, attention_mask, **kwargs)  # [B, T, H, D]
     return block.pack(out), weights
+
+
+# Rows' keys and values read from the pool at once, at most: a group of rows whose keys and values take about
+# this much is read into a buffer and attended to while it is still in the CPU's cache (the whole batch read
+# at once costs the memory's bandwidth three times over: measured in docs/performance.md)
+READ_GROUP_BYTES = 4 << 20
+
+
+def _attend_blocks(attend, module, query, pool_k, pool_v, mask, slots: "_Slots", **kwargs) -> torch.Tensor:
+    """query [B, Hq, T, D] against each row's keys and values [S + T] read from the pool through the plan, a
+    group of rows at a time (READ_GROUP_BYTES) -> [B, T, Hq, D]."""
+    plan = slots.plan
+    B, L = plan.batch, plan.slots
+    read = plan.read.view(B, L)
+    row_bytes = L * (pool_k[0].numel() * pool_k.element_size() + pool_v[0].numel() * pool_v.element_size())
+    group = max(1, min(B, READ_GROUP_BYTES // max(1, row_bytes)))
+    outs = []
+    for first in range(0, B, group):
+        rows = read[first : first + group]
+        n = rows.shape[0]
+        kv = []
+        for which, pool in enumerate((pool_k, pool_v)):
+            buf = slots.scratch(which, (n * L, *pool.shape[1:]), pool)
+            torch.index_select(pool, 0, rows.flatten(), out=buf)
+            kv.append(buf.view(n, L, *pool.shape[1:]).transpose(1, 2))  # [n, H, L, D]
+        rows_mask = mask[first : first + n] if mask.shape[0] == B else mask
+        out, _ = attend(module, query[first : first + n], kv[0], kv[1], rows_mask, **kwargs)
+        outs.append(out)
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 # what an attention call may carry that _sdpa_grouped does not apply: transformers' own sdpa takes those
@@ -213,6 +248,7 @@ class _Plan:
     read: torch.Tensor  # [B * (S + T)] each row's slots 0 .. S + T - 1 (NULL's for its holes)
     batch: int  # B
     slots: int  # S + T
+    direct: bool  # the attention reads the pool itself (ragged_attention); else the layers read it for it
 
 
 class _Slots:
@@ -221,6 +257,18 @@ class _Slots:
 
     def __init__(self, pool: BlockPool):
         self.pool, self.n, self.plan, self.layers = pool, 0, None, 0
+        self.buffers: list[torch.Tensor | None] = [None, None]
+
+    def scratch(self, which: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A buffer of this shape the layers read their keys (which 0) or values (1) into, one after another:
+        reused, so a forward does not map fresh memory for every layer's read."""
+        buf = self.buffers[which]
+        n = 1
+        for d in shape:
+            n *= d
+        if buf is None or buf.numel() < n or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self.buffers[which] = torch.empty(n + n // 2, dtype=like.dtype, device=like.device)
+        return buf[:n].view(shape)
 
     def new_layer(self) -> "PagedLayer":
         layer = PagedLayer(self, self.layers)
@@ -246,14 +294,21 @@ class PagedLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """key_states [B, H, T, D], or packed [1, H, N, D] in a ragged forward -> keys, values [B, H, S + T, D]."""
+        """key_states [B, H, T, D], or packed [1, H, N, D] in a ragged forward -> keys, values [B, H, S + T, D],
+        or, where the attention reads them itself, the pool's flat keys and values [blocks * size, H, D]."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         plan = self.slots.plan
         out = []
-        for pool, new in zip(self.slots.pool.layer(self.index, key_states, value_states), (key_states, value_states)):
+        pools = self.slots.pool.layer(self.index, key_states, value_states)
+        for pool, new in zip(pools, (key_states, value_states)):
             pool.index_copy_(0, plan.write, new.transpose(1, 2).reshape(-1, *pool.shape[1:]))  # [N, H, D]
-            out.append(pool.index_select(0, plan.read).view(plan.batch, plan.slots, *pool.shape[1:]).transpose(1, 2))
+        if plan.direct:
+            return pools  # [blocks * size, H, D] each: ragged_attention reads the rows' slots itself
+        for which, pool in enumerate(pools):
+            read = self.slots.scratch(which, (plan.read.shape[0], *pool.shape[1:]), pool)
+            torch.index_select(pool, 0, plan.read, out=read)
+            out.append(read.view(plan.batch, plan.slots, *pool.shape[1:]).transpose(1, 2))
         return out[0], out[1]
 
     def get_seq_length(self) -> int:
@@ -414,7 +469,8 @@ class CachedLM:
             is_padding = torch.arange(T, device=HOST).view(1, T) >= torch.tensor(real, device=HOST).view(B, 1)
             write = new.masked_fill(is_padding, 0) + is_padding * (TRASH * size + torch.arange(T, device=HOST) % size)
             write = write.flatten()
-        self._slots.plan = _Plan(to_device(write, self.device), to_device(read.flatten(), self.device), B, S + T)
+        self._slots.plan = _Plan(to_device(write, self.device), to_device(read.flatten(), self.device), B, S + T,
+                                 direct=self.packs)
 
     def _own(self, spans: list[tuple[int, int, int]]) -> None:
         """Row b holds a block of its own (taken, or copied from a shared one) for every slot of each span
@@ -498,17 +554,21 @@ class CachedLM:
     def _run(self, tokens, mask, positions, logits_to_keep, features=None, hidden=False):
         """-> logits, and the model's hidden states when asked (else none)"""
         extra = {} if features is None else {"features": to_device(features, self.device)}
-        with self.pool.using():  # the plan's blocks are taken: the pool stays as it is until the forward ends
-            out = self.model(
-                input_ids=to_device(tokens, self.device),
-                attention_mask=mask,
-                position_ids=to_device(positions, self.device),
-                cache=self.kv,
-                use_cache=True,
-                logits_to_keep=logits_to_keep,
-                output_hidden_states=hidden,
-                **extra,
-            )
+        reading = _READING.set(self._slots)  # what ragged_attention reads the rows' keys and values through
+        try:
+            with self.pool.using():  # the plan's blocks are taken: the pool stays as it is until the forward ends
+                out = self.model(
+                    input_ids=to_device(tokens, self.device),
+                    attention_mask=mask,
+                    position_ids=to_device(positions, self.device),
+                    cache=self.kv,
+                    use_cache=True,
+                    logits_to_keep=logits_to_keep,
+                    output_hidden_states=hidden,
+                    **extra,
+                )
+        finally:
+            _READING.reset(reading)
         return out.logits, (tuple(out.hidden_states) if hidden else ())
 
     @torch.inference_mode()
