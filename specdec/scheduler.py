@@ -33,8 +33,8 @@ LOAD_SMOOTHING = 0.2  # weight of each forward in the batch's moving average
 
 
 # What the target holds now, as /v1/stats's target section and GetStats's TargetStats show it.
-HELD = ("open_requests", "kv_tokens_reserved", "waiting", "largest_batch", "idle_rows_closed", "prefix_cached_tokens",
-        "prefix_prompt_tokens", "prefix_hit_tokens", "prefix_evicted_tokens")
+HELD = ("open_requests", "kv_tokens_reserved", "kv_used_tokens", "waiting", "largest_batch", "idle_rows_closed",
+        "prefix_cached_tokens", "prefix_prompt_tokens", "prefix_hit_tokens", "prefix_evicted_tokens")
 
 
 @dataclass(frozen=True)
@@ -52,9 +52,10 @@ class TargetStats:
     largest_batch: int = 0  # most rows in one forward
     open_requests: int = 0
     kv_tokens_reserved: int = 0  # the slots the cache may come to hold for them
+    kv_used_tokens: int = 0  # the slots of the blocks held now (by rows, shared ones once, and by the prefix index)
     waiting: int = 0  # in the admission queue
     idle_rows_closed: int = 0
-    # the target's prefix cache (specdec.prefix_cache; all 0 without one): tokens it holds now, prompt tokens
+    # the target's prefix index (specdec.blocks; all 0 when off): tokens it holds now, prompt tokens
     # looked up in it, of those found (their prefill skipped), and tokens evicted for room
     prefix_cached_tokens: int = 0
     prefix_prompt_tokens: int = 0
@@ -309,7 +310,8 @@ class TargetScheduler:
                 forwards=self.forwards, forward_time_s=self.forward_time_s, stall_time_s=self.stall_time_s,
                 committed_tokens=self.committed_tokens, trees_verified=self.trees_verified,
                 tree_loop_time_s=self.tree_loop_time_s, largest_batch=self.largest_batch, open_requests=len(held),
-                kv_tokens_reserved=self.budget.slots(list(held.values())), waiting=len(self._waiting),
+                kv_tokens_reserved=self.budget.slots(list(held.values())), kv_used_tokens=prefix.used_tokens,
+                waiting=len(self._waiting),
                 idle_rows_closed=self.idle_rows_closed, forward_costs=dict(self.costs.verify_table),
                 batch_tokens=load.batch_tokens, committed_per_forward=load.committed, batch_rows=load.rows,
                 prefix_cached_tokens=prefix.cached_tokens, prefix_prompt_tokens=prefix.looked_up_tokens,

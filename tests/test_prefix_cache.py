@@ -203,3 +203,29 @@ def test_a_draft_replica_keeps_what_its_rows_ran_and_prefills_the_next_turn_from
     wait_until_empty(scheduler)
     loop.stop()
     scheduler.stop()
+
+
+def test_rows_sharing_a_prefix_hold_its_blocks_once(target):
+    """8 requests whose prompts share a 160-token prefix: the first's prompt is indexed once prefilled, the
+    other 7 take its blocks into their rows; the pool then holds the prefix once, beside each row's own
+    blocks (measured from the pool), and every row decodes as it would alone."""
+    from specdec.target import TargetWorker
+    from specdec.tree import TokenTree
+
+    rng = random.Random(4)
+    shared = [rng.randrange(VOCAB) for _ in range(160)]
+    prompts = [shared + [rng.randrange(VOCAB) for _ in range(rng.randint(3, 9))] for _ in range(8)]
+    worker = TargetWorker(CachedLM(target, BlockPool(4096)))
+    for r, prompt in enumerate(prompts):  # one by one, as they arrive
+        worker.add([(f"r{r}", prompt, SamplingParams(), 0)])
+    prefix_blocks = 160 // 16
+    own = sum(-(-(len(p) - 1) // 16) - prefix_blocks for p in prompts)  # each row's blocks past the shared ones
+    assert worker.lm.pool.stats().used_tokens == 16 * (prefix_blocks + own)
+    assert all(t[:prefix_blocks] == worker.lm.tables[0][:prefix_blocks] for t in worker.lm.tables)
+    for _ in range(4):
+        worker.verify({rid: TokenTree.root(worker.last_token(rid)) for rid in worker.rows})
+    alone = TargetWorker(CachedLM(target))
+    alone.add([(f"r{r}", p, SamplingParams(), 0) for r, p in enumerate(prompts)])
+    for _ in range(4):
+        alone.verify({rid: TokenTree.root(alone.last_token(rid)) for rid in alone.rows})
+    assert {rid: worker.requests[rid].seq for rid in worker.rows} == {rid: alone.requests[rid].seq for rid in alone.rows}
