@@ -117,10 +117,10 @@ class BlockPool:
             for b in ids:
                 self._refs[b] = 1
         with self.using():
-            index = torch.tensor(ids, dtype=torch.long)
             for k, v in self._kv:
-                k.index_fill_(0, index.to(k.device), 0)
-                v.index_fill_(0, index.to(v.device), 0)
+                index = torch.tensor(ids, dtype=torch.long, device=k.device)
+                k.index_fill_(0, index, 0)
+                v.index_fill_(0, index, 0)
         return ids
 
     def hold(self, ids: Sequence[int]) -> None:
@@ -157,12 +157,12 @@ class BlockPool:
         """Block dst <- block src, for each (src, dst), in every layer."""
         if not pairs:
             return
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
         with self.using():
             for k, v in self._kv:
-                k.index_copy_(0, dst.to(k.device), k.index_select(0, src.to(k.device)))
-                v.index_copy_(0, dst.to(v.device), v.index_select(0, src.to(v.device)))
+                src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=k.device)
+                dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=k.device)
+                k.index_copy_(0, dst, k.index_select(0, src))
+                v.index_copy_(0, dst, v.index_select(0, src))
 
     # -- the prefix index ------------------------------------------------------------------------------
 
