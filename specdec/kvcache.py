@@ -19,6 +19,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .device import HOST, host_tensor, to_device
+from . import paged_kernel
 from .blocks import NULL, TRASH, BlockPool
 
 
@@ -120,9 +121,12 @@ def ragged_attention(module, query, key, value, attention_mask, inner: str, **kw
         attention_mask = _within_window(attention_mask, positions.within(window))
     block = _BLOCK.get()
     if key.dim() == 3:  # the pool itself (PagedLayer.update): the rows' keys and values are read here
-        out = _attend_blocks(attend, module, query if block is None else block.pad(query), key, value,
-                             attention_mask, _READING.get(), **kwargs)  # [B, T, H, D]
-        return (out if block is None else block.pack(out)), None
+        query = query if block is None else block.pad(query)
+        if inner == "sdpa" and _kernel_runs(query, key, attention_mask, kwargs):
+            out = _attend_in_place(query, key, value, attention_mask, _READING.get(), kwargs.get("scaling"))
+        else:
+            out = _attend_blocks(attend, module, query, key, value, attention_mask, _READING.get(), **kwargs)
+        return (out if block is None else block.pack(out)), None  # out [B, T, H, D]
     if block is None:
         return attend(module, query, key, value, attention_mask, **kwargs)
     out, weights = attend(module, block.pad(query), key, value, attention_mask, **kwargs)  # [B, T, H, D]
@@ -133,6 +137,23 @@ def ragged_attention(module, query, key, value, attention_mask, inner: str, **kw
 # this much is read into a buffer and attended to while it is still in the CPU's cache (the whole batch read
 # at once costs the memory's bandwidth three times over: measured in docs/performance.md)
 READ_GROUP_BYTES = 4 << 20
+
+
+def _kernel_runs(query: torch.Tensor, pool_k: torch.Tensor, mask: torch.Tensor | None, kwargs) -> bool:
+    """Whether this sdpa call runs paged_kernel's attention: float32 on a CPU, under a bool mask [B or 1, 1, T, L],
+    with nothing the kernel does not apply (softcap, sinks, position bias, dropout), and the kernel built here."""
+    return (query.device.type == "cpu" and query.dtype == pool_k.dtype == torch.float32
+            and mask is not None and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
+            and not kwargs.get("dropout") and not any(kwargs.get(k) for k in _NOT_GROUPED)
+            and paged_kernel.paged_attention() is not None)
+
+
+def _attend_in_place(query, pool_k, pool_v, mask, slots: "_Slots", scaling: float | None) -> torch.Tensor:
+    """query [B, Hq, T, D] against each row's keys and values where they lie in the pool -> [B, T, Hq, D]."""
+    plan = slots.plan
+    read = plan.read.view(plan.batch, plan.slots)  # [B, S + T]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return paged_kernel.paged_attention()(query, pool_k, pool_v, read, mask, scale)
 
 
 def _attend_blocks(attend, module, query, pool_k, pool_v, mask, slots: "_Slots", **kwargs) -> torch.Tensor:
@@ -351,6 +372,8 @@ class CachedLM:
         self.eager = run_ragged_capable(model) == "eager"
         self.packs = model.config._attn_implementation.startswith("specdec_ragged_")  # else a ragged block runs padded
         self.sliding = has_sliding_window(model.config)  # some layer attends within a window: positions needed
+        if self.device.type == "cpu" and model.dtype == torch.float32 and not self.eager:
+            paged_kernel.paged_attention()  # built now (the first time on this machine), not in a request's step
         self.reset(0)
 
     def reset(self, batch_size: int) -> None:

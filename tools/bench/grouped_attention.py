@@ -1,7 +1,8 @@
 """What grouped-query attention on the CPU saves a target's verify step: the step with specdec's grouped call
 (_sdpa_grouped: torch's kernel reads each key-value head for its whole group of query heads) against
 transformers' sdpa (which copies each key and value head out to every query head of its group whenever a
-mask is given, as specdec's always is), side by side in one run, alternating.
+mask is given, as specdec's always is), side by side in one run, alternating. Both on the gathering path,
+which runs where the paged kernel cannot (the kernel is turned off here: it groups heads itself).
 
 The batch and its steps are tools/bench/verify_step.py's. Not a test: numbers for docs/performance.md.
 
@@ -11,12 +12,13 @@ The batch and its steps are tools/bench/verify_step.py's. Not a test: numbers fo
 import statistics
 import time
 
-from specdec import kvcache
+from specdec import kvcache, paged_kernel
 from tools.bench.verify_step import REPEATS, arguments, batch_stepper
 
 
 def main() -> None:
     args = arguments(__doc__.splitlines()[0])
+    paged_kernel.paged_attention = lambda: None  # the gathering path, where the model's own attention runs
     model, step = batch_stepper(args)
     config = model.config.get_text_config()
     grouped = kvcache._grouped_on_cpu
