@@ -12,7 +12,7 @@ from specdec.drafter_factory import draft_runner, make_drafter
 from specdec.suffix import TextIndex, read_corpus
 from specdec.errors import Unavailable
 from specdec.loading import TargetParts, is_head, load_draft, load_served_model, load_tokenizer, local_folder, parse_dtype
-from specdec.prefix_cache import PrefixCache
+from specdec.blocks import BlockPool
 from specdec.sampling import SamplingParams
 
 from specdec.closed import RecentlyClosed
@@ -46,12 +46,12 @@ class DraftReplica:
         at start with the target's tokenizer, up to corpus_max_tokens tokens each.
         target_model: the target's folder (models.target.path): its tokenizer for the corpora, and its config
         and shared embeddings for draft heads (a draft that is an EAGLE-3 head or Medusa heads).
-        prefix_cache_tokens: each draft model's prefix cache, shared by its loops (0: none)."""
+        prefix_cache_tokens: each draft model's prefix cache, in its block pool shared by its loops (0: none)."""
         use_assigned_cpus()
         device = device_for_actor(logical_gpus)  # before anything loads: a wrong image fails here
         self.models = {task: load_replica_draft(path, target_model, parse_dtype(dtype), device)
                        for task, (path, dtype) in drafts.items()}
-        self.prefixes = {task: PrefixCache(prefix_cache_tokens) for task in self.models} if prefix_cache_tokens else {}
+        self.pools = {task: BlockPool(prefix_cache_tokens) for task in self.models}  # each model's KV, its drafters'
         self.shapes = dict(shapes or {DrafterKind.MODEL_NGRAM: DraftShape()})
         self.corpora = read_corpora(corpora or {}, target_model, corpus_max_tokens)
         self.overlap = overlap
@@ -133,7 +133,7 @@ class DraftReplica:
     def _make_drafter(self, task: str, kind: DrafterKind, corpus: TextIndex | None = None) -> Drafter | None:
         """task: the task type whose draft model it drafts with ("": the rest's)."""
         shape, model = self.shapes[kind], self.models.get(task)
-        return make_drafter(kind, draft_runner(model, self.prefixes.get(task)) if model is not None else None, shape.width,
+        return make_drafter(kind, draft_runner(model, self.pools[task]) if model is not None else None, shape.width,
                             shape.proposal_top_k, shape.suffix, corpus)
 
 

@@ -58,6 +58,8 @@ target_kv_tokens_reserved = LazyMetric(Gauge, "target_kv_tokens_reserved", "KV t
 target_idle_rows_closed = LazyMetric(Counter, "target_idle_rows_closed", "Speculative rows the target closed "
                                      "because no tree came for idle_row_timeout_s (their replica or client was gone)")
 
+target_kv_used_tokens = LazyMetric(Gauge, "target_kv_used_tokens", "KV tokens of the blocks the target holds "
+                                   "now (running rows, a shared prefix once, the prefix cache)")
 target_prefix_cached_tokens = LazyMetric(Gauge, "target_prefix_cached_tokens", "Tokens whose KV the target's "
                                          "prefix cache holds")
 target_prefix_prompt_tokens = LazyMetric(Counter, "target_prefix_prompt_tokens", "Prompt tokens looked up in the "
@@ -95,6 +97,7 @@ def publish_target(stats: Callable[[], "TargetStats"]) -> None:
         target_waiting_requests().set(now.waiting)
         target_kv_tokens_reserved().set(now.kv_tokens_reserved)
         target_prefix_cached_tokens().set(now.prefix_cached_tokens)
+        target_kv_used_tokens().set(now.kv_used_tokens)
         for name, counter in COUNTERS.items():
             if (total := getattr(now, name)) > counted[name]:
                 counter().inc(total - counted[name])

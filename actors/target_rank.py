@@ -15,7 +15,7 @@ import torch.distributed as dist
 from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.cpu_linear import packed_numel
 from specdec.kvcache import CachedLM
-from specdec.prefix_cache import PrefixCache
+from specdec.blocks import BlockPool
 from specdec.loading import load_grammars, load_served_model, load_sharded_model, parse_dtype
 from specdec.sampling import SamplingParams
 from specdec.target import TargetWorker
@@ -91,8 +91,8 @@ class TargetRank:
         else:
             group = _join_tensor_parallel_group(rank, world_size, dist_address, device)
             model = load_sharded_model(model_path, parse_dtype(dtype))
-        prefix = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None  # every rank alike: they add and remove alike
-        worker = TargetWorker(CachedLM(model, prefix), load_grammars(model_path, model))
+        pool = BlockPool(prefix_cache_tokens)  # every rank alike: they take and give back blocks alike
+        worker = TargetWorker(CachedLM(model, pool), load_grammars(model_path, model))
         self.weights_held = _local_numel(model)
         if world_size > 1:
             if rank > 0:

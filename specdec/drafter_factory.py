@@ -9,7 +9,7 @@ from .eagle3 import Eagle3Head
 from .head_drafter import HeadDrafter, MedusaDrafter
 from .kvcache import CachedLM
 from .medusa import MedusaHeads
-from .prefix_cache import PrefixCache
+from .blocks import BlockPool
 from .suffix import SuffixConfig, TextIndex
 
 
@@ -43,10 +43,11 @@ def _model_drafter(draft, width: int, proposal_top_k: int) -> TreeGrower:
     return ModelDrafter(draft, width, proposal_top_k)
 
 
-def draft_runner(model: torch.nn.Module, prefix: PrefixCache | None = None):
+def draft_runner(model: torch.nn.Module, pool: BlockPool | None = None):
     """What make_drafter takes as a draft: a model's CachedLM (a draft model, an EAGLE-3 head), Medusa heads
-    as they are (they keep no cache). prefix: a draft model's prefix cache (a head's KV depends on the
-    target's features as well as the tokens, so it keeps none)."""
+    as they are (they keep no cache). pool: a draft model's block pool, shared by its drafters, with its
+    prefix index (a head's KV depends on the target's features as well as the tokens: it keeps a pool of its
+    own, indexing nothing)."""
     if isinstance(model, MedusaHeads):
         return model
-    return CachedLM(model, None if isinstance(model, Eagle3Head) else prefix)
+    return CachedLM(model, None if isinstance(model, Eagle3Head) else pool)

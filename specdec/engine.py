@@ -154,8 +154,8 @@ class SpeculativeEngine:
     def _budget(self, prompts: list[list[int]], max_new_tokens: int, k: int) -> KvBudget:
         """Room for the whole batch at once: every row, its longest reservation, its largest tree."""
         tree_room = max(KvBudget.tree_room, self.shape.nodes(k) - 1)
-        longest = max(map(len, prompts)) + max_new_tokens + tree_room
-        return KvBudget(max_rows=len(prompts), max_tokens=len(prompts) * longest, max_waiting=len(prompts),
+        reservations = [len(p) + max_new_tokens + tree_room for p in prompts]
+        return KvBudget(max_rows=len(prompts), max_tokens=KvBudget.slots(reservations), max_waiting=len(prompts),
                         tree_room=tree_room)
 
     def _learn(self, outs: list[Generation]) -> None:

@@ -19,7 +19,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .device import HOST, host_tensor, to_device
-from .prefix_cache import LayerKV, PrefixCache
+from . import paged_kernel
+from .blocks import NULL, TRASH, BlockPool
 
 
 @dataclass(frozen=True)
@@ -44,13 +45,6 @@ class Ragged:
         return out.reshape(self.batch * self.width, *out.shape[2:]).index_select(0, self.index).unsqueeze(0)
 
 
-# Slots the cache grows by, at most, when a forward needs more (rounded up to it). Growth copies the buffer
-# while the old one lives; a step (not doubling) keeps the cache within a step of what the rows hold, so
-# memory follows what the target's KV budget counts (doubling kept up to twice the rows' slots, and four
-# times at the copy).
-GROW_SLOTS = 256
-ROW_STEP = 4  # rows the cache's buffer holds are a multiple of this (spare rows for requests joining)
-
 _BLOCK: contextvars.ContextVar[Ragged | None] = contextvars.ContextVar("specdec_ragged_block", default=None)
 
 
@@ -68,6 +62,7 @@ class Positions:
         return (self.queries[:, None, :, None] - self.keys[:, None, None, :]) < window
 
 
+_READING: contextvars.ContextVar["_Slots | None"] = contextvars.ContextVar("specdec_reading", default=None)
 _POSITIONS: contextvars.ContextVar[Positions | None] = contextvars.ContextVar("specdec_positions", default=None)
 INNER_ATTENTION = ("sdpa", "eager")  # the attention a CachedLM's model may come with
 # Families whose attention runs on a path of its own, not through transformers' attention interface, but
@@ -124,10 +119,64 @@ def ragged_attention(module, query, key, value, attention_mask, inner: str, **kw
         attend = ALL_ATTENTION_FUNCTIONS[inner]
     if (window := _window_of(module, kwargs)) and (positions := _POSITIONS.get()) is not None:
         attention_mask = _within_window(attention_mask, positions.within(window))
-    if (block := _BLOCK.get()) is None:
+    block = _BLOCK.get()
+    if key.dim() == 3:  # the pool itself (PagedLayer.update): the rows' keys and values are read here
+        query = query if block is None else block.pad(query)
+        if inner == "sdpa" and _kernel_runs(query, key, attention_mask, kwargs):
+            out = _attend_in_place(query, key, value, attention_mask, _READING.get(), kwargs.get("scaling"))
+        else:
+            out = _attend_blocks(attend, module, query, key, value, attention_mask, _READING.get(), **kwargs)
+        return (out if block is None else block.pack(out)), None  # out [B, T, H, D]
+    if block is None:
         return attend(module, query, key, value, attention_mask, **kwargs)
     out, weights = attend(module, block.pad(query), key, value, attention_mask, **kwargs)  # [B, T, H, D]
     return block.pack(out), weights
+
+
+# Rows' keys and values read from the pool at once, at most: a group of rows whose keys and values take about
+# this much is read into a buffer and attended to while it is still in the CPU's cache (the whole batch read
+# at once costs the memory's bandwidth three times over: measured in docs/performance.md)
+READ_GROUP_BYTES = 4 << 20
+
+
+def _kernel_runs(query: torch.Tensor, pool_k: torch.Tensor, mask: torch.Tensor | None, kwargs) -> bool:
+    """Whether this sdpa call runs paged_kernel's attention: float32 on a CPU, under a bool mask [B or 1, 1, T, L],
+    with nothing the kernel does not apply (softcap, sinks, position bias, dropout), and the kernel built here."""
+    return (query.device.type == "cpu" and query.dtype == pool_k.dtype == torch.float32
+            and mask is not None and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
+            and not kwargs.get("dropout") and not any(kwargs.get(k) for k in _NOT_GROUPED)
+            and paged_kernel.paged_attention() is not None)
+
+
+def _attend_in_place(query, pool_k, pool_v, mask, slots: "_Slots", scaling: float | None) -> torch.Tensor:
+    """query [B, Hq, T, D] against each row's keys and values where they lie in the pool -> [B, T, Hq, D]."""
+    plan = slots.plan
+    read = plan.read.view(plan.batch, plan.slots)  # [B, S + T]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return paged_kernel.paged_attention()(query, pool_k, pool_v, read, mask, scale)
+
+
+def _attend_blocks(attend, module, query, pool_k, pool_v, mask, slots: "_Slots", **kwargs) -> torch.Tensor:
+    """query [B, Hq, T, D] against each row's keys and values [S + T] read from the pool through the plan, a
+    group of rows at a time (READ_GROUP_BYTES) -> [B, T, Hq, D]."""
+    plan = slots.plan
+    B, L = plan.batch, plan.slots
+    read = plan.read.view(B, L)
+    row_bytes = L * (pool_k[0].numel() * pool_k.element_size() + pool_v[0].numel() * pool_v.element_size())
+    group = max(1, min(B, READ_GROUP_BYTES // max(1, row_bytes)))
+    outs = []
+    for first in range(0, B, group):
+        rows = read[first : first + group]
+        n = rows.shape[0]
+        kv = []
+        for which, pool in enumerate((pool_k, pool_v)):
+            buf = slots.scratch(which, (n * L, *pool.shape[1:]), pool)
+            torch.index_select(pool, 0, rows.flatten(), out=buf)
+            kv.append(buf.view(n, L, *pool.shape[1:]).transpose(1, 2))  # [n, H, L, D]
+        rows_mask = mask[first : first + n] if mask.shape[0] == B else mask
+        out, _ = attend(module, query[first : first + n], kv[0], kv[1], rows_mask, **kwargs)
+        outs.append(out)
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 # what an attention call may carry that _sdpa_grouped does not apply: transformers' own sdpa takes those
@@ -211,152 +260,91 @@ def _running_ragged(block: Ragged):
         _BLOCK.reset(token)
 
 
-class GrowingLayer(CacheLayerMixin):
-    """One layer's keys and values [B, H, S, D] in a buffer with spare room in both rows and slots
-    [B', H, S', D], written in place: a forward costs O(new tokens), not a copy of the whole cache (as
-    torch.cat in DynamicLayer does); a row joins into spare rows and a row leaving moves only the rows
-    that fill its place (keep_rows), so neither copies the batch."""
+@dataclass(frozen=True)
+class _Plan:
+    """Where a forward's new keys and values go in the pool, and which slots its attention reads (flat slots
+    of the pool, block * BLOCK_TOKENS + offset), on the model's device."""
+
+    write: torch.Tensor  # [N] each new token's slot, in the order the layers give them (TRASH's for padding)
+    read: torch.Tensor  # [B * (S + T)] each row's slots 0 .. S + T - 1 (NULL's for its holes)
+    batch: int  # B
+    slots: int  # S + T
+    direct: bool  # the attention reads the pool itself (ragged_attention); else the layers read it for it
+
+
+class _Slots:
+    """What a CachedLM's layers share: the pool, the slots every row spans (n) and the plan of the forward
+    running now. The layers hold this, not the CachedLM, so a CachedLM dropped releases its blocks at once."""
+
+    def __init__(self, pool: BlockPool):
+        self.pool, self.n, self.plan, self.layers = pool, 0, None, 0
+        self.buffers: list[torch.Tensor | None] = [None, None]
+
+    def scratch(self, which: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A buffer of this shape the layers read their keys (which 0) or values (1) into, one after another:
+        reused, so a forward does not map fresh memory for every layer's read."""
+        buf = self.buffers[which]
+        n = 1
+        for d in shape:
+            n *= d
+        if buf is None or buf.numel() < n or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self.buffers[which] = torch.empty(n + n // 2, dtype=like.dtype, device=like.device)
+        return buf[:n].view(shape)
+
+    def new_layer(self) -> "PagedLayer":
+        layer = PagedLayer(self, self.layers)
+        self.layers += 1
+        return layer
+
+
+class PagedLayer(CacheLayerMixin):
+    """One layer's view of a CachedLM's paged KV: a forward's new keys and values are written to their rows'
+    blocks (_Plan.write) and the rows' keys and values [B, H, S + T, D] read back from them (_Plan.read), a
+    copy the attention is given; nothing is held here but the layer's place in the pool."""
 
     is_sliding = False
     is_compileable = False
     is_croppable = True
 
-    def __init__(self):
+    def __init__(self, slots: _Slots, index: int):
         super().__init__()
-        self.n = self.b = 0  # slots, rows
-        self.buf_k = self.buf_v = None
+        self.slots, self.index = slots, index
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """key_states [B, H, T, D], or packed [1, H, N, D] in a ragged forward -> keys, values [B, H, S, D]."""
+        """key_states [B, H, T, D], or packed [1, H, N, D] in a ragged forward -> keys, values [B, H, S + T, D],
+        or, where the attention reads them itself, the pool's flat keys and values [blocks * size, H, D]."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if (block := _BLOCK.get()) is not None:  # zeros at the padding: a masked slot's weight is 0, and 0 * garbage may be NaN
-            key_states, value_states = block.pad(key_states), block.pad(value_states)
-        B, H, T, D = key_states.shape
-        if self.buf_k is None:
-            self.b = B
-            self._reserve(B, T, key_states)
-        elif self.n + T > self.buf_k.shape[2]:
-            self._reserve(self.b, self.n + T, key_states)
-        self.buf_k[:B, :, self.n : self.n + T] = key_states
-        self.buf_v[:B, :, self.n : self.n + T] = value_states
-        self._set_length(self.n + T)
-        return self.keys, self.values
-
-    @classmethod
-    def holding(cls, rows: list[LayerKV | None], like: LayerKV) -> "GrowingLayer":
-        """A layer whose row b holds rows[b]'s keys and values (each [H, n_b, D]; None: nothing), in slots
-        [0, n_b); `like`: one of them (the shapes, dtype and device)."""
-        layer = cls()
-        layer.lazy_initialization(*like)
-        layer.b = len(rows)
-        n = max((kv[0].shape[1] for kv in rows if kv is not None), default=0)
-        layer._reserve(len(rows), n, like[0], zeros=True)
-        for b, kv in enumerate(rows):
-            if kv is not None:
-                layer.buf_k[b, :, : kv[0].shape[1]] = kv[0]
-                layer.buf_v[b, :, : kv[1].shape[1]] = kv[1]
-        layer._set_length(n)
-        return layer
-
-    def row(self, b: int, n: int) -> LayerKV:
-        """Row b's keys and values in slots [0, n): views, each [H, n, D]."""
-        return self.buf_k[b, :, :n], self.buf_v[b, :, :n]
-
-    def _reserve(self, rows: int, slots: int, like: torch.Tensor, zeros: bool = False) -> None:
-        """Room for at least `rows` rows of `slots` slots (rounded up: ROW_STEP rows, GROW_SLOTS slots), the
-        rows held so far copied over. zeros: the new buffer starts zeroed."""
-        H, D = like.shape[1] if like.dim() == 4 else like.shape[0], like.shape[-1]
-        rows_cap = -(-max(rows, 1) // ROW_STEP) * ROW_STEP
-        slots_cap = -(-max(slots, 1) // GROW_SLOTS) * GROW_SLOTS
-        make = torch.zeros if zeros else torch.empty
-        new_k, new_v = (make((rows_cap, H, slots_cap, D), dtype=like.dtype, device=like.device) for _ in range(2))
-        if self.buf_k is not None:
-            kept = min(self.b, rows_cap)
-            new_k[:kept, :, : self.n] = self.buf_k[:kept, :, : self.n]
-            new_v[:kept, :, : self.n] = self.buf_v[:kept, :, : self.n]
-        self.buf_k, self.buf_v = new_k, new_v
-
-    def _room_for_rows(self, rows: int, slots: int) -> None:
-        """Room for `rows` rows of `slots` slots, growing by half again (amortised) when short of either."""
-        cap_rows, cap_slots = self.buf_k.shape[0], self.buf_k.shape[2]
-        if rows > cap_rows or slots > cap_slots:
-            self._reserve(max(rows, cap_rows + cap_rows // 2) if rows > cap_rows else cap_rows,
-                          max(slots, cap_slots), self.buf_k)
-
-    def _set_length(self, n: int) -> None:
-        self.n = n
-        self.keys, self.values = self.buf_k[: self.b, :, :n], self.buf_v[: self.b, :, :n]
-
-    def move(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """keys[rows[i], :, dst[i]] = keys[rows[i], :, src[i]] (and values), reading before writing."""
-        self.buf_k[rows, :, dst] = self.buf_k[rows, :, src]
-        self.buf_v[rows, :, dst] = self.buf_v[rows, :, src]
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if self.is_initialized and tokens_to_remove:
-            self._set_length(self.n - abs(tokens_to_remove))
-
-    def add_rows(self, n: int) -> None:
-        """n new, empty sequences at the end of the batch (their slots zeros)."""
-        if self.buf_k is not None:
-            self._room_for_rows(self.b + n, self.n)
-            self.buf_k[self.b : self.b + n, :, : self.n] = 0
-            self.buf_v[self.b : self.b + n, :, : self.n] = 0
-            self.b += n
-            self._set_length(self.n)
-
-    def append_rows(self, other: "GrowingLayer") -> None:
-        """other's sequences join at the end of the batch, their slots [0, other.n) copied as they are: the
-        cost is theirs, not the batch's (but when the batch's buffer must grow)."""
-        if self.buf_k is None:  # nothing here yet: other's rows are the batch
-            self.dtype, self.device, self.is_initialized = other.dtype, other.device, True
-            self.buf_k, self.buf_v, self.b = other.buf_k, other.buf_v, other.b
-            self._set_length(other.n)
-            return
-        n, rows = max(self.n, other.n), self.b + other.b
-        self._room_for_rows(rows, n)
-        for mine, theirs in ((self.buf_k, other.buf_k), (self.buf_v, other.buf_v)):
-            # slots the batch's rows now expose unwritten: zeros, never uninitialised memory, whose NaNs
-            # would leak through attention (a masked slot's weight is 0, and 0 * NaN is NaN)
-            mine[: self.b, :, self.n : n] = 0
-            mine[self.b : rows, :, : other.n] = theirs[: other.b, :, : other.n]
-            mine[self.b : rows, :, other.n : n] = 0
-        self.b = rows
-        self._set_length(n)
-
-    def keep_rows(self, rows: list[int]) -> None:
-        """Keep only these rows, in this order: row i becomes rows[i]. Only the rows that change places are
-        copied (TargetWorker leaves by filling each gap from the end: compacting). A buffer left mostly empty
-        shrinks."""
-        if not self.is_initialized or self.buf_k is None:
-            return
-        moved = [i for i, r in enumerate(rows) if r != i]
-        if moved:
-            dst = host_tensor(moved, torch.long, self.buf_k.device)
-            src = host_tensor([rows[i] for i in moved], torch.long, self.buf_k.device)
-            for buf in (self.buf_k, self.buf_v):
-                buf[dst, :, : self.n] = buf[src, :, : self.n]  # the moved rows read (copied) before written
-        self.b = len(rows)
-        if self.buf_k.shape[0] > 4 * max(self.b, ROW_STEP):  # capacity follows what the rows use
-            self._reserve(self.b, self.n, self.buf_k)
-        self._set_length(self.n)
+        plan = self.slots.plan
+        out = []
+        pools = self.slots.pool.layer(self.index, key_states, value_states)
+        for pool, new in zip(pools, (key_states, value_states)):
+            pool.index_copy_(0, plan.write, new.transpose(1, 2).reshape(-1, *pool.shape[1:]))  # [N, H, D]
+        if plan.direct:
+            return pools  # [blocks * size, H, D] each: ragged_attention reads the rows' slots itself
+        for which, pool in enumerate(pools):
+            read = self.slots.scratch(which, (plan.read.shape[0], *pool.shape[1:]), pool)
+            torch.index_select(pool, 0, plan.read, out=read)
+            out.append(read.view(plan.batch, plan.slots, *pool.shape[1:]).transpose(1, 2))
+        return out[0], out[1]
 
     def get_seq_length(self) -> int:
-        return self.n
+        return self.slots.n
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.n + query_length, 0
+        return self.slots.n + query_length, 0
 
     def get_max_length(self) -> int:
         return -1
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """CachedLM crops its rows itself (their blocks)."""
+
     def reset(self) -> None:
-        self.n, self.b, self.buf_k, self.buf_v, self.keys, self.values = 0, 0, None, None, None, None
         self.is_initialized = False
 
 
@@ -373,25 +361,60 @@ def compacting(rows: int, leaving: list[int]) -> list[int]:
 
 
 class CachedLM:
-    def __init__(self, model: PreTrainedModel, prefix: PrefixCache | None = None):
-        """prefix: the KV of prompts and outputs run before, kept for prompts that begin the same way
-        (prefill_alone reads it, remember and prefill_alone write it); None: every prompt runs whole."""
-        self.model, self.prefix = model, prefix
+    def __init__(self, model: PreTrainedModel, pool: BlockPool | None = None):
+        """pool: the blocks its rows' KV lives in, shared with every CachedLM of this model whose rows may join
+        its batch (prefill_alone's) and, when its prefix index is on, the KV of prompts and outputs run before,
+        kept for prompts that begin the same way; None: a pool of its own, indexing nothing."""
+        self.model = model
+        self.pool = pool if pool is not None else BlockPool()
+        self.tables: list[list[int]] = []  # per row: the block of each of its BLOCK_TOKENS slots (NULL: a hole)
         self.device = model.device
         self.eager = run_ragged_capable(model) == "eager"
         self.packs = model.config._attn_implementation.startswith("specdec_ragged_")  # else a ragged block runs padded
         self.sliding = has_sliding_window(model.config)  # some layer attends within a window: positions needed
+        if self.device.type == "cpu" and model.dtype == torch.float32 and not self.eager:
+            paged_kernel.paged_attention()  # built now (the first time on this machine), not in a request's step
         self.reset(0)
 
     def reset(self, batch_size: int) -> None:
-        self.kv = Cache(layer_class_to_replicate=GrowingLayer)
+        self._release(range(len(self.tables)))
+        self._slots = _Slots(self.pool)
+        self.kv = Cache(layer_class_to_replicate=self._slots.new_layer)
+        self.tables = [[] for _ in range(batch_size)]
         self.lengths = [0] * batch_size
         self.held = 0  # slots [0, held) outlive every crop: a drafter's pending tree, beyond the rows' lengths
 
+    def __del__(self):
+        if getattr(self, "tables", None):
+            self._release(range(len(self.tables)))
+
+    def _release(self, rows) -> None:
+        """These rows give their blocks back (their tables empty)."""
+        for b in rows:
+            self.pool.release(self.tables[b])
+            self.tables[b] = []
+
     @property
     def size(self) -> int:
-        """Slots per row in the cache (the longest row, plus any uncommitted block)."""
-        return self.kv.get_seq_length()
+        """Slots every row spans (the longest row, plus any uncommitted block): its blocks cover its own."""
+        return self._slots.n
+
+    @torch.inference_mode()
+    def row_kv(self, b: int, n: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Row b's keys and values of slots [0, n) (default: its committed tokens), per layer, each
+        [H, n, D]: copies, read through its table."""
+        n = self.lengths[b] if n is None else n
+        size, table = self.pool.block_tokens, self.tables[b]
+        flat = [table[s // size] * size + s % size if s // size < len(table) else s % size for s in range(n)]
+        index = host_tensor(flat, torch.long, self.device)
+        with self.pool.using():
+            return [(k.index_select(0, index).transpose(0, 1), v.index_select(0, index).transpose(0, 1))
+                    for k, v in self.pool.layers()]
+
+    @property
+    def prefix(self) -> BlockPool | None:
+        """The pool, when its prefix index is on."""
+        return self.pool if self.pool.prefix_capacity else None
 
     def attention_mask(self, block_mask: torch.Tensor, extra_visible: torch.Tensor | None) -> torch.Tensor:
         """block_mask [B, T, T], extra_visible [B, T, S] (uncommitted slots a query may see) -> [B, 1, T, S+T]."""
@@ -438,14 +461,63 @@ class CachedLM:
         before = self.size
         window = _POSITIONS.set(self._positions(positions, before)) if self.sliding else None
         try:
-            return self._forward(tokens, block_mask, positions, extra_visible, sizes, keep, features, hidden)
+            out = self._forward(tokens, block_mask, positions, extra_visible, sizes, keep, features, hidden)
+            self._slots.n = before + tokens.shape[1]
+            return out
         except BaseException:
-            for layer in self.kv.layers:
-                layer.crop(max(0, layer.get_seq_length() - before))
+            self._trim()  # the blocks taken for the block go back
             raise
         finally:
+            self._slots.plan = None
             if window is not None:
                 _POSITIONS.reset(window)
+
+    def _plan(self, B: int, T: int, sizes: list[int] | None, packed: bool) -> None:
+        """Blocks for the rows' new tokens (row b's first sizes[b] of T, at slots S..; all T without sizes),
+        each row's own, and this forward's plan: the new tokens' slots (only the real ones when packed, else
+        all B x T, the padding's to TRASH) and every row's slots 0 .. S + T - 1 to read. Runs outside
+        pool.using() (taking blocks may grow the pool); the forward, inside it."""
+        S, size = self.size, self.pool.block_tokens
+        real = sizes if sizes is not None else [T] * B
+        self._own([(b, S, S + n) for b, n in enumerate(real) if n])
+        width = -(-(S + T) // size)
+        table = torch.tensor([t[:width] + [NULL] * (width - len(t[:width])) for t in self.tables],
+                             dtype=torch.long, device=HOST).view(B, width)  # [B, blocks]
+        slot = torch.arange(S + T, device=HOST)
+        read = table[:, slot // size] * size + slot % size  # [B, S + T]
+        new = read[:, S:]  # [B, T]
+        if packed:
+            write = torch.cat([new[b, :n] for b, n in enumerate(real)])
+        else:
+            is_padding = torch.arange(T, device=HOST).view(1, T) >= torch.tensor(real, device=HOST).view(B, 1)
+            write = new.masked_fill(is_padding, 0) + is_padding * (TRASH * size + torch.arange(T, device=HOST) % size)
+            write = write.flatten()
+        self._slots.plan = _Plan(to_device(write, self.device), to_device(read.flatten(), self.device), B, S + T,
+                                 direct=self.packs)
+
+    def _own(self, spans: list[tuple[int, int, int]]) -> None:
+        """Row b holds a block of its own (taken, or copied from a shared one) for every slot of each span
+        (b, first, end) given: what a forward writes there touches no other holder's KV."""
+        size, fresh, shared = self.pool.block_tokens, [], []
+        for b, first, end in spans:
+            table = self.tables[b]
+            table += [NULL] * max(0, -(-end // size) - len(table))
+            for i in range(first // size, -(-end // size)):
+                if table[i] == NULL:
+                    fresh.append((b, i))
+                elif self.pool.shared(table[i]):
+                    shared.append((b, i))
+        if not fresh and not shared:
+            return
+        new = iter(self.pool.allocate(len(fresh) + len(shared)))
+        for b, i in fresh:
+            self.tables[b][i] = next(new)
+        copies = []
+        for b, i in shared:
+            old, self.tables[b][i] = self.tables[b][i], next(new)
+            copies.append((old, self.tables[b][i]))
+        self.pool.copy(copies)
+        self.pool.release([old for old, _ in copies])
 
     def _positions(self, positions: torch.Tensor, S: int) -> Positions:
         """positions [B, T] of the block; the S slots before it hold positions 0.. (committed rows are
@@ -459,10 +531,12 @@ class CachedLM:
         mask = self.attention_mask(block_mask, extra_visible)
         B, T = tokens.shape
         if sizes is None:
+            self._plan(B, T, None, packed=False)
             logits, states = self._run(tokens, mask, positions, 0, features, hidden)
             return logits, tuple(h.reshape(B * T, -1) for h in states)
         if all(n == T for n in sizes):  # no padding: the block runs as it is
             last = keep is not None and keep == [b * T + T - 1 for b in range(B)]
+            self._plan(B, T, None, packed=False)
             logits, states = self._run(tokens, mask, positions, 1 if last else 0, features, hidden)
             logits = logits.reshape(-1, logits.shape[-1])  # [B * T', V]
             states = tuple(h.reshape(B * T, -1) for h in states)
@@ -471,7 +545,9 @@ class CachedLM:
         index = host_tensor([b * T + j for b, n in enumerate(sizes) for j in range(n)], torch.long, self.device)
         keep_t = host_tensor(keep, torch.long, self.device) if keep is not None else None
         if not self.packs:
+            self._plan(B, T, sizes, packed=False)
             return self._run_padded(tokens, mask, positions, sizes, index, keep_t, features, hidden)
+        self._plan(B, T, sizes, packed=True)
         block = Ragged(index, B, T)
         keep_t = 0 if keep_t is None else keep_t
         packed = [to_device(t, self.device).flatten()[index].unsqueeze(0) for t in (tokens, positions)]  # [1, N] each
@@ -501,41 +577,48 @@ class CachedLM:
     def _run(self, tokens, mask, positions, logits_to_keep, features=None, hidden=False):
         """-> logits, and the model's hidden states when asked (else none)"""
         extra = {} if features is None else {"features": to_device(features, self.device)}
-        out = self.model(
-            input_ids=to_device(tokens, self.device),
-            attention_mask=mask,
-            position_ids=to_device(positions, self.device),
-            cache=self.kv,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-            output_hidden_states=hidden,
-            **extra,
-        )
+        reading = _READING.set(self._slots)  # what ragged_attention reads the rows' keys and values through
+        try:
+            with self.pool.using():  # the plan's blocks are taken: the pool stays as it is until the forward ends
+                out = self.model(
+                    input_ids=to_device(tokens, self.device),
+                    attention_mask=mask,
+                    position_ids=to_device(positions, self.device),
+                    cache=self.kv,
+                    use_cache=True,
+                    logits_to_keep=logits_to_keep,
+                    output_hidden_states=hidden,
+                    **extra,
+                )
+        finally:
+            _READING.reset(reading)
         return out.logits, (tuple(out.hidden_states) if hidden else ())
 
     @torch.inference_mode()
     def commit(self, slots: list[list[int]]) -> None:
         """Row b keeps cache slots `slots[b]` (in order) as its next committed tokens; the rest beyond
         the longest row is dropped."""
-        rows, src, dst = [], [], []
+        moves = []  # (row, from slot, to slot)
         for b, row_slots in enumerate(slots):
-            for j, s in enumerate(row_slots):
-                if s != self.lengths[b] + j:
-                    rows.append(b)
-                    src.append(s)
-                    dst.append(self.lengths[b] + j)
+            moves += [(b, s, self.lengths[b] + j) for j, s in enumerate(row_slots) if s != self.lengths[b] + j]
+        if moves:
+            self._own([(b, dst, dst + 1) for b, _, dst in moves])
+            size = self.pool.block_tokens
+            flat = lambda b, s: self.tables[b][s // size] * size + s % size  # noqa: E731
+            src = host_tensor([flat(b, s) for b, s, _ in moves], torch.long, self.device)
+            dst = host_tensor([flat(b, d) for b, _, d in moves], torch.long, self.device)
+            with self.pool.using():
+                for pool_k, pool_v in self.pool.layers():
+                    pool_k[dst] = pool_k[src]  # read (copied) before written
+                    pool_v[dst] = pool_v[src]
+        for b, row_slots in enumerate(slots):
             self.lengths[b] += len(row_slots)
-        if rows:
-            rows_t, src_t, dst_t = (host_tensor(x, torch.long, self.device) for x in (rows, src, dst))
-            for layer in self.kv.layers:
-                layer.move(rows_t, src_t, dst_t)
-        self._crop_to_longest()
+        self._trim()
 
     @torch.inference_mode()
     def add_rows(self, n: int) -> None:
         """n new sequences join the batch, with nothing committed yet."""
-        for layer in self.kv.layers:
-            layer.add_rows(n)
+        self.tables += [[] for _ in range(n)]
         self.lengths += [0] * n
 
     @torch.inference_mode()
@@ -544,39 +627,32 @@ class CachedLM:
         touched, so another thread may run this while the batch steps. hidden: keep the model's hidden
         states of their tokens too (Prefilled.hidden). budget: run at most this many tokens now (chunked
         prefill), the rest by Prefilled.advance; None: all."""
-        fresh = CachedLM(self.model, self.prefix)
+        fresh = CachedLM(self.model, self.pool)
         fresh.reset(len(chunks))
-        if self.prefix is not None and not hidden:  # the hidden states of cached tokens are not kept
+        if not hidden:  # the hidden states of indexed tokens are not kept
             fresh._reuse(chunks)
         prefilled = Prefilled(chunks, fresh)
         prefilled.advance(budget, hidden)
         return prefilled
 
     def _reuse(self, chunks: list[list[int]]) -> None:
-        """An empty batch takes, as each row's first committed tokens, the longest cached prefix of its chunk."""
-        taken = [self.prefix.take(chunk) for chunk in chunks]  # per row: per layer (keys, values), or []
-        like = next((kv for kv in taken if kv), None)
-        if like is None:
-            return
-        self.kv = Cache(layers=[GrowingLayer.holding([kv[i] if kv else None for kv in taken], like[i])
-                                for i in range(len(like))])
-        self.lengths = [kv[0][0].shape[1] if kv else 0 for kv in taken]
+        """An empty batch takes, as each row's first committed tokens, the longest indexed prefix of its chunk:
+        its blocks, shared, not copied."""
+        self.tables = [self.pool.take(chunk) for chunk in chunks]
+        self.lengths = [len(t) * self.pool.block_tokens for t in self.tables]
+        self._slots.n = max(self.lengths, default=0)
 
     @torch.inference_mode()
     def remember(self, rows: list[int], tokens: list[list[int]]) -> None:
-        """Keep these rows' committed KV in the prefix cache (if any), as the KV of these tokens: row
+        """Index these rows' committed KV in the pool (when its index is on), as the KV of these tokens: row
         rows[i]'s first len(tokens[i]) committed tokens (fewer if it has fewer), whole blocks of them."""
-        if self.prefix is None or not self.kv.layers:
-            return
         for b, row_tokens in zip(rows, tokens):
-            n = min(len(row_tokens), self.lengths[b])
-            if n >= self.prefix.block_tokens:
-                self.prefix.store(row_tokens[:n], [layer.row(b, n) for layer in self.kv.layers])
+            self.pool.store(row_tokens[: min(len(row_tokens), self.lengths[b])], self.tables[b])
 
     @torch.inference_mode()
     def join(self, rows: "list[list[int]] | Prefilled") -> None:
         """New sequences join the batch with these tokens committed, prefilled on their own (now, or
-        before by prefill_alone): the forward costs O(new rows x their tokens), whatever the batch holds."""
+        before by prefill_alone): their blocks join the batch's tables, nothing is copied."""
         chunks = rows.chunks if isinstance(rows, Prefilled) else rows
         if isinstance(rows, Prefilled) and rows.remaining:
             raise ValueError(f"{rows.remaining} tokens of these sequences are not prefilled yet (Prefilled.advance)")
@@ -584,38 +660,41 @@ class CachedLM:
             self.add_rows(len(chunks))
             return
         fresh = rows.lm if isinstance(rows, Prefilled) else self.prefill_alone(chunks).lm
-        if not self.kv.layers and self.lengths:  # rows that never ran a forward: pad them in as before
-            self.add_rows(len(chunks))
-            self.prefill([[]] * (len(self.lengths) - len(chunks)) + chunks)
-            return
-        if not self.kv.layers:
-            self.kv = fresh.kv
-        else:
-            for layer, new in zip(self.kv.layers, fresh.kv.layers):
-                layer.append_rows(new)
+        if fresh.pool is not self.pool:
+            raise ValueError("these sequences were prefilled in another block pool than this batch's")
+        self.tables += fresh.tables
         self.lengths += fresh.lengths
-        self._crop_to_longest()
+        fresh.tables, fresh.lengths = [], []  # theirs now
+        self._slots.n = max(self.size, fresh.size)
+        self._trim()
 
     @torch.inference_mode()
     def select(self, rows: list[int]) -> None:
-        """Keep only these rows of the batch (the others finished)."""
+        """Keep only these rows of the batch (the others finished): their tables, nothing copied."""
         if rows == list(range(len(self.lengths))):
             return
-        for layer in self.kv.layers:
-            layer.keep_rows(rows)
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"rows {rows} name a row twice: a row's blocks have one holder")
+        self._release(sorted(set(range(len(self.tables))) - set(rows)))
+        self.tables = [self.tables[r] for r in rows]
         self.lengths = [self.lengths[r] for r in rows]
-        self._crop_to_longest()
+        self._trim()
 
     def truncate(self, lengths: list[int]) -> None:
         """Row b keeps only its first lengths[b] committed tokens (never more than it has)."""
         self.lengths = [min(n, keep) for n, keep in zip(self.lengths, lengths)]
-        self._crop_to_longest()
+        self._trim()
 
-    def _crop_to_longest(self) -> None:
-        """Drop the slots past the longest row's committed tokens (and past those held)."""
-        excess = self.size - max(max(self.lengths, default=0), self.held)
-        if excess > 0:
-            self.kv.crop(-excess)
+    def _trim(self) -> None:
+        """Drop the slots past the longest row's committed tokens (and past those held), and each row's
+        blocks past its own (and past those held): a row holds the blocks it uses."""
+        self._slots.n = min(self.size, max(max(self.lengths, default=0), self.held))
+        size = self.pool.block_tokens
+        for b, table in enumerate(self.tables):
+            keep = -(-min(self.size, max(self.lengths[b], self.held)) // size)
+            if len(table) > keep:
+                self.pool.release(table[keep:])
+                del table[keep:]
 
     def prefill(self, chunks: list[list[int]], features: list[torch.Tensor] | None = None) -> torch.Tensor | None:
         """Append each row's tokens (any number, possibly none) and commit them, in one ragged forward

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 from .acceptance import Verdict
 from .adaptive import Costs, Load, clock
+from .blocks import BLOCK_TOKENS
 from .closed import RecentlyClosed
 from .errors import InvalidArgument, RequestExists, ResourceExhausted, UnknownRequest
 from .generation import Generation, emit, record_step
@@ -32,8 +33,8 @@ LOAD_SMOOTHING = 0.2  # weight of each forward in the batch's moving average
 
 
 # What the target holds now, as /v1/stats's target section and GetStats's TargetStats show it.
-HELD = ("open_requests", "kv_tokens_reserved", "waiting", "largest_batch", "idle_rows_closed", "prefix_cached_tokens",
-        "prefix_prompt_tokens", "prefix_hit_tokens", "prefix_evicted_tokens")
+HELD = ("open_requests", "kv_tokens_reserved", "kv_used_tokens", "waiting", "largest_batch", "idle_rows_closed",
+        "prefix_cached_tokens", "prefix_prompt_tokens", "prefix_hit_tokens", "prefix_evicted_tokens")
 
 
 @dataclass(frozen=True)
@@ -51,9 +52,10 @@ class TargetStats:
     largest_batch: int = 0  # most rows in one forward
     open_requests: int = 0
     kv_tokens_reserved: int = 0  # the slots the cache may come to hold for them
+    kv_used_tokens: int = 0  # the slots of the blocks held now (by rows, shared ones once, and by the prefix index)
     waiting: int = 0  # in the admission queue
     idle_rows_closed: int = 0
-    # the target's prefix cache (specdec.prefix_cache; all 0 without one): tokens it holds now, prompt tokens
+    # the target's prefix index (specdec.blocks; all 0 when off): tokens it holds now, prompt tokens
     # looked up in it, of those found (their prefill skipped), and tokens evicted for room
     prefix_cached_tokens: int = 0
     prefix_prompt_tokens: int = 0
@@ -76,8 +78,9 @@ class TargetStats:
 class KvBudget:
     """What the target may hold at once: rows (requests) and KV slots, and how many requests may wait
     for room in the admission queue. Each request reserves its most (prompt + max_new_tokens + the
-    largest tree it may send); the cache is rectangular (every row as long as the longest), so what the
-    requests hold is rows x the largest reservation (`slots`), and that is what max_tokens bounds."""
+    largest tree it may send) in whole blocks; a row holds the blocks it uses (specdec.blocks), so what
+    the requests hold is the sum of their reservations (`slots`; less where they share a prefix), and
+    that is what max_tokens bounds."""
 
     max_rows: int = 64
     max_tokens: int = 65536
@@ -90,13 +93,8 @@ class KvBudget:
 
     @staticmethod
     def slots(reservations: list[int]) -> int:
-        """The KV slots per layer the cache holds at most for requests of these reservations."""
-        return KvBudget.rectangle(len(reservations), max(reservations, default=0))
-
-    @staticmethod
-    def rectangle(rows: int, longest: int) -> int:
-        """The KV slots per layer of `rows` requests whose largest reservation is `longest`."""
-        return rows * longest
+        """The KV slots per layer the cache holds at most for requests of these reservations: their blocks."""
+        return sum(-(-r // BLOCK_TOKENS) * BLOCK_TOKENS for r in reservations)
 
 
 @dataclass
@@ -312,7 +310,8 @@ class TargetScheduler:
                 forwards=self.forwards, forward_time_s=self.forward_time_s, stall_time_s=self.stall_time_s,
                 committed_tokens=self.committed_tokens, trees_verified=self.trees_verified,
                 tree_loop_time_s=self.tree_loop_time_s, largest_batch=self.largest_batch, open_requests=len(held),
-                kv_tokens_reserved=self.budget.slots(list(held.values())), waiting=len(self._waiting),
+                kv_tokens_reserved=self.budget.slots(list(held.values())), kv_used_tokens=prefix.used_tokens,
+                waiting=len(self._waiting),
                 idle_rows_closed=self.idle_rows_closed, forward_costs=dict(self.costs.verify_table),
                 batch_tokens=load.batch_tokens, committed_per_forward=load.committed, batch_rows=load.rows,
                 prefix_cached_tokens=prefix.cached_tokens, prefix_prompt_tokens=prefix.looked_up_tokens,
@@ -361,10 +360,10 @@ class TargetScheduler:
 
     def _left_waiting(self, queue) -> int:
         """How many of these queued requests would still wait once the free budget is filled from the head."""
-        rows, longest = len(self._reserved), max(self._reserved.values(), default=0)
+        rows, slots = len(self._reserved), self.budget.slots(list(self._reserved.values()))
         for i, join in enumerate(queue):  # one pass: a queue of thousands (one engine batch) stays cheap
-            rows, longest = rows + 1, max(longest, join.tokens)
-            if rows > self.budget.max_rows or self.budget.rectangle(rows, longest) > self.budget.max_tokens:
+            rows, slots = rows + 1, slots + self.budget.slots([join.tokens])
+            if rows > self.budget.max_rows or slots > self.budget.max_tokens:
                 return len(queue) - i
         return 0
 

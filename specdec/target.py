@@ -19,7 +19,7 @@ from .errors import InvalidArgument, RequestExists, RequestFailed, UnknownReques
 from .grammar import Grammars, RowGrammar
 from .kvcache import CachedLM, Prefilled, compacting
 from .logprobs import committed_logprobs
-from .prefix_cache import PrefixStats
+from .blocks import PrefixStats
 from .processors import History, process
 from .sampling import SamplingParams, make_generator
 from .tree import TokenTree, layout
@@ -177,8 +177,8 @@ class TargetWorker:
             del self.requests[rid]
 
     def prefix_stats(self) -> PrefixStats:
-        """The prefix cache's counts (all 0 without one)."""
-        return self.lm.prefix.stats() if self.lm.prefix is not None else PrefixStats()
+        """The block pool's counts: its prefix index's (all 0 when off) and the blocks used."""
+        return self.lm.pool.stats()
 
     def last_token(self, rid: Hashable) -> int:
         return self.requests[rid].seq[-1]

@@ -41,6 +41,14 @@ os.environ.setdefault("SPECDEC_DEFAULT_DRAFT", "quick")
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def paged_kernel_built():
+    """The paged kernel is built first (on a fresh machine, about 40 s), not inside a test with a deadline."""
+    from specdec import paged_kernel
+
+    paged_kernel.paged_attention()
+
+
 def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -25,7 +25,7 @@ def fresh_kv(model, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]
     lm = CachedLM(model)
     lm.reset(1)
     lm.prefill([tokens])
-    return [(layer.keys[0].clone(), layer.values[0].clone()) for layer in lm.kv.layers]
+    return lm.row_kv(0)
 
 
 def check_cache(lm: CachedLM, model, seqs: list[list[int]], lengths_of, what: str) -> int:
@@ -42,9 +42,9 @@ def check_cache(lm: CachedLM, model, seqs: list[list[int]], lengths_of, what: st
             assert want(n), f"{what} row {b}: {n} committed slots for a sequence of {len(seq)}"
         if n == 0:
             continue
-        for i, (layer, (k, v)) in enumerate(zip(lm.kv.layers, fresh_kv(model, seq[:n]))):
-            torch.testing.assert_close(layer.keys[b, :, :n], k, atol=ATOL, rtol=1e-5, msg=f"{what} row {b} layer {i} keys")
-            torch.testing.assert_close(layer.values[b, :, :n], v, atol=ATOL, rtol=1e-5, msg=f"{what} row {b} layer {i} values")
+        for i, ((mine_k, mine_v), (k, v)) in enumerate(zip(lm.row_kv(b, n), fresh_kv(model, seq[:n]))):
+            torch.testing.assert_close(mine_k, k, atol=ATOL, rtol=1e-5, msg=f"{what} row {b} layer {i} keys")
+            torch.testing.assert_close(mine_v, v, atol=ATOL, rtol=1e-5, msg=f"{what} row {b} layer {i} values")
         checked += 1
     return checked
 
@@ -196,14 +196,16 @@ def _next_logits(lm: CachedLM, rows: list[int], tokens: list[int]) -> torch.Tens
 def test_rows_joining_a_running_batch_see_exactly_their_own_prefix(target, reference, poison):
     """join() prefills new rows on their own and appends them; the rows already there (shorter, so their
     unwritten slots become visible to the cache) and the new ones score as in a fresh prefill, even when
-    the buffers' spare room holds NaN (uninitialised memory)."""
+    the pool's free blocks hold NaN (what a row that left may leave behind)."""
     short, long_, one = reference.prompts[1][:3], reference.prompts[2][:20], [7]
     lm = CachedLM(target)
     lm.join([short[:-1]])
     with torch.inference_mode():
-        for layer in lm.kv.layers:
-            layer.buf_k[:, :, layer.n:] = poison
-            layer.buf_v[:, :, layer.n:] = poison
+        free = [b for b, refs in enumerate(lm.pool._refs) if refs == 0]
+        assert free
+        for k, v in lm.pool._kv:
+            k[free] = poison
+            v[free] = poison
     lm.join([long_[:-1], one[:-1]])
     got = _next_logits(lm, [0, 1, 2], [short[-1], long_[-1], one[-1]])
     for row, prompt in enumerate((short, long_, one)):
@@ -257,19 +259,20 @@ def test_a_forward_that_fails_midway_leaves_the_cache_as_it_was(target, referenc
     size = lm.size
     with pytest.raises(torch.OutOfMemoryError):
         lm.prefill(step)
-    assert [layer.get_seq_length() for layer in lm.kv.layers] == [size] * len(lm.kv.layers)
+    assert lm.size == size and [layer.get_seq_length() for layer in lm.kv.layers] == [size] * len(lm.kv.layers)
+    assert [len(t) for t in lm.tables] == [-(-n // 16) for n in lm.lengths]  # the block's blocks went back
     monkeypatch.undo()
     torch.testing.assert_close(lm.prefill(step), clean.prefill(step))
 
 
-def test_the_cache_grows_by_a_step_not_by_doubling(target):
-    """What a row holds stays within GROW_SLOTS of what it needs (doubling kept up to twice that)."""
-    from specdec.kvcache import GROW_SLOTS
-
+def test_each_row_holds_the_blocks_it_uses(target):
+    """A row's table covers its own committed tokens, not the longest row's: rows of 200 and 10 tokens
+    hold 13 and 1 blocks, and stepping on keeps it so (the pool's used blocks are the rows' blocks)."""
     lm = CachedLM(target)
     lm.reset(0)
-    lm.join([[1] * 200])
-    for n in range(1, 100):
-        lm.prefill([[2] * 3])
-        held = lm.kv.layers[0].buf_k.shape[2]
-        assert lm.size <= held < lm.size + GROW_SLOTS
+    lm.join([[1] * 200, [3] * 10])
+    for _ in range(40):
+        lm.prefill([[2] * 3, [4]])
+        want = [-(-n // 16) for n in lm.lengths]
+        assert [len(t) for t in lm.tables] == want
+        assert lm.pool.stats().used_tokens == 16 * sum(want)

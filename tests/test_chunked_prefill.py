@@ -12,7 +12,7 @@ from specdec.draft_loop import DraftLoop, DraftRequest
 from specdec.drafter_factory import draft_runner, make_drafter
 from specdec.errors import UnknownRequest
 from specdec.kvcache import CachedLM
-from specdec.prefix_cache import PrefixCache
+from specdec.blocks import BlockPool
 from specdec.sampling import SamplingParams
 from specdec.scheduler import KvBudget, Opening, TargetScheduler
 from specdec.target import TargetWorker
@@ -69,7 +69,7 @@ def test_speculative_and_plain_outputs_are_unchanged_by_chunks(target, draft, re
     ps = reference.prompts[:5] + long + [p + [7, 8] for p in long]  # the last three share the long ones' blocks
 
     def run(budget):
-        scheduler = TargetScheduler(TargetWorker(CachedLM(target, PrefixCache(4096) if prefix else None)),
+        scheduler = TargetScheduler(TargetWorker(CachedLM(target, BlockPool(4096) if prefix else None)),
                                     KvBudget(), idle_timeout_s=None, max_batched_tokens=budget)
         loop = DraftLoop(scheduler, make_drafter("model", draft_runner(draft), 1))
         sinks = [Collect() for _ in ps]

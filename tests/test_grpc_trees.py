@@ -106,19 +106,23 @@ def test_plain_requests_share_forwards_and_equal_plain_decoding(target, referenc
     scheduler.stop()
 
 
-def test_kv_budget_counts_the_rectangular_cache(target):
-    """The cache holds every row as long as the longest: two requests reserving 200 and 100 slots hold
-    2 x 200 = 400 slots, over a budget of 300 though their sum (300) is not, so the second waits."""
-    scheduler = scheduler_for(target, max_tokens=300)
-    first, second = Collect(), Collect()
-    scheduler.decode("a", [1] * 4, GREEDY, 200 - 4 - 64, set(), first)  # reserves 200: 132 steps
-    scheduler.decode("b", [1] * 4, GREEDY, 100 - 4 - 64, set(), second)  # reserves 100
-    deadline = time.monotonic() + 10
-    while (stats := scheduler.stats()).open_requests == 0 and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert (stats.open_requests, stats.waiting) == (1, 1) and stats.kv_tokens_reserved == 200
-    assert first.wait()[2] is None and second.wait()[2] is None  # b ran once a had left
-    scheduler.stop()
+def test_kv_budget_counts_each_rows_blocks(target):
+    """A row holds the blocks it uses: two requests reserving 200 and 100 slots hold 208 + 112 = 320 (whole
+    blocks of 16), so a budget of 320 runs both at once (a cache keeping every row as long as the longest
+    would hold 2 x 200); with 319 the second waits until the first leaves."""
+    for budget, together in ((320, True), (319, False)):
+        scheduler = scheduler_for(target, max_tokens=budget)
+        first, second = Collect(), Collect()
+        scheduler.decode("a", [1] * 4, GREEDY, 200 - 4 - 64, set(), first)  # reserves 200: 132 steps
+        scheduler.decode("b", [1] * 4, GREEDY, 100 - 4 - 64, set(), second)  # reserves 100
+        want = (2, 0, 320) if together else (1, 1, 208)  # open, waiting, reserved
+        deadline = time.monotonic() + 10
+        while ((stats := scheduler.stats()).open_requests, stats.waiting, stats.kv_tokens_reserved) != want:
+            assert time.monotonic() < deadline, f"budget {budget}: {stats}, not {want}"
+            assert not first.done.is_set(), f"budget {budget}: a finished before {want} was seen"
+            time.sleep(0.001)
+        assert first.wait()[2] is None and second.wait()[2] is None
+        scheduler.stop()
 
 
 def test_kv_budget_admits_in_arrival_order_and_bounds_rows(target, reference):

@@ -1,13 +1,13 @@
-"""Rows join and leave the cache without copying the batch: a row joins into spare rows of the buffer, a
-row leaving is filled by one from the end (compacting), the buffer grows by half again and shrinks when
-mostly empty; every remaining row keeps exactly its keys and values."""
+"""Rows join and leave the cache without copying the batch: a row's KV lives in blocks of the pool that its
+table names, so a row joins and leaves by its table (compacting: a row leaving is filled by one from the
+end), its blocks go back to the pool, and every remaining row keeps exactly its keys and values."""
 
 import random
 
 import pytest
 import torch
 
-from specdec.kvcache import ROW_STEP, CachedLM, compacting
+from specdec.kvcache import CachedLM, compacting
 from specdec.sampling import SamplingParams
 from specdec.target import TargetWorker
 from specdec.tree import TokenTree
@@ -32,21 +32,24 @@ def test_compacting_keeps_every_other_row_once():
 
 def rows_kv(lm: CachedLM) -> list[list[torch.Tensor]]:
     """Each row's committed keys, per layer (copies)."""
-    return [[layer.keys[b, :, :n].clone() for layer in lm.kv.layers] for b, n in enumerate(lm.lengths)]
+    return [[k for k, _ in lm.row_kv(b)] for b in range(len(lm.lengths))]
 
 
 def test_a_short_request_joins_and_leaves_without_copying_the_batch(target):
+    """Joining and leaving are table edits: the pool's tensors stay where they are and every other row keeps
+    its very blocks; the blocks the short request held go back to the pool."""
     rng = random.Random(1)
     worker = TargetWorker(CachedLM(target))
-    for r in range(5):  # one by one: the buffer grows to 6 rows
+    for r in range(5):
         worker.add([(f"r{r}", [rng.randrange(64) for _ in range(rng.randint(20, 60))], SamplingParams(), 0)])
-    layer = worker.lm.kv.layers[0]
-    assert layer.buf_k.shape[0] > len(worker.rows)  # spare rows
-    before, buffer = rows_kv(worker.lm), layer.buf_k.data_ptr()
+    pool = worker.lm.pool
+    before, tables, tensor = rows_kv(worker.lm), [list(t) for t in worker.lm.tables], pool.layers()[0][0].data_ptr()
+    used = pool.stats().used_tokens
     worker.add([("short", [3, 4, 5], SamplingParams(), 0)])
-    assert layer.buf_k.data_ptr() == buffer  # it joined into a spare row
+    assert pool.stats().used_tokens == used + 16
     worker.remove(["short"])
-    assert layer.buf_k.data_ptr() == buffer  # the last row filled its place
+    assert pool.layers()[0][0].data_ptr() == tensor and worker.lm.tables == tables
+    assert pool.stats().used_tokens == used
     for was, now in zip(before, rows_kv(worker.lm)):
         assert all(torch.equal(a, b) for a, b in zip(was, now))
 
@@ -75,11 +78,14 @@ def test_rows_leaving_from_the_middle_keep_every_other_rows_kv_and_output(target
         assert worker.requests[rid].seq[: len(seqs[rid])] == seqs[rid]
 
 
-def test_the_buffer_shrinks_when_most_rows_have_left(target):
+def test_blocks_go_back_to_the_pool_when_rows_leave(target):
+    """What rows leave behind is reused: 32 rows, then one, then 32 others again: the pool does not grow."""
     worker = TargetWorker(CachedLM(target))
-    worker.add([(f"r{r}", [1, 2, 3, 4], SamplingParams(), 0) for r in range(8 * ROW_STEP)])
-    layer = worker.lm.kv.layers[0]
-    assert layer.buf_k.shape[0] >= 8 * ROW_STEP
-    worker.remove([f"r{r}" for r in range(1, 8 * ROW_STEP)])
-    assert layer.buf_k.shape[0] == ROW_STEP and worker.rows == ["r0"]
-    worker.verify({"r0": TokenTree.root(worker.last_token("r0"))})
+    worker.add([(f"r{r}", [1, 2, 3, 4] * 5, SamplingParams(), 0) for r in range(32)])
+    stats = worker.lm.pool.stats()
+    assert stats.used_tokens == 32 * 32  # two blocks a row (20 tokens)
+    worker.remove([f"r{r}" for r in range(1, 32)])
+    assert worker.lm.pool.stats().used_tokens == 32 and worker.rows == ["r0"]
+    worker.add([(f"s{r}", [5, 6, 7, 8] * 5, SamplingParams(), 0) for r in range(31)])
+    assert worker.lm.pool.stats().allocated_tokens == stats.allocated_tokens
+    worker.verify({rid: TokenTree.root(worker.last_token(rid)) for rid in worker.rows})

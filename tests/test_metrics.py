@@ -131,6 +131,7 @@ def test_metrics_are_exported_per_task_type_and_replica(cluster):
     assert value(m, "target_prefix_hit_tokens_total") >= 32
     assert value(m, "target_prefix_prompt_tokens_total") >= 3 * 39
     assert value(m, "target_prefix_evicted_tokens_total") >= 16 and 0 < value(m, "target_prefix_cached_tokens") <= PREFIX_CAP
+    assert value(m, "target_kv_used_tokens") >= value(m, "target_prefix_cached_tokens")  # held by the index, no rows
 
     for name, replicas in STEPS.items():
         assert {dict(labels)["replica"] for labels in m[f"{name}_count"]} == set(replicas)

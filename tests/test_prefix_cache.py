@@ -1,5 +1,5 @@
-"""The prefix cache (specdec/prefix_cache.py): KV kept per block of tokens, found by exact tokens, evicted
-least recently used within its cap; and, through CachedLM, outputs identical with it on and off (plain and
+"""The prefix index of the block pool (specdec/blocks.py): blocks of tokens kept, found by exact tokens,
+shared, let go least recently used within its cap; and, through CachedLM, outputs identical with it on and off (plain and
 speculative, greedy and sampled, through evictions), with its reuse measured from its own counts."""
 
 import random
@@ -10,100 +10,107 @@ import torch
 from conftest import NEW_TOKENS, VOCAB
 from specdec import CachedLM, SamplingParams, SpecConfig, SpeculativeEngine
 from specdec.drafter_factory import draft_runner, make_drafter
-from specdec.prefix_cache import PrefixCache
+from specdec.blocks import BlockPool
 
 BT = 4  # block tokens in the unit tests
-LAYERS, H, D = 2, 3, 5
 
 
-def kv_of(tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Keys and values that name their tokens and positions: layer l, head h, slot i holds (l, h, token, i)."""
-    out = []
-    for layer in range(LAYERS):
-        t = torch.tensor(tokens, dtype=torch.float32)
-        k = torch.zeros(H, len(tokens), D)
-        k[..., 0] = layer
-        k[..., 1] = torch.arange(H, dtype=torch.float32).view(H, 1)
-        k[..., 2] = t.view(1, -1)
-        k[..., 3] = torch.arange(len(tokens), dtype=torch.float32).view(1, -1)
-        out.append((k, -k))
-    return out
+def run(pool: BlockPool, tokens: list[int]) -> list[int]:
+    """A sequence that ran `tokens`: a table of blocks of its own, one per BT tokens (and a partial one)."""
+    return pool.allocate(-(-len(tokens) // BT))
 
 
-def test_a_prompt_gets_the_kv_of_its_longest_cached_prefix_in_whole_blocks():
-    cache = PrefixCache(max_tokens=64, block_tokens=BT)
+def test_a_prompt_gets_the_blocks_of_its_longest_indexed_prefix_shared():
+    pool = BlockPool(prefix_tokens=64, block_tokens=BT)
     seq = list(range(10, 21))  # 11 tokens: two whole blocks
-    cache.store(seq, kv_of(seq))
-    assert cache.stats().cached_tokens == 8
-    got = cache.take(seq[:9] + [99, 98])  # the two blocks, then another token
-    assert len(got) == LAYERS
-    for (k, v), (want_k, want_v) in zip(got, kv_of(seq[:8])):
-        assert torch.equal(k, want_k) and torch.equal(v, want_v)
-    assert cache.take(seq[:7])[0][0].shape[1] == 4  # one whole block of 7 tokens
-    assert cache.take([10, 11, 12]) == []  # less than a block
-    assert cache.take([10, 11, 12, 0, 14]) == []  # the first block differs in one token
-    stats = cache.stats()
+    table = run(pool, seq)
+    pool.store(seq, table)
+    assert pool.stats().cached_tokens == 8
+    got = pool.take(seq[:9] + [99, 98])  # the two blocks, then another token
+    assert got == table[:2]  # the very blocks, not copies
+    assert pool.shared(got[0]) and pool.shared(got[1])
+    assert pool.take(seq[:7]) == table[:1]  # one whole block of 7 tokens
+    assert pool.take([10, 11, 12]) == []  # less than a block
+    assert pool.take([10, 11, 12, 0, 14]) == []  # the first block differs in one token
+    stats = pool.stats()
     assert stats.looked_up_tokens == 11 + 7 + 3 + 5 and stats.hit_tokens == 8 + 4
 
 
 def test_blocks_are_keyed_by_their_whole_prefix_not_their_own_tokens():
-    cache = PrefixCache(max_tokens=64, block_tokens=BT)
+    pool = BlockPool(prefix_tokens=64, block_tokens=BT)
     a = [1, 2, 3, 4, 5, 6, 7, 8]
-    cache.store(a, kv_of(a))
+    pool.store(a, run(pool, a))
     b = [9, 9, 9, 9, 5, 6, 7, 8]  # its second block's tokens are a's, after another first block
-    assert cache.take(b) == []
-    cache.store(b, kv_of(b))
-    assert cache.stats().cached_tokens == 16  # four blocks: the same tokens after other ones are another block
-    (k, _), *_ = cache.take(b)
-    assert k[0, :, 2].tolist() == b  # b's own KV, not a's
+    assert pool.take(b) == []
+    table_b = run(pool, b)
+    pool.store(b, table_b)
+    assert pool.stats().cached_tokens == 16  # four blocks: the same tokens after other ones are another block
+    assert pool.take(b) == table_b  # b's own blocks, not a's
 
 
-def test_storing_again_copies_only_the_blocks_not_cached():
-    cache = PrefixCache(max_tokens=64, block_tokens=BT)
+def test_storing_again_keeps_the_blocks_indexed_and_adds_the_rest():
+    pool = BlockPool(prefix_tokens=64, block_tokens=BT)
     first = list(range(8))
-    cache.store(first, kv_of(first))
+    first_table = run(pool, first)
+    pool.store(first, first_table)
     longer = first + [50, 51, 52, 53]
-    poisoned = kv_of(longer)
-    for k, v in poisoned:
-        k[:, :8] = float("nan")  # a block already cached is not read again
-    cache.store(longer, poisoned)
-    (k, _), *_ = cache.take(longer)
-    assert k.shape[1] == 12 and not k.isnan().any()
+    longer_table = run(pool, longer)  # a sequence that ran the same first blocks on its own
+    pool.store(longer, longer_table)
+    assert pool.take(longer) == first_table + longer_table[2:]
+    assert pool.stats().cached_tokens == 12
 
 
-def test_the_least_recently_used_leaf_is_evicted_within_the_cap():
-    cache = PrefixCache(max_tokens=4 * BT, block_tokens=BT)
+def test_a_block_goes_back_to_the_pool_once_nothing_holds_it():
+    pool = BlockPool(prefix_tokens=64, block_tokens=BT)
+    seq = list(range(8))
+    table = run(pool, seq)
+    pool.store(seq, table)  # the index holds them too
+    pool.release(table)  # the sequence leaves: the index keeps them
+    assert pool.stats().used_tokens == 8
+    taken = pool.take(seq)
+    pool.release(taken)
+    assert pool.stats().used_tokens == 8 and not pool.shared(table[0])
+
+
+def test_the_least_recently_used_leaf_is_let_go_within_the_cap():
+    pool = BlockPool(prefix_tokens=4 * BT, block_tokens=BT)
     shared = [7] * BT
     x, y = shared + [1] * BT, shared + [2] * BT
-    cache.store(x, kv_of(x))
-    cache.store(y, kv_of(y))  # 3 blocks: shared, x's, y's
-    cache.take(x)  # x used after y
+    pool.store(x, tx := run(pool, x))
+    pool.store(y, run(pool, y))  # 3 blocks: shared, x's, y's (y's own copy of shared is not indexed)
+    pool.release(pool.take(x))  # x used after y
     z = [3] * (2 * BT)  # two more blocks: room for one, then y's leaf goes (not shared, which x's needs)
-    cache.store(z, kv_of(z))
-    stats = cache.stats()
+    pool.store(z, run(pool, z))
+    stats = pool.stats()
     assert stats.cached_tokens == 4 * BT and stats.evicted_tokens == BT
-    assert len(cache.take(x)[0][0][0]) == 2 * BT  # x whole
-    assert len(cache.take(y)[0][0][0]) == BT  # y's first block only (shared)
-    assert len(cache.take(z)[0][0][0]) == 2 * BT
+    assert pool.take(x) == tx  # x whole
+    assert len(pool.take(y)) == 1  # y's first block only (shared)
+    assert len(pool.take(z)) == 2
     for n in range(20):  # many more prompts: never past the cap, every path still a prefix
         p = [100 + n] * (3 * BT)
-        cache.store(p, kv_of(p))
-        assert cache.stats().cached_tokens <= 4 * BT
-        got = cache.take(p)
-        assert got and torch.equal(got[0][0], kv_of(p[: got[0][0].shape[1]])[0][0])
+        pool.store(p, run(pool, p))
+        assert pool.stats().cached_tokens <= 4 * BT
+        assert pool.take(p)
 
 
 def test_a_prompt_longer_than_the_cap_keeps_what_fits():
-    cache = PrefixCache(max_tokens=2 * BT, block_tokens=BT)
+    pool = BlockPool(prefix_tokens=2 * BT, block_tokens=BT)
     p = list(range(5 * BT))
-    cache.store(p, kv_of(p))
-    assert cache.stats().cached_tokens == 2 * BT
-    assert cache.take(p)[0][0].shape[1] == 2 * BT
+    pool.store(p, run(pool, p))
+    assert pool.stats().cached_tokens == 2 * BT
+    assert len(pool.take(p)) == 2
+
+
+def test_an_index_that_is_off_keeps_nothing():
+    pool = BlockPool(block_tokens=BT)
+    p = list(range(3 * BT))
+    pool.store(p, run(pool, p))
+    assert pool.take(p) == [] and pool.stats().cached_tokens == 0
 
 
 def test_a_cap_under_one_block_is_refused():
     with pytest.raises(ValueError, match="at least one block"):
-        PrefixCache(max_tokens=BT - 1, block_tokens=BT)
+        BlockPool(prefix_tokens=BT - 1, block_tokens=BT)
 
 
 # ------------------------------------------------------------------ through the model
@@ -134,8 +141,8 @@ def test_outputs_are_identical_with_the_cache_on_and_off(target, draft, cap, dra
     prompts = conversations(seed=3, count=6)
 
     def engine(prefix):
-        made = make_drafter(drafter, draft_runner(draft, PrefixCache(cap) if prefix else None)) if drafter else None
-        return SpeculativeEngine(CachedLM(target, PrefixCache(cap) if prefix else None), made,
+        made = make_drafter(drafter, draft_runner(draft, BlockPool(cap) if prefix else None)) if drafter else None
+        return SpeculativeEngine(CachedLM(target, BlockPool(cap) if prefix else None), made,
                                  SpecConfig(depth=3) if drafter else SpecConfig(), eos_token_ids=set())
 
     off = run_turns(engine(False), prompts, params)
@@ -151,15 +158,16 @@ def test_outputs_are_identical_with_the_cache_on_and_off(target, draft, cap, dra
 
 def test_a_repeated_prompt_is_prefilled_from_its_cached_blocks(target):
     prompt = conversations(seed=5, count=1)[0]
-    lm = CachedLM(target, PrefixCache(1024))
+    lm = CachedLM(target, BlockPool(1024))
     first = lm.prefill_alone([prompt])
     again = lm.prefill_alone([prompt, prompt[:20] + [0] * 10])
     stats = lm.prefix.stats()
     assert stats.hit_tokens == (len(prompt) // 16) * 16 + 16
-    for layer, fresh in zip(again.lm.kv.layers, first.lm.kv.layers):
-        n = len(prompt)
-        torch.testing.assert_close(layer.keys[0, :, :n], fresh.keys[0, :, :n], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(layer.values[0, :, :n], fresh.values[0, :, :n], atol=1e-5, rtol=1e-5)
+    n = len(prompt)
+    for (k, v), (fresh_k, fresh_v) in zip(again.lm.row_kv(0, n), first.lm.row_kv(0, n)):
+        torch.testing.assert_close(k, fresh_k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, fresh_v, atol=1e-5, rtol=1e-5)
+    assert again.lm.tables[0][: n // 16] == first.lm.tables[0][: n // 16]  # the same blocks, held twice
     assert again.lm.lengths == [len(prompt), 30]
 
 
@@ -174,7 +182,7 @@ def test_a_draft_replica_keeps_what_its_rows_ran_and_prefills_the_next_turn_from
     from test_grpc_trees import Collect, wait_until_empty
 
     scheduler = TargetScheduler(TargetWorker(CachedLM(target)), KvBudget(), idle_timeout_s=None)
-    prefix = PrefixCache(4096)
+    prefix = BlockPool(4096)
     loop = DraftLoop(scheduler, make_drafter("model", draft_runner(draft, prefix)), overlap=False)
     prompt = conversations(seed=7, count=1)[0]
     turns = []
@@ -185,9 +193,9 @@ def test_a_draft_replica_keeps_what_its_rows_ran_and_prefills_the_next_turn_from
         if turn:  # the first turn's prompt and answer were kept: all whole blocks of it
             kept = (len(turns[0]) - 1) // 16 * 16
             assert prefix.stats().hit_tokens >= kept >= 48
-            for (k, v), layer in zip(fresh_kv(draft, prompt[:-1]), prefilled.lm.kv.layers):
-                torch.testing.assert_close(layer.keys[0, :, : len(prompt) - 1], k, atol=1e-5, rtol=1e-5)
-                torch.testing.assert_close(layer.values[0, :, : len(prompt) - 1], v, atol=1e-5, rtol=1e-5)
+            for (k, v), (mine_k, mine_v) in zip(fresh_kv(draft, prompt[:-1]), prefilled.lm.row_kv(0)):
+                torch.testing.assert_close(mine_k, k, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(mine_v, v, atol=1e-5, rtol=1e-5)
         loop.join(DraftRequest(rid, prompt, SamplingParams(), NEW_TOKENS, set(), 3, sink, draft_prefill=prefilled))
         tokens, _, _ = sink.wait()
         turns.append(prompt + tokens)
@@ -195,3 +203,29 @@ def test_a_draft_replica_keeps_what_its_rows_ran_and_prefills_the_next_turn_from
     wait_until_empty(scheduler)
     loop.stop()
     scheduler.stop()
+
+
+def test_rows_sharing_a_prefix_hold_its_blocks_once(target):
+    """8 requests whose prompts share a 160-token prefix: the first's prompt is indexed once prefilled, the
+    other 7 take its blocks into their rows; the pool then holds the prefix once, beside each row's own
+    blocks (measured from the pool), and every row decodes as it would alone."""
+    from specdec.target import TargetWorker
+    from specdec.tree import TokenTree
+
+    rng = random.Random(4)
+    shared = [rng.randrange(VOCAB) for _ in range(160)]
+    prompts = [shared + [rng.randrange(VOCAB) for _ in range(rng.randint(3, 9))] for _ in range(8)]
+    worker = TargetWorker(CachedLM(target, BlockPool(4096)))
+    for r, prompt in enumerate(prompts):  # one by one, as they arrive
+        worker.add([(f"r{r}", prompt, SamplingParams(), 0)])
+    prefix_blocks = 160 // 16
+    own = sum(-(-(len(p) - 1) // 16) - prefix_blocks for p in prompts)  # each row's blocks past the shared ones
+    assert worker.lm.pool.stats().used_tokens == 16 * (prefix_blocks + own)
+    assert all(t[:prefix_blocks] == worker.lm.tables[0][:prefix_blocks] for t in worker.lm.tables)
+    for _ in range(4):
+        worker.verify({rid: TokenTree.root(worker.last_token(rid)) for rid in worker.rows})
+    alone = TargetWorker(CachedLM(target))
+    alone.add([(f"r{r}", p, SamplingParams(), 0) for r, p in enumerate(prompts)])
+    for _ in range(4):
+        alone.verify({rid: TokenTree.root(alone.last_token(rid)) for rid in alone.rows})
+    assert {rid: worker.requests[rid].seq for rid in worker.rows} == {rid: alone.requests[rid].seq for rid in alone.rows}

@@ -133,6 +133,7 @@ def test_a_conversations_next_turn_reuses_its_cached_prefix_and_says_the_same(se
     assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] >= 32
     assert after["prefix_prompt_tokens"] - before["prefix_prompt_tokens"] == len(server.tokenizer(second)["input_ids"]) - 1
     assert 0 < after["prefix_cached_tokens"] <= 16384
+    assert after["kv_used_tokens"] >= after["prefix_cached_tokens"]  # the index's blocks are the pool's
     assert server.stub.GetStats(api.GetStatsRequest()).target.prefix_hit_tokens >= after["prefix_hit_tokens"]
 
 

@@ -81,10 +81,9 @@ def test_rows_left_behind_keep_their_caches(target):
     fresh.prefill([worker.requests["b"].seq[:-1]])
     n = worker.lm.lengths[worker.rows.index("b")]
     assert n == len(worker.requests["b"].seq) - 1
-    for mine, ref in zip(worker.lm.kv.layers, fresh.kv.layers):
-        row = worker.rows.index("b")
-        torch.testing.assert_close(mine.keys[row, :, :n], ref.keys[0, :, :n], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(mine.values[row, :, :n], ref.values[0, :, :n], atol=1e-5, rtol=1e-5)
+    for (k, v), (ref_k, ref_v) in zip(worker.lm.row_kv(worker.rows.index("b"), n), fresh.row_kv(0, n)):
+        torch.testing.assert_close(k, ref_k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, ref_v, atol=1e-5, rtol=1e-5)
 
 
 def test_worker_rejects_bad_requests(target):

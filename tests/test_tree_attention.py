@@ -1,12 +1,13 @@
 """One forward over a laid-out token tree gives every node the logits a plain causal forward over
 its own branch would give (tree attention is exact), for single rows, ragged batches, after
-non-contiguous commits, after select, and with eager as well as sdpa attention."""
+non-contiguous commits, after select, and with eager as well as sdpa attention (sdpa: through the
+paged kernel, and through the gathering path that runs where the kernel cannot)."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdec import CachedLM, TokenTree
+from specdec import CachedLM, TokenTree, paged_kernel
 from specdec.cpu_linear import pack_linears
 from specdec.tree import layout
 
@@ -44,11 +45,16 @@ def check_tree_logits(model, logits_row: torch.Tensor, prefix: list[int], tree: 
         torch.testing.assert_close(logits_row[node].float(), expected, atol=ATOL, rtol=1e-4, msg=f"node {node}")
 
 
-@pytest.fixture(scope="module", params=["sdpa", "eager"])
+@pytest.fixture(scope="module", params=["sdpa", "sdpa-gathered", "eager"])
 def model(request, model_dirs, target):
     if request.param == "sdpa":
-        return target
-    return pack_linears(AutoModelForCausalLM.from_pretrained(model_dirs.target, attn_implementation="eager").eval())
+        yield target
+    elif request.param == "sdpa-gathered":  # as on a machine where the paged kernel cannot run
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(paged_kernel, "paged_attention", lambda: None)
+            yield target
+    else:
+        yield pack_linears(AutoModelForCausalLM.from_pretrained(model_dirs.target, attn_implementation="eager").eval())
 
 
 @pytest.mark.parametrize("prompt_len", [1, 2, 9, 30])
@@ -217,11 +223,26 @@ def test_grouped_sdpa_on_cpu_equals_transformers_sdpa(T, S):
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
 
 
-def test_cached_lm_runs_grouped_attention_on_cpu(target, monkeypatch):
-    """The test target groups its heads (4 query, 2 key-value): a CachedLM forward on the CPU takes the
-    grouped path in every layer, and its tree logits stay exact (checked above, with the same model)."""
+def test_cached_lm_attends_through_the_paged_kernel_on_cpu(target, monkeypatch):
+    """A CachedLM forward of a float32 model on the CPU reads its rows' keys and values in place, through the
+    paged kernel, in every layer."""
+    if reason := paged_kernel.unavailable():
+        pytest.skip(f"the paged kernel cannot run here: {reason}")
+    calls, real = [], paged_kernel.paged_attention()
+    monkeypatch.setattr(paged_kernel, "paged_attention", lambda: lambda *a: calls.append(1) or real(*a))
+    lm = CachedLM(target)
+    lm.reset(2)
+    lm.prefill([[1, 2, 3], [4, 5]])
+    assert len(calls) == target.config.num_hidden_layers
+
+
+def test_cached_lm_runs_grouped_attention_on_cpu_without_the_kernel(target, monkeypatch):
+    """Where the paged kernel cannot run, the test target (4 query heads, 2 key-value) takes the grouped
+    path in every layer, over the keys and values gathered from the pool, and its tree logits stay exact
+    (checked above, with the same model: sdpa-gathered)."""
     from specdec import kvcache
 
+    monkeypatch.setattr(paged_kernel, "paged_attention", lambda: None)
     calls = []
     real = kvcache._sdpa_grouped
     monkeypatch.setattr(kvcache, "_sdpa_grouped", lambda *a, **kw: calls.append(1) or real(*a, **kw))

@@ -1,57 +1,26 @@
 """What grouped-query attention on the CPU saves a target's verify step: the step with specdec's grouped call
 (_sdpa_grouped: torch's kernel reads each key-value head for its whole group of query heads) against
 transformers' sdpa (which copies each key and value head out to every query head of its group whenever a
-mask is given, as specdec's always is), side by side in one run, alternating.
+mask is given, as specdec's always is), side by side in one run, alternating. Both on the gathering path,
+which runs where the paged kernel cannot (the kernel is turned off here: it groups heads itself).
 
-The target worker holds ROWS requests of PROMPT tokens each; a step verifies one tree of WIDTH nodes (a
-chain) per row. Median of REPEATS steps per path. Not a test: numbers for docs/performance.md.
+The batch and its steps are tools/bench/verify_step.py's. Not a test: numbers for docs/performance.md.
 
     python -m tools.bench.grouped_attention [--target DIR] [--rows 8] [--prompt 1000] [--width 8] [--threads 2]
 """
 
-import argparse
-import random
 import statistics
 import time
 
-import torch
-
-from specdec import kvcache
-from specdec.default_models import default_target
-from specdec.kvcache import CachedLM
-from specdec.loading import load_served_model
-from specdec.sampling import SamplingParams
-from specdec.target import TargetWorker
-from specdec.tree import TokenTree
-
-REPEATS = 9
+from specdec import kvcache, paged_kernel
+from tools.bench.verify_step import REPEATS, arguments, batch_stepper
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default=None, help="a model folder (default: the default target)")
-    parser.add_argument("--rows", type=int, default=8)
-    parser.add_argument("--prompt", type=int, default=1000, help="tokens of each row's prompt")
-    parser.add_argument("--width", type=int, default=8, help="nodes of each row's tree (a chain)")
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model = load_served_model(args.target or default_target())
+    args = arguments(__doc__.splitlines()[0])
+    paged_kernel.paged_attention = lambda: None  # the gathering path, where the model's own attention runs
+    model, step = batch_stepper(args)
     config = model.config.get_text_config()
-    vocab, rng = config.vocab_size, random.Random(0)
-    worker = TargetWorker(CachedLM(model))
-    for r in range(args.rows):
-        worker.add([(f"r{r}", [rng.randrange(vocab) for _ in range(args.prompt)], SamplingParams(), 0)])
-
-    def step() -> None:  # random drafts: about one token a step is committed, so the paths see near the same lengths
-        trees = {}
-        for rid in worker.rows:
-            tree = TokenTree.root(worker.last_token(rid))
-            for parent in range(args.width - 1):
-                tree.add(parent, rng.randrange(vocab))
-            trees[rid] = tree
-        worker.verify(trees)
-
     grouped = kvcache._grouped_on_cpu
     paths = {"transformers sdpa": lambda *a: False, "grouped (specdec)": grouped}
     times = {name: [] for name in paths}

@@ -1,0 +1,70 @@
+"""Attention over the block pool on the CPU, in C++ (specdec/csrc/paged_attention.cpp): each row's keys and
+values are read from its blocks where they lie, with no gathered copy of the batch's KV. torch's extension
+builder compiles it on first use (about 30 s, once per machine) into specdec's cache folder, named by the
+source and torch version, and later processes load it from there.
+
+Where it cannot run (a CPU without AVX2, no C++ compiler, SPECDEC_PAGED_KERNEL=off, or the build failed:
+said once in the log), the attention gathers each row's keys and values into a buffer and runs the model's
+own attention on it (specdec.kvcache._attend_blocks)."""
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .cache_dir import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+SWITCH = "SPECDEC_PAGED_KERNEL"  # "off": never build or use it
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-fopenmp"]
+
+_lock = threading.Lock()
+_loaded: dict[str, Callable | None] = {}
+
+
+def paged_attention() -> Callable | None:
+    """The kernel: (query [B, Hq, T, D], pool_k [P, Hkv, D], pool_v, read [B, L] int64, mask [B or 1, 1, T, L]
+    bool, scale) -> [B, T, Hq, D], float32 on the CPU; None where it cannot run here (the log says why, once)."""
+    with _lock:
+        if "kernel" not in _loaded:
+            _loaded["kernel"] = _build()
+        return _loaded["kernel"]
+
+
+def unavailable() -> str | None:
+    """Why the kernel cannot run on this machine, or None."""
+    if os.environ.get(SWITCH, "").lower() in ("off", "0", "false", "no"):
+        return f"{SWITCH}=off"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return f"the CPU lacks AVX2 (torch sees {torch.backends.cpu.get_cpu_capability()})"
+    if not shutil.which(os.environ.get("CXX", "c++")):
+        return "no C++ compiler (c++, or $CXX) on the PATH"
+    return None
+
+
+def _build() -> Callable | None:
+    if reason := unavailable():
+        log.warning("attention over the block pool gathers each row's KV first: %s", reason)
+        return None
+    from torch.utils.cpp_extension import load
+
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + torch.__version__.encode() + " ".join(_FLAGS).encode()).hexdigest()[:12]
+    name = f"specdec_paged_attention_{digest}"
+    folder = cache_root() / "kernels" / name
+    try:  # the builder holds a lock file in the folder: processes starting together build it once
+        folder.mkdir(parents=True, exist_ok=True)
+        module = load(name=name, sources=[str(SOURCE)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                      build_directory=str(folder), verbose=False)
+    except Exception as e:  # a read-only cache, a compiler that fails: the gathering path still serves
+        log.warning("attention over the block pool gathers each row's KV first: building %s in %s failed: %s",
+                    SOURCE, folder, e)
+        return None
+    return module.paged_attention
