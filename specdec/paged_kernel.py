@@ -55,6 +55,7 @@ def _build() -> Callable | None:
         return None
     from torch.utils.cpp_extension import load
 
+    _ninja_on_path()
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + torch.__version__.encode() + " ".join(_FLAGS).encode()).hexdigest()[:12]
     name = f"specdec_paged_attention_{digest}"
@@ -68,3 +69,14 @@ def _build() -> Callable | None:
                     SOURCE, folder, e)
         return None
     return module.paged_attention
+
+
+def _ninja_on_path() -> None:
+    """torch's builder runs `ninja` from the PATH: the one pip installed with specdec (its `ninja` dependency) is
+    put first, so a server started without its virtual environment activated builds all the same."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
