@@ -1,7 +1,7 @@
 """Attention over the block pool on the CPU, in C++ (specdec/csrc/paged_attention.cpp): each row's keys and
 values are read from its blocks where they lie, with no gathered copy of the batch's KV. torch's extension
-builder compiles it on first use (about 30 s, once per machine) into specdec's cache folder, named by the
-source and torch version, and later processes load it from there.
+builder compiles it on first use (about 40 s, once per machine) into kernel_dir(), named by the source, torch's
+version and the flags, and later processes load it from there.
 
 Where it cannot run (a CPU without AVX2, no C++ compiler, SPECDEC_PAGED_KERNEL=off, or the build failed:
 said once in the log), the attention gathers each row's keys and values into a buffer and runs the model's
@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 SWITCH = "SPECDEC_PAGED_KERNEL"  # "off": never build or use it
+PLACE = "SPECDEC_KERNEL_DIR"  # where built kernels are kept (default: specdec's cache folder, kernels/)
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-fopenmp"]
 
 _lock = threading.Lock()
@@ -49,6 +50,11 @@ def unavailable() -> str | None:
     return None
 
 
+def kernel_dir() -> Path:
+    """Where built kernels are kept: $SPECDEC_KERNEL_DIR, else kernels/ in specdec's cache folder."""
+    return Path(os.environ[PLACE]) if os.environ.get(PLACE) else cache_root() / "kernels"
+
+
 def _build() -> Callable | None:
     if reason := unavailable():
         log.warning("attention over the block pool gathers each row's KV first: %s", reason)
@@ -59,7 +65,7 @@ def _build() -> Callable | None:
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + torch.__version__.encode() + " ".join(_FLAGS).encode()).hexdigest()[:12]
     name = f"specdec_paged_attention_{digest}"
-    folder = cache_root() / "kernels" / name
+    folder = kernel_dir() / name
     try:  # the builder holds a lock file in the folder: processes starting together build it once
         folder.mkdir(parents=True, exist_ok=True)
         module = load(name=name, sources=[str(SOURCE)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
