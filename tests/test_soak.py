@@ -134,7 +134,8 @@ def test_a_short_soak_under_faults_keeps_every_promise(model_dirs, tmp_path):
     config = {"models": {"target": {"path": target}, "draft": {"path": model_dirs.draft}},
               "placement": {"tensor_parallel_size": 1, "draft_replicas": 1},
               "speculation": {"drafter": "model+suffix"},  # suffix guesses, from each request and recent outputs
-              "server": {"max_prompt_tokens": 64, "max_new_tokens": 64, "idle_row_timeout_s": 5.0},
+              "server": {"max_prompt_tokens": 64, "max_new_tokens": 64, "idle_row_timeout_s": 5.0,
+                         "max_kv_tokens": 1024, "prefix_cache_tokens": 256},  # a cache that evicts under the faults
               "routing": {"max_task_types": 8}}
     (tmp_path / "soak.yaml").write_text(yaml.safe_dump(config))
     words = random.Random(0)
@@ -160,6 +161,7 @@ def test_a_short_soak_under_faults_keeps_every_promise(model_dirs, tmp_path):
     assert any(kind.startswith("hostile link ") for kind in report["by_kind"])  # the fake replica reached the link
     stats = report["stats"]  # seed 0: a burst of 40 new task types early on, over routing.max_task_types (8)
     assert stats["task_types_sent"] > stats["task_types_bound"] >= stats["max_task_types"], stats
+    assert 0 < stats["max_kv_used_tokens"] <= stats["kv_bound"] == 1024 + 256, stats  # KV blocks within the budget
     faults = {f["fault"]: f for f in report["faults"]}
     assert faults["kill a draft replica"]["actor"].startswith("draft-0-")
     assert faults["kill a target rank"]["healthy_after_s"] < 60

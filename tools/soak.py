@@ -14,7 +14,9 @@ rank (the ingress rebuilds the group in place). At the end it reports and checks
     only while the target group is down or being rebuilt, RESOURCE_EXHAUSTED / 429, the client's own
     CANCELLED or DEADLINE_EXCEEDED; never INTERNAL, UNKNOWN or 500, never a failure without a message;
   * open rows on the target and requests in flight in the ingress are back to 0;
-  * each actor's memory (RSS) from after its warm-up to the end.
+  * each actor's memory (RSS) from after its warm-up to the end;
+  * the KV the target holds (target.kv_used_tokens, sampled) within server.max_kv_tokens +
+    server.prefix_cache_tokens.
 
 A share of the shots (`hostile_share`, 0.1 by default) comes from the hostile mix (HOSTILE): extreme but
 valid-looking numbers, long and many stop strings, bursts of task types never seen before (thousands over a
@@ -672,6 +674,14 @@ class FakeReplica:
             return tree_grpc.TargetServiceStub(self._channels[address])
 
     def send(self, case: LinkCase, out: Outcome) -> None:
+        """One shot; told UNAVAILABLE, once more at the address looked up again, as a draft replica finds a target
+        group rebuilt at a new address (an address from before a rebuild refuses the connection)."""
+        self._send_once(case, out)
+        if out.status == "UNAVAILABLE":
+            out.status, out.detail = "", ""
+            self._send_once(case, out)
+
+    def _send_once(self, case: LinkCase, out: Outcome) -> None:
         try:
             stub = self._stub()
         except LookupError as e:
@@ -920,27 +930,31 @@ class MemoryWatch:
 
 
 class StatsWatch:
-    """GET /v1/stats over the run: its size and the task types it lists. Thousands of distinct task types
-    arrive over a run (the hostile bursts); what the server keeps about them must stay bounded."""
+    """GET /v1/stats over the run: its size, the task types it lists and the KV the target holds. Thousands of
+    distinct task types arrive over a run (the hostile bursts); what the server keeps about them must stay
+    bounded, and so must its KV blocks (running rows' and the prefix cache's, target.kv_used_tokens)."""
 
     def __init__(self, http: str):
-        self.http, self.samples = http, []  # (t, bytes, task types)
+        self.http, self.samples = http, []  # (t, bytes, task types, KV tokens held)
 
     def sample(self, t: float) -> None:
         try:
             with urllib.request.urlopen(f"{self.http}/v1/stats", timeout=10) as r:
                 raw = r.read()
-            self.samples.append((round(t, 1), len(raw), len(json.loads(raw).get("task_types") or {})))
+            stats = json.loads(raw)
+            kv = (stats.get("target") or {}).get("kv_used_tokens") or 0
+            self.samples.append((round(t, 1), len(raw), len(stats.get("task_types") or {}), kv))
         except (OSError, ValueError):  # down, being rebuilt: sampled next time
             pass
 
-    def report(self, bound: int | None, points: int = 12) -> dict:
+    def report(self, bound: int | None, kv_bound: int | None = None, points: int = 12) -> dict:
         every = max(1, len(self.samples) // points)
         trace = self.samples[::every] + (self.samples[-1:] if (len(self.samples) - 1) % every else [])
-        most = max((n for _, _, n in self.samples), default=0)
-        return {"samples": [{"t_s": t, "bytes": b, "task_types": n} for t, b, n in trace],
-                "max_bytes": max((b for _, b, _ in self.samples), default=0), "max_task_types": most,
-                "task_types_bound": bound}
+        most = max((n for _, _, n, _ in self.samples), default=0)
+        return {"samples": [{"t_s": t, "bytes": b, "task_types": n, "kv_used_tokens": kv} for t, b, n, kv in trace],
+                "max_bytes": max((b for _, b, _, _ in self.samples), default=0), "max_task_types": most,
+                "task_types_bound": bound, "max_kv_used_tokens": max((kv for *_, kv in self.samples), default=0),
+                "kv_bound": kv_bound}
 
 
 def get_json(url: str, timeout: float = 10) -> tuple[int, dict]:
@@ -1018,10 +1032,11 @@ def greedy_references(target_dir: str, prompts: list[dict], max_new_tokens: int,
 
 def run_soak(endpoints: Endpoints, plan: SoakPlan, prompts: list[dict], references: GreedyReferences,
              server_max_new_tokens: int, max_n: int, drain_timeout_s: float = 60.0, progress=None,
-             ctx: HostileContext = HostileContext(), task_types_bound: int | None = None) -> dict:
+             ctx: HostileContext = HostileContext(), task_types_bound: int | None = None,
+             kv_bound: int | None = None) -> dict:
     """Run the plan against a server that is up, from a process connected to its Ray cluster -> the report.
     `ctx`: the server's limits and the target's vocabulary, for the hostile mix; `task_types_bound`: the most
-    task types /v1/stats may list (None: not checked)."""
+    task types /v1/stats may list, `kv_bound`: the most KV tokens the target may hold (None: not checked)."""
     link = LinkSource() if plan.hostile_share else None
     if link is not None:
         try:
@@ -1078,7 +1093,7 @@ def run_soak(endpoints: Endpoints, plan: SoakPlan, prompts: list[dict], referenc
     stats.sample(time.monotonic() - t0)
     sender.close()
     return build_report(plan, outcomes, references, faults, down, end, memory, traffic_s, t0,
-                        stats.report(task_types_bound) | {"task_types_sent": sender.task_types_sent})
+                        stats.report(task_types_bound, kv_bound) | {"task_types_sent": sender.task_types_sent})
 
 
 def build_report(plan: SoakPlan, outcomes: list[Outcome], references: GreedyReferences, faults: list[dict],
@@ -1106,6 +1121,9 @@ def build_report(plan: SoakPlan, outcomes: list[Outcome], references: GreedyRefe
     if stats.get("task_types_bound") is not None and stats["max_task_types"] > stats["task_types_bound"]:
         problems.append(f"/v1/stats listed {stats['max_task_types']} task types, over the bound "
                         f"{stats['task_types_bound']} ({stats.get('task_types_sent')} new ones sent): unbounded")
+    if stats.get("kv_bound") is not None and stats["max_kv_used_tokens"] > stats["kv_bound"]:
+        problems.append(f"the target held {stats['max_kv_used_tokens']} KV tokens, over its budget {stats['kv_bound']} "
+                        "(server.max_kv_tokens + server.prefix_cache_tokens)")
     hostile = [o for o in outcomes if o.shot.fault == "hostile"]
     return {
         "passed": not problems, "problems": problems, "plan": asdict(plan),
@@ -1139,7 +1157,8 @@ def text_report(report: dict) -> str:
     if stats := report.get("stats"):
         lines.append(f"  /v1/stats: at most {stats['max_bytes']} bytes and {stats['max_task_types']} task types "
                      f"(bound {stats['task_types_bound']}; {stats.get('task_types_sent', 0)} new task types sent); "
-                     "over time: " + ", ".join(f"{p['t_s']:.0f} s {p['bytes']} B/{p['task_types']}"
+                     f"KV held at most {stats.get('max_kv_used_tokens')} tokens (budget {stats.get('kv_bound')}); "
+                     "over time: " + ", ".join(f"{p['t_s']:.0f} s {p['bytes']} B/{p['task_types']}/{p.get('kv_used_tokens')}"
                                                for p in stats["samples"]))
     lines += ["  faults:"] + [f"    {json.dumps(f)}" for f in report["faults"]]
     lines += [f"  at the end: {json.dumps(report['end'])}", "  memory (RSS, MiB, from after the warm-up):"]
@@ -1180,7 +1199,8 @@ def soak_main(args) -> None:
     try:
         report = run_soak(endpoints, plan, prompts, references, cfg.server.max_new_tokens, cfg.server.max_n,
                           drain_timeout_s=cfg.server.idle_row_timeout_s + 30, progress=_progress(),
-                          ctx=hostile_context(cfg), task_types_bound=task_types_bound(cfg, prompts))
+                          ctx=hostile_context(cfg), task_types_bound=task_types_bound(cfg, prompts),
+                          kv_bound=cfg.server.max_kv_tokens + cfg.server.prefix_cache_tokens)
     finally:
         serve.shutdown()
         ray.shutdown()
