@@ -481,8 +481,8 @@ class CachedLM:
         real = sizes if sizes is not None else [T] * B
         self._own([(b, S, S + n) for b, n in enumerate(real) if n])
         width = -(-(S + T) // size)
-        table = torch.tensor([t[:width] + [NULL] * (width - len(t[:width])) for t in self.tables],
-                             dtype=torch.long, device=HOST).view(B, width)  # [B, blocks]
+        padded = [t[:width] + [NULL] * (width - len(t[:width])) for t in self.tables]
+        table = torch.tensor(padded, dtype=torch.long, device=HOST).view(B, width)  # [B, blocks], planned on the host
         slot = torch.arange(S + T, device=HOST)
         read = table[:, slot // size] * size + slot % size  # [B, S + T]
         new = read[:, S:]  # [B, T]
