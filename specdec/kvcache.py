@@ -19,7 +19,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .device import HOST, host_tensor, to_device
-from . import paged_kernel
+from . import paged_flex, paged_kernel
 from .blocks import NULL, TRASH, BlockPool
 
 
@@ -122,9 +122,10 @@ def ragged_attention(module, query, key, value, attention_mask, inner: str, **kw
     block = _BLOCK.get()
     if key.dim() == 3:  # the pool itself (PagedLayer.update): the rows' keys and values are read here
         query = query if block is None else block.pad(query)
-        if inner == "sdpa" and _kernel_runs(query, key, attention_mask, kwargs):
+        out = None
+        if inner == "sdpa" and _in_place_runs(query, key, attention_mask, kwargs):
             out = _attend_in_place(query, key, value, attention_mask, _READING.get(), kwargs.get("scaling"))
-        else:
+        if out is None:
             out = _attend_blocks(attend, module, query, key, value, attention_mask, _READING.get(), **kwargs)
         return (out if block is None else block.pack(out)), None  # out [B, T, H, D]
     if block is None:
@@ -133,26 +134,34 @@ def ragged_attention(module, query, key, value, attention_mask, inner: str, **kw
     return block.pack(out), weights
 
 
-# Rows' keys and values read from the pool at once, at most: a group of rows whose keys and values take about
-# this much is read into a buffer and attended to while it is still in the CPU's cache (the whole batch read
-# at once costs the memory's bandwidth three times over: measured in docs/performance.md)
+# Rows' keys and values read from the pool at once on a CPU, at most: a group of rows whose keys and values take
+# about this much is read into a buffer and attended to while it is still in the CPU's cache (the whole batch
+# read at once costs the memory's bandwidth three times over: measured in docs/performance.md). A GPU, which has
+# no such cache to keep them in, reads the whole batch at once: one attention call, not one a group.
 READ_GROUP_BYTES = 4 << 20
 
 
-def _kernel_runs(query: torch.Tensor, pool_k: torch.Tensor, mask: torch.Tensor | None, kwargs) -> bool:
-    """Whether this sdpa call runs paged_kernel's attention: float32 on a CPU, under a bool mask [B or 1, 1, T, L],
-    with nothing the kernel does not apply (softcap, sinks, position bias, dropout), and the kernel built here."""
+def _in_place_runs(query: torch.Tensor, pool_k: torch.Tensor, mask: torch.Tensor | None, kwargs) -> bool:
+    """Whether this sdpa call reads the rows' keys and values where they lie in the pool: under a bool mask
+    [B or 1, 1, T, L], with nothing the in-place attentions do not apply (softcap, sinks, position bias,
+    dropout); on a CPU through paged_kernel's C++ (float32, built here), on a GPU through paged_flex."""
+    if not (mask is not None and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
+            and not kwargs.get("dropout") and not any(kwargs.get(k) for k in _NOT_GROUPED)):
+        return False
+    if paged_flex.runs(query):
+        return True
     return (query.device.type == "cpu" and query.dtype == pool_k.dtype == torch.float32
-            and mask is not None and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
-            and not kwargs.get("dropout") and not any(kwargs.get(k) for k in _NOT_GROUPED)
             and paged_kernel.paged_attention() is not None)
 
 
-def _attend_in_place(query, pool_k, pool_v, mask, slots: "_Slots", scaling: float | None) -> torch.Tensor:
-    """query [B, Hq, T, D] against each row's keys and values where they lie in the pool -> [B, T, Hq, D]."""
+def _attend_in_place(query, pool_k, pool_v, mask, slots: "_Slots", scaling: float | None) -> torch.Tensor | None:
+    """query [B, Hq, T, D] against each row's keys and values where they lie in the pool -> [B, T, Hq, D]; None
+    where flex_attention failed (the caller gathers)."""
     plan = slots.plan
     read = plan.read.view(plan.batch, plan.slots)  # [B, S + T]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if paged_flex.runs(query):
+        return paged_flex.attend(query, pool_k, pool_v, slots.row_blocks(read, pool_k.shape[0]), mask, scale)
     return paged_kernel.paged_attention()(query, pool_k, pool_v, read, mask, scale)
 
 
@@ -163,7 +172,7 @@ def _attend_blocks(attend, module, query, pool_k, pool_v, mask, slots: "_Slots",
     B, L = plan.batch, plan.slots
     read = plan.read.view(B, L)
     row_bytes = L * (pool_k[0].numel() * pool_k.element_size() + pool_v[0].numel() * pool_v.element_size())
-    group = max(1, min(B, READ_GROUP_BYTES // max(1, row_bytes)))
+    group = max(1, min(B, READ_GROUP_BYTES // max(1, row_bytes))) if query.device.type == "cpu" else B
     outs = []
     for first in range(0, B, group):
         rows = read[first : first + group]
@@ -279,6 +288,14 @@ class _Slots:
     def __init__(self, pool: BlockPool):
         self.pool, self.n, self.plan, self.layers = pool, 0, None, 0
         self.buffers: list[torch.Tensor | None] = [None, None]
+        self._blocks: tuple[_Plan, paged_flex.RowBlocks] | None = None
+
+    def row_blocks(self, read: torch.Tensor, pool_slots: int) -> paged_flex.RowBlocks:
+        """The running plan's rows' blocks in flex's terms (read [B, S + T]): made by its first layer, shared by all."""
+        if self._blocks is None or self._blocks[0] is not self.plan:
+            size = self.pool.block_tokens
+            self._blocks = (self.plan, paged_flex.row_blocks(read, pool_slots // size, size))
+        return self._blocks[1]
 
     def scratch(self, which: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         """A buffer of this shape the layers read their keys (which 0) or values (1) into, one after another:

@@ -1,7 +1,8 @@
 """The GPU path without a GPU: the core's tensor math run on fake CUDA tensors (tests/fake_cuda.py),
 where a CPU tensor or a CPU generator meeting CUDA tensors raises as it would on a GPU. Covered: the
 drafters (chain and tree, greedy and sampled, a ragged batch, the n-gram graft), the KV cache (prefill,
-masks, commit, crop, rows joining and leaving), the target's verification (greedy, SpecInfer sampling,
+masks, commit, crop, rows joining and leaving, attention over the pool's blocks as laid out for flex_attention,
+which itself stands in), the target's verification (greedy, SpecInfer sampling,
 logprobs), and the host transfers per step."""
 
 import ast
@@ -13,6 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fake_cuda import CUDA, fake_cuda, to_fake_cuda
+from specdec import paged_flex
 from specdec.drafters import ModelDrafter, Plan
 from specdec.drafter_factory import make_drafter
 from specdec.kvcache import CachedLM
@@ -38,8 +40,17 @@ def gpu(request, monkeypatch):
     """(a fake CUDA target, a fake CUDA draft, the host-value seam) with the fake device on."""
     mode = FakeTensorMode()
     target, draft = (to_fake_cuda(tiny_llama(seed, request.param), mode) for seed in (0, 1))
+    monkeypatch.setattr(paged_flex, "attend", flex_stand_in)
     with fake_cuda(monkeypatch, mode) as host:
         yield target, draft, host
+
+
+def flex_stand_in(query, pool_k, pool_v, blocks: paged_flex.RowBlocks, mask, scale):
+    """paged_flex.attend where flex_attention cannot run (fakes, a build without CUDA): the rows' blocks were
+    laid out for it on the device (paged_flex.row_blocks ran); everything it is given must be there."""
+    for t in (pool_k, pool_v, blocks.kv_num_blocks, blocks.kv_indices, blocks.logical, mask):
+        assert t.device == query.device, f"paged attention given a {t.device} tensor beside {query.device} queries"
+    return query.transpose(1, 2).clone()  # [B, T, Hq, D]
 
 
 def draft_steps(draft, kind: str, width: int, params: list[SamplingParams]) -> list[TokenTree]:

@@ -3,7 +3,8 @@ On a machine with a GPU (two for tensor parallelism), run it with one command (d
 
     python -m pytest -m gpu -rs tests/test_gpu.py
 
-Covered: greedy output identical to plain decoding for every drafter and tree shape on CUDA; sampled
+Covered: greedy output identical to plain decoding for every drafter and tree shape on CUDA, attention
+reading the block pool in place through flex_attention; sampled
 output distributed as the target's (chi-square against enumeration) on CUDA; bfloat16 agreement on
 CUDA; tensor parallelism over NCCL (two GPUs); the served path on a GPU, target and draft replica
 sharing it and on a GPU each; and the forward timings the router reads waiting for the device."""
@@ -48,6 +49,20 @@ def test_greedy_on_cuda_equals_plain_decoding(cuda_pair, reference, kind, width,
     outs = engine.generate(reference.prompts, NEW_TOKENS)
     plain = [hf_greedy(target, p, NEW_TOKENS) for p in reference.prompts]
     assert [o.token_ids for o in outs] == plain
+
+
+def test_attention_on_cuda_reads_the_block_pool_through_flex(cuda_pair, reference, monkeypatch):
+    """A verify step on CUDA attends over the rows' blocks in place (specdec.paged_flex) in every layer, and
+    greedy output through it equals plain decoding (the test above runs the same path for every drafter)."""
+    from specdec import paged_flex
+
+    target, draft = cuda_pair
+    calls, real = [], paged_flex.attend
+    monkeypatch.setattr(paged_flex, "attend", lambda *a: calls.append(1) or real(*a))
+    engine = SpeculativeEngine(CachedLM(target), make_drafter("model", CachedLM(draft), 2), SpecConfig(depth=3))
+    outs = engine.generate(reference.prompts[:2], NEW_TOKENS)
+    assert [o.token_ids for o in outs] == [hf_greedy(target, p, NEW_TOKENS) for p in reference.prompts[:2]]
+    assert len(calls) >= target.config.num_hidden_layers and paged_flex._compiled.get(CUDA) is not None
 
 
 @pytest.mark.parametrize("kind, width, params", [("model", 1, PARAMS_T1), ("model", 2, PARAMS_T1),

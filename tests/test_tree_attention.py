@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdec import CachedLM, TokenTree, paged_kernel
+from specdec import CachedLM, TokenTree, paged_flex, paged_kernel
 from specdec.cpu_linear import pack_linears
 from specdec.tree import layout
 
@@ -45,13 +45,20 @@ def check_tree_logits(model, logits_row: torch.Tensor, prefix: list[int], tree: 
         torch.testing.assert_close(logits_row[node].float(), expected, atol=ATOL, rtol=1e-4, msg=f"node {node}")
 
 
-@pytest.fixture(scope="module", params=["sdpa", "sdpa-gathered", "eager"])
+@pytest.fixture(scope="module", params=["sdpa", "sdpa-gathered", "sdpa-flex", "eager"])
 def model(request, model_dirs, target):
     if request.param == "sdpa":
         yield target
     elif request.param == "sdpa-gathered":  # as on a machine where the paged kernel cannot run
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(paged_kernel, "paged_attention", lambda: None)
+            yield target
+    elif request.param == "sdpa-flex":  # as on a GPU: flex_attention over the pool (uncompiled: every shape at once)
+        from torch.nn.attention.flex_attention import flex_attention
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(paged_flex, "DEVICES", ("cuda", "cpu"))
+            patch.setattr(paged_flex, "_compiled", {"cpu": flex_attention})
             yield target
     else:
         yield pack_linears(AutoModelForCausalLM.from_pretrained(model_dirs.target, attn_implementation="eager").eval())
@@ -249,4 +256,22 @@ def test_cached_lm_runs_grouped_attention_on_cpu_without_the_kernel(target, monk
     lm = CachedLM(target)
     lm.reset(2)
     lm.prefill([[1, 2, 3], [4, 5]])
+    assert len(calls) == target.config.num_hidden_layers
+
+
+def test_cached_lm_attends_through_flex_where_it_runs_and_gathers_a_long_prefill(target, monkeypatch):
+    """Where paged_flex runs (a GPU; here the CPU, uncompiled), a CachedLM's short blocks read their rows' keys
+    and values through it in every layer, and a block of MAX_QUERIES tokens or more (a long prefill) gathers."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    monkeypatch.setattr(paged_flex, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(paged_flex, "_compiled", {"cpu": flex_attention})
+    monkeypatch.setattr(paged_kernel, "paged_attention", lambda: None)
+    calls, real = [], paged_flex.attend
+    monkeypatch.setattr(paged_flex, "attend", lambda *a: calls.append(a[0].shape[2]) or real(*a))
+    lm = CachedLM(target)
+    lm.reset(2)
+    lm.prefill([[1, 2, 3], [4, 5]])
+    assert calls == [3] * target.config.num_hidden_layers
+    lm.prefill([[7] * paged_flex.MAX_QUERIES, [6]])
     assert len(calls) == target.config.num_hidden_layers
