@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,7 @@ class RowBlocks:
     kv_indices: torch.Tensor  # [B, 1, 1, max(NB, W)] int32: those blocks first (a row's own order), then zeros
     logical: torch.Tensor  # [B, NB] int32: the place of pool block k in row b's table, -1 where it has none
     block_tokens: int
+    last: list = field(default_factory=list, compare=False)  # [mask, its BlockMask]: the last one made (_block_mask)
 
 
 def unavailable() -> str | None:
@@ -81,19 +82,7 @@ def attend(query: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, bloc
     """query [B, Hq, T, D] against each row's keys and values in the pool (pool_k, pool_v [P, Hkv, D]) under
     mask [B or 1, 1, T, L] bool (row b's position j visible to its query t) -> [B, T, Hq, D]; None where
     flex_attention failed here (the caller gathers instead; said once in the log, and not tried again)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    B, _, T, _ = query.shape
-    L, size, logical = mask.shape[-1], blocks.block_tokens, blocks.logical
-    rows_mask = mask.expand(B, 1, T, L)
-
-    def visible(b, h, q, kv):  # kv: a pool slot; its place in row b, and whether the mask shows it there
-        place = logical[b, kv // size]
-        j = place * size + kv % size
-        return (place >= 0) & (j < L) & rows_mask[b, 0, q, j.clamp(0, L - 1)]
-
-    block_mask = BlockMask.from_kv_blocks(blocks.kv_num_blocks, blocks.kv_indices, BLOCK_SIZE=(MAX_QUERIES, size),
-                                          mask_mod=visible, seq_lengths=(T, pool_k.shape[0]))
+    block_mask = _block_mask(blocks, mask, query.shape[0], pool_k.shape[0])
     keys, values = (p.permute(1, 0, 2).unsqueeze(0) for p in (pool_k, pool_v))  # [1, Hkv, P, D], views
     flex = _flex(query.device.type)
     try:
@@ -106,6 +95,28 @@ def attend(query: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, bloc
             _compiled[query.device.type] = None
         return None
     return out.transpose(1, 2)
+
+
+def _block_mask(blocks: RowBlocks, mask: torch.Tensor, B: int, pool_slots: int):
+    """flex's BlockMask of this forward's rows under this mask: made once per mask (the layers of a kind share
+    theirs), its mask_mod reading everything it needs from tensors, so one compiled kernel serves every step."""
+    if blocks.last and blocks.last[0] is mask:
+        return blocks.last[1]
+    from torch.nn.attention.flex_attention import BlockMask
+
+    T, L = mask.shape[-2:]
+    size, logical, rows_mask = blocks.block_tokens, blocks.logical, mask.expand(B, 1, T, L)
+
+    def visible(b, h, q, kv):  # kv: a pool slot; its place j in row b, and whether the mask shows it there
+        place = logical[b, kv // size]
+        j = place * size + kv % size
+        end = rows_mask.shape[-1]
+        return (place >= 0) & (j < end) & rows_mask[b, 0, q, j.clamp(0, end - 1)]
+
+    block_mask = BlockMask.from_kv_blocks(blocks.kv_num_blocks, blocks.kv_indices, BLOCK_SIZE=(MAX_QUERIES, size),
+                                          mask_mod=visible, seq_lengths=(T, pool_slots))
+    blocks.last[:] = [mask, block_mask]
+    return block_mask
 
 
 def _flex(device_type: str) -> Callable | None:
