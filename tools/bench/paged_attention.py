@@ -17,10 +17,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from specdec import paged_kernel
+from specdec import paged_flex, paged_kernel
 from specdec.blocks import BLOCK_TOKENS
 
 REPEATS = 41
+WARMUP = 3
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def arguments() -> argparse.Namespace:
@@ -33,29 +35,57 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--head-size", type=int, default=64)
     parser.add_argument("--scattered", action="store_true", help="shuffle the rows' blocks in the pool")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: flex_attention reads in place there")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="the paged kernel (CPU) takes float32 only")
+    parser.add_argument("--flex", action="store_true", help="on a CPU, time flex_attention over the pool too")
     return parser.parse_args()
+
+
+def in_place_paths(args, query, pool_k, pool_v, read, mask, scale) -> dict:
+    """What reads each row's KV where it lies, on this device: {name: a call}."""
+    paths = {}
+    if query.device.type == "cpu":
+        kernel = paged_kernel.paged_attention()
+        if kernel is None:
+            raise SystemExit(f"the paged kernel cannot run here: {paged_kernel.unavailable() or 'its build failed'}")
+        paths["paged kernel"] = lambda: kernel(query, pool_k, pool_v, read, mask, scale)
+    if query.device.type == "cuda" or args.flex:
+        paged_flex.DEVICES = (query.device.type,)
+        if not paged_flex.runs(query):
+            raise SystemExit(f"flex_attention cannot run here: {paged_flex.unavailable() or 'see the log'}")
+        blocks = paged_flex.row_blocks(read, pool_k.shape[0] // BLOCK_TOKENS, BLOCK_TOKENS)
+        paths["flex_attention"] = lambda: paged_flex.attend(query, pool_k, pool_v, blocks, mask, scale)
+    return paths
+
+
+def timed(run, device: torch.device) -> float:
+    """ms of one call, the device's work included."""
+    t0 = time.perf_counter()
+    run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 1000 * (time.perf_counter() - t0)
 
 
 def main() -> None:
     args = arguments()
     torch.set_num_threads(args.threads)
-    kernel = paged_kernel.paged_attention()
-    if kernel is None:
-        raise SystemExit(f"the paged kernel cannot run here: {paged_kernel.unavailable() or 'its build failed'}")
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
     g = torch.Generator().manual_seed(0)
     B, T, Hq, Hkv, D = args.rows, args.queries, args.heads, args.kv_heads, args.head_size
     L = args.prompt + T
     blocks = -(-L // BLOCK_TOKENS)
     order = torch.randperm(B * blocks, generator=g) if args.scattered else torch.arange(B * blocks)
     read = ((order.view(B, blocks) + 2)[:, :, None] * BLOCK_TOKENS + torch.arange(BLOCK_TOKENS)).reshape(B, -1)
-    read = read[:, :L].contiguous()  # [B, L] each row's slots
-    pool_k = torch.randn((B * blocks + 2) * BLOCK_TOKENS, Hkv, D, generator=g)  # [P, Hkv, D]
-    pool_v = torch.randn_like(pool_k)
+    read = read[:, :L].contiguous().to(device)  # [B, L] each row's slots
+    pool_k = torch.randn((B * blocks + 2) * BLOCK_TOKENS, Hkv, D, generator=g).to(device, dtype)  # [P, Hkv, D]
+    pool_v = torch.randn(pool_k.shape, generator=g).to(device, dtype)
     dense_k = pool_k[read.flatten()].view(B, L, Hkv, D).transpose(1, 2).contiguous()  # [B, Hkv, L, D]
     dense_v = pool_v[read.flatten()].view(B, L, Hkv, D).transpose(1, 2).contiguous()
-    query = torch.randn(B, Hq, T, D, generator=g)
+    query = torch.randn(B, Hq, T, D, generator=g).to(device, dtype)
     mask = torch.ones(B, 1, T, L, dtype=torch.bool)
     mask[..., args.prompt:] = torch.ones(T, T, dtype=torch.bool).tril()
+    mask = mask.to(device)
     scale = D**-0.5
 
     def dense():
@@ -66,20 +96,21 @@ def main() -> None:
         v = pool_v[read.flatten()].view(B, L, Hkv, D).transpose(1, 2)
         return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
-    def paged():
-        return kernel(query, pool_k, pool_v, read, mask, scale)
-
-    difference = (paged() - dense().transpose(1, 2)).abs().max().item()
-    paths = {"dense sdpa": dense, "gathering + sdpa": gathering, "paged kernel": paged}
+    paths = {"dense sdpa": dense, "gathering + sdpa": gathering,
+             **in_place_paths(args, query, pool_k, pool_v, read, mask, scale)}
+    want = dense().transpose(1, 2).float()
+    differences = {name: (run().float() - want).abs().max().item() for name, run in list(paths.items())[2:]}
     times = {name: [] for name in paths}
-    for _ in range(REPEATS):
+    for i in range(WARMUP + REPEATS):
         for name, run in paths.items():
-            t0 = time.perf_counter()
-            run()
-            times[name].append(1000 * (time.perf_counter() - t0))
+            ms = timed(run, device)
+            if i >= WARMUP:
+                times[name].append(ms)
+    on = f"{args.threads} threads" if device.type == "cpu" else str(torch.cuda.get_device_name(device))
     print(f"attention, one layer: {B} rows x {args.prompt} keys + {T} queries, {Hq} query / {Hkv} kv heads of "
-          f"{D}, blocks {'scattered' if args.scattered else 'in order'}, {args.threads} threads, {REPEATS} calls "
-          f"each alternating; largest difference paged vs dense {difference:.1e}")
+          f"{D}, {args.dtype}, blocks {'scattered' if args.scattered else 'in order'}, {on}, {REPEATS} calls each "
+          f"alternating; largest difference from dense: "
+          + ", ".join(f"{name} {d:.1e}" for name, d in differences.items()))
     for name, ts in times.items():
         print(f"  {name:18s} min {min(ts):6.2f} ms  median {statistics.median(ts):6.2f} ms")
 
