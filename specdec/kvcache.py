@@ -122,9 +122,7 @@ def ragged_attention(module, query, key, value, attention_mask, inner: str, **kw
     block = _BLOCK.get()
     if key.dim() == 3:  # the pool itself (PagedLayer.update): the rows' keys and values are read here
         query = query if block is None else block.pad(query)
-        out = None
-        if inner == "sdpa" and _in_place_runs(query, key, attention_mask, kwargs):
-            out = _attend_in_place(query, key, value, attention_mask, _READING.get(), kwargs.get("scaling"))
+        out = _attend_in_place(query, key, value, attention_mask, _READING.get(), kwargs) if inner == "sdpa" else None
         if out is None:
             out = _attend_blocks(attend, module, query, key, value, attention_mask, _READING.get(), **kwargs)
         return (out if block is None else block.pack(out)), None  # out [B, T, H, D]
@@ -141,28 +139,23 @@ def ragged_attention(module, query, key, value, attention_mask, inner: str, **kw
 READ_GROUP_BYTES = 4 << 20
 
 
-def _in_place_runs(query: torch.Tensor, pool_k: torch.Tensor, mask: torch.Tensor | None, kwargs) -> bool:
-    """Whether this sdpa call reads the rows' keys and values where they lie in the pool: under a bool mask
-    [B or 1, 1, T, L], with nothing the in-place attentions do not apply (softcap, sinks, position bias,
-    dropout); on a CPU through paged_kernel's C++ (float32, built here), on a GPU through paged_flex."""
+def _attend_in_place(query, pool_k, pool_v, mask, slots: "_Slots", kwargs) -> torch.Tensor | None:
+    """query [B, Hq, T, D] against each row's keys and values where they lie in the pool -> [B, T, Hq, D]: under a
+    bool mask [B or 1, 1, T, L], with nothing the in-place attentions do not apply (softcap, sinks, position bias,
+    dropout), on a GPU through paged_flex, on a CPU through paged_kernel's C++ (float32, built here). None where
+    neither runs for this call, or flex_attention failed: the caller gathers."""
     if not (mask is not None and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
             and not kwargs.get("dropout") and not any(kwargs.get(k) for k in _NOT_GROUPED)):
-        return False
-    if paged_flex.runs(query):
-        return True
-    return (query.device.type == "cpu" and query.dtype == pool_k.dtype == torch.float32
-            and paged_kernel.paged_attention() is not None)
-
-
-def _attend_in_place(query, pool_k, pool_v, mask, slots: "_Slots", scaling: float | None) -> torch.Tensor | None:
-    """query [B, Hq, T, D] against each row's keys and values where they lie in the pool -> [B, T, Hq, D]; None
-    where flex_attention failed (the caller gathers)."""
+        return None
     plan = slots.plan
     read = plan.read.view(plan.batch, plan.slots)  # [B, S + T]
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scale = kwargs["scaling"] if kwargs.get("scaling") is not None else query.shape[-1] ** -0.5
     if paged_flex.runs(query):
         return paged_flex.attend(query, pool_k, pool_v, slots.row_blocks(read, pool_k.shape[0]), mask, scale)
-    return paged_kernel.paged_attention()(query, pool_k, pool_v, read, mask, scale)
+    if query.device.type == "cpu" and query.dtype == pool_k.dtype == torch.float32 and \
+            (kernel := paged_kernel.paged_attention()) is not None:
+        return kernel(query, pool_k, pool_v, read, mask, scale)
+    return None
 
 
 def _attend_blocks(attend, module, query, pool_k, pool_v, mask, slots: "_Slots", **kwargs) -> torch.Tensor:
