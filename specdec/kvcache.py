@@ -85,25 +85,35 @@ class Prefilled:
         """Tokens of the chunks not run yet."""
         return sum(len(c) - n for c, n in zip(self.chunks, self.lm.lengths))
 
-    @torch.inference_mode()
-    def advance(self, budget: int | None = None, hidden: bool = False) -> int:
-        """Run up to `budget` more of the chunks' tokens (None: all of them), row after row, in one forward
-        -> tokens run. hidden: keep their hidden states (Prefilled.hidden; only for a prefill run whole).
-        Once done, the chunks' blocks go to the prefix cache."""
-        if hidden and (budget is not None or any(self.lm.lengths)):
-            raise ValueError("hidden states are kept only for a prefill run whole, in one forward")
-        if not self.remaining:  # done (or all taken from the prefix cache, which holds it already)
-            return 0
+    def next_chunks(self, budget: int | None) -> list[list[int]]:
+        """Each sequence's next tokens to run, up to `budget` of them in all (None: all left), row after row."""
         left, take = self.remaining if budget is None else budget, []
         for chunk, n in zip(self.chunks, self.lm.lengths):
             k = max(0, min(len(chunk) - n, left))
             take.append(chunk[n : n + k])
             left -= k
+        return take
+
+    def ran(self) -> None:
+        """Some of the chunks ran (advance, or riding in a batch's forward: CachedLM.carrying); once all have,
+        their blocks go to the prefix cache."""
+        if not self.remaining:
+            self.lm.remember(list(range(len(self.chunks))), self.chunks)
+
+    @torch.inference_mode()
+    def advance(self, budget: int | None = None, hidden: bool = False) -> int:
+        """Run up to `budget` more of the chunks' tokens (None: all of them), row after row, in one forward
+        of their own -> tokens run. hidden: keep their hidden states (Prefilled.hidden; only for a prefill run
+        whole)."""
+        if hidden and (budget is not None or any(self.lm.lengths)):
+            raise ValueError("hidden states are kept only for a prefill run whole, in one forward")
+        if not self.remaining:  # done (or all taken from the prefix cache, which holds it already)
+            return 0
+        take = self.next_chunks(budget)
         ran = sum(map(len, take))
         if ran:
             _, self.hidden = self.lm.prefill_hidden(take, hidden=hidden)
-        if not self.remaining:
-            self.lm.remember(list(range(len(self.chunks))), self.chunks)
+        self.ran()
         return ran
 
 
@@ -677,6 +687,32 @@ class CachedLM:
         fresh.tables, fresh.lengths = [], []  # theirs now
         self._slots.n = max(self.size, fresh.size)
         self._trim()
+
+    @contextlib.contextmanager
+    def carrying(self, riders: "list[Prefilled]"):
+        """The rows of these sequences being prefilled join this batch, after its own, for a forward and its
+        commit, and go back to their Prefilled after: chunked prefill's chunks ride in the running rows'
+        forward (a mixed batch, as in Sarathi-Serve, arXiv 2403.02310, and vLLM: the weights are read once
+        for both). Their blocks are theirs throughout; nothing is copied. -> the first rider's row."""
+        own = len(self.tables)
+        for p in riders:
+            if p.lm.pool is not self.pool:
+                raise ValueError("these sequences are prefilled in another block pool than this batch's")
+            self.tables += p.lm.tables  # the same lists: what the forward takes or trims is theirs
+            self.lengths += p.lm.lengths
+            self._slots.n = max(self.size, p.lm.size)
+        try:
+            yield own
+        finally:
+            row = own
+            for p in riders:
+                n = len(p.lm.tables)
+                p.lm.tables, p.lm.lengths = self.tables[row : row + n], self.lengths[row : row + n]
+                p.lm._slots.n = max(p.lm.lengths, default=0)
+                p.lm._trim()
+                row += n
+            del self.tables[own:], self.lengths[own:]
+            self._trim()
 
     @torch.inference_mode()
     def select(self, rows: list[int]) -> None:

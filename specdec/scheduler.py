@@ -25,7 +25,7 @@ from .errors import InvalidArgument, RequestExists, ResourceExhausted, UnknownRe
 from .generation import Generation, emit, record_step
 from .sampling import SamplingParams
 from .sinks import Sink, tell
-from .target import Outcome, TargetWorker
+from .target import ChunksFailed, Outcome, TargetWorker
 from .tree import TokenTree
 
 log = logging.getLogger(__name__)
@@ -171,10 +171,10 @@ class TargetScheduler:
                  on_forward: Callable[[float], None] = lambda seconds: None, idle_timeout_s: float | None = 30.0,
                  max_batched_tokens: int | None = None):
         """idle_timeout_s: None never closes an idle row (in one process every row's caller is alive).
-        max_batched_tokens: chunked prefill; each iteration runs its forward (every tree and plain row), then
-        joining prompts' tokens up to this many less the forward's (at least a quarter of it), in chunks, so
-        a long prompt never stalls the running rows for longer than a chunk. None: each joining prompt is
-        prefilled whole before the forward."""
+        max_batched_tokens: chunked prefill; each iteration's forward runs every tree and plain row and, in
+        the same forward, joining prompts' tokens up to this many less the trees' (at least a quarter of it),
+        so a long prompt never stalls the running rows: it makes a few of their steps slower. None: each
+        joining prompt is prefilled whole, in a forward of its own before the step."""
         if max_batched_tokens is not None and max_batched_tokens < 1:
             raise ValueError(f"max_batched_tokens must be >= 1 or None, got {max_batched_tokens}")
         self.worker, self.budget, self.on_forward = worker, budget, on_forward
@@ -383,11 +383,7 @@ class TargetScheduler:
             self._add(joining)
             if stalled:  # the prefill reads nothing back: on a GPU only the clock's synchronize waits for it
                 self.stall_time_s += self._clock() - t0
-            tokens = self._step(trees)
-            if self._prefilling:
-                t0 = self._clock()
-                self._prefill_chunks(tokens)
-                self.stall_time_s += self._clock() - t0
+            self._step(trees)
 
     def _until_idle(self) -> float | None:
         """Seconds until the row heard from longest ago goes idle; None while there is none."""
@@ -473,21 +469,35 @@ class TargetScheduler:
         if chunked:
             self._prefilling.append((handle, joining))
 
-    def _prefill_chunks(self, forward_tokens: int) -> None:
-        """Run joining prompts' tokens, the oldest first, up to max_batched_tokens less the forward's (at
-        least a quarter of it); those done join the batch."""
-        budget = max(self.max_batched_tokens - forward_tokens, self.max_batched_tokens // 4, 1)
+    def _chunk_budget(self, forward_tokens: int) -> int:
+        """Joining prompts' tokens an iteration runs: max_batched_tokens less its trees' (at least a quarter)."""
+        return max(self.max_batched_tokens - forward_tokens, self.max_batched_tokens // 4, 1)
+
+    def _prefill_alone(self, budget: int) -> None:
+        """Run up to `budget` of the joining prompts' tokens, the oldest first, in forwards of their own (no row
+        steps this iteration, or the forward they rode in failed); a chunk that fails ends its own requests."""
+        t0 = self._clock()
         while self._prefilling and budget > 0:
             handle, joins = self._prefilling[0]
             try:
                 budget -= self.worker.advance(handle, budget)
                 if self.worker.remaining(handle):
-                    return
+                    break
+            except Exception as e:  # noqa: BLE001 - these joiners learn why; the batch goes on
                 self._prefilling.popleft()
+                self.worker.abandon(handle)
+                self._fail_joins(joins, e)
+                continue
+            self._join_prefilled()
+        self.stall_time_s += self._clock() - t0
+
+    def _join_prefilled(self) -> None:
+        """The joining groups whose prompts are all prefilled join the batch, in the order they came."""
+        while self._prefilling and not self.worker.remaining(self._prefilling[0][0]):
+            handle, joins = self._prefilling.popleft()
+            try:
                 self._complete(handle, joins)
             except Exception as e:  # noqa: BLE001 - these joiners learn why; the batch goes on
-                if self._prefilling and self._prefilling[0][0] == handle:
-                    self._prefilling.popleft()
                 self.worker.abandon(handle)
                 self._fail_joins(joins, e)
 
@@ -522,25 +532,28 @@ class TargetScheduler:
             if j.plain:
                 tell(j.rid, j.plain.sink, [], j.plain.out, True, error)
 
-    def _step(self, trees: dict[str, tuple[TokenTree, _Waiter]]) -> int:
-        """One forward: the replicas' trees (of requests still open) and a lone root per plain row. -> the
-        tokens it ran (0: none ran)"""
+    def _step(self, trees: dict[str, tuple[TokenTree, _Waiter]]) -> None:
+        """One forward: the replicas' trees (of requests still open), a lone root per plain row and, with
+        chunked prefill, chunks of the joining prompts (up to max_batched_tokens in all)."""
         waiters = list({id(w): w for _, w in trees.values()}.values())
         batch = {rid: tree for rid, (tree, _) in trees.items() if rid in self.worker.requests}
         verified = [waiter for rid, (_, waiter) in trees.items() if rid in batch]  # closed requests get no verdict
         batch |= {rid: TokenTree.root(p.seq[-1]) for rid, p in self._plain.items()}
+        budget = self._chunk_budget(sum(map(len, batch.values()))) if self._prefilling else 0
         if not batch:
             for waiter in waiters:
                 waiter.finish({})
-            return 0
+            if self._prefilling:  # nothing steps: the chunks run on their own
+                self._prefill_alone(budget)
+            return
         t0 = self._clock()
         try:
-            outcomes, tokens = self.worker.verify(batch, max_nodes=self.budget.tree_room)
+            outcomes, tokens = self._verify(batch, budget)
         except Exception as e:  # noqa: BLE001 - the forward itself failed: handed to each waiting caller
             for waiter in waiters:
                 waiter.finish(error=e)
             self._finish_plain({rid: e for rid in self._plain})
-            return 0
+            return
         now = self._clock()  # verify's host read has waited for the device; the clock says so, not by chance
         elapsed = now - t0
         with self._cv:
@@ -562,7 +575,22 @@ class TargetScheduler:
             elif not self._advance_plain(rid, plain, batch[rid], outcome, elapsed):
                 ending[rid] = None
         self._finish_plain(ending)
-        return tokens
+        self._join_prefilled()
+
+    def _verify(self, batch: dict[str, TokenTree], budget: int) -> tuple[dict[str, Outcome], int]:
+        """The worker's verify, with up to `budget` tokens of the joining prompts riding in its forward. Where
+        that forward fails, the batch's runs again without them and their chunks alone after, so that a
+        chunk's failure ends only its own requests."""
+        if budget:
+            try:
+                return self.worker.verify(batch, max_nodes=self.budget.tree_room,
+                                          prefill=[handle for handle, _ in self._prefilling], budget=budget)
+            except ChunksFailed:  # which part failed is found out by running them apart
+                log.exception("a forward with prompts' chunks riding in it failed; running the batch without them")
+                outcomes = self.worker.verify(batch, max_nodes=self.budget.tree_room)
+                self._prefill_alone(budget)
+                return outcomes
+        return self.worker.verify(batch, max_nodes=self.budget.tree_room)
 
     def _clock(self) -> float:
         """perf_counter once the target's device has done what it was given (specdec.adaptive.clock): the

@@ -8,7 +8,7 @@ batch go on."""
 
 import itertools
 import logging
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +27,11 @@ from .tree import TokenTree, layout
 log = logging.getLogger(__name__)
 PROPOSAL_MASS_TOLERANCE = 1e-3  # float32 rounding a proposal may leave on ids the target does not have
 Outcome = Verdict | Exception  # a row's verdict, or the typed error that ended it alone
+
+
+class ChunksFailed(RuntimeError):
+    """A verify forward with prompts' chunks riding in it failed, and left the batch as it was: run without
+    them, it may not (the chunks may be what did not fit)."""
 
 
 @dataclass
@@ -220,11 +225,13 @@ class TargetWorker:
         return next((pid for pid, bad in enumerate(over) if bad), None)
 
     @torch.inference_mode()
-    def verify(self, trees: dict[Hashable, TokenTree], max_nodes: int | None = None) -> tuple[dict[Hashable, Outcome], int]:
+    def verify(self, trees: dict[Hashable, TokenTree], max_nodes: int | None = None, prefill: Sequence[int] = (),
+               budget: int = 0) -> tuple[dict[Hashable, Outcome], int]:
         """Score the given requests' trees in one forward (other requests sit it out) and decide what
         each keeps. A tree refused (`refusal`) or a row whose acceptance fails gets its typed error
-        instead of a verdict; the others are unaffected. -> outcomes by request id, tokens in the
-        forward's block"""
+        instead of a verdict; the others are unaffected. `prefill`: begin's handles whose prompts run up
+        to `budget` more tokens in the same forward, the oldest first (chunked prefill in a mixed batch;
+        `remaining` says when one is done). -> outcomes by request id, tokens in the forward's block"""
         outcomes: dict[Hashable, Outcome] = {}
         for rid, tree in trees.items():
             if (error := self.refusal(rid, tree, max_nodes)) is not None:
@@ -232,14 +239,34 @@ class TargetWorker:
         trees = {rid: tree for rid, tree in trees.items() if rid not in outcomes}
         if not trees:
             return outcomes, 0
+        riders = [self._joining[handle].prefilled for handle in prefill]
+        chunks = _share(riders, budget)
+        with self.lm.carrying(riders):
+            ran = self._verify_rows(trees, outcomes, chunks)
+        for p in riders:
+            p.ran()
+        return outcomes, ran
+
+    def _verify_rows(self, trees: dict[Hashable, TokenTree], outcomes: dict[Hashable, Outcome],
+                     chunks: list[list[int]]) -> int:
+        """verify's forward and verdicts (into outcomes), the riders' chunks (one a row past the batch's own
+        rows, each run as a chain and committed whole) along -> tokens run"""
         row_trees = [trees.get(rid) or TokenTree.root(self.requests[rid].seq[-1]) for rid in self.rows]
         sizes = [len(trees[rid]) if rid in trees else 0 for rid in self.rows]  # rows not given a tree sit out
-        start = self.lm.size
-        tokens, block, positions = layout(row_trees, self.lm.lengths)
-        if any(self.requests[rid].feature_layers for rid in trees):  # a head's row: the layers' inputs too
-            logits, states = self.lm.forward_hidden(tokens, block, positions, sizes=sizes)
-        else:
-            logits, states = self.lm.forward(tokens, block, positions, sizes=sizes), ()  # [N, V]: the trees' nodes, row after row
+        chains = [TokenTree.chain(chunk) if chunk else TokenTree.root(0) for chunk in chunks]
+        start, nodes = self.lm.size, sum(sizes)
+        tokens, block, positions = layout(row_trees + chains, self.lm.lengths)
+        ride = [len(chunk) for chunk in chunks]
+        keep = list(range(nodes)) if any(ride) else None  # the riders' logits are not needed: not computed
+        try:
+            if any(self.requests[rid].feature_layers for rid in trees):  # a head's row: the layers' inputs too
+                logits, states = self.lm.forward_hidden(tokens, block, positions, sizes=sizes + ride, keep=keep)
+            else:  # [N, V]: the trees' nodes, row after row
+                logits, states = self.lm.forward(tokens, block, positions, sizes=sizes + ride, keep=keep), ()
+        except Exception as e:
+            if keep is None:
+                raise
+            raise ChunksFailed(f"the forward failed with {sum(ride)} prompt tokens riding in it: {e}") from e
         held = self._processed(logits, row_trees, sizes)  # what p is drawn from (logprobs: the raw logits)
         (argmax,) = to_host(held.argmax(-1))  # the forward's one wait for the device (greedy rows)
         keep, offset = [], 0
@@ -255,8 +282,8 @@ class TargetWorker:
                 keep.append([])  # sat this step out, or failed: nothing committed
             if outcome is not None:
                 outcomes[rid] = outcome
-        self.lm.commit(keep)
-        return outcomes, sum(sizes)
+        self.lm.commit(keep + [list(range(start, start + n)) for n in ride])
+        return nodes + sum(ride)
 
     def _processed(self, logits: torch.Tensor, row_trees: list[TokenTree], sizes: list[int]) -> torch.Tensor:
         """The forward's logits [N, V] after each node as its row's settings make them from the node's own
@@ -289,6 +316,17 @@ class TargetWorker:
             log.exception("request %s: its verdict failed; it ends alone", rid)
             return RequestFailed("the target could not decide this request's tokens (its row failed in the "
                                  "batched step; the other requests went on); see the server log")
+
+
+def _share(riders: list[Prefilled], budget: int) -> list[list[int]]:
+    """The next chunks of these sequences being prefilled, up to `budget` tokens in all, the first ones first:
+    one per row of each (empty for a row whose turn has not come)."""
+    chunks = []
+    for p in riders:
+        take = p.next_chunks(budget)
+        budget -= sum(map(len, take))
+        chunks += take
+    return chunks
 
 
 def _features(states: tuple[torch.Tensor, ...], layers: tuple[int, ...], tokens: list[int], lm: CachedLM) -> torch.Tensor:

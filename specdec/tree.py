@@ -50,6 +50,13 @@ class TokenTree:
     def root(cls, token: int) -> "TokenTree":
         return cls(tokens=[token], parents=[-1], depths=[0], proposal_ids=[DELTA], from_model=[True])
 
+    @classmethod
+    def chain(cls, tokens: list[int]) -> "TokenTree":
+        """These tokens one after another, none drafted (a prompt's chunk run in a verify forward)."""
+        n = len(tokens)
+        return cls(tokens=list(tokens), parents=list(range(-1, n - 1)), depths=list(range(n)), proposal_ids=[DELTA] * n,
+                   from_model=[False] * n)
+
     def __len__(self) -> int:
         return len(self.tokens)
 
@@ -135,6 +142,8 @@ def dense_proposals(proposals: list[Proposal], vocab: int, device: torch.device)
 def ancestor_mask(parents: list[int]) -> torch.Tensor:
     """[N, N] bool: m[i, j] is True when node j is node i or one of its ancestors."""
     n = len(parents)
+    if parents == list(range(-1, n - 1)):  # a chain (a prompt's chunk): causal
+        return torch.ones(n, n, dtype=torch.bool, device=HOST).tril()
     m = torch.zeros(n, n, dtype=torch.bool, device=HOST)
     for i, parent in enumerate(parents):
         if parent >= 0:

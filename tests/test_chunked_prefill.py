@@ -17,7 +17,7 @@ from specdec.sampling import SamplingParams
 from specdec.scheduler import KvBudget, Opening, TargetScheduler
 from specdec.target import TargetWorker
 from specdec.tree import TokenTree
-from test_grpc_trees import Collect, wait_until_empty
+from test_grpc_trees import Collect, wait_for, wait_until_empty
 
 GREEDY = SamplingParams()
 
@@ -117,17 +117,41 @@ def test_a_request_closed_while_its_prompt_is_prefilled_leaves_and_its_caller_he
 
 
 def test_a_failed_chunk_ends_its_own_requests_and_the_batch_goes_on(target):
+    """The forward "first"'s third chunk rides in fails (out of memory, say): the running row's step runs again
+    without the chunks, which run alone, where "first"'s fails again and ends it; "second", begun apart, joins."""
     scheduler = TargetScheduler(TargetWorker(CachedLM(target)), KvBudget(), max_batched_tokens=8)
-    worker, advance = scheduler.worker, scheduler.worker.advance
-    doomed = []
+    worker = scheduler.worker
+    forward, advance, begin = worker.lm.forward, worker.advance, worker.begin
+    began, failed = threading.Event(), []
 
-    def failing(handle, budget):  # the first group's second chunk fails (out of memory, say)
-        if handle == 0 and worker.remaining(handle) < 40:
-            doomed.append(handle)
+    def first_handle():
+        return next((h for h, j in worker._joining.items() if j.joining[0][0] == "first"), None)
+
+    def doomed(handle):
+        return handle is not None and handle == first_handle() and worker.remaining(handle) < 40
+
+    def failing_forward(*args, sizes=None, **kwargs):
+        if sizes is not None and len(sizes) > len(worker.rows) and doomed(first_handle()):
+            failed.append("riding")
+            raise RuntimeError("out of memory in a chunk")
+        return forward(*args, sizes=sizes, **kwargs)
+
+    def failing_advance(handle, budget):
+        if doomed(handle):
+            failed.append("alone")
             raise RuntimeError("out of memory in a chunk")
         return advance(handle, budget)
 
-    worker.advance = failing
+    def signalling_begin(joining, *args, **kwargs):
+        handle = begin(joining, *args, **kwargs)
+        if joining[0][0] == "first":
+            began.set()
+        return handle
+
+    worker.lm.forward, worker.advance, worker.begin = failing_forward, failing_advance, signalling_begin
+    running = Collect()
+    scheduler.decode("running", [3, 4, 5], GREEDY, 60, set(), running)
+    wait_for(lambda: running.tokens, lambda: running.steps)  # in the batch: "first" is begun on its own
     errors, opened = [], []
 
     def open_one(rid, prompt):
@@ -139,14 +163,51 @@ def test_a_failed_chunk_ends_its_own_requests_and_the_batch_goes_on(target):
 
     first = threading.Thread(target=open_one, args=("first", prompts(4, 1, 48, 48)[0]))
     first.start()
-    while not scheduler._prefilling:
-        threading.Event().wait(0.001)
+    assert began.wait(60)
     second = threading.Thread(target=open_one, args=("second", prompts(5, 1, 30, 30)[0]))
     second.start()
     first.join(60)
     second.join(60)
-    assert doomed and errors == [("first", "out of memory in a chunk")] and opened == ["second"]
+    assert failed[:2] == ["riding", "alone"], failed
+    assert errors == [("first", "out of memory in a chunk")] and opened == ["second"]
     assert "second" in worker.requests and "first" not in worker.requests and not worker._joining
+    tokens, _, error = running.wait()
+    alone = TargetWorker(CachedLM(target))
+    alone.add([("running", [3, 4, 5], GREEDY, 0)])
+    for _ in range(60):
+        alone.verify({"running": TokenTree.root(alone.last_token("running"))})
+    assert error is None and tokens == alone.requests["running"].seq[3:]
     scheduler.close(["second"])
     wait_until_empty(scheduler)
     scheduler.stop()
+
+
+def test_chunks_ride_in_the_verify_forward_and_change_no_output(target):
+    """A worker verifying its rows' trees with joining prompts' chunks riding along (three prompts begun
+    together, two apart, a budget that splits rows mid-chunk) decodes every row as rows prefilled whole do."""
+    ps = prompts(6, 5, 20, 60)
+    whole, mixed = TargetWorker(CachedLM(target)), TargetWorker(CachedLM(target))
+    running = [("a", [5, 6, 7], GREEDY, 0), ("b", prompts(7, 1, 40, 40)[0], GREEDY, 0)]
+    for worker in (whole, mixed):
+        worker.add(running)
+    whole.add([(f"r{i}", p, GREEDY, 0) for i, p in enumerate(ps)])
+    handles = [mixed.begin([(f"r{i}", p, GREEDY, 0) for i, p in enumerate(ps[:3])], budget=0),
+               mixed.begin([(f"r{i}", p, GREEDY, 3 + i) for i, p in enumerate(ps[3:], 3)], budget=0)]
+    steps = 0
+    while handles:
+        _, ran = mixed.verify({rid: TokenTree.root(mixed.last_token(rid)) for rid in mixed.rows},
+                              prefill=handles, budget=23)
+        assert ran <= 23 + len(mixed.rows)
+        steps += 1
+        while handles and not mixed.remaining(handles[0]):
+            mixed.complete(handles.pop(0))
+    assert steps > 5
+    for _ in range(NEW_TOKENS):
+        whole.verify({rid: TokenTree.root(whole.last_token(rid)) for rid in whole.rows})
+        mixed.verify({rid: TokenTree.root(mixed.last_token(rid)) for rid in mixed.rows})
+    for rid in whole.rows:  # rows that joined early stepped while the rest were prefilled: more tokens, the same ones
+        ahead, behind = mixed.requests[rid].seq, whole.requests[rid].seq
+        assert ahead[: len(behind)] == behind, rid
+    for rid, *_ in running:
+        ahead, behind = mixed.requests[rid].seq, whole.requests[rid].seq
+        assert ahead[: len(behind)] == behind and len(ahead) > len(behind)
