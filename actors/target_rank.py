@@ -91,7 +91,8 @@ class TargetRank:
         else:
             group = _join_tensor_parallel_group(rank, world_size, dist_address, device)
             model = load_sharded_model(model_path, parse_dtype(dtype))
-        pool = BlockPool(prefix_cache_tokens)  # every rank alike: they take and give back blocks alike
+        # every rank alike: they take and give back blocks alike; room for the budget's KV and the prefix cache's
+        pool = BlockPool(prefix_cache_tokens, reserve_tokens=budget.max_tokens + prefix_cache_tokens)
         worker = TargetWorker(CachedLM(model, pool), load_grammars(model_path, model))
         self.weights_held = _local_numel(model)
         if world_size > 1:

@@ -19,6 +19,7 @@ bracket every read and write of the tensors runs in (a draft replica prefills on
 import collections
 import contextlib
 import heapq
+import mmap
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,8 +55,12 @@ class _Indexed:
 
 
 class BlockPool:
-    def __init__(self, prefix_tokens: int = 0, block_tokens: int = BLOCK_TOKENS):
-        """prefix_tokens: the most tokens the prefix index keeps (whole blocks); 0: it keeps none."""
+    def __init__(self, prefix_tokens: int = 0, block_tokens: int = BLOCK_TOKENS, reserve_tokens: int = 0):
+        """prefix_tokens: the most tokens the prefix index keeps (whole blocks); 0: it keeps none.
+        reserve_tokens: room made at once (each layer's tensors, on its first use, as vLLM sizes its KV cache
+        at start): a pool grows only past it, and a growth copies every layer's KV (0.8-1.8 s on a CPU, every
+        running row waiting; docs/performance.md). The room is not written until blocks are taken, so a CPU's
+        memory maps it as it is used."""
         if block_tokens < 1:
             raise ValueError(f"a block holds at least one token; got {block_tokens}")
         if prefix_tokens and prefix_tokens < block_tokens:
@@ -63,8 +68,9 @@ class BlockPool:
                              f"got a cap of {prefix_tokens} tokens")
         self.block_tokens = block_tokens
         self.prefix_capacity = prefix_tokens // block_tokens
-        self._refs: list[int] = [1, 1]  # NULL and TRASH, held for good
-        self._free: list[int] = []  # a heap: the lowest ids are reused first
+        reserved = max(0, -(-reserve_tokens // block_tokens))
+        self._refs: list[int] = [1, 1] + [0] * reserved  # NULL and TRASH, held for good
+        self._free: list[int] = list(range(TRASH + 1, TRASH + 1 + reserved))  # a heap: the lowest ids reused first
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: keys, values [blocks, size, H, D]
         self._ids: dict[tuple[int, tuple[int, ...]], int] = {}  # index: key -> block
         self._indexed: collections.OrderedDict[int, _Indexed] = collections.OrderedDict()  # least recently used first
@@ -247,11 +253,19 @@ class BlockPool:
 
 
 def _zeros(blocks: int, size: int, like: torch.Tensor) -> torch.Tensor:
-    """[blocks, size, H, D] zeros for keys or values like `like` [.., H, .., D]."""
-    return torch.zeros((blocks, size, like.shape[1], like.shape[-1]), dtype=like.dtype, device=like.device)
+    """[blocks, size, H, D] zeros for keys or values like `like` [.., H, .., D]. On a CPU in anonymous mapped
+    memory, which the system hands out zeroed a page at a time as it is first written: a reserve costs memory
+    as blocks are used, not when it is made. (Every block must read as finite numbers, held or not: an
+    attention over the whole pool, flex_attention's unfused one, weighs masked slots by zero, and 0 x NaN is NaN.)"""
+    shape = (blocks, size, like.shape[1], like.shape[-1])
+    if like.device.type != "cpu":
+        return torch.zeros(shape, dtype=like.dtype, device=like.device)
+    n = blocks * size * like.shape[1] * like.shape[-1]
+    mapped = mmap.mmap(-1, max(1, n * like.element_size()))
+    return torch.frombuffer(mapped, dtype=like.dtype, count=n).view(shape)  # holds the mapping while it lives
 
 
 def _grown(pool: torch.Tensor, blocks: int) -> torch.Tensor:
-    new = pool.new_zeros((blocks, *pool.shape[1:]))
+    new = _zeros(blocks, pool.shape[1], pool.transpose(1, 2))
     new[: pool.shape[0]] = pool
     return new

@@ -33,6 +33,7 @@ class Ragged:
     index: torch.Tensor  # [N] each real token's place in the block, row * T + slot
     batch: int  # B
     width: int  # T
+    real: torch.Tensor  # [B] int64 on the host: row b's real tokens (its first), what an in-place attention runs
 
     def pad(self, packed: torch.Tensor) -> torch.Tensor:
         """[1, H, N, D] -> [B, H, T, D], zeros at the padding."""
@@ -132,7 +133,8 @@ def ragged_attention(module, query, key, value, attention_mask, inner: str, **kw
     block = _BLOCK.get()
     if key.dim() == 3:  # the pool itself (PagedLayer.update): the rows' keys and values are read here
         query = query if block is None else block.pad(query)
-        out = _attend_in_place(query, key, value, attention_mask, _READING.get(), kwargs) if inner == "sdpa" else None
+        out = _attend_in_place(query, key, value, attention_mask, _READING.get(), block, kwargs) if inner == "sdpa" \
+            else None
         if out is None:
             out = _attend_blocks(attend, module, query, key, value, attention_mask, _READING.get(), **kwargs)
         return (out if block is None else block.pack(out)), None  # out [B, T, H, D]
@@ -149,11 +151,12 @@ def ragged_attention(module, query, key, value, attention_mask, inner: str, **kw
 READ_GROUP_BYTES = 4 << 20
 
 
-def _attend_in_place(query, pool_k, pool_v, mask, slots: "_Slots", kwargs) -> torch.Tensor | None:
+def _attend_in_place(query, pool_k, pool_v, mask, slots: "_Slots", block: Ragged | None, kwargs) -> torch.Tensor | None:
     """query [B, Hq, T, D] against each row's keys and values where they lie in the pool -> [B, T, Hq, D]: under a
     bool mask [B or 1, 1, T, L], with nothing the in-place attentions do not apply (softcap, sinks, position bias,
-    dropout), on a GPU through paged_flex, on a CPU through paged_kernel's C++ (float32, built here). None where
-    neither runs for this call, or flex_attention failed: the caller gathers."""
+    dropout), on a GPU through paged_flex, on a CPU through paged_kernel's C++ (float32, built here; in a ragged
+    block, only each row's real queries). None where neither runs for this call, or flex_attention failed: the
+    caller gathers."""
     if not (mask is not None and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
             and not kwargs.get("dropout") and not any(kwargs.get(k) for k in _NOT_GROUPED)):
         return None
@@ -164,7 +167,7 @@ def _attend_in_place(query, pool_k, pool_v, mask, slots: "_Slots", kwargs) -> to
         return paged_flex.attend(query, pool_k, pool_v, slots.row_blocks(read, pool_k.shape[0]), mask, scale)
     if query.device.type == "cpu" and query.dtype == pool_k.dtype == torch.float32 and \
             (kernel := paged_kernel.paged_attention()) is not None:
-        return kernel(query, pool_k, pool_v, read, mask, scale)
+        return kernel(query, pool_k, pool_v, read, mask, scale, *(() if block is None else (block.real,)))
     return None
 
 
@@ -518,15 +521,15 @@ class CachedLM:
     def _own(self, spans: list[tuple[int, int, int]]) -> None:
         """Row b holds a block of its own (taken, or copied from a shared one) for every slot of each span
         (b, first, end) given: what a forward writes there touches no other holder's KV."""
-        size, fresh, shared = self.pool.block_tokens, [], []
+        size, fresh, shared = self.pool.block_tokens, {}, {}  # (row, block index) once each, however many spans
         for b, first, end in spans:
             table = self.tables[b]
             table += [NULL] * max(0, -(-end // size) - len(table))
             for i in range(first // size, -(-end // size)):
                 if table[i] == NULL:
-                    fresh.append((b, i))
+                    fresh[b, i] = None
                 elif self.pool.shared(table[i]):
-                    shared.append((b, i))
+                    shared[b, i] = None
         if not fresh and not shared:
             return
         new = iter(self.pool.allocate(len(fresh) + len(shared)))
@@ -568,7 +571,7 @@ class CachedLM:
             self._plan(B, T, sizes, packed=False)
             return self._run_padded(tokens, mask, positions, sizes, index, keep_t, features, hidden)
         self._plan(B, T, sizes, packed=True)
-        block = Ragged(index, B, T)
+        block = Ragged(index, B, T, torch.tensor(sizes, dtype=torch.long, device=HOST))
         keep_t = 0 if keep_t is None else keep_t
         packed = [to_device(t, self.device).flatten()[index].unsqueeze(0) for t in (tokens, positions)]  # [1, N] each
         if features is not None:

@@ -32,7 +32,8 @@ _loaded: dict[str, Callable | None] = {}
 
 def paged_attention() -> Callable | None:
     """The kernel: (query [B, Hq, T, D], pool_k [P, Hkv, D], pool_v, read [B, L] int64, mask [B or 1, 1, T, L]
-    bool, scale) -> [B, T, Hq, D], float32 on the CPU; None where it cannot run here (the log says why, once)."""
+    bool, scale, queries [B] int64 (row b's real queries, its first; empty: all T)) -> [B, T, Hq, D], float32 on
+    the CPU, zeros at the padding; None where it cannot run here (the log says why, once)."""
     with _lock:
         if "kernel" not in _loaded:
             _loaded["kernel"] = _build()

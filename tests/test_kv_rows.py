@@ -89,3 +89,22 @@ def test_blocks_go_back_to_the_pool_when_rows_leave(target):
     worker.add([(f"s{r}", [5, 6, 7, 8] * 5, SamplingParams(), 0) for r in range(31)])
     assert worker.lm.pool.stats().allocated_tokens == stats.allocated_tokens
     worker.verify({rid: TokenTree.root(worker.last_token(rid)) for rid in worker.rows})
+
+
+def test_a_commit_moving_many_tokens_into_one_hole_takes_one_block(target):
+    """A short row of a ragged batch runs its block past the longest row and commits it back to its own end,
+    a hole in its table: all the tokens moved into one block take that block once, and every block the pool
+    counts as held is one a row's table names (none leaks)."""
+    lm = CachedLM(target)
+    lm.reset(0)
+    lm.join([list(range(1, 60)), [7, 8, 9]])  # row 1 ends in block 0; the block runs at slots 59..
+    tokens = torch.tensor([[5] * 13, [6] * 13])
+    block = torch.ones(13, 13, dtype=torch.bool).tril().expand(2, 13, 13)
+    positions = torch.tensor([[59 + i for i in range(13)], [3 + i for i in range(13)]])
+    lm.forward(tokens, block, positions, sizes=[1, 13])
+    lm.commit([[59], list(range(59, 72))])
+    assert lm.lengths == [60, 16]
+    held = sum(1 for table in lm.tables for b in table if b > 1) * lm.pool.block_tokens
+    assert lm.pool.stats().used_tokens == held == (4 + 1) * lm.pool.block_tokens
+    lm.select([])
+    assert lm.pool.stats().used_tokens == 0

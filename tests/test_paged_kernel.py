@@ -76,6 +76,26 @@ def test_a_mask_shared_by_every_row_and_a_causal_prefill(kernel):
     torch.testing.assert_close(ours, theirs.transpose(1, 2), atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("S", [40, 700])  # 700: the keys split across tasks and merged
+def test_ragged_rows_run_only_their_real_queries(kernel, S):
+    """Rows of a mixed batch (a prompt's 70-token chunk beside trees of 1 to 9 nodes, one row sitting out),
+    padded to T: each row's real queries equal sdpa's; the padding's output is zeros, whatever its mask says."""
+    g = torch.Generator().manual_seed(S)
+    B, Hq, Hkv, T, D = 5, 9, 3, 70, 32
+    real = torch.tensor([9, 70, 1, 0, 4])
+    pool_k, pool_v, read, k, v = pool_of(B, Hkv, S + T, D, True, g)
+    query = torch.randn(B, Hq, T, D, generator=g)
+    mask = tree_mask(B, T, S + T, g)
+    ours = kernel(query, pool_k, pool_v, read, mask, 0.3, real)  # [B, T, Hq, D]
+    theirs = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=0.3,
+                                                              enable_gqa=True).transpose(1, 2)
+    for b, n in enumerate(real.tolist()):
+        torch.testing.assert_close(ours[b, :n], theirs[b, :n], atol=2e-6, rtol=1e-5)
+        assert not ours[b, n:].any()
+    with pytest.raises(RuntimeError, match="queries"):
+        kernel(query, pool_k, pool_v, read, mask, 0.3, torch.tensor([1, 2, 3, 4, T + 1]))
+
+
 @pytest.mark.parametrize("L", [20, 600])  # 600: the keys split across tasks and merged
 def test_a_query_that_sees_nothing_gets_zeros(kernel, L):
     """(A padding query of a ragged block; its output is never read.)"""

@@ -131,9 +131,11 @@ bool any_visible(const bool* mask, int64_t L, int64_t t0, int64_t tn, int64_t c0
 }  // namespace
 
 // query [B, Hq, T, D]; pool_k, pool_v [P, Hkv, D]; read [B, L] the pool slots of each row's keys in order;
-// mask [B or 1, 1, T, L] bool (true: the query sees the key) -> [B, T, Hq, D]
+// mask [B or 1, 1, T, L] bool (true: the query sees the key); queries [B] int64 or empty: row b's real queries are
+// its first queries[b], the rest padding, not run (a ragged batch: a prompt's chunk beside trees) -> [B, T, Hq, D]
+// (zeros at the padding)
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor pool_k, torch::Tensor pool_v, torch::Tensor read,
-                              torch::Tensor mask, double scale) {
+                              torch::Tensor mask, double scale, torch::Tensor queries) {
   TORCH_CHECK(query.dim() == 4 && pool_k.dim() == 3 && read.dim() == 2 && mask.dim() == 4,
               "paged_attention: query [B, Hq, T, D], pools [P, Hkv, D], read [B, L], mask [B, 1, T, L]");
   TORCH_CHECK(query.scalar_type() == at::kFloat && pool_k.scalar_type() == at::kFloat &&
@@ -149,6 +151,13 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor pool_k, torch::
                   mask.size(2) == T && mask.size(3) == L, "paged_attention: read or mask do not match the query");
   TORCH_CHECK(L == 0 || (read.min().item<int64_t>() >= 0 && read.max().item<int64_t>() < P),
               "paged_attention: a slot outside the pool");
+  const bool ragged = queries.numel() > 0;
+  TORCH_CHECK(!ragged || (queries.scalar_type() == at::kLong && queries.dim() == 1 && queries.size(0) == B &&
+                          queries.min().item<int64_t>() >= 0 && queries.max().item<int64_t>() <= T),
+              "paged_attention: queries [B] int64, each in [0, T]");
+  queries = queries.contiguous();
+  const int64_t* qn = ragged ? queries.data_ptr<int64_t>() : nullptr;
+  auto real = [&](int64_t b) { return qn ? qn[b] : T; };  // row b's queries that run
   const int64_t G = Hq / Hkv;
   const int64_t TQ = std::min<int64_t>(T, std::max<int64_t>(1, QUERIES / G)), QB = (T + TQ - 1) / TQ;
   // A task: one row, a range of HR key/value heads, a block of TQ queries and a KS-th of the keys. Reading all of
@@ -161,7 +170,7 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor pool_k, torch::
     do --HR; while (Hkv % HR);
   }
   const int64_t HB = Hkv / HR, MQ = G * TQ, span = (L + KS - 1) / std::max<int64_t>(KS, 1);
-  auto out = torch::empty({B, T, Hq, D}, query.options());
+  auto out = ragged ? torch::zeros({B, T, Hq, D}, query.options()) : torch::empty({B, T, Hq, D}, query.options());
   const float* q = query.data_ptr<float>();
   const float* pk = pool_k.data_ptr<float>();
   const float* pv = pool_v.data_ptr<float>();
@@ -183,7 +192,8 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor pool_k, torch::
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (HB * QB * KS), h0 = task / (QB * KS) % HB * HR, t0 = task / KS % QB * TQ;
       const int64_t k0 = task % KS * span, k1 = std::min(L, k0 + span);
-      const int64_t tn = std::min(TQ, T - t0), M = G * tn;  // query rows per key/value head: [G, tn]
+      if (t0 >= real(b)) continue;  // padding
+      const int64_t tn = std::min(TQ, real(b) - t0), M = G * tn;  // query rows per key/value head: [G, tn]
       const bool by_dots = M <= DOT_ROWS && D % Vec::size() == 0;
       for (int64_t hi = 0; hi < HR; ++hi)
         for (int64_t g = 0; g < G; ++g)
@@ -256,7 +266,8 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor pool_k, torch::
     at::parallel_for(0, tasks / KS, 1, [&](int64_t begin, int64_t end) {
       for (int64_t unit = begin; unit < end; ++unit) {
         const int64_t b = unit / (HB * QB), h0 = unit / QB % HB * HR, t0 = unit % QB * TQ;
-        const int64_t tn = std::min(TQ, T - t0), M = G * tn;
+        if (t0 >= real(b)) continue;  // padding
+        const int64_t tn = std::min(TQ, real(b) - t0), M = G * tn;
         for (int64_t r = 0; r < HR * M; ++r) {
           float top = NEG;
           for (int64_t k = 0; k < KS; ++k) top = std::max(top, part_max[(unit * KS + k) * rows + r]);
@@ -280,5 +291,7 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor pool_k, torch::
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "attention over a block pool (CPU, float32)");
+  m.def("paged_attention", &paged_attention, "attention over a block pool (CPU, float32)", pybind11::arg("query"),
+        pybind11::arg("pool_k"), pybind11::arg("pool_v"), pybind11::arg("read"), pybind11::arg("mask"),
+        pybind11::arg("scale"), pybind11::arg("queries") = torch::empty({0}, torch::kLong));
 }

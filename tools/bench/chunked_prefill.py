@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from specdec.blocks import BlockPool
 from specdec.kvcache import CachedLM
 from specdec.loading import load_served_model
 from specdec.sampling import SamplingParams
@@ -42,8 +43,9 @@ class Timed:
 
 
 def run(model, budget: int | None, args, rng: random.Random) -> dict:
-    scheduler = TargetScheduler(TargetWorker(CachedLM(model)), KvBudget(max_tokens=10**7), idle_timeout_s=None,
-                                max_batched_tokens=budget)
+    room = (args.rows + 4) * (RUNNING_TOKENS + 64)  # the running rows and a few arrivals, made at once as served
+    scheduler = TargetScheduler(TargetWorker(CachedLM(model, BlockPool(reserve_tokens=room))),
+                                KvBudget(max_tokens=10**7), idle_timeout_s=None, max_batched_tokens=budget)
     vocab = model.config.vocab_size
     running = []
     for r in range(args.rows):
