@@ -257,10 +257,10 @@ class ServerConfig(_Section):
     # conversation's next turn); up to this many tokens each, in blocks of 16, least recently used evicted
     # first. Held beside the running requests' KV (max_kv_tokens), as memory is used. 0: off.
     prefix_cache_tokens: int = Field(16384, ge=0, le=10_000_000)
-    # chunked prefill: the tokens one iteration of the target's loop runs at most. Its forward (every tree and
-    # plain row) first, then joining prompts in chunks of the rest (at least a quarter of it), so a long
-    # prompt stalls the running rows for one chunk at a time, not its whole prefill. 0: each joining prompt
-    # is prefilled whole, before the forward.
+    # chunked prefill: the tokens one forward of the target runs at most: every tree and plain row, and in
+    # the same forward joining prompts' chunks up to the rest (at least a quarter of it), so a long prompt
+    # slows a few running steps instead of stalling them. 0: each joining prompt is prefilled whole, in a
+    # forward of its own before the step.
     max_batched_tokens: int = Field(2048, ge=0, le=1_000_000)
     idle_row_timeout_s: float = Field(30.0, gt=0)  # a speculative row with no tree for this long is closed
     max_n: int = Field(8, ge=1)  # most samples one request may ask for (OpenAI's n)
