@@ -211,3 +211,29 @@ def test_chunks_ride_in_the_verify_forward_and_change_no_output(target):
     for rid, *_ in running:
         ahead, behind = mixed.requests[rid].seq, whole.requests[rid].seq
         assert ahead[: len(behind)] == behind and len(ahead) > len(behind)
+
+
+def test_tensor_parallel_ranks_mirror_the_chunks_rank_zero_verifies(target, monkeypatch):
+    """Under tensor parallelism rank 0's scheduler lets chunks ride in its verify forwards; the calls it
+    broadcasts, made again on another rank's worker, run the same chunks and reach the same rows."""
+    from actors import lockstep
+
+    sent = []
+    monkeypatch.setattr(lockstep.dist, "broadcast_object_list", lambda box, src, group: sent.append(box[0]))
+    scheduler = TargetScheduler(lockstep.LockstepWorker(TargetWorker(CachedLM(target)), group=None), KvBudget(),
+                                idle_timeout_s=None, max_batched_tokens=8)
+    running, long = Collect(), Collect()
+    scheduler.decode("running", [3, 4, 5], GREEDY, 40, set(), running)
+    wait_for(lambda: running.tokens, lambda: running.steps)
+    scheduler.decode("long", prompts(8, 1, 60, 60)[0], GREEDY, 6, set(), long)
+    assert long.wait()[2] is None and running.wait()[2] is None
+    wait_until_empty(scheduler)
+    scheduler.stop()
+    assert any(name == "verify" and args[2] for name, args in sent)  # a verify with chunks riding in it
+    follower = TargetWorker(CachedLM(target))
+    seqs = {}
+    for name, args in sent:
+        if name == "remove":
+            seqs |= {rid: follower.requests[rid].seq for rid in args[0]}
+        getattr(follower, name)(*args)
+    assert seqs == {"running": [3, 4, 5] + running.tokens, "long": prompts(8, 1, 60, 60)[0] + long.tokens}
