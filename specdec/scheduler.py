@@ -564,7 +564,7 @@ class TargetScheduler:
             self.trees_verified += len(verified)
             self.tree_loop_time_s += sum(now - waiter.since for waiter in verified)
             self.largest_batch = max(self.largest_batch, len(batch))
-            self._observe(elapsed, len(batch), sum(map(len, batch.values())), committed)
+            self._observe(elapsed, len(batch), tokens, committed)  # tokens: the chunks riding in it too
         self.on_forward(elapsed)
         for waiter in waiters:
             waiter.finish(outcomes)
