@@ -23,7 +23,9 @@ from specdec.drafter_factory import make_drafter
 from specdec.kvcache import has_sliding_window
 from specdec.loading import check_same_vocabulary, load_model, load_tokenizer
 from specdec.plain import hf_greedy
-from test_grpc_trees import Collect, scheduler_for
+from specdec.scheduler import KvBudget, TargetScheduler
+from specdec.target import TargetWorker
+from test_grpc_trees import Collect
 
 WINDOW, VOCAB, NEW = 16, 64, 40
 PROMPT_LENGTHS = (20, 7, 13)  # batched rows of different lengths; the shortest + NEW passes the window
@@ -131,9 +133,17 @@ def test_family_equals_generate(family, kind, width, depth):
 
 def test_the_served_loops_equal_generate(family):
     """The target's scheduler and a draft replica's loop in one process (as they serve): one plain row
-    and two speculative ones (a tree of width 2, depth 3) of different lengths, in shared forwards."""
+    and two speculative ones (a tree of width 2, depth 3) of different lengths, in shared forwards; the
+    later prompts prefilled in chunks of a few tokens riding in the running rows' forwards (chunked prefill)."""
     target, draft, expected = family
-    scheduler = scheduler_for(target)
+    scheduler = TargetScheduler(TargetWorker(CachedLM(target)), KvBudget(), max_batched_tokens=6)
+    verify, rode = scheduler.worker.verify, []
+
+    def recording(trees, max_nodes=None, prefill=(), budget=0):
+        rode.append(bool(prefill))
+        return verify(trees, max_nodes, prefill, budget)
+
+    scheduler.worker.verify = recording
     loop = DraftLoop(scheduler, make_drafter("model", CachedLM(draft), 2))
     batch, sinks = prompts(), [Collect() for _ in PROMPT_LENGTHS]
     try:
@@ -142,6 +152,7 @@ def test_the_served_loops_equal_generate(family):
             scheduler.open(f"spec{i}", batch[i], SamplingParams(), 0, NEW)
             loop.join(DraftRequest(f"spec{i}", batch[i], SamplingParams(), NEW, set(), 3, sinks[i]))
         assert [s.wait()[0] for s in sinks] == expected
+        assert any(rode)  # some prompt's chunks rode in a running row's forward
     finally:
         scheduler.stop()
 
