@@ -34,6 +34,7 @@ class Ragged:
     batch: int  # B
     width: int  # T
     real: torch.Tensor  # [B] int64 on the host: row b's real tokens (its first), what an in-place attention runs
+    groups: "tuple[_Rows, ...]" = ()  # where rows are of very different widths: each group attends apart
 
     def pad(self, packed: torch.Tensor) -> torch.Tensor:
         """[1, H, N, D] -> [B, H, T, D], zeros at the padding."""
@@ -44,6 +45,31 @@ class Ragged:
     def pack(self, out: torch.Tensor) -> torch.Tensor:
         """[B, T, H, D] -> [1, N, H, D]."""
         return out.reshape(self.batch * self.width, *out.shape[2:]).index_select(0, self.index).unsqueeze(0)
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Rows of a ragged block that attend together, padded only to their own widest: a prompt's chunk of
+    WIDE_QUERIES tokens or more apart from the trees beside it (on a GPU the trees stay on flex_attention,
+    and nobody's queries are padded to the chunk's width)."""
+
+    rows: torch.Tensor  # [b] int64 on the model's device
+    width: int  # their most real tokens
+    real: torch.Tensor  # [b] int64 on the host: each one's real tokens
+
+
+WIDE_QUERIES = paged_flex.MAX_QUERIES
+
+
+def _width_groups(sizes: list[int], device: torch.device) -> "tuple[_Rows, ...]":
+    """The rows of a ragged block in two groups, narrower than WIDE_QUERIES and not, where both are there
+    (rows running no token attend in neither); () where one attention serves all."""
+    narrow = [b for b, n in enumerate(sizes) if 0 < n < WIDE_QUERIES]
+    wide = [b for b, n in enumerate(sizes) if n >= WIDE_QUERIES]
+    if not narrow or not wide:
+        return ()
+    return tuple(_Rows(host_tensor(rows, torch.long, device), max(sizes[b] for b in rows),
+                       torch.tensor([sizes[b] for b in rows], dtype=torch.long, device=HOST)) for rows in (narrow, wide))
 
 
 _BLOCK: contextvars.ContextVar[Ragged | None] = contextvars.ContextVar("specdec_ragged_block", default=None)
@@ -133,10 +159,14 @@ def ragged_attention(module, query, key, value, attention_mask, inner: str, **kw
     block = _BLOCK.get()
     if key.dim() == 3:  # the pool itself (PagedLayer.update): the rows' keys and values are read here
         query = query if block is None else block.pad(query)
-        out = _attend_in_place(query, key, value, attention_mask, _READING.get(), block, kwargs) if inner == "sdpa" \
-            else None
-        if out is None:
-            out = _attend_blocks(attend, module, query, key, value, attention_mask, _READING.get(), **kwargs)
+        slots = _READING.get()
+        read = slots.plan.read.view(slots.plan.batch, slots.plan.slots)  # [B, S + T]
+        if block is not None and block.groups:
+            out = _attend_groups(attend, module, query, key, value, attention_mask, slots, read, block.groups, inner,
+                                 kwargs)
+        else:
+            out = _attend_pool(attend, module, query, key, value, attention_mask, slots, read,
+                               None if block is None else block.real, 0, inner, kwargs)
         return (out if block is None else block.pack(out)), None  # out [B, T, H, D]
     if block is None:
         return attend(module, query, key, value, attention_mask, **kwargs)
@@ -151,7 +181,32 @@ def ragged_attention(module, query, key, value, attention_mask, inner: str, **kw
 READ_GROUP_BYTES = 4 << 20
 
 
-def _attend_in_place(query, pool_k, pool_v, mask, slots: "_Slots", block: Ragged | None, kwargs) -> torch.Tensor | None:
+def _attend_groups(attend, module, query, pool_k, pool_v, mask, slots: "_Slots", read, groups: "tuple[_Rows, ...]",
+                   inner: str, kwargs) -> torch.Tensor:
+    """query [B, Hq, T, D] of rows of very different widths, each group of them attending apart, padded to
+    its own widest only -> [B, T, Hq, D] (zeros for rows that ran no token, and at the padding)."""
+    B, H, T, D = query.shape
+    out = query.new_zeros(B, T, H, D)
+    for g, group in enumerate(groups):
+        rows, t = group.rows, group.width
+        out[rows, :t] = _attend_pool(attend, module, query.index_select(0, rows)[:, :, :t], pool_k, pool_v,
+                                     slots.group_mask(mask, g, rows, t), slots, read.index_select(0, rows),
+                                     group.real, g + 1, inner, kwargs)
+    return out
+
+
+def _attend_pool(attend, module, query, pool_k, pool_v, mask, slots: "_Slots", read, real, group: int, inner: str,
+                 kwargs) -> torch.Tensor:
+    """query [b, Hq, t, D] of rows reading the pool's slots read [b, L] -> [b, t, Hq, D]: in place where an
+    in-place attention runs (only the first real[i] queries of row i, where given), else gathered."""
+    out = _attend_in_place(query, pool_k, pool_v, mask, slots, read, real, group, kwargs) if inner == "sdpa" else None
+    if out is None:
+        out = _attend_blocks(attend, module, query, pool_k, pool_v, mask, slots, read, **kwargs)
+    return out
+
+
+def _attend_in_place(query, pool_k, pool_v, mask, slots: "_Slots", read: torch.Tensor, real: torch.Tensor | None,
+                     group: int, kwargs) -> torch.Tensor | None:
     """query [B, Hq, T, D] against each row's keys and values where they lie in the pool -> [B, T, Hq, D]: under a
     bool mask [B or 1, 1, T, L], with nothing the in-place attentions do not apply (softcap, sinks, position bias,
     dropout), on a GPU through paged_flex, on a CPU through paged_kernel's C++ (float32, built here; in a ragged
@@ -160,23 +215,19 @@ def _attend_in_place(query, pool_k, pool_v, mask, slots: "_Slots", block: Ragged
     if not (mask is not None and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
             and not kwargs.get("dropout") and not any(kwargs.get(k) for k in _NOT_GROUPED)):
         return None
-    plan = slots.plan
-    read = plan.read.view(plan.batch, plan.slots)  # [B, S + T]
     scale = kwargs["scaling"] if kwargs.get("scaling") is not None else query.shape[-1] ** -0.5
     if paged_flex.runs(query):
-        return paged_flex.attend(query, pool_k, pool_v, slots.row_blocks(read, pool_k.shape[0]), mask, scale)
+        return paged_flex.attend(query, pool_k, pool_v, slots.row_blocks(read, pool_k.shape[0], group), mask, scale)
     if query.device.type == "cpu" and query.dtype == pool_k.dtype == torch.float32 and \
             (kernel := paged_kernel.paged_attention()) is not None:
-        return kernel(query, pool_k, pool_v, read, mask, scale, *(() if block is None else (block.real,)))
+        return kernel(query, pool_k, pool_v, read, mask, scale, *(() if real is None else (real,)))
     return None
 
 
-def _attend_blocks(attend, module, query, pool_k, pool_v, mask, slots: "_Slots", **kwargs) -> torch.Tensor:
-    """query [B, Hq, T, D] against each row's keys and values [S + T] read from the pool through the plan, a
+def _attend_blocks(attend, module, query, pool_k, pool_v, mask, slots: "_Slots", read, **kwargs) -> torch.Tensor:
+    """query [B, Hq, T, D] against each row's keys and values [L] read from the pool's slots read [B, L], a
     group of rows at a time (READ_GROUP_BYTES) -> [B, T, Hq, D]."""
-    plan = slots.plan
-    B, L = plan.batch, plan.slots
-    read = plan.read.view(B, L)
+    B, L = read.shape
     row_bytes = L * (pool_k[0].numel() * pool_k.element_size() + pool_v[0].numel() * pool_v.element_size())
     group = max(1, min(B, READ_GROUP_BYTES // max(1, row_bytes))) if query.device.type == "cpu" else B
     outs = []
@@ -294,14 +345,31 @@ class _Slots:
     def __init__(self, pool: BlockPool):
         self.pool, self.n, self.plan, self.layers = pool, 0, None, 0
         self.buffers: list[torch.Tensor | None] = [None, None]
-        self._blocks: tuple[_Plan, paged_flex.RowBlocks] | None = None
+        self._made: tuple[_Plan | None, dict] = (None, {})  # the running plan's, made by its first layer
 
-    def row_blocks(self, read: torch.Tensor, pool_slots: int) -> paged_flex.RowBlocks:
-        """The running plan's rows' blocks in flex's terms (read [B, S + T]): made by its first layer, shared by all."""
-        if self._blocks is None or self._blocks[0] is not self.plan:
+    def _of_plan(self) -> dict:
+        """What the running plan's layers share, made by the first that needs it."""
+        if self._made[0] is not self.plan:
+            self._made = (self.plan, {})
+        return self._made[1]
+
+    def row_blocks(self, read: torch.Tensor, pool_slots: int, group: int = 0) -> paged_flex.RowBlocks:
+        """The running plan's rows' blocks in flex's terms (read [b, L]: all rows, group 0, or a _Rows group's)."""
+        made = self._of_plan()
+        if ("blocks", group) not in made:
             size = self.pool.block_tokens
-            self._blocks = (self.plan, paged_flex.row_blocks(read, pool_slots // size, size))
-        return self._blocks[1]
+            made["blocks", group] = paged_flex.row_blocks(read, pool_slots // size, size)
+        return made["blocks", group]
+
+    def group_mask(self, mask: torch.Tensor, group: int, rows: torch.Tensor, width: int) -> torch.Tensor:
+        """mask [B or 1, 1, T, L] of a _Rows group: its rows' first `width` queries [b or 1, 1, width, L], the
+        same tensor for every layer given the same mask (flex makes its BlockMask once per mask)."""
+        made = self._of_plan()
+        last = made.get(("mask", group))
+        if last is None or last[0] is not mask:
+            rows_mask = mask.index_select(0, rows) if mask.shape[0] > 1 else mask
+            last = made["mask", group] = (mask, rows_mask[:, :, :width].contiguous())
+        return last[1]
 
     def scratch(self, which: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         """A buffer of this shape the layers read their keys (which 0) or values (1) into, one after another:
@@ -571,7 +639,8 @@ class CachedLM:
             self._plan(B, T, sizes, packed=False)
             return self._run_padded(tokens, mask, positions, sizes, index, keep_t, features, hidden)
         self._plan(B, T, sizes, packed=True)
-        block = Ragged(index, B, T, torch.tensor(sizes, dtype=torch.long, device=HOST))
+        block = Ragged(index, B, T, torch.tensor(sizes, dtype=torch.long, device=HOST),
+                       _width_groups(sizes, self.device))
         keep_t = 0 if keep_t is None else keep_t
         packed = [to_device(t, self.device).flatten()[index].unsqueeze(0) for t in (tokens, positions)]  # [1, N] each
         if features is not None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdec import CachedLM, TokenTree, paged_flex, paged_kernel
+from specdec import CachedLM, TokenTree, kvcache, paged_flex, paged_kernel
 from specdec.cpu_linear import pack_linears
 from specdec.tree import layout
 
@@ -163,6 +163,28 @@ def test_prefill_appends_to_existing_rows(model):
         check_tree_logits(model, out[b], prefix, tree)
 
 
+def test_a_wide_chunk_beside_narrow_rows_attends_apart_and_matches_plain_logits(model):
+    """A prompt's 150-token chunk in one forward with rows of a few tokens and a row running none (chunked
+    prefill riding beside trees): the rows attend in two groups, each padded to its own widest only; every
+    row's last logits are those of the plain model over its whole sequence."""
+    g = torch.Generator().manual_seed(5)
+    starts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (12, 3, 40, 7)]
+    more = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (4, 150, 0, 2)]
+    lm = CachedLM(model)
+    lm.reset(len(starts))
+    lm.prefill(starts)
+    seen = []
+    original = kvcache._attend_groups
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kvcache, "_attend_groups", lambda *a, **k: seen.append(len(a[8])) or original(*a, **k))
+        logits = lm.prefill(more)
+    assert seen and set(seen) == {2}  # every layer: the narrow rows and the wide one apart
+    for b, (start, tail) in enumerate(zip(starts, more)):
+        if tail:
+            torch.testing.assert_close(logits[b].float(), plain_last_logits(model, start + tail), atol=ATOL, rtol=1e-4)
+    assert lm.lengths == [16, 153, 40, 9]
+
+
 def test_ragged_forward_runs_only_real_tokens_and_matches_plain_logits(model):
     """Trees of different sizes (and a row that sits out) in one forward with `sizes`: the padding is
     not run (N real tokens in, N logits out, row after row), every node's logits are exact, and the
@@ -261,7 +283,8 @@ def test_cached_lm_runs_grouped_attention_on_cpu_without_the_kernel(target, monk
 
 def test_cached_lm_attends_through_flex_where_it_runs_and_gathers_a_long_prefill(target, monkeypatch):
     """Where paged_flex runs (a GPU; here the CPU, uncompiled), a CachedLM's short blocks read their rows' keys
-    and values through it in every layer, and a block of MAX_QUERIES tokens or more (a long prefill) gathers."""
+    and values through it in every layer, and a row of MAX_QUERIES tokens or more (a long prefill) gathers; a
+    narrow row beside one still reads through flex, apart from it."""
     from torch.nn.attention.flex_attention import flex_attention
 
     monkeypatch.setattr(paged_flex, "DEVICES", ("cuda", "cpu"))
@@ -274,4 +297,6 @@ def test_cached_lm_attends_through_flex_where_it_runs_and_gathers_a_long_prefill
     lm.prefill([[1, 2, 3], [4, 5]])
     assert calls == [3] * target.config.num_hidden_layers
     lm.prefill([[7] * paged_flex.MAX_QUERIES, [6]])
-    assert len(calls) == target.config.num_hidden_layers
+    assert calls == [3] * target.config.num_hidden_layers + [1] * target.config.num_hidden_layers
+    lm.prefill([[8] * paged_flex.MAX_QUERIES, []])
+    assert len(calls) == 2 * target.config.num_hidden_layers
