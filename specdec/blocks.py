@@ -19,6 +19,7 @@ bracket every read and write of the tensors runs in (a draft replica prefills on
 import collections
 import contextlib
 import heapq
+import math
 import mmap
 import threading
 from collections.abc import Sequence
@@ -58,7 +59,7 @@ class BlockPool:
     def __init__(self, prefix_tokens: int = 0, block_tokens: int = BLOCK_TOKENS, reserve_tokens: int = 0):
         """prefix_tokens: the most tokens the prefix index keeps (whole blocks); 0: it keeps none.
         reserve_tokens: room made at once (each layer's tensors, on its first use, as vLLM sizes its KV cache
-        at start): a pool grows only past it, and a growth copies every layer's KV (0.8-1.8 s on a CPU, every
+        at start): a pool grows only past it, and a growth copies every layer's KV (0.6-1.8 s on a CPU, every
         running row waiting; docs/performance.md). The room is not written until blocks are taken, so a CPU's
         memory maps it as it is used."""
         if block_tokens < 1:
@@ -98,8 +99,8 @@ class BlockPool:
         if index >= len(self._kv):
             with self._cond:
                 while len(self._kv) <= index:  # layers come in order; made at the pool's present size
-                    self._kv.append((_zeros(len(self._refs), self.block_tokens, keys),
-                                     _zeros(len(self._refs), self.block_tokens, values)))
+                    shape = (len(self._refs), self.block_tokens, keys.shape[1], keys.shape[-1])  # [blocks, size, H, D]
+                    self._kv.append((_zeros(shape, keys), _zeros(shape, values)))
         k, v = self._kv[index]
         return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
 
@@ -252,20 +253,19 @@ class BlockPool:
         return True
 
 
-def _zeros(blocks: int, size: int, like: torch.Tensor) -> torch.Tensor:
-    """[blocks, size, H, D] zeros for keys or values like `like` [.., H, .., D]. On a CPU in anonymous mapped
+def _zeros(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """Zeros of this shape, of `like`'s dtype and device. On a CPU in anonymous mapped
     memory, which the system hands out zeroed a page at a time as it is first written: a reserve costs memory
     as blocks are used, not when it is made. (Every block must read as finite numbers, held or not: an
     attention over the whole pool, flex_attention's unfused one, weighs masked slots by zero, and 0 x NaN is NaN.)"""
-    shape = (blocks, size, like.shape[1], like.shape[-1])
     if like.device.type != "cpu":
         return torch.zeros(shape, dtype=like.dtype, device=like.device)
-    n = blocks * size * like.shape[1] * like.shape[-1]
+    n = math.prod(shape)
     mapped = mmap.mmap(-1, max(1, n * like.element_size()))
     return torch.frombuffer(mapped, dtype=like.dtype, count=n).view(shape)  # holds the mapping while it lives
 
 
 def _grown(pool: torch.Tensor, blocks: int) -> torch.Tensor:
-    new = _zeros(blocks, pool.shape[1], pool.transpose(1, 2))
+    new = _zeros((blocks, *pool.shape[1:]), pool)
     new[: pool.shape[0]] = pool
     return new

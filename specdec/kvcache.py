@@ -765,7 +765,7 @@ class CachedLM:
         """The rows of these sequences being prefilled join this batch, after its own, for a forward and its
         commit, and go back to their Prefilled after: chunked prefill's chunks ride in the running rows'
         forward (a mixed batch, as in Sarathi-Serve, arXiv 2403.02310, and vLLM: the weights are read once
-        for both). Their blocks are theirs throughout; nothing is copied. -> the first rider's row."""
+        for both). Their blocks are theirs throughout; nothing is copied."""
         own = len(self.tables)
         for p in riders:
             if p.lm.pool is not self.pool:
@@ -774,7 +774,7 @@ class CachedLM:
             self.lengths += p.lm.lengths
             self._slots.n = max(self.size, p.lm.size)
         try:
-            yield own
+            yield
         finally:
             row = own
             for p in riders:

@@ -264,7 +264,7 @@ class TargetWorker:
             else:  # [N, V]: the trees' nodes, row after row
                 logits, states = self.lm.forward(tokens, block, positions, sizes=sizes + ride, keep=keep), ()
         except Exception as e:
-            if keep is None:
+            if not any(ride):
                 raise
             raise ChunksFailed(f"the forward failed with {sum(ride)} prompt tokens riding in it: {e}") from e
         held = self._processed(logits, row_trees, sizes)  # what p is drawn from (logprobs: the raw logits)
