@@ -56,6 +56,20 @@ class _Rows:
     rows: torch.Tensor  # [b] int64 on the model's device
     width: int  # their most real tokens
     real: torch.Tensor  # [b] int64 on the host: each one's real tokens
+    take: torch.Tensor  # [n] int64 on the model's device: their real tokens' places in the packed sequence
+    place: torch.Tensor  # [n] int64 on the model's device: the same tokens' places in the group's [b * width]
+
+    def pad(self, packed: torch.Tensor) -> torch.Tensor:
+        """The packed queries [1, H, N, D] -> this group's [b, H, width, D], zeros at its padding (no [B, T]
+        block is made: a chunk's width would be every row's)."""
+        _, H, _, D = packed.shape
+        out = packed.new_zeros(len(self.rows) * self.width, H, D)
+        out.index_copy_(0, self.place, packed[0].transpose(0, 1).index_select(0, self.take))
+        return out.view(len(self.rows), self.width, H, D).transpose(1, 2)
+
+    def pack_into(self, packed: torch.Tensor, out: torch.Tensor) -> None:
+        """This group's output [b, width, H, D] into its tokens' places of the packed output [1, N, H, D]."""
+        packed[0].index_copy_(0, self.take, out.reshape(-1, *out.shape[2:]).index_select(0, self.place))
 
 
 WIDE_QUERIES = paged_flex.MAX_QUERIES
@@ -68,8 +82,16 @@ def _width_groups(sizes: list[int], device: torch.device) -> "tuple[_Rows, ...]"
     wide = [b for b, n in enumerate(sizes) if n >= WIDE_QUERIES]
     if not narrow or not wide:
         return ()
-    return tuple(_Rows(host_tensor(rows, torch.long, device), max(sizes[b] for b in rows),
-                       torch.tensor([sizes[b] for b in rows], dtype=torch.long, device=HOST)) for rows in (narrow, wide))
+    starts = list(itertools.accumulate(sizes, initial=0))  # row b's tokens are packed at [starts[b], starts[b + 1])
+    groups = []
+    for rows in (narrow, wide):
+        width = max(sizes[b] for b in rows)
+        take = [starts[b] + j for b in rows for j in range(sizes[b])]
+        place = [i * width + j for i, b in enumerate(rows) for j in range(sizes[b])]
+        groups.append(_Rows(host_tensor(rows, torch.long, device), width,
+                            torch.tensor([sizes[b] for b in rows], dtype=torch.long, device=HOST),
+                            host_tensor(take, torch.long, device), host_tensor(place, torch.long, device)))
+    return tuple(groups)
 
 
 _BLOCK: contextvars.ContextVar[Ragged | None] = contextvars.ContextVar("specdec_ragged_block", default=None)
@@ -158,15 +180,13 @@ def ragged_attention(module, query, key, value, attention_mask, inner: str, **kw
         attention_mask = _within_window(attention_mask, positions.within(window))
     block = _BLOCK.get()
     if key.dim() == 3:  # the pool itself (PagedLayer.update): the rows' keys and values are read here
-        query = query if block is None else block.pad(query)
         slots = _READING.get()
         read = slots.plan.read.view(slots.plan.batch, slots.plan.slots)  # [B, S + T]
-        if block is not None and block.groups:
-            out = _attend_groups(attend, module, query, key, value, attention_mask, slots, read, block.groups, inner,
-                                 kwargs)
-        else:
-            out = _attend_pool(attend, module, query, key, value, attention_mask, slots, read,
-                               None if block is None else block.real, 0, inner, kwargs)
+        if block is not None and block.groups:  # packed in, packed out: [1, N, H, D]
+            return _attend_groups(attend, module, query, key, value, attention_mask, slots, read, block.groups, inner,
+                                  kwargs), None
+        out = _attend_pool(attend, module, query if block is None else block.pad(query), key, value, attention_mask,
+                           slots, read, None if block is None else block.real, 0, inner, kwargs)
         return (out if block is None else block.pack(out)), None  # out [B, T, H, D]
     if block is None:
         return attend(module, query, key, value, attention_mask, **kwargs)
@@ -183,15 +203,15 @@ READ_GROUP_BYTES = 4 << 20
 
 def _attend_groups(attend, module, query, pool_k, pool_v, mask, slots: "_Slots", read, groups: "tuple[_Rows, ...]",
                    inner: str, kwargs) -> torch.Tensor:
-    """query [B, Hq, T, D] of rows of very different widths, each group of them attending apart, padded to
-    its own widest only -> [B, T, Hq, D] (zeros for rows that ran no token, and at the padding)."""
-    B, H, T, D = query.shape
-    out = query.new_zeros(B, T, H, D)
+    """The packed queries [1, Hq, N, D] of rows of very different widths, each group of them attending apart,
+    padded to its own widest only -> [1, N, Hq, D]."""
+    _, H, N, D = query.shape
+    out = query.new_empty(1, N, H, D)  # every token is some group's
     for g, group in enumerate(groups):
         rows, t = group.rows, group.width
-        out[rows, :t] = _attend_pool(attend, module, query.index_select(0, rows)[:, :, :t], pool_k, pool_v,
-                                     slots.group_mask(mask, g, rows, t), slots, read.index_select(0, rows),
-                                     group.real, g + 1, inner, kwargs)
+        group.pack_into(out, _attend_pool(attend, module, group.pad(query), pool_k, pool_v,
+                                          slots.group_mask(mask, g, rows, t), slots, read.index_select(0, rows),
+                                          group.real, g + 1, inner, kwargs))
     return out
 
 
