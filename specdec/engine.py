@@ -143,10 +143,10 @@ class SpeculativeEngine:
             scheduler.decode_many(openings, self.eos, sinks)
         else:
             features = scheduler.open_many(openings)
-            # the draft runs the prompts in its first step, batched (a replica prefills each while the target
-            # opens it, to save a client's time to first token: nothing to save here)
+            # the draft runs each prompt before it joins, as a replica does: from its prefix cache, where it holds one
             loop.join_all([DraftRequest(o.rid, o.prompt, o.params, max_new_tokens, self.eos, k, sink, o.stream,
-                                        features=f) for o, sink, f in zip(openings, sinks, features)])
+                                        features=f, draft_prefill=loop.prefill(o.prompt))
+                           for o, sink, f in zip(openings, sinks, features)])
         for sink in sinks:
             sink.done.wait()
         return sinks

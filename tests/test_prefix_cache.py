@@ -123,12 +123,13 @@ def conversations(seed: int, count: int) -> list[list[int]]:
     return [system + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 20))] for _ in range(count)]
 
 
-def run_turns(engine: SpeculativeEngine, prompts: list[list[int]], params, turns: int = 2) -> list[list[int]]:
-    """Each prompt as a conversation: turn k's prompt is turn k-1's, its output and a fixed follow-up."""
+def run_turns(engine: SpeculativeEngine, prompts: list[list[int]], params, turns: int = 2) -> list[list]:
+    """Each prompt as a conversation: turn k's prompt is turn k-1's, its output and a fixed follow-up. -> per
+    turn, each generation's tokens and its drafts' acceptance (drafted, accepted, tried depths)."""
     outputs = []
     for turn in range(turns):
         outs = engine.generate(prompts, NEW_TOKENS, params, streams=list(range(len(prompts))))
-        outputs.append([o.token_ids for o in outs])
+        outputs.append([(o.token_ids, (o.stats.drafted, o.stats.accepted, o.stats.tried_depths)) for o in outs])
         prompts = [p + o.token_ids + [1, 2, 3] for p, o in zip(prompts, outs)]
     return outputs
 
@@ -140,15 +141,20 @@ def run_turns(engine: SpeculativeEngine, prompts: list[list[int]], params, turns
 def test_outputs_are_identical_with_the_cache_on_and_off(target, draft, cap, drafter, params):
     prompts = conversations(seed=3, count=6)
 
+    draft_pool = BlockPool(cap)
+
     def engine(prefix):
-        made = make_drafter(drafter, draft_runner(draft, BlockPool(cap) if prefix else None)) if drafter else None
+        made = make_drafter(drafter, draft_runner(draft, draft_pool if prefix else None)) if drafter else None
         return SpeculativeEngine(CachedLM(target, BlockPool(cap) if prefix else None), made,
                                  SpecConfig(depth=3) if drafter else SpecConfig(), eos_token_ids=set())
 
     off = run_turns(engine(False), prompts, params)
     cached = engine(True)
     on = run_turns(cached, prompts, params)
-    assert on == off
+    assert on == off  # the outputs, and at a fixed depth the drafts' acceptance: the draft's cache hits are sound
+    if drafter:
+        assert sum(accepted for turn in on for _, (_, accepted, _) in turn) > 0
+        assert draft_pool.stats().hit_tokens >= 32 * (len(prompts) - 1), "the draft's cache was not reused"
     stats = cached.target.prefix.stats()
     assert stats.hit_tokens >= 32 * (len(prompts) - 1), "the shared system prompt was not reused"
     assert stats.cached_tokens <= cap
