@@ -12,7 +12,7 @@ from specdec.drafter_factory import draft_runner, make_drafter
 from specdec.suffix import TextIndex, read_corpus
 from specdec.errors import Unavailable
 from specdec.loading import TargetParts, is_head, load_draft, load_served_model, load_tokenizer, local_folder, parse_dtype
-from specdec.blocks import BlockPool
+from specdec.blocks import BlockPool, PrefixStats
 from specdec.sampling import SamplingParams
 
 from specdec.closed import RecentlyClosed
@@ -34,7 +34,7 @@ class DraftReplica:
                  shapes: dict[DrafterKind, DraftShape] | None = None,
                  overlap: bool = True, *, security: LinkSecurity | SharedSecurity, logical_gpus: bool = False,
                  corpora: dict[str, str] | None = None, corpus_max_tokens: int = 1_000_000,
-                 target_model: str | None = None, prefix_cache_tokens: int = 0):
+                 target_model: str | None = None, prefix_cache_tokens: int = 0, kv_tokens: int = 0):
         """drafts: task type -> (model folder, dtype); the "" entry drafts for every other task type.
         shapes: per drafter kind it runs, its tree width and its proposals' entries (speculation.*); the first
         drafts a request that names none. Default: model+ngram.
@@ -46,12 +46,16 @@ class DraftReplica:
         at start with the target's tokenizer, up to corpus_max_tokens tokens each.
         target_model: the target's folder (models.target.path): its tokenizer for the corpora, and its config
         and shared embeddings for draft heads (a draft that is an EAGLE-3 head or Medusa heads).
-        prefix_cache_tokens: each draft model's prefix cache, in its block pool shared by its loops (0: none)."""
+        prefix_cache_tokens: each draft model's prefix cache, in its block pool shared by its loops (0: none).
+        kv_tokens: server.max_kv_tokens: each draft model's pool makes room for it and its prefix cache at once,
+        as the target's does (the replica's rows are some of the target's), so it never grows, copying, while
+        requests run."""
         use_assigned_cpus()
         device = device_for_actor(logical_gpus)  # before anything loads: a wrong image fails here
         self.models = {task: load_replica_draft(path, target_model, parse_dtype(dtype), device)
                        for task, (path, dtype) in drafts.items()}
-        self.pools = {task: BlockPool(prefix_cache_tokens) for task in self.models}  # each model's KV, its drafters'
+        self.pools = {task: BlockPool(prefix_cache_tokens, reserve_tokens=kv_tokens + prefix_cache_tokens)
+                      for task in self.models}  # each model's KV, its drafters'
         self.shapes = dict(shapes or {DrafterKind.MODEL_NGRAM: DraftShape()})
         self.corpora = read_corpora(corpora or {}, target_model, corpus_max_tokens)
         self.overlap = overlap
@@ -69,6 +73,10 @@ class DraftReplica:
 
     def ready(self) -> bool:
         return True
+
+    def kv_stats(self) -> dict[str, PrefixStats]:
+        """Each draft model's block pool (by its task type; "" for the rest): blocks made, used and cached."""
+        return {task: pool.stats() for task, pool in self.pools.items()}
 
     def gpu_ids(self) -> list:
         return ray.get_gpu_ids()

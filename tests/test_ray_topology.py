@@ -41,7 +41,8 @@ def config(model_dirs, replicas=2, tp=1, drafter="model+ngram", logical_gpus=Tru
 
 
 def test_every_actor_gets_its_own_gpu_and_requests_equal_plain_decoding(cluster, model_dirs, reference):
-    topo = start_topology(config(model_dirs))
+    cfg = config(model_dirs)
+    topo = start_topology(cfg)
     try:
         target_gpus = [ray.get(r.gpu_ids.remote()) for r in topo.target_ranks]
         draft_gpus = [ray.get(d.gpu_ids.remote()) for d in topo.drafts]
@@ -55,6 +56,11 @@ def test_every_actor_gets_its_own_gpu_and_requests_equal_plain_decoding(cluster,
         outs = [collect(run) for run in runs]
         assert [o["token_ids"] for o in outs] == reference.continuations[:6]
         assert sum(o["stats"].accepted for o in outs) > 0
+        room = cfg.server.max_kv_tokens + cfg.server.prefix_cache_tokens
+        for pools in ray.get([d.kv_stats.remote() for d in topo.drafts]):  # made at once, and never grown
+            assert [p.allocated_tokens for p in pools.values()] == [room], pools
+        assert any(p.used_tokens or p.cached_tokens for d in ray.get([d.kv_stats.remote() for d in topo.drafts])
+                   for p in d.values())
         stats = ray.get(topo.target_ranks[0].stats.remote())
         assert stats.open_requests == 0 and stats.forwards > 0
         assert_refuses_strangers(topo)
