@@ -210,7 +210,7 @@ def _attend_groups(attend, module, query, pool_k, pool_v, mask, slots: "_Slots",
     for g, group in enumerate(groups):
         rows, t = group.rows, group.width
         group.pack_into(out, _attend_pool(attend, module, group.pad(query), pool_k, pool_v,
-                                          slots.group_mask(mask, g, rows, t), slots, read.index_select(0, rows),
+                                          slots.group_mask(mask, g, rows, t), slots, slots.group_read(read, g, rows),
                                           group.real, g + 1, inner, kwargs))
     return out
 
@@ -380,6 +380,13 @@ class _Slots:
             size = self.pool.block_tokens
             made["blocks", group] = paged_flex.row_blocks(read, pool_slots // size, size)
         return made["blocks", group]
+
+    def group_read(self, read: torch.Tensor, group: int, rows: torch.Tensor) -> torch.Tensor:
+        """read [B, L] of a _Rows group: its rows' slots [b, L], made by the plan's first layer, shared by all."""
+        made = self._of_plan()
+        if ("read", group) not in made:
+            made["read", group] = read.index_select(0, rows)
+        return made["read", group]
 
     def group_mask(self, mask: torch.Tensor, group: int, rows: torch.Tensor, width: int) -> torch.Tensor:
         """mask [B or 1, 1, T, L] of a _Rows group: its rows' first `width` queries [b or 1, 1, width, L], the

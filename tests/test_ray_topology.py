@@ -57,10 +57,10 @@ def test_every_actor_gets_its_own_gpu_and_requests_equal_plain_decoding(cluster,
         assert [o["token_ids"] for o in outs] == reference.continuations[:6]
         assert sum(o["stats"].accepted for o in outs) > 0
         room = cfg.server.max_kv_tokens + cfg.server.prefix_cache_tokens
-        for pools in ray.get([d.kv_stats.remote() for d in topo.drafts]):  # made at once, and never grown
+        replicas = ray.get([d.kv_stats.remote() for d in topo.drafts])
+        for pools in replicas:  # made at once, and never grown
             assert [p.allocated_tokens for p in pools.values()] == [room], pools
-        assert any(p.used_tokens or p.cached_tokens for d in ray.get([d.kv_stats.remote() for d in topo.drafts])
-                   for p in d.values())
+        assert any(p.used_tokens or p.cached_tokens for pools in replicas for p in pools.values())
         stats = ray.get(topo.target_ranks[0].stats.remote())
         assert stats.open_requests == 0 and stats.forwards > 0
         assert_refuses_strangers(topo)

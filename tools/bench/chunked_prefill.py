@@ -49,8 +49,8 @@ class Client(threading.Thread):
     """One running client: a request, then the next as soon as it ends, until told to stop."""
 
     def __init__(self, scheduler: TargetScheduler, name: str, first_tokens: int, args, rng: random.Random):
-        super().__init__(daemon=True)
-        self.scheduler, self.name_, self.first_tokens, self.args, self.rng = scheduler, name, first_tokens, args, rng
+        super().__init__(name=name, daemon=True)
+        self.scheduler, self.first_tokens, self.args, self.rng = scheduler, first_tokens, args, rng
         self.sinks: list[Timed] = []
         self.stopping = threading.Event()
 
@@ -60,7 +60,7 @@ class Client(threading.Thread):
             sink = Timed()
             prompt = [self.rng.randrange(vocab) for _ in range(self.args.run_prompt)]
             tokens = self.first_tokens if n == 0 else self.args.run_tokens
-            self.scheduler.decode(f"{self.name_}-{n}", prompt, SamplingParams(), tokens, set(), sink)
+            self.scheduler.decode(f"{self.name}-{n}", prompt, SamplingParams(), tokens, set(), sink)
             self.sinks.append(sink)
             sink.done.wait()
             n += 1
