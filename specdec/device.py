@@ -36,9 +36,10 @@ def _shaped(flat: list, shape: torch.Size) -> list:
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device`: to a GPU from pinned memory without blocking the host (the copy is
-    ordered before the kernels that read it on the same stream); anywhere else, as it is."""
+    ordered before the kernels that read it on the same stream); anywhere else, as it is. A view whose elements
+    share memory (an expanded mask) is made whole first: pinned memory takes none."""
     if torch.device(device).type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
+        return t.contiguous().pin_memory().to(device, non_blocking=True)
     return t.to(device)
 
 

@@ -24,6 +24,10 @@ from .blocks import NULL
 log = logging.getLogger(__name__)
 
 SWITCH = "SPECDEC_PAGED_FLEX"  # "off": a GPU gathers each row's KV instead
+# The compiled kernels one process may hold: one per model (head layout, dtype) and per guard that symbolic shapes
+# keep (a batch or block of 1 or more, a mask every row shares or one each); past dynamo's default of 8 a compile
+# fails and the process gathers from then on, as SGLang and vLLM raise it for their compiled paths
+RECOMPILE_LIMIT = 64
 MAX_QUERIES = 128  # a block of this many queries a row or more gathers: flex's prefill kernel tiles keys wider than a block
 DEVICES = ("cuda",)  # where attention over the pool runs through here (the tests add "cpu")
 
@@ -82,12 +86,16 @@ def attend(query: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, bloc
     """query [B, Hq, T, D] against each row's keys and values in the pool (pool_k, pool_v [P, Hkv, D]) under
     mask [B or 1, 1, T, L] bool (row b's position j visible to its query t) -> [B, T, Hq, D]; None where
     flex_attention failed here (the caller gathers instead; said once in the log, and not tried again)."""
+    flex = _flex(query.device.type)
+    if flex is None:
+        return None
     block_mask = _block_mask(blocks, mask, query.shape[0], pool_k.shape[0])
     keys, values = (p.permute(1, 0, 2).unsqueeze(0) for p in (pool_k, pool_v))  # [1, Hkv, P, D], views
-    flex = _flex(query.device.type)
     try:
-        out = flex(query, keys, values, block_mask=block_mask, scale=scale,
-                   enable_gqa=query.shape[1] != keys.shape[1])  # [B, Hq, T, D]
+        # the query laid out alike every step (a view's strides vary with T): one compiled kernel serves them all
+        out = flex(query.contiguous(), keys, values, block_mask=block_mask, scale=scale,
+                   enable_gqa=query.shape[1] != keys.shape[1], kernel_options=_tiles(blocks.block_tokens))
+        # out [B, Hq, T, D]
     except Exception as e:  # a compile that fails on this device: the gathering path still serves
         log.warning("attention over the block pool gathers each row's KV first: flex_attention failed on %s: %s",
                     query.device, e)
@@ -95,6 +103,13 @@ def attend(query: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, bloc
             _compiled[query.device.type] = None
         return None
     return out.transpose(1, 2)
+
+
+def _tiles(block_tokens: int) -> dict:
+    """The kernel's tile of keys is at most a block: flex's decoding kernel (query heads a power of two per KV
+    head) shrinks its own to fit, but its main kernel (groups of 3, as the default target's 9/3 heads) keeps a
+    tile of 32 or more and fails to compile over 16-token blocks."""
+    return {"BLOCK_N": block_tokens}
 
 
 def _block_mask(blocks: RowBlocks, mask: torch.Tensor, B: int, pool_slots: int):
@@ -133,5 +148,7 @@ def _flex(device_type: str) -> Callable | None:
                 # shapes change every step: on a GPU the second shape compiles one kernel for all (dynamic);
                 # torch's CPU template does not compile with symbolic shapes, so a CPU compiles each shape
                 dynamic = False if device_type == "cpu" else None
+                config = torch._dynamo.config
+                config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
                 _compiled[device_type] = torch.compile(flex_attention, fullgraph=True, dynamic=dynamic)
         return _compiled[device_type]

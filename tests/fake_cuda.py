@@ -44,6 +44,9 @@ class FakeCudaGuards(TorchFunctionMode):
         if func is torch.Tensor.pin_memory:  # fakes have no memory to pin; CUDA pins CPU tensors only
             if args[0].device.type != "cpu":
                 raise RuntimeError(f"pin_memory: a {args[0].device} tensor (only CPU tensors are pinned)")
+            if torch._debug_has_internal_overlap(args[0]) == 1:  # an expanded view: CUDA's pinned copy refuses it
+                raise RuntimeError("pin_memory: more than one element of the written-to tensor refers to a single "
+                                   "memory location")
             args[0]._pinned = True
             return args[0]
         try:

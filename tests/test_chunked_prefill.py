@@ -63,31 +63,39 @@ def test_running_rows_step_while_a_long_prompt_is_prefilled(target):
     assert gained[None] <= 2 and gained[16] >= 6, gained
 
 
+def chunked_outputs(target, draft, ps: list[list[int]], budget: int | None, prefix: bool) -> list[list[int]]:
+    """Every other prompt speculative (a model drafter, depth 3), the rest plain, all begun together on a
+    scheduler with this prefill budget (None: prompts prefilled whole) -> each prompt's greedy tokens."""
+    scheduler = TargetScheduler(TargetWorker(CachedLM(target, BlockPool(4096) if prefix else None)),
+                                KvBudget(), idle_timeout_s=None, max_batched_tokens=budget)
+    loop = DraftLoop(scheduler, make_drafter("model", draft_runner(draft), 1))
+    sinks = [Collect() for _ in ps]
+    spec = [i for i in range(len(ps)) if i % 2 == 0]
+    for i in spec:
+        scheduler.open_many([Opening(f"s{i}", ps[i], GREEDY, 0, NEW_TOKENS)])
+        loop.join_all([DraftRequest(f"s{i}", ps[i], GREEDY, NEW_TOKENS, set(), 3, sinks[i])])
+    for i in range(len(ps)):
+        if i not in spec:
+            scheduler.decode(f"p{i}", ps[i], GREEDY, NEW_TOKENS, set(), sinks[i])
+    outs = [sink.wait()[0] for sink in sinks]
+    wait_until_empty(scheduler)
+    loop.stop()
+    scheduler.stop()
+    return outs
+
+
+def sharing_prompts(short: list[list[int]]) -> list[list[int]]:
+    """These short prompts, three long ones, and the long ones again each with two tokens more (sharing their
+    blocks)."""
+    long = prompts(2, 3, 60, 120)
+    return short + long + [p + [7, 8] for p in long]
+
+
 @pytest.mark.parametrize("prefix", [False, True], ids=["no-prefix-cache", "prefix-cache"])
 def test_speculative_and_plain_outputs_are_unchanged_by_chunks(target, draft, reference, prefix):
-    long = prompts(2, 3, 60, 120)
-    ps = reference.prompts[:5] + long + [p + [7, 8] for p in long]  # the last three share the long ones' blocks
-
-    def run(budget):
-        scheduler = TargetScheduler(TargetWorker(CachedLM(target, BlockPool(4096) if prefix else None)),
-                                    KvBudget(), idle_timeout_s=None, max_batched_tokens=budget)
-        loop = DraftLoop(scheduler, make_drafter("model", draft_runner(draft), 1))
-        sinks = [Collect() for _ in ps]
-        spec = [i for i in range(len(ps)) if i % 2 == 0]
-        for i in spec:
-            scheduler.open_many([Opening(f"s{i}", ps[i], GREEDY, 0, NEW_TOKENS)])
-            loop.join_all([DraftRequest(f"s{i}", ps[i], GREEDY, NEW_TOKENS, set(), 3, sinks[i])])
-        for i in range(len(ps)):
-            if i not in spec:
-                scheduler.decode(f"p{i}", ps[i], GREEDY, NEW_TOKENS, set(), sinks[i])
-        outs = [sink.wait()[0] for sink in sinks]
-        wait_until_empty(scheduler)
-        loop.stop()
-        scheduler.stop()
-        return outs
-
-    whole = run(None)
-    assert run(7) == whole
+    ps = sharing_prompts(reference.prompts[:5])
+    whole = chunked_outputs(target, draft, ps, None, prefix)
+    assert chunked_outputs(target, draft, ps, 7, prefix) == whole
     assert whole[:5] == [c[:NEW_TOKENS] for c in reference.continuations[:5]]
 
 

@@ -3,8 +3,9 @@ On a machine with a GPU (two for tensor parallelism), run it with one command (d
 
     python -m pytest -m gpu -rs tests/test_gpu.py
 
-Covered: greedy output identical to plain decoding for every drafter and tree shape on CUDA, attention
-reading the block pool in place through flex_attention; sampled
+Covered: greedy output identical to plain decoding for every drafter and tree shape on CUDA, EAGLE-3 and
+Medusa heads included, attention reading the block pool in place through flex_attention, with the prefix cache
+(evicting) and with prompts prefilled in chunks; sampled
 output distributed as the target's (chi-square against enumeration) on CUDA; bfloat16 agreement on
 CUDA; tensor parallelism over NCCL (two GPUs); the served path on a GPU, target and draft replica
 sharing it and on a GPU each; and the forward timings the router reads waiting for the device."""
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from conftest import NEW_TOKENS
-from specdec.plain import hf_greedy
+from specdec.plain import hf_greedy, hf_greedy_margin
 from specdec import CachedLM, SamplingParams, SpecConfig, SpeculativeEngine
 from specdec.drafter_factory import make_drafter
 from specdec.loading import load_model
@@ -51,18 +52,111 @@ def test_greedy_on_cuda_equals_plain_decoding(cuda_pair, reference, kind, width,
     assert [o.token_ids for o in outs] == plain
 
 
-def test_attention_on_cuda_reads_the_block_pool_through_flex(cuda_pair, reference, monkeypatch):
+def test_attention_on_cuda_reads_the_block_pool_through_flex(cuda_pair, reference, monkeypatch, caplog):
     """A verify step on CUDA attends over the rows' blocks in place (specdec.paged_flex) in every layer, and
-    greedy output through it equals plain decoding (the test above runs the same path for every drafter)."""
+    greedy output through it equals plain decoding (the test above runs the same path for every drafter),
+    plain steps (one query a row) and speculative ones, one row and several: no compile fails on the way."""
     from specdec import paged_flex
 
     target, draft = cuda_pair
+    monkeypatch.setattr(paged_flex, "_compiled", {})  # compiled here, whatever earlier tests left
     calls, real = [], paged_flex.attend
     monkeypatch.setattr(paged_flex, "attend", lambda *a: calls.append(1) or real(*a))
-    engine = SpeculativeEngine(CachedLM(target), make_drafter("model", CachedLM(draft), 2), SpecConfig(depth=3))
-    outs = engine.generate(reference.prompts[:2], NEW_TOKENS)
-    assert [o.token_ids for o in outs] == [hf_greedy(target, p, NEW_TOKENS) for p in reference.prompts[:2]]
+    for drafter, prompts in [(None, reference.prompts[:1]), (None, reference.prompts[:3]),
+                             ("model", reference.prompts[:1]), ("model", reference.prompts[:3])]:
+        made = make_drafter(drafter, CachedLM(draft), 2) if drafter else None
+        engine = SpeculativeEngine(CachedLM(target), made, SpecConfig(depth=3) if drafter else SpecConfig())
+        outs = engine.generate(prompts, NEW_TOKENS)
+        assert [o.token_ids for o in outs] == [hf_greedy(target, p, NEW_TOKENS) for p in prompts]
+    assert "flex_attention failed" not in caplog.text, caplog.text
     assert len(calls) >= target.config.num_hidden_layers and paged_flex._compiled.get(CUDA) is not None
+
+
+@pytest.mark.parametrize("Hq, Hkv, D", [(4, 2, 64), (9, 3, 64), (14, 2, 64), (32, 8, 128)],
+                         ids=["groups-of-2", "groups-of-3", "groups-of-7", "llama-8b"])
+@pytest.mark.parametrize("T", [1, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_flex_over_the_pool_on_cuda_equals_sdpa_over_gathered_kv(Hq, Hkv, D, T, dtype, monkeypatch):
+    """Every grouping of query heads (flex picks its decoding kernel for powers of two, its main kernel for the
+    rest, as the default target's 9/3 heads), rows with holes and shared blocks, a tree mask."""
+    from specdec import paged_flex
+
+    monkeypatch.setattr(paged_flex, "_compiled", {})  # a failure here says so here, not in the next test
+    from test_paged_flex import BLOCK, gathered_sdpa, rows_in_a_pool, tree_mask
+
+    g = torch.Generator().manual_seed(Hq + T)
+    lengths = [300, 41, 170]
+    pool_k, pool_v, read = rows_in_a_pool(lengths, T, Hkv, D, 2, g)
+    L = read.shape[1]
+    mask = tree_mask(len(lengths), T, L, g)
+    for b, n in enumerate(lengths):
+        mask[b, :, :, n : L - T] = False
+    query = torch.randn(len(lengths), Hq, T, D, generator=g)
+    pool_k, pool_v, query = (x.to(CUDA, dtype) for x in (pool_k, pool_v, query))
+    read, mask = read.to(CUDA), mask.to(CUDA)
+    blocks = paged_flex.row_blocks(read, pool_k.shape[0] // BLOCK, BLOCK)
+    # a server compiles for its one or two models; this process for every head layout and dtype here
+    with torch._dynamo.config.patch(recompile_limit=64):
+        ours = paged_flex.attend(query, pool_k, pool_v, blocks, mask, D**-0.5)
+    assert ours is not None, "flex_attention did not run on CUDA (the log says why)"
+    want = gathered_sdpa(query.float(), pool_k.float(), pool_v.float(), read, mask, D**-0.5)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-3  # fp32 matmuls may run in TF32
+    torch.testing.assert_close(ours.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("heads", ["eagle3", "medusa"])
+def test_heads_on_cuda_equal_plain_decoding(smooth, trained_head, trained_medusa, heads):
+    """Heads drafting from the target's features on CUDA (the features, the head's KV and its tree all on the
+    device): greedy output is plain decoding's."""
+    from specdec.drafter_factory import draft_runner
+    from specdec.eagle3 import load_head
+    from specdec.medusa import load_medusa
+
+    target = load_model(smooth.path, device=CUDA)
+    if heads == "eagle3":
+        drafter = make_drafter("model+suffix", CachedLM(load_head(trained_head.path, target)), 2)
+    else:
+        drafter = make_drafter("model+ngram", draft_runner(load_medusa(trained_medusa.path, target)), 2)
+    engine = SpeculativeEngine(CachedLM(target), drafter, SpecConfig(depth=4, max_depth=6), eos_token_ids=set())
+    prompts = smooth.reference.prompts[:8]
+    outs = engine.generate(prompts, NEW_TOKENS)
+    assert [o.token_ids for o in outs] == [hf_greedy_margin(target, p, NEW_TOKENS)[0] for p in prompts]
+    assert sum(o.stats.accepted for o in outs) > 0
+
+
+@pytest.mark.parametrize("drafter", [None, "model"])
+def test_prefix_cache_on_cuda_changes_no_output(cuda_pair, drafter):
+    """Conversations sharing a system prompt, two turns each, with the prefix cache on (the target's and the
+    draft's, a cap that evicts) and off, on CUDA: the same tokens, drafts and acceptance; the cache was hit."""
+    from specdec.blocks import BlockPool
+    from specdec.drafter_factory import draft_runner
+    from test_prefix_cache import conversations, run_turns
+
+    target, draft = cuda_pair
+    prompts, draft_pool = conversations(seed=3, count=6), BlockPool(64)
+
+    def engine(prefix):
+        made = make_drafter(drafter, draft_runner(draft, draft_pool if prefix else None)) if drafter else None
+        return SpeculativeEngine(CachedLM(target, BlockPool(64) if prefix else None), made,
+                                 SpecConfig(depth=3) if drafter else SpecConfig(), eos_token_ids=set())
+
+    cached = engine(True)
+    for params in (SamplingParams(), SamplingParams(temperature=0.9, seed=11)):
+        assert run_turns(cached, prompts, params) == run_turns(engine(False), prompts, params)
+    stats = cached.target.prefix.stats()
+    assert stats.hit_tokens > 0 and stats.evicted_tokens > 0, stats
+
+
+def test_chunked_prefill_on_cuda_changes_no_output(cuda_pair, reference):
+    """Prompts prefilled in chunks of 7 tokens riding in the rows' verify forwards, on CUDA, with the prefix
+    cache on: every output is that of prompts prefilled whole."""
+    from test_chunked_prefill import chunked_outputs, sharing_prompts
+
+    target, draft = cuda_pair
+    ps = sharing_prompts(reference.prompts[:5])
+    whole = chunked_outputs(target, draft, ps, None, prefix=True)
+    assert chunked_outputs(target, draft, ps, 7, prefix=True) == whole
+    assert whole[:5] == [hf_greedy(target, p, NEW_TOKENS) for p in ps[:5]]
 
 
 @pytest.mark.parametrize("kind, width, params", [("model", 1, PARAMS_T1), ("model", 2, PARAMS_T1),

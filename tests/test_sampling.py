@@ -37,7 +37,7 @@ def exact_joint(model, prompt: list[int], n: int, params: SamplingParams) -> dic
     probs = {(): 1.0}
     for step in range(n):
         prefixes = list(probs)
-        batch = torch.tensor([prompt + list(p) for p in prefixes])
+        batch = torch.tensor([prompt + list(p) for p in prefixes], device=model.device)
         logits = model(batch).logits[:, -1]
         if step < params.min_tokens:
             logits[:, list(params.end_ids)] = float("-inf")
