@@ -151,7 +151,7 @@ def load_replica_draft(path: str, target_model: str | None, dtype, device):
     if is_head(local_folder(path)):
         if target_model is None:
             raise ValueError(f"{path!r} holds draft heads: they need their target's folder (models.target.path)")
-        return load_draft(path, TargetParts(target_model, dtype, device), dtype, device)
+        return load_draft(path, TargetParts(target_model, dtype, device), dtype, device, served=True)
     return load_served_model(path, dtype, device)
 
 

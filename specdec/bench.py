@@ -1,8 +1,9 @@
 """`specdec bench`: every mode over the same prompts in one process and one run, side by side.
 
 Modes run interleaved prompt by prompt (so drift in machine speed hits all alike), after one
-warm-up generation each. `plain` is transformers' own generate() without speculation; `hf-*` are
-transformers' assisted modes, the peer. Speedup is tokens/s over plain's, per task type."""
+warm-up generation each. Every mode runs the models as specdec serves them (on a CPU, their linear layers
+through oneDNN's packed weights: specdec.cpu_linear). `plain` is transformers' own generate() without
+speculation; `hf-*` are transformers' assisted modes, the peer. Speedup is tokens/s over plain's, per task type."""
 
 import json
 import sys
@@ -17,7 +18,7 @@ from .drafter_factory import draft_runner, make_drafter
 from .engine import SpecConfig, SpeculativeEngine
 from .kvcache import CachedLM
 from .drafter_kinds import HEAD_MODES
-from .loading import check_draft_tokenizer, eos_ids, load_draft, load_model, load_tokenizer, parse_dtype
+from .loading import check_draft_tokenizer, eos_ids, load_draft, load_served_model, load_tokenizer, parse_dtype
 from .plain import hf_generate
 from .prompts import load_prompts
 from .sampling import SamplingParams
@@ -116,9 +117,9 @@ def run_bench(args) -> None:
     dtype = parse_dtype(args.dtype)
     tokenizer = load_tokenizer(args.target)
     check_draft_tokenizer(tokenizer, args.draft)
-    target = load_model(args.target, dtype, args.device)
-    draft = load_draft(args.draft, target, dtype, args.device)
-    head = load_draft(args.head, target) if args.head else None
+    target = load_served_model(args.target, dtype, args.device)  # every mode runs the models as served
+    draft = load_draft(args.draft, target, dtype, args.device, served=True)
+    head = load_draft(args.head, target, dtype, args.device, served=True) if args.head else None
     eos = eos_ids(target.generation_config, tokenizer)
     only = set(args.modes.split(",")) if args.modes else None
     corpus = None

@@ -29,6 +29,11 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def weight_dtype(layer: nn.Module) -> torch.dtype:
+    """A linear layer's weight dtype, packed or not."""
+    return layer.packed.dtype if isinstance(layer, PackedLinear) else layer.weight.dtype
+
+
 @torch.no_grad()
 def dense_weight(layer: nn.Module) -> torch.Tensor:
     """A linear layer's weight [out, in] as a plain tensor: a PackedLinear's read back through its own product

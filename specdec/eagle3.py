@@ -24,6 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaMLP, LlamaPreTrainedModel, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding)
 
+from .cpu_linear import weight_dtype
 from .device import HOST
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")  # SGLang's and EAGLE's name, vLLM's
@@ -115,7 +116,7 @@ class Eagle3Head(LlamaPreTrainedModel):
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target's hidden states [..., 3 Ht] -> the head's features [..., H]."""
-        return self.fc(features.to(self.fc.weight.dtype))
+        return self.fc(features.to(weight_dtype(self.fc)))
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, features=None,
                 logits_to_keep=0, **kwargs) -> CausalLMOutputWithPast:

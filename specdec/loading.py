@@ -104,13 +104,15 @@ def load_served_model(path: str, dtype: torch.dtype = torch.float32, device: str
 def load_draft(path: str, target: "PreTrainedModel | TargetParts", dtype: torch.dtype = torch.float32, device: str = "cpu",
                served: bool = False) -> PreTrainedModel:
     """A draft for this target: an EAGLE-3 head (specdec.eagle3) or Medusa heads (specdec.medusa), on the
-    target's device and in its dtype and refused if made for another target, or a draft model (load_model;
-    as served with `served`)."""
+    target's device and in its dtype and refused if made for another target, or a draft model (load_model).
+    With `served`, as specdec serves it: its linear layers packed on a CPU (specdec.cpu_linear), heads' too."""
     if is_eagle3(local_folder(path)):
-        return load_head(local_folder(path), target)
-    if is_medusa(local_folder(path)):
-        return load_medusa(local_folder(path), target)
-    return load_served_model(path, dtype, device) if served else load_model(path, dtype, device)
+        head = load_head(local_folder(path), target)
+    elif is_medusa(local_folder(path)):
+        head = load_medusa(local_folder(path), target)
+    else:
+        return load_served_model(path, dtype, device) if served else load_model(path, dtype, device)
+    return pack_linears(head) if served else head
 
 
 class TargetParts:

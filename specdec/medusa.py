@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .cpu_linear import dense_weight
+from .cpu_linear import dense_weight, weight_dtype
 from .device import HOST
 from .eagle3 import HeadMismatch
 
@@ -65,7 +65,7 @@ class MedusaHeads(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_heads[0].weight.dtype
+        return weight_dtype(self.lm_heads[0])
 
     def head_logits(self, hidden: torch.Tensor) -> list[torch.Tensor]:
         """hidden [N, H] -> K x [N, rows]: each head's logits over its own (maybe truncated) vocabulary."""

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from specdec import CachedLM, SamplingParams, SpecConfig, SpeculativeEngine
+from specdec.cpu_linear import PackedLinear
 from specdec.drafter_factory import make_drafter
 from specdec.eagle3 import HeadMismatch, is_eagle3, load_head, save_head
 from specdec.errors import UnsupportedModel
@@ -230,6 +231,27 @@ def test_head_alone_each_prompt_and_across_calls(smooth, trained_head):
     for prompt, ref in list(zip(reference.prompts, reference.continuations))[:6]:
         (out,) = engine.generate([prompt], NEW_TOKENS)
         assert out.token_ids == ref, prompt
+
+
+@pytest.mark.parametrize("which", ["eagle3", "medusa"])
+def test_heads_as_served_are_packed_and_draft_losslessly(smooth, trained_head, trained_medusa, which):
+    """load_draft(served=True), as a draft replica and `specdec bench` load heads: their linear layers run
+    through oneDNN's packed weights on a CPU (specdec.cpu_linear); greedy output stays plain decoding's and the
+    drafts are the unpacked heads' (the same acceptance, up to float rounding)."""
+    target, reference = smooth.model, smooth.reference
+    trained = trained_head if which == "eagle3" else trained_medusa
+    served = load_draft(trained.path, target, served=True)
+    assert not any(type(m) is torch.nn.Linear for m in served.modules())
+    assert any(isinstance(m, PackedLinear) for m in served.modules())
+    accepted = {}
+    for name, heads in (("unpacked", trained.heads), ("packed", served)):
+        drafter = make_drafter("model", CachedLM(heads) if which == "eagle3" else draft_runner(heads), 2)
+        engine = SpeculativeEngine(CachedLM(target), drafter, SpecConfig(depth=3), eos_token_ids=set())
+        outs = engine.generate(reference.prompts, NEW_TOKENS)
+        assert [o.token_ids for o in outs] == reference.continuations, name
+        accepted[name] = sum(o.stats.accepted for o in outs)
+    assert accepted["packed"] > 0
+    assert abs(accepted["packed"] - accepted["unpacked"]) <= 0.05 * accepted["unpacked"], accepted
 
 
 @pytest.mark.parametrize("depth, width", [(2, 1), (2, 2)])
