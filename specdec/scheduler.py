@@ -452,10 +452,21 @@ class TargetScheduler:
             self._closed_early.add(rid)
 
     def _add(self, joining: list[_Join]) -> None:
-        """Admitted requests begin joining: prefilled whole and joined now, or (chunked prefill) queued for
-        _prefill_chunks."""
-        if not joining:
-            return
+        """Admitted requests begin joining: prefilled whole and joined now, in one forward, or (chunked prefill)
+        queued for the forwards to come, each on its own: a request joins once its own prompt is in, not its
+        admission group's last (those whose prompts' features are asked for are prefilled whole now, together)."""
+        if self.max_batched_tokens is None:
+            groups = [joining]
+        else:
+            whole = [j for j in joining if j.feature_layers]
+            groups = [whole] + [[j] for j in joining if not j.feature_layers]
+        for group in groups:
+            if group:
+                self._begin(group)
+
+    def _begin(self, joining: list[_Join]) -> None:
+        """These requests begin joining together (one worker handle): they join the batch when all their
+        prompts are prefilled; a failure to begin fails them all."""
         chunked = self.max_batched_tokens is not None
         try:
             handle = self.worker.begin([(j.rid, j.prompt, j.params, j.stream) for j in joining],

@@ -63,6 +63,38 @@ def test_running_rows_step_while_a_long_prompt_is_prefilled(target):
     assert gained[None] <= 2 and gained[16] >= 6, gained
 
 
+def test_requests_admitted_together_each_join_once_their_own_prompt_is_in(target):
+    """A short prompt admitted in the same iteration as a long one, ahead of it, joins the batch and decodes
+    while the long one is still prefilled (8 tokens an iteration): it does not wait for its admission group's
+    last prompt. Both decode as rows prefilled whole do."""
+    scheduler = TargetScheduler(TargetWorker(CachedLM(target)), KvBudget(), max_batched_tokens=8)
+    forwards_at_first_token = {}
+
+    class Timed(Collect):
+        def __init__(self, rid):
+            super().__init__()
+            self.rid = rid
+
+        def __call__(self, tokens, out, finished, error):
+            if tokens:
+                forwards_at_first_token.setdefault(self.rid, scheduler.forwards)
+            super().__call__(tokens, out, finished, error)
+
+    short, long = prompts(8, 1, 5, 5)[0], prompts(9, 1, 120, 120)[0]
+    sinks = [Timed("short"), Timed("long")]
+    scheduler.decode_many([Opening("short", short, GREEDY, max_new_tokens=12),
+                           Opening("long", long, GREEDY, max_new_tokens=4)], set(), sinks)
+    outputs = [sink.wait()[0] for sink in sinks]
+    wait_until_empty(scheduler)
+    scheduler.stop()
+    assert forwards_at_first_token["short"] <= 3 < 12 < forwards_at_first_token["long"], forwards_at_first_token
+    whole = TargetWorker(CachedLM(target))
+    whole.add([("short", short, GREEDY, 0), ("long", long, GREEDY, 0)])
+    for _ in range(12):
+        whole.verify({rid: TokenTree.root(whole.last_token(rid)) for rid in whole.rows})
+    assert outputs == [whole.requests["short"].seq[5:17], whole.requests["long"].seq[120:124]]
+
+
 def chunked_outputs(target, draft, ps: list[list[int]], budget: int | None, prefix: bool) -> list[list[int]]:
     """Every other prompt speculative (a model drafter, depth 3), the rest plain, all begun together on a
     scheduler with this prefill budget (None: prompts prefilled whole) -> each prompt's greedy tokens."""
