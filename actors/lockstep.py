@@ -31,9 +31,9 @@ class LockstepWorker:
         pinned = [(rid, prompt, _with_seed(params), stream) for rid, prompt, params, stream in joining]
         return self._mirrored("add", pinned, feature_layers)
 
-    def begin(self, joining, feature_layers=None, budget=None):
+    def begin(self, joining, feature_layers=None, budget=None, decide_first=()):
         pinned = [(rid, prompt, _with_seed(params), stream) for rid, prompt, params, stream in joining]
-        return self._mirrored("begin", pinned, feature_layers, budget)
+        return self._mirrored("begin", pinned, feature_layers, budget, list(decide_first))
 
     def advance(self, handle, budget):
         return self._mirrored("advance", handle, budget)

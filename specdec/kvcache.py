@@ -10,7 +10,7 @@ import contextvars
 import functools
 import itertools
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
@@ -128,6 +128,12 @@ class Prefilled:
     chunks: list[list[int]]  # each sequence's committed tokens
     lm: "CachedLM"  # holding each chunk's first lm.lengths[b] tokens (exactly the chunks, once done)
     hidden: tuple[torch.Tensor, ...] = ()  # with hidden=True: the model's hidden states of these tokens, each [N, H]
+    wants_last: list[bool] = field(default_factory=list)  # rows whose last token's logits are kept (all False if empty)
+    last: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> its last token's logits [V], once run
+
+    def ends(self, b: int, n: int) -> bool:
+        """Whether running n more tokens of row b ends it, and its last token's logits are to be kept."""
+        return bool(self.wants_last) and self.wants_last[b] and n > 0 and self.lm.lengths[b] + n == len(self.chunks[b])
 
     @property
     def remaining(self) -> int:
@@ -161,7 +167,9 @@ class Prefilled:
         take = self.next_chunks(budget)
         ran = sum(map(len, take))
         if ran:
-            _, self.hidden = self.lm.prefill_hidden(take, hidden=hidden)
+            ending = [b for b, chunk in enumerate(take) if self.ends(b, len(chunk))]
+            logits, self.hidden = self.lm.prefill_hidden(take, hidden=hidden)  # [B, V]: each row's last token run
+            self.last |= {b: logits[b] for b in ending}
         self.ran()
         return ran
 
@@ -741,16 +749,19 @@ class CachedLM:
         self.lengths += [0] * n
 
     @torch.inference_mode()
-    def prefill_alone(self, chunks: list[list[int]], hidden: bool = False, budget: int | None = None) -> "Prefilled":
+    def prefill_alone(self, chunks: list[list[int]], hidden: bool = False, budget: int | None = None,
+                      wants_last: list[bool] | None = None) -> "Prefilled":
         """These sequences prefilled on their own, to join this batch later (join): the batch is not
         touched, so another thread may run this while the batch steps. hidden: keep the model's hidden
         states of their tokens too (Prefilled.hidden). budget: run at most this many tokens now (chunked
-        prefill), the rest by Prefilled.advance; None: all."""
+        prefill), the rest by Prefilled.advance; None: all. wants_last: rows whose last token's logits are
+        kept (Prefilled.last; that token always runs, even where the prefix cache holds it)."""
+        wants_last = wants_last or [False] * len(chunks)
         fresh = CachedLM(self.model, self.pool)
         fresh.reset(len(chunks))
         if not hidden:  # the hidden states of indexed tokens are not kept
-            fresh._reuse(chunks)
-        prefilled = Prefilled(chunks, fresh)
+            fresh._reuse([chunk[:-1] if last else chunk for chunk, last in zip(chunks, wants_last)])
+        prefilled = Prefilled(chunks, fresh, wants_last=wants_last)
         prefilled.advance(budget, hidden)
         return prefilled
 

@@ -471,7 +471,7 @@ class TargetScheduler:
         try:
             handle = self.worker.begin([(j.rid, j.prompt, j.params, j.stream) for j in joining],
                                        {j.rid: j.feature_layers for j in joining if j.feature_layers},
-                                       budget=0 if chunked else None)
+                                       budget=0 if chunked else None, decide_first=[j.rid for j in joining if j.plain])
             if not chunked:
                 self._complete(handle, joining)
         except Exception as e:  # noqa: BLE001 - every joiner learns why
@@ -513,15 +513,18 @@ class TargetScheduler:
                 self._fail_joins(joins, e)
 
     def _complete(self, handle: int, joins: list[_Join]) -> None:
-        """begin's requests join the batch and their callers hear it; any closed meanwhile (while their prompt
-        was prefilled in chunks) leave again at once."""
-        features = self.worker.complete(handle)
+        """begin's requests join the batch and their callers hear it (a plain row's sink its first token,
+        decided as its prompt's last token ran); any closed meanwhile (while their prompt was prefilled in
+        chunks) leave again at once."""
+        joined = self.worker.complete(handle)
+        features = joined.features
         with self._cv:
             closed = {j.rid for j in joins if j.rid not in self._reserved}
             self._prompt_features |= {j.rid: features[j.rid] for j in joins
                                       if j.keep_features and j.rid in features and j.rid not in closed}
         if closed:
             self.worker.remove(list(closed))
+        ending: dict[str, Exception | None] = {}  # plain rows done at their first token, or failed at it
         for j in joins:
             if j.rid in closed:
                 error = UnknownRequest(f"request {j.rid!r} was closed while its prompt was prefilled")
@@ -531,7 +534,13 @@ class TargetScheduler:
                 continue
             if j.plain:
                 self._plain[j.rid] = j.plain
+                first = joined.first[j.rid]
+                if not isinstance(first, Verdict):
+                    ending[j.rid] = first
+                elif not self._advance_plain(j.rid, j.plain, TokenTree.root(j.prompt[-1]), first, 0.0):
+                    ending[j.rid] = None
             j.waiter.finish(None if j.keep_features else features.get(j.rid))
+        self._finish_plain(ending)
 
     def _fail_joins(self, joins: list[_Join], error: Exception) -> None:
         with self._cv:

@@ -61,6 +61,16 @@ class _Joining:
     feature_layers: dict[Hashable, tuple[int, ...]]
     grammars: dict[Hashable, RowGrammar]
     prefilled: Prefilled
+    decide_first: set[Hashable]
+
+
+@dataclass
+class Joined:
+    """What complete says of requests that joined: prompt features (those begun with feature_layers:
+    [len(prompt) - 1, F] each) and first verdicts (those begun in decide_first)."""
+
+    features: dict[Hashable, torch.Tensor]
+    first: dict[Hashable, Outcome]
 
 
 class TargetWorker:
@@ -110,15 +120,21 @@ class TargetWorker:
         carry the inputs of these layers of the target (a draft head's features). -> those requests'
         prompt features [len(prompt) - 1, F]: the prompt's tokens but the last, which the first tree's
         verdict carries as its root's"""
-        return self.complete(self.begin(joining, feature_layers))
+        return self.complete(self.begin(joining, feature_layers)).features
 
     def begin(self, joining: list[tuple[Hashable, list[int], SamplingParams, int]],
-              feature_layers: dict[Hashable, tuple[int, ...]] | None = None, budget: int | None = None) -> int:
+              feature_layers: dict[Hashable, tuple[int, ...]] | None = None, budget: int | None = None,
+              decide_first: Sequence[Hashable] = ()) -> int:
         """add, in steps (chunked prefill): check the requests (raising as add does) and prefill up to `budget`
         of their prompts' tokens (None: all), then advance runs more and complete joins them. -> a handle
         for those calls. Requests with feature_layers are prefilled whole now (their features come from one
-        forward)."""
-        feature_layers = feature_layers or {}
+        forward). Requests in decide_first (none with feature_layers) have their first token decided from
+        their prompt's last token as it is prefilled (as vLLM does), not by a first tree's verify a step
+        later: complete commits it and says it (Joined.first). The others' prompts are prefilled but for
+        their last token, which a drafter's first tree takes as its root."""
+        feature_layers, decide_first = feature_layers or {}, set(decide_first)
+        if decide_first & feature_layers.keys():
+            raise ValueError("a request whose prompt features are asked for gets its first token from a tree")
         grammars = {}
         for rid, prompt, params, _ in joining:
             if rid in self.requests:
@@ -127,11 +143,12 @@ class TargetWorker:
             self.check_layers(feature_layers.get(rid, ()))
             if params.grammar is not None:
                 grammars[rid] = self.grammars.matcher(params.grammar)  # InvalidArgument if it does not compile
-        chunks = [prompt[:-1] for _, prompt, _, _ in joining]  # the last token is the first tree's root
+        first = [rid in decide_first for rid, _, _, _ in joining]
+        chunks = [prompt if last else prompt[:-1] for (_, prompt, _, _), last in zip(joining, first)]
         hidden = bool(feature_layers)
-        prefilled = self.lm.prefill_alone(chunks, hidden=hidden, budget=None if hidden else budget)
+        prefilled = self.lm.prefill_alone(chunks, hidden=hidden, budget=None if hidden else budget, wants_last=first)
         handle = next(self._handles)
-        self._joining[handle] = _Joining(joining, feature_layers, grammars, prefilled)
+        self._joining[handle] = _Joining(joining, feature_layers, grammars, prefilled, decide_first)
         return handle
 
     def advance(self, handle: int, budget: int) -> int:
@@ -146,22 +163,37 @@ class TargetWorker:
         """begin's requests will not join (their prefill failed, say); nothing if they already did."""
         self._joining.pop(handle, None)
 
-    def complete(self, handle: int) -> dict[Hashable, torch.Tensor]:
-        """begin's requests join the batch, their prompts prefilled -> add's features."""
+    def complete(self, handle: int) -> Joined:
+        """begin's requests join the batch, their prompts prefilled -> add's features, and the first verdicts
+        of those begun in decide_first (committed: each such row's next root is its first token)."""
         pending = self._joining.pop(handle)
         joining, feature_layers, grammars, prefilled = (pending.joining, pending.feature_layers, pending.grammars,
                                                         pending.prefilled)
         self.lm.join(prefilled)  # ValueError while some of it is not prefilled (advance)
-        features, offset = {}, 0
-        for (rid, prompt, params, stream), chunk in zip(joining, prefilled.chunks):
+        features, first, offset = {}, {}, 0
+        for b, ((rid, prompt, params, stream), chunk) in enumerate(zip(joining, prefilled.chunks)):
             gen = make_generator(params.seed, stream, self.lm.device, role="target")
             layers = tuple(feature_layers.get(rid, ()))
             self.requests[rid] = _Request(list(prompt), params, gen, len(prompt), grammars.get(rid), layers)
             self.rows.append(rid)
             if layers:
                 features[rid] = _features(prefilled.hidden, layers, list(range(offset, offset + len(chunk))), self.lm)
+            if rid in pending.decide_first:
+                first[rid] = self._first_verdict(rid, prefilled.last[b])
             offset += len(chunk)
-        return features
+        return Joined(features, first)
+
+    def _first_verdict(self, rid: Hashable, logits: torch.Tensor) -> Outcome:
+        """A joining row's first token, decided from its prompt's last token's logits [V] as a verify of its
+        root alone decides it, and committed (that token's KV is in the cache already)."""
+        tree = TokenTree.root(self.requests[rid].seq[-1])
+        raw = logits.unsqueeze(0)  # [1, V]
+        held = self._row_logits(rid, tree, raw)
+        (argmax,) = to_host(held.argmax(-1))
+        outcome = self._decide(rid, tree, argmax, held, raw)
+        if isinstance(outcome, Verdict):
+            self.requests[rid].commit(outcome.tokens)
+        return outcome
 
     def check_layers(self, layers: tuple[int, ...]) -> None:
         """InvalidArgument("feature_layers") unless each is in [0, L]: layer i's input, or (L) the last hidden
@@ -240,24 +272,30 @@ class TargetWorker:
         if not trees:
             return outcomes, 0
         riders = [self._joining[handle].prefilled for handle in prefill]
-        chunks = _share(riders, budget)
+        shares = _share(riders, budget)
+        ending = [i for i, (p, b, chunk) in enumerate(shares) if p.ends(b, len(chunk))]  # their last logits kept
         with self.lm.carrying(riders):
-            ran = self._verify_rows(trees, outcomes, chunks)
+            ran, last = self._verify_rows(trees, outcomes, [chunk for _, _, chunk in shares], ending)
+        for i, row_logits in zip(ending, last):
+            p, b, _ = shares[i]
+            p.last[b] = row_logits
         for p in riders:
             p.ran()
         return outcomes, ran
 
     def _verify_rows(self, trees: dict[Hashable, TokenTree], outcomes: dict[Hashable, Outcome],
-                     chunks: list[list[int]]) -> int:
+                     chunks: list[list[int]], ending: Sequence[int] = ()) -> tuple[int, torch.Tensor]:
         """verify's forward and verdicts (into outcomes), the riders' chunks (one a row past the batch's own
-        rows, each run as a chain and committed whole) along -> tokens run"""
+        rows, each run as a chain and committed whole) along -> tokens run, and the logits [len(ending), V]
+        of the last token of each chunk `ending` names (the other riders' logits are not computed)"""
         row_trees = [trees.get(rid) or TokenTree.root(self.requests[rid].seq[-1]) for rid in self.rows]
         sizes = [len(trees[rid]) if rid in trees else 0 for rid in self.rows]  # rows not given a tree sit out
         chains = [TokenTree.chain(chunk) if chunk else TokenTree.root(0) for chunk in chunks]
         start, nodes = self.lm.size, sum(sizes)
         tokens, block, positions = layout(row_trees + chains, self.lm.lengths)
         ride = [len(chunk) for chunk in chunks]
-        keep = list(range(nodes)) if any(ride) else None  # the riders' logits are not needed: not computed
+        ends = list(itertools.accumulate(ride))
+        keep = list(range(nodes)) + [nodes + ends[i] - 1 for i in ending] if any(ride) else None
         try:
             if any(self.requests[rid].feature_layers for rid in trees):  # a head's row: the layers' inputs too
                 logits, states = self.lm.forward_hidden(tokens, block, positions, sizes=sizes + ride, keep=keep)
@@ -267,6 +305,7 @@ class TargetWorker:
             if not any(ride):
                 raise
             raise ChunksFailed(f"the forward failed with {sum(ride)} prompt tokens riding in it: {e}") from e
+        logits, last = logits[:nodes], logits[nodes:]
         held = self._processed(logits, row_trees, sizes)  # what p is drawn from (logprobs: the raw logits)
         (argmax,) = to_host(held.argmax(-1))  # the forward's one wait for the device (greedy rows)
         keep, offset = [], 0
@@ -283,7 +322,7 @@ class TargetWorker:
             if outcome is not None:
                 outcomes[rid] = outcome
         self.lm.commit(keep + [list(range(start, start + n)) for n in ride])
-        return nodes + sum(ride)
+        return nodes + sum(ride), last
 
     def _processed(self, logits: torch.Tensor, row_trees: list[TokenTree], sizes: list[int]) -> torch.Tensor:
         """The forward's logits [N, V] after each node as its row's settings make them from the node's own
@@ -318,15 +357,15 @@ class TargetWorker:
                                  "batched step; the other requests went on); see the server log")
 
 
-def _share(riders: list[Prefilled], budget: int) -> list[list[int]]:
+def _share(riders: list[Prefilled], budget: int) -> list[tuple[Prefilled, int, list[int]]]:
     """The next chunks of these sequences being prefilled, up to `budget` tokens in all, the first ones first:
-    one per row of each (empty for a row whose turn has not come)."""
-    chunks = []
+    (its Prefilled, its row there, the chunk) for every row of each (empty for a row whose turn has not come)."""
+    shares = []
     for p in riders:
         take = p.next_chunks(budget)
         budget -= sum(map(len, take))
-        chunks += take
-    return chunks
+        shares += [(p, b, chunk) for b, chunk in enumerate(take)]
+    return shares
 
 
 def _features(states: tuple[torch.Tensor, ...], layers: tuple[int, ...], tokens: list[int], lm: CachedLM) -> torch.Tensor:

@@ -87,12 +87,38 @@ def test_requests_admitted_together_each_join_once_their_own_prompt_is_in(target
     outputs = [sink.wait()[0] for sink in sinks]
     wait_until_empty(scheduler)
     scheduler.stop()
-    assert forwards_at_first_token["short"] <= 3 < 12 < forwards_at_first_token["long"], forwards_at_first_token
+    # the short one's 12 tokens: its first as its prompt's last token ran, then one a forward
+    assert forwards_at_first_token["short"] <= 1 and forwards_at_first_token["long"] >= 11, forwards_at_first_token
     whole = TargetWorker(CachedLM(target))
     whole.add([("short", short, GREEDY, 0), ("long", long, GREEDY, 0)])
     for _ in range(12):
         whole.verify({rid: TokenTree.root(whole.last_token(rid)) for rid in whole.rows})
     assert outputs == [whole.requests["short"].seq[5:17], whole.requests["long"].seq[120:124]]
+
+
+@pytest.mark.parametrize("budget", [None, 4, 64])
+def test_a_plain_rows_first_token_comes_with_its_prefill(target, budget):
+    """A plain row's first token is decided as its prompt's last token runs (vLLM's way), not by a forward
+    of its own a step later: a request for one token is done without a verify forward; one for six takes five,
+    and both decode as plain decoding does (their prompt again, whole in the prefix cache: its last token
+    still runs)."""
+    scheduler = TargetScheduler(TargetWorker(CachedLM(target, BlockPool(4096))), KvBudget(),
+                                max_batched_tokens=budget)
+    prompt = prompts(10, 1, 40, 40)[0]
+    whole = TargetWorker(CachedLM(target))
+    whole.add([("r", prompt, GREEDY, 0)])
+    for _ in range(6):
+        whole.verify({"r": TokenTree.root(whole.last_token("r"))})
+    for rid in ("first", "again"):
+        for new_tokens in (1, 6):
+            before, sink = scheduler.forwards, Collect()
+            scheduler.decode(f"{rid}-{new_tokens}", prompt, GREEDY, new_tokens, set(), sink)
+            tokens, reason, error = sink.wait()
+            assert error is None and tokens == whole.requests["r"].seq[40 : 40 + new_tokens]
+            assert scheduler.forwards - before == new_tokens - 1 and sink.steps[0] == tokens[:1]
+    assert scheduler.worker.prefix_stats().hit_tokens > 0
+    wait_until_empty(scheduler)
+    scheduler.stop()
 
 
 def chunked_outputs(target, draft, ps: list[list[int]], budget: int | None, prefix: bool) -> list[list[int]]:
