@@ -477,9 +477,9 @@ def test_the_scheduler_times_device_work_and_leaves_a_sizes_cold_first_forward_o
     worker = TargetWorker(CachedLM(target))
     begin, verify = worker.begin, worker.verify
 
-    def prefill(joining, feature_layers=None, budget=None):  # without chunks, begin prefills whole
+    def prefill(joining, feature_layers=None, budget=None, **kwargs):  # without chunks, begin prefills whole
         events.append("prefill")
-        handle = begin(joining, feature_layers, budget)
+        handle = begin(joining, feature_layers, budget, **kwargs)
         queued[0] = 0.05  # launched, not done
         return handle
 
