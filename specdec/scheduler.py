@@ -485,8 +485,22 @@ class TargetScheduler:
         return max(self.max_batched_tokens - forward_tokens, self.max_batched_tokens // 4, 1)
 
     def _prefill_alone(self, budget: int) -> None:
-        """Run up to `budget` of the joining prompts' tokens, the oldest first, in forwards of their own (no row
-        steps this iteration, or the forward they rode in failed); a chunk that fails ends its own requests."""
+        """No row steps this iteration: up to `budget` of the joining prompts' tokens, the oldest first, in one
+        forward of their own (so a burst of prompts on an idle batch is prefilled together); where it fails,
+        each group's apart (_advance_each)."""
+        t0 = self._clock()
+        try:
+            self.worker.verify({}, prefill=[handle for handle, _ in self._prefilling], budget=budget)
+        except Exception:  # noqa: BLE001 - which part failed is found out by running them apart
+            log.exception("a forward of prompts' chunks failed; running each group's apart")
+            self._advance_each(budget)
+            return
+        self.stall_time_s += self._clock() - t0
+        self._join_prefilled()
+
+    def _advance_each(self, budget: int) -> None:
+        """Run up to `budget` of the joining prompts' tokens, the oldest first, in forwards of their own, one a
+        group (the forward they rode in failed); a chunk that fails ends its own requests."""
         t0 = self._clock()
         while self._prefilling and budget > 0:
             handle, joins = self._prefilling[0]
@@ -608,7 +622,7 @@ class TargetScheduler:
             except ChunksFailed:  # which part failed is found out by running them apart
                 log.exception("a forward with prompts' chunks riding in it failed; running the batch without them")
                 outcomes = self.worker.verify(batch, max_nodes=self.budget.tree_room)
-                self._prefill_alone(budget)
+                self._advance_each(budget)
                 return outcomes
         return self.worker.verify(batch, max_nodes=self.budget.tree_room)
 

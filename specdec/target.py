@@ -263,13 +263,14 @@ class TargetWorker:
         each keeps. A tree refused (`refusal`) or a row whose acceptance fails gets its typed error
         instead of a verdict; the others are unaffected. `prefill`: begin's handles whose prompts run up
         to `budget` more tokens in the same forward, the oldest first (chunked prefill in a mixed batch;
-        `remaining` says when one is done). -> outcomes by request id, tokens in the forward's block"""
+        `remaining` says when one is done; with no trees, their chunks alone, in one forward of their own).
+        -> outcomes by request id, tokens in the forward's block"""
         outcomes: dict[Hashable, Outcome] = {}
         for rid, tree in trees.items():
             if (error := self.refusal(rid, tree, max_nodes)) is not None:
                 outcomes[rid] = error
         trees = {rid: tree for rid, tree in trees.items() if rid not in outcomes}
-        if not trees:
+        if not trees and not (prefill and budget):
             return outcomes, 0
         riders = [self._joining[handle].prefilled for handle in prefill]
         shares = _share(riders, budget)
@@ -307,7 +308,7 @@ class TargetWorker:
             raise ChunksFailed(f"the forward failed with {sum(ride)} prompt tokens riding in it: {e}") from e
         logits, last = logits[:nodes], logits[nodes:]
         held = self._processed(logits, row_trees, sizes)  # what p is drawn from (logprobs: the raw logits)
-        (argmax,) = to_host(held.argmax(-1))  # the forward's one wait for the device (greedy rows)
+        (argmax,) = to_host(held.argmax(-1)) if nodes else ([],)  # the forward's one wait for the device (greedy rows)
         keep, offset = [], 0
         for rid, tree, row_held, row_logits, size in zip(self.rows, row_trees, held.split(sizes), logits.split(sizes), sizes):
             row_argmax, offset = argmax[offset : offset + size], offset + size

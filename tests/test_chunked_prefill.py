@@ -96,6 +96,35 @@ def test_requests_admitted_together_each_join_once_their_own_prompt_is_in(target
     assert outputs == [whole.requests["short"].seq[5:17], whole.requests["long"].seq[120:124]]
 
 
+def test_a_burst_on_an_idle_batch_is_prefilled_in_one_forward(target, caplog):
+    """Requests begin one by one, but with no row stepping their prompts' chunks still run together: one
+    forward for four prompts that fit the budget, none apart (worker.advance), and each decodes as alone."""
+    scheduler = TargetScheduler(TargetWorker(CachedLM(target)), KvBudget(), max_batched_tokens=64)
+    worker, calls = scheduler.worker, {"advance": 0, "forward": 0}
+    advance, forward = worker.advance, worker.lm.forward
+
+    def counting_advance(*args, **kwargs):
+        calls["advance"] += 1
+        return advance(*args, **kwargs)
+
+    def counting_forward(*args, **kwargs):
+        calls["forward"] += 1
+        return forward(*args, **kwargs)
+
+    worker.advance, worker.lm.forward = counting_advance, counting_forward
+    ps, sinks = prompts(11, 4, 8, 14), [Collect() for _ in range(4)]
+    scheduler.decode_many([Opening(f"r{i}", p, GREEDY, max_new_tokens=1) for i, p in enumerate(ps)], set(), sinks)
+    outputs = [sink.wait()[0] for sink in sinks]
+    wait_until_empty(scheduler)
+    scheduler.stop()
+    assert calls == {"advance": 0, "forward": 1} and "failed" not in caplog.text
+    for p, out in zip(ps, outputs):
+        alone = TargetWorker(CachedLM(target))
+        alone.add([("r", p, GREEDY, 0)])
+        alone.verify({"r": TokenTree.root(alone.last_token("r"))})
+        assert out == alone.requests["r"].seq[len(p):]
+
+
 @pytest.mark.parametrize("budget", [None, 4, 64])
 def test_a_plain_rows_first_token_comes_with_its_prefill(target, budget):
     """A plain row's first token is decided as its prompt's last token runs (vLLM's way), not by a forward
