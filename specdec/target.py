@@ -274,6 +274,8 @@ class TargetWorker:
             return outcomes, 0
         riders = [self._joining[handle].prefilled for handle in prefill]
         shares = _share(riders, budget)
+        if not trees and not any(chunk for _, _, chunk in shares):  # the riders' prompts are all in already
+            return outcomes, 0
         ending = [i for i, (p, b, chunk) in enumerate(shares) if p.ends(b, len(chunk))]  # their last logits kept
         with self.lm.carrying(riders):
             ran, last = self._verify_rows(trees, outcomes, [chunk for _, _, chunk in shares], ending)

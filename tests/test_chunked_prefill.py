@@ -96,6 +96,21 @@ def test_requests_admitted_together_each_join_once_their_own_prompt_is_in(target
     assert outputs == [whole.requests["short"].seq[5:17], whole.requests["long"].seq[120:124]]
 
 
+def test_chunks_alone_with_every_prompt_in_already_run_no_forward(target):
+    """A verify with no trees and riders whose prompts are all in (a head's group is prefilled whole as it
+    begins) runs no forward: a forward of no tokens would fail, and under tensor parallelism a follower rank
+    that fails a call rank 0 recovers from leaves the group."""
+    worker = TargetWorker(CachedLM(target))
+    handle = worker.begin([("h", prompts(12, 1, 20, 20)[0], GREEDY, 0)], {"h": (1,)}, budget=0)
+    assert worker.remaining(handle) == 0
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("a forward ran")
+
+    worker.lm.forward = worker.lm.forward_hidden = no_forward
+    assert worker.verify({}, prefill=[handle], budget=8) == ({}, 0)
+
+
 def test_a_burst_on_an_idle_batch_is_prefilled_in_one_forward(target, caplog):
     """Requests begin one by one, but with no row stepping their prompts' chunks still run together: one
     forward for four prompts that fit the budget, none apart (worker.advance), and each decodes as alone."""
