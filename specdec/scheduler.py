@@ -551,8 +551,11 @@ class TargetScheduler:
                 first = joined.first[j.rid]
                 if not isinstance(first, Verdict):
                     ending[j.rid] = first
-                elif not self._advance_plain(j.rid, j.plain, TokenTree.root(j.prompt[-1]), first, 0.0):
-                    ending[j.rid] = None
+                else:
+                    with self._cv:  # committed by the forward that ran the prompt's last token
+                        self.committed_tokens += len(first.tokens)
+                    if not self._advance_plain(j.rid, j.plain, TokenTree.root(j.prompt[-1]), first, 0.0):
+                        ending[j.rid] = None
             j.waiter.finish(None if j.keep_features else features.get(j.rid))
         self._finish_plain(ending)
 

@@ -160,6 +160,7 @@ def test_a_plain_rows_first_token_comes_with_its_prefill(target, budget):
             tokens, reason, error = sink.wait()
             assert error is None and tokens == whole.requests["r"].seq[40 : 40 + new_tokens]
             assert scheduler.forwards - before == new_tokens - 1 and sink.steps[0] == tokens[:1]
+    assert scheduler.committed_tokens == 2 * (1 + 6)  # the first tokens too: the prefill's forward committed them
     assert scheduler.worker.prefix_stats().hit_tokens > 0
     wait_until_empty(scheduler)
     scheduler.stop()
