@@ -532,7 +532,8 @@ class TargetScheduler:
         chunks) leave again at once."""
         joined = self.worker.complete(handle)
         features = joined.features
-        with self._cv:
+        with self._cv:  # first tokens: committed by the forward that ran each prompt's last token
+            self.committed_tokens += sum(len(v.tokens) for v in joined.first.values() if isinstance(v, Verdict))
             closed = {j.rid for j in joins if j.rid not in self._reserved}
             self._prompt_features |= {j.rid: features[j.rid] for j in joins
                                       if j.keep_features and j.rid in features and j.rid not in closed}
@@ -551,11 +552,8 @@ class TargetScheduler:
                 first = joined.first[j.rid]
                 if not isinstance(first, Verdict):
                     ending[j.rid] = first
-                else:
-                    with self._cv:  # committed by the forward that ran the prompt's last token
-                        self.committed_tokens += len(first.tokens)
-                    if not self._advance_plain(j.rid, j.plain, TokenTree.root(j.prompt[-1]), first, 0.0):
-                        ending[j.rid] = None
+                elif not self._advance_plain(j.rid, j.plain, TokenTree.root(j.prompt[-1]), first, 0.0):
+                    ending[j.rid] = None
             j.waiter.finish(None if j.keep_features else features.get(j.rid))
         self._finish_plain(ending)
 

@@ -60,8 +60,7 @@ class _Joining:
     joining: list[tuple[Hashable, list[int], SamplingParams, int]]
     feature_layers: dict[Hashable, tuple[int, ...]]
     grammars: dict[Hashable, RowGrammar]
-    prefilled: Prefilled
-    decide_first: set[Hashable]
+    prefilled: Prefilled  # its wants_last: the rows begun in decide_first
 
 
 @dataclass
@@ -148,7 +147,7 @@ class TargetWorker:
         hidden = bool(feature_layers)
         prefilled = self.lm.prefill_alone(chunks, hidden=hidden, budget=None if hidden else budget, wants_last=first)
         handle = next(self._handles)
-        self._joining[handle] = _Joining(joining, feature_layers, grammars, prefilled, decide_first)
+        self._joining[handle] = _Joining(joining, feature_layers, grammars, prefilled)
         return handle
 
     def advance(self, handle: int, budget: int) -> int:
@@ -178,7 +177,7 @@ class TargetWorker:
             self.rows.append(rid)
             if layers:
                 features[rid] = _features(prefilled.hidden, layers, list(range(offset, offset + len(chunk))), self.lm)
-            if rid in pending.decide_first:
+            if prefilled.wants_last[b]:
                 first[rid] = self._first_verdict(rid, prefilled.last[b])
             offset += len(chunk)
         return Joined(features, first)
@@ -270,11 +269,9 @@ class TargetWorker:
             if (error := self.refusal(rid, tree, max_nodes)) is not None:
                 outcomes[rid] = error
         trees = {rid: tree for rid, tree in trees.items() if rid not in outcomes}
-        if not trees and not (prefill and budget):
-            return outcomes, 0
         riders = [self._joining[handle].prefilled for handle in prefill]
         shares = _share(riders, budget)
-        if not trees and not any(chunk for _, _, chunk in shares):  # the riders' prompts are all in already
+        if not trees and not any(chunk for _, _, chunk in shares):  # nothing to run (riders' prompts all in)
             return outcomes, 0
         ending = [i for i, (p, b, chunk) in enumerate(shares) if p.ends(b, len(chunk))]  # their last logits kept
         with self.lm.carrying(riders):
