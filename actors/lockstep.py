@@ -16,6 +16,7 @@ import sys
 
 import torch.distributed as dist
 
+from specdec.compute import single_threaded
 from specdec.target import TargetWorker
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ def follow(worker: TargetWorker, group: dist.ProcessGroup) -> None:
     ValueError: the core's typed errors) is rank 0's too, which reported it; anything else (a CUDA OOM)
     leaves this rank's shard out of step with rank 0, and a failed broadcast means rank 0 is gone: either
     ends the process (die), so that the group is rebuilt now, not when rank 0's next collective times out."""
+    single_threaded()  # its forwards run on the compute thread
     while True:
         box = [None]
         try:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from protos import specdec_tree_pb2_grpc as tree_grpc
+from specdec.compute import on_compute, single_threaded
 from specdec.cpu_linear import packed_numel
 from specdec.kvcache import CachedLM
 from specdec.blocks import BlockPool
@@ -62,8 +63,11 @@ def no_cuda_message(gpu_ids: list) -> str:
 
 
 def use_assigned_cpus() -> None:
+    """The models run with the CPUs Ray assigned, on the compute thread (specdec.compute); the actor's own
+    threads run torch on one."""
     cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
     torch.set_num_threads(max(1, int(cpus)))
+    single_threaded()
 
 
 @ray.remote
@@ -90,7 +94,7 @@ class TargetRank:
             model = load_served_model(model_path, parse_dtype(dtype), device)
         else:
             group = _join_tensor_parallel_group(rank, world_size, dist_address, device)
-            model = load_sharded_model(model_path, parse_dtype(dtype))
+            model = on_compute(device, load_sharded_model, model_path, parse_dtype(dtype))
         # every rank alike: they take and give back blocks alike; room for the budget's KV and the prefix cache's
         pool = BlockPool(prefix_cache_tokens, reserve_tokens=budget.max_tokens + prefix_cache_tokens)
         worker = TargetWorker(CachedLM(model, pool), load_grammars(model_path, model))

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from protos import specdec_tree_pb2 as tree_pb
 from protos import specdec_tree_pb2_grpc as tree_grpc
+from specdec.compute import single_threaded
 from specdec.errors import InvalidArgument
 
 from . import wire
@@ -31,7 +32,8 @@ class TargetService(tree_grpc.TargetServiceServicer):
     def __init__(self, scheduler: TargetScheduler, verify_threads: int = VERIFY_THREADS,
                  message_limit: int = MAX_MESSAGE_BYTES):
         self.scheduler, self.limit = scheduler, message_limit  # limit: the link's, which a reply must fit
-        self._verifiers = ThreadPoolExecutor(verify_threads, thread_name_prefix="verify-rpc")
+        self._verifiers = ThreadPoolExecutor(verify_threads, thread_name_prefix="verify-rpc",
+                                             initializer=single_threaded)
 
     async def Open(self, request, context):
         async with _status(context):

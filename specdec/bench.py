@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from .compute import on_compute
 from .drafter_factory import draft_runner, make_drafter
 from .engine import SpecConfig, SpeculativeEngine
 from .kvcache import CachedLM
@@ -61,7 +62,8 @@ def hf_mode(name, target, eos, max_new, params, **kwargs):
     def run(prompt):
         if not params.greedy:
             torch.manual_seed(params.seed or 0)
-        return hf_generate(target, prompt, max_new, sorted(eos), **sampling, **kwargs), None
+        # on the thread the engine's forwards run on (specdec.compute), with the same torch threads
+        return on_compute(target.device, hf_generate, target, prompt, max_new, sorted(eos), **sampling, **kwargs), None
 
     return Mode(name, run)
 

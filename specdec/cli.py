@@ -162,6 +162,7 @@ def spec_config(args):
 def cmd_generate(args) -> None:
     import torch
 
+    from .compute import single_threaded
     from .drafter_factory import draft_runner, make_drafter
     from .engine import SpeculativeEngine
     from .kvcache import CachedLM
@@ -172,7 +173,8 @@ def cmd_generate(args) -> None:
         raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     config, width = spec_config(args)
-    resolve_models(args)
+    resolve_models(args)  # may build the default pair first, with every thread
+    single_threaded()  # the models run on the compute thread (specdec.compute), all of torch's threads theirs
     drafter_name = args.drafter or ("model+ngram" if args.draft else "ngram")
     dtype = parse_dtype(args.dtype)
     tokenizer = load_tokenizer(args.target)
@@ -266,8 +268,10 @@ def cmd_models(args) -> None:
 
 def cmd_bench(args) -> None:
     from .bench import run_bench
+    from .compute import single_threaded
 
-    resolve_models(args)
+    resolve_models(args)  # may build the default pair first, with every thread
+    single_threaded()  # the models run on the compute thread (specdec.compute), all of torch's threads theirs
     run_bench(args)
 
 

@@ -20,6 +20,7 @@ import torch
 from .acceptance import Verdict
 from .ahead import Ahead, draft_ahead, settle
 from .closed import RecentlyClosed
+from .compute import single_threaded
 from .drafters import Drafter, Plan
 from .generation import Generation, emit, record_step
 from .kvcache import Prefilled, compacting
@@ -72,7 +73,7 @@ class DraftLoop:
         # drafting ahead pays only where drafting costs (a draft model): n-gram guesses are free; a head would
         # draft ahead from its own features where the target's are due, so it does not
         self.overlap = overlap and drafter is not None and drafter.uses_model and not drafter.feature_layers
-        self._verifier = ThreadPoolExecutor(1, thread_name_prefix="verify") if self.overlap else None
+        self._verifier = ThreadPoolExecutor(1, thread_name_prefix="verify", initializer=single_threaded) if self.overlap else None
         self.rows: list[DraftRequest] = []  # batch order: the drafter's rows
         self._joining: list[DraftRequest] = []
         self._cancelled = RecentlyClosed()  # a cancel may come before its request joins: kept until it is seen
@@ -125,6 +126,7 @@ class DraftLoop:
             tell(r.rid, r.sink, [], r.out, True, error)
 
     def _loop(self) -> None:
+        single_threaded()  # its forwards run on the compute thread
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self.rows or self._joining or self._stopped)

@@ -18,6 +18,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .compute import on_compute
 from .device import HOST, host_tensor, to_device
 from . import paged_flex, paged_kernel
 from .blocks import NULL, TRASH, BlockPool
@@ -707,7 +708,8 @@ class CachedLM:
         reading = _READING.set(self._slots)  # what ragged_attention reads the rows' keys and values through
         try:
             with self.pool.using():  # the plan's blocks are taken: the pool stays as it is until the forward ends
-                out = self.model(
+                out = on_compute(
+                    self.device, self.model,
                     input_ids=to_device(tokens, self.device),
                     attention_mask=mask,
                     position_ids=to_device(positions, self.device),

@@ -8,6 +8,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Distr
                           PreTrainedModel, PreTrainedTokenizerBase)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from .compute import on_compute
 from .cpu_linear import pack_linears
 from .eagle3 import HeadMismatch, is_eagle3, load_head
 from .eagle3 import read_config as read_eagle3_config
@@ -97,8 +98,8 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu
 
 def load_served_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PreTrainedModel:
     """load_model, as specdec serves it: on a CPU, its linear layers run through oneDNN's packed
-    weights (specdec.cpu_linear)."""
-    return pack_linears(load_model(path, dtype, device))
+    weights (specdec.cpu_linear), loaded on the thread that will run it (specdec.compute)."""
+    return on_compute(device, lambda: pack_linears(load_model(path, dtype, device)))
 
 
 def load_draft(path: str, target: "PreTrainedModel | TargetParts", dtype: torch.dtype = torch.float32, device: str = "cpu",
@@ -112,7 +113,7 @@ def load_draft(path: str, target: "PreTrainedModel | TargetParts", dtype: torch.
         head = load_medusa(local_folder(path), target)
     else:
         return load_served_model(path, dtype, device) if served else load_model(path, dtype, device)
-    return pack_linears(head) if served else head
+    return on_compute(device, pack_linears, head) if served else head
 
 
 class TargetParts:

@@ -21,6 +21,7 @@ from .acceptance import Verdict
 from .adaptive import Costs, Load, clock
 from .blocks import BLOCK_TOKENS
 from .closed import RecentlyClosed
+from .compute import single_threaded
 from .errors import InvalidArgument, RequestExists, ResourceExhausted, UnknownRequest
 from .generation import Generation, emit, record_step
 from .sampling import SamplingParams
@@ -368,6 +369,7 @@ class TargetScheduler:
         return 0
 
     def _loop(self) -> None:
+        single_threaded()  # its forwards run on the compute thread
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._stopped or self._leaving or self._trees or self._plain

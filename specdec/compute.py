@@ -1,0 +1,114 @@
+"""One thread per process runs the models on a CPU, with all of torch's threads; every other thread that
+touches torch runs it on one.
+
+torch's parallel regions on a CPU are OpenMP's, and GNU OpenMP (the runtime torch's Linux wheels ship)
+gives each thread that opens one a team of its own. Once the process holds more of those threads than it
+has CPUs, GNU OpenMP stops spinning between regions and puts its threads to sleep instead, so every region
+(each linear layer of a forward) waits for a wake-up. Measured on this project's 2-core machine, 2 torch
+threads: a packed linear layer of a decode step takes 41 us on the thread that loaded the model and 88-100
+us on any other thread once the loading thread has run a region; a bench-target verify of one token 4.0 ms
+against 7.5 ms (docs/performance.md, "One thread runs the models"). The
+draft loop, the target's scheduler, a tensor-parallel follower and the gRPC handlers are threads; so every
+forward and every load here runs on this module's compute thread (on_compute), which alone has a team, and
+those threads take one thread each (single_threaded) for what they compute themselves (the trees' top-k,
+acceptance). On a GPU the kernels run on the device and calls stay where they are."""
+
+from __future__ import annotations
+
+import contextvars
+import ctypes
+import queue
+import re
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+class _ComputeThread:
+    """A daemon thread running submitted calls one at a time, with the torch threads the process was set to
+    (torch.set_num_threads, or the CPUs) when it started."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="torch-compute", daemon=True)
+        self._thread.start()
+
+    @property
+    def ident(self) -> int | None:
+        return self._thread.ident
+
+    def _serve(self) -> None:
+        torch.get_num_threads()  # torch sets this thread's OpenMP team from its global setting, once
+        while True:
+            call, done = self._calls.get()
+            if not done.set_running_or_notify_cancel():
+                continue
+            try:
+                done.set_result(call())
+            except BaseException as e:  # noqa: BLE001 - the caller's to raise
+                done.set_exception(e)
+
+    def run(self, fn: Callable[[], T]) -> T:
+        done: Future = Future()
+        self._calls.put((fn, done))
+        return done.result()
+
+
+_COMPUTE: _ComputeThread | None = None
+_LOCK = threading.Lock()
+
+
+def _compute() -> _ComputeThread:
+    global _COMPUTE
+    with _LOCK:
+        if _COMPUTE is None:
+            _COMPUTE = _ComputeThread()
+        return _COMPUTE
+
+
+def on_compute(device: torch.device | str, fn: Callable[..., T], *args, **kwargs) -> T:
+    """fn(*args, **kwargs) on the compute thread when `device` is the CPU (in the caller's context variables
+    and grad / inference mode, its exceptions raised here), else here."""
+    if torch.device(device).type != "cpu":
+        return fn(*args, **kwargs)
+    compute = _compute()
+    if threading.get_ident() == compute.ident:
+        return fn(*args, **kwargs)
+    context, inference, grad = contextvars.copy_context(), torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+    def call() -> T:
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            return context.run(fn, *args, **kwargs)
+
+    return compute.run(call)
+
+
+def _openmp() -> ctypes.CDLL | None:
+    """The OpenMP runtime this process has loaded (torch's), or None where it cannot be found."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if line.rstrip().endswith(".so") or ".so." in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        if re.search(r"/lib(g|i|i5)?omp[^/]*\.so", path) or re.search(r"/libiomp5[^/]*\.so", path):
+            try:
+                return ctypes.CDLL(path)
+            except OSError:
+                continue
+    return None
+
+
+def single_threaded() -> None:
+    """The calling thread runs torch's CPU work on itself alone (an OpenMP team of one), leaving the CPUs to
+    the compute thread. Only this thread changes: torch's process-wide setting (torch.set_num_threads), which
+    the compute thread takes when it starts, stays. Where the OpenMP runtime cannot be found, nothing changes."""
+    torch.get_num_threads()  # torch's own setting for this thread first: it would overwrite ours later
+    openmp = _openmp()
+    if openmp is not None:
+        openmp.omp_set_num_threads(1)

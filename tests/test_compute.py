@@ -1,0 +1,80 @@
+"""specdec.compute: the models run on one thread per process, which alone has torch's threads on a CPU."""
+
+import contextvars
+import threading
+
+import pytest
+import torch
+
+from conftest import NEW_TOKENS
+from specdec import CachedLM, SpecConfig, SpeculativeEngine
+from specdec.compute import on_compute, single_threaded
+from specdec.drafter_factory import make_drafter
+from specdec.plain import hf_greedy
+
+COLOUR = contextvars.ContextVar("colour", default="none")
+
+
+def test_calls_from_any_thread_run_on_one_compute_thread():
+    names = set()
+
+    def where() -> str:
+        names.add(threading.current_thread().name)
+        return threading.current_thread().name
+
+    def caller():
+        on_compute("cpu", where)
+
+    threads = [threading.Thread(target=caller) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    on_compute("cpu", where)
+    assert names == {"torch-compute"}
+    assert on_compute("cpu", lambda: on_compute("cpu", where)) == "torch-compute"  # nested: no deadlock
+
+
+def test_a_call_keeps_the_callers_context_and_modes_and_raises_its_errors():
+    COLOUR.set("red")
+    with torch.inference_mode():
+        seen = on_compute("cpu", lambda: (COLOUR.get(), torch.is_inference_mode_enabled()))
+    assert seen == ("red", True)
+    with torch.no_grad():
+        assert on_compute("cpu", torch.is_grad_enabled) is False
+    assert on_compute("cpu", torch.is_grad_enabled) is True
+    with pytest.raises(ZeroDivisionError):
+        on_compute("cpu", lambda: 1 / 0)
+    assert on_compute("cpu", lambda: 7) == 7  # the thread goes on after a failure
+
+
+def test_a_single_threaded_thread_leaves_the_others_their_threads():
+    before = torch.get_num_threads()
+    seen = {}
+
+    def body():
+        single_threaded()
+        seen["own"] = torch.get_num_threads()
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert seen["own"] == 1
+    assert torch.get_num_threads() == before
+    assert on_compute("cpu", torch.get_num_threads) >= 1
+
+
+def test_the_engines_forwards_run_on_the_compute_thread(target, draft, reference):
+    """Both loops' forwards (target and draft model) run on the compute thread, none on a loop's own; the
+    output is plain decoding's."""
+    names: dict[str, set[str]] = {"target": set(), "draft": set()}
+    hooks = [m.register_forward_hook(lambda *_, n=n: names[n].add(threading.current_thread().name))
+             for n, m in (("target", target), ("draft", draft))]
+    try:
+        engine = SpeculativeEngine(CachedLM(target), make_drafter("model", CachedLM(draft), 1), SpecConfig(depth=3))
+        outs = engine.generate(reference.prompts[:3], NEW_TOKENS)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert names == {"target": {"torch-compute"}, "draft": {"torch-compute"}}
+    assert [o.token_ids for o in outs] == [hf_greedy(target, p, NEW_TOKENS) for p in reference.prompts[:3]]
