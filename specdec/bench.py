@@ -190,7 +190,8 @@ def report_rows(modes: list[Mode], params: SamplingParams) -> list[dict]:
 def print_table(rows: list[dict], args) -> None:
     print(f"# specdec bench: {args.target} / {args.draft}, {args.prompts}, workload={args.workload} "
           f"({turns_of(args.workload, args.turns)} turns), max_new_tokens={args.max_new_tokens}, "
-          f"temperature={args.temperature}, dtype={args.dtype}, device={args.device}, torch threads={torch.get_num_threads()}")
+          f"temperature={args.temperature}, dtype={args.dtype}, device={args.device}, "
+          f"torch threads={on_compute(args.device, torch.get_num_threads)}")  # the models' thread's
     head = f"{'mode':<18} {'task':<6} {'tok/s':>8} {'alpha':>6} {'acc.len':>7} {'speedup':>7} identical"
     print(head)
     for r in rows:
