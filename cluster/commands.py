@@ -180,7 +180,7 @@ def logprob_dict(e: api.TokenLogprob) -> dict:
 
 def stats_dict(stats: api.SpeculationStats) -> dict:
     return {"speculative": stats.speculative, "drafted": stats.drafted, "accepted": stats.accepted,
-            "steps": stats.steps, "alpha": stats.alpha if stats.HasField("alpha") else None}
+            "steps": stats.steps, "alpha": stats.alpha if stats.HasField("alpha") else None, "tried": stats.tried}
 
 
 def task_stats(stub) -> dict:

@@ -69,7 +69,7 @@ class Responses:
 
 def stats_proto(stats: SpeculationStats) -> api.SpeculationStats:
     return api.SpeculationStats(speculative=stats.speculative, drafted=stats.drafted, accepted=stats.accepted,
-                                steps=stats.steps, alpha=stats.alpha)
+                                steps=stats.steps, alpha=stats.alpha, tried=stats.tried)
 
 
 def stats_response(stats: IngressStats) -> api.GetStatsResponse:

@@ -39,6 +39,7 @@ class SpeculationStats:
     accepted: int
     steps: int
     alpha: float | None  # per-depth acceptance (None: nothing was drafted)
+    tried: int = 0  # depths tried (a step of depth K accepting a tries a + (a < K)): alpha = accepted / tried
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -75,7 +76,7 @@ class Progress:
 
     def summary(self) -> SpeculationStats:
         return SpeculationStats(self.speculative, self.drafted, self.accepted, self.steps,
-                                acceptance_rate(self.accepted, self.tried_depths))
+                                acceptance_rate(self.accepted, self.tried_depths), self.tried_depths)
 
 
 @dataclass

@@ -92,18 +92,20 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("speculative", "drafted", "accepted", "steps", "alpha")
+    __slots__ = ("speculative", "drafted", "accepted", "steps", "alpha", "tried")
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TRIED_FIELD_NUMBER: _ClassVar[int]
     speculative: bool
     drafted: int
     accepted: int
     steps: int
     alpha: float
-    def __init__(self, speculative: _Optional[bool] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., steps: _Optional[int] = ..., alpha: _Optional[float] = ...) -> None: ...
+    tried: int
+    def __init__(self, speculative: _Optional[bool] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., steps: _Optional[int] = ..., alpha: _Optional[float] = ..., tried: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats", "index", "logprobs", "more_samples")

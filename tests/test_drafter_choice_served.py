@@ -89,3 +89,4 @@ def test_a_task_types_corpus_is_drafted_from_on_its_first_request(served, target
     # were accepted came from the corpus. At any K >= 1 accepted drafts halve the steps (12 tokens, <= 8 steps);
     # the own text alone takes about one step a token
     assert reply.stats.alpha >= 0.5 and reply.stats.steps <= 8, reply.stats
+    assert reply.stats.alpha == pytest.approx(reply.stats.accepted / reply.stats.tried)  # the depths it tried

@@ -58,7 +58,8 @@ class FakeSpecDecode(api_grpc.SpecDecodeServicer):
             yield api.GenerateResponse(
                 text=" ".join(f"w{t}" for t in chunk), token_ids=chunk, finish_reason="length" if last else "",
                 stats=api.SpeculationStats(speculative=size > 1, steps=len(chunks), drafted=2 * len(tokens),
-                                           accepted=len(tokens) - len(chunks)) if last else None)
+                                           accepted=len(tokens) - len(chunks),
+                                           tried=len(tokens) - len(chunks) + 1 if size > 1 else 0) if last else None)
 
 
 class Served:
@@ -139,6 +140,9 @@ def test_grid_rows_references_and_plot(bench_setup, capsys, tmp_path):
         assert r["step_round_trip_ms"] is None and r["draft_ms"] is None  # keys the server does not report
     on = next(r for r in rows if r["mode"] == "on")
     assert on["steps"] == len(PROMPTS) * 2 and on["accepted"] == len(PROMPTS) * (NEW_TOKENS - 2)
+    assert on["tried"] == len(PROMPTS) * (NEW_TOKENS - 1)  # pooled over the requests: accepted / tried depths
+    assert on["alpha"] == round((NEW_TOKENS - 2) / (NEW_TOKENS - 1), 3)
+    assert next(r for r in rows if r["mode"] == "off")["alpha"] is None  # nothing tried
     assert " - " in out  # missing server timing printed as "-"
 
     refs = final["references"]

@@ -116,6 +116,7 @@ class Reply:
     steps: int = 0
     accepted: int = 0
     drafted: int = 0
+    tried: int = 0  # depths tried: the per-depth alpha is accepted / tried, whatever depth each step drafted
 
 
 def bench_main(args) -> None:
@@ -192,7 +193,8 @@ def stream_one(stub, row: dict, mode: Speculation, max_new_tokens: int, timeout:
             last = now
             reply.tokens.extend(chunk.token_ids)
         if chunk.HasField("stats"):
-            reply.steps, reply.accepted, reply.drafted = chunk.stats.steps, chunk.stats.accepted, chunk.stats.drafted
+            stats = chunk.stats
+            reply.steps, reply.accepted, reply.drafted, reply.tried = stats.steps, stats.accepted, stats.drafted, stats.tried
     if first is not None:
         reply.ttft_s = first - t0
         if len(reply.tokens) > 1:
@@ -285,6 +287,7 @@ def cell_row(clients: int, mode: Speculation, wall: float, replies: list[Reply],
     off = next((r["tokens_per_s"] for r in earlier if r["clients"] == clients and r["mode"] == "off"), None)
     ms = lambda s: None if s is None else round(1000 * s, 3)  # noqa: E731
     tpot = [r.tpot_s for r in replies if r.tpot_s is not None]
+    accepted, tried = sum(r.accepted for r in replies), sum(r.tried for r in replies)
     delta = {k: after[k] - before[k] for k in TIMING_KEYS + PREFIX_KEYS if k in after and k in before}
 
     def per(key: str, count: str) -> float | None:  # server ms per forward / per step, when reported
@@ -300,8 +303,10 @@ def cell_row(clients: int, mode: Speculation, wall: float, replies: list[Reply],
         # the target's prefix cache: prompt tokens found cached / looked up in this cell (None: not reported)
         "prefix_hit_rate": round(delta["prefix_hit_tokens"] / delta["prefix_prompt_tokens"], 3)
         if delta.get("prefix_prompt_tokens") else None,
-        "steps": sum(r.steps for r in replies), "accepted": sum(r.accepted for r in replies),
-        "drafted": sum(r.drafted for r in replies),
+        "steps": sum(r.steps for r in replies), "accepted": accepted, "drafted": sum(r.drafted for r in replies),
+        # pooled per-depth alpha: accepted / tried depths, which the depth each step drafted does not move as it
+        # moves accepted / drafted (a deeper tree drafts more tokens that are never tried)
+        "tried": tried, "alpha": round(accepted / tried, 3) if tried else None,
         # float32: a mismatch stops the run; another dtype: agreement with off (below AGREEMENT_FLOOR stops it)
         "identical_to_off": None if mode == Speculation.OFF else agree == 1.0,
         "agreement_with_off": None if mode == Speculation.OFF else agree,
@@ -437,14 +442,14 @@ def table(rows: list[dict], references: dict, args, n_prompts: int) -> str:
              f"max_new_tokens={args.max_new_tokens}, "
              f"greedy, server {args.address}",
              f"{'clients':>7} {'mode':<5} {'tok/s':>7} {'vs off':>7} {'tpot p50':>9} {'tpot p95':>9} {'ttft p50':>9} "
-             f"{'ttft p95':>9} {'accepted/drafted':>17} {'steps':>6} {'forward':>8} {'round trip':>10} {'draft':>7}  (ms) "
+             f"{'ttft p95':>9} {'accepted/drafted':>17} {'alpha':>6} {'steps':>6} {'forward':>8} {'round trip':>10} {'draft':>7}  (ms) "
              f"{'ahead':>6} {'prefix hits':>11}"]
     for r in rows:
         acc = f"{r['accepted']}/{r['drafted']}"
         lines.append(
             f"{r['clients']:>7} {r['mode']:<5} {r['tokens_per_s']:>7.1f} {fmt(r['speedup'], '.2f'):>6}x "
             f"{fmt(r['tpot_p50_ms']):>9} {fmt(r['tpot_p95_ms']):>9} {fmt(r['ttft_p50_ms']):>9} "
-            f"{fmt(r.get('ttft_p95_ms')):>9} {acc:>17} {r['steps']:>6} {fmt(r['target_forward_ms']):>8} "
+            f"{fmt(r.get('ttft_p95_ms')):>9} {acc:>17} {fmt(r.get('alpha'), '.3f'):>6} {r['steps']:>6} {fmt(r['target_forward_ms']):>8} "
             f"{fmt(r['step_round_trip_ms']):>10} {fmt(r['draft_ms']):>7}       {fmt(r.get('drafted_ahead'), '.2f'):>6} "
             f"{fmt(r.get('prefix_hit_rate'), '.3f'):>11}")
     dtype = args.dtype
