@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextvars
 import ctypes
+import os
 import queue
 import re
 import threading
@@ -61,6 +62,15 @@ class _ComputeThread:
 
 _COMPUTE: _ComputeThread | None = None
 _LOCK = threading.Lock()
+
+
+def _forget_in_child() -> None:
+    """A forked child has none of its parent's threads: it starts its own compute thread when it needs one."""
+    global _COMPUTE, _LOCK
+    _COMPUTE, _LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _compute() -> _ComputeThread:

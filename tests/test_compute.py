@@ -1,7 +1,9 @@
 """specdec.compute: the models run on one thread per process, which alone has torch's threads on a CPU."""
 
 import contextvars
+import os
 import threading
+import time
 
 import pytest
 import torch
@@ -78,3 +80,26 @@ def test_the_engines_forwards_run_on_the_compute_thread(target, draft, reference
             h.remove()
     assert names == {"target": {"torch-compute"}, "draft": {"torch-compute"}}
     assert [o.token_ids for o in outs] == [hf_greedy(target, p, NEW_TOKENS) for p in reference.prompts[:3]]
+
+
+def test_a_forked_child_gets_a_compute_thread_of_its_own():
+    """A fork copies only the forking thread: the child starts its own compute thread instead of waiting on the
+    parent's, which it does not have."""
+    on_compute("cpu", lambda: None)  # the parent's, started
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if a call returns
+        try:
+            os._exit(0 if on_compute("cpu", lambda: 7) == 7 else 1)
+        finally:
+            os._exit(2)
+    status, t0 = None, time.monotonic()
+    while time.monotonic() - t0 < 30:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's call never returned")
+    assert os.waitstatus_to_exitcode(status) == 0
