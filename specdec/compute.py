@@ -105,12 +105,13 @@ def _openmp() -> ctypes.CDLL | None:
             paths = {line.split()[-1] for line in maps if line.rstrip().endswith(".so") or ".so." in line}
     except OSError:
         return None
-    for path in sorted(paths):
-        if re.search(r"/lib(g|i|i5)?omp[^/]*\.so", path) or re.search(r"/libiomp5[^/]*\.so", path):
-            try:
-                return ctypes.CDLL(path)
-            except OSError:
-                continue
+    runtimes = [p for p in paths if re.search(r"/lib(g|i)?omp[0-9]*[^/]*\.so", p)]
+    torch_dir = os.path.dirname(torch.__file__)
+    for path in sorted(runtimes, key=lambda p: not p.startswith(torch_dir)):  # torch's own first
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
     return None
 
 
