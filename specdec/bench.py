@@ -120,8 +120,9 @@ def run_bench(args) -> None:
     tokenizer = load_tokenizer(args.target)
     check_draft_tokenizer(tokenizer, args.draft)
     target = load_served_model(args.target, dtype, args.device)  # every mode runs the models as served
-    draft = load_draft(args.draft, target, dtype, args.device, served=True)
-    head = load_draft(args.head, target, dtype, args.device, served=True) if args.head else None
+    draft_dtype = parse_dtype(args.draft_dtype or args.dtype)
+    draft = load_draft(args.draft, target, draft_dtype, args.device, served=True)
+    head = load_draft(args.head, target, draft_dtype, args.device, served=True) if args.head else None
     eos = eos_ids(target.generation_config, tokenizer)
     only = set(args.modes.split(",")) if args.modes else None
     corpus = None
@@ -190,7 +191,7 @@ def report_rows(modes: list[Mode], params: SamplingParams) -> list[dict]:
 def print_table(rows: list[dict], args) -> None:
     print(f"# specdec bench: {args.target} / {args.draft}, {args.prompts}, workload={args.workload} "
           f"({turns_of(args.workload, args.turns)} turns), max_new_tokens={args.max_new_tokens}, "
-          f"temperature={args.temperature}, dtype={args.dtype}, device={args.device}, "
+          f"temperature={args.temperature}, dtype={args.dtype}, draft dtype={args.draft_dtype or args.dtype}, device={args.device}, "
           f"torch threads={on_compute(args.device, torch.get_num_threads)}")  # the models' thread's
     head = f"{'mode':<18} {'task':<6} {'tok/s':>8} {'alpha':>6} {'acc.len':>7} {'speedup':>7} identical"
     print(head)

@@ -35,6 +35,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target model folder (or hub id); default: the embedded default pair")
     p.add_argument("--draft", help="draft model folder, same tokenizer as the target, or an EAGLE-3 head's folder")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    p.add_argument("--draft-dtype", default=None, help="the draft's or heads' dtype (default: --dtype); greedy "
+                   "output is the target's whatever it is")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)")
 
 
@@ -182,7 +184,8 @@ def cmd_generate(args) -> None:
     draft = None
     if args.draft and DrafterKind(drafter_name).uses_model:
         check_draft_tokenizer(tokenizer, args.draft)
-        draft = draft_runner(load_draft(args.draft, target, dtype, args.device, served=True))
+        draft = draft_runner(load_draft(args.draft, target, parse_dtype(args.draft_dtype or args.dtype), args.device,
+                                        served=True))
     engine = SpeculativeEngine(CachedLM(target), make_drafter(drafter_name, draft, width), config,
                                eos_ids(target.generation_config, tokenizer))
     prompt = tokenizer(args.prompt)["input_ids"]

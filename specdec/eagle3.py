@@ -110,6 +110,11 @@ class Eagle3Head(LlamaPreTrainedModel):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The head's own dtype (its norm's), whatever a shared embedding's is."""
+        return self.norm.weight.dtype
+
     def target_ids(self) -> torch.Tensor:
         """[draft_vocab] each draft id's id in the target's vocabulary."""
         return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
@@ -128,7 +133,7 @@ class Eagle3Head(LlamaPreTrainedModel):
 
     def layer_output(self, input_ids, features, attention_mask, position_ids, cache=None, **kwargs) -> torch.Tensor:
         """The tokens [B, T] and their features [B, T, H] through the head's layer -> its pre-norm output [B, T, H]."""
-        embeds = self.embed_tokens(input_ids)  # [B, T, H]
+        embeds = self.embed_tokens(input_ids).to(self.dtype)  # [B, T, H]; a shared embedding may be the target's dtype
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         position_embeddings = self.rotary_emb(embeds, position_ids=position_ids)
@@ -204,9 +209,10 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     raise FileNotFoundError(f"no weights ({' or '.join(WEIGHTS)}) in the head's folder {str(path)!r}")
 
 
-def load_head(path: str | Path, target: PreTrainedModel) -> Eagle3Head:
-    """The EAGLE-3 head in `path` for this target, on its device and in its dtype; without embed_tokens of
-    its own it shares the target's input embedding. HeadMismatch for a head made for another target."""
+def load_head(path: str | Path, target: PreTrainedModel, dtype: torch.dtype | None = None) -> Eagle3Head:
+    """The EAGLE-3 head in `path` for this target, on its device and in `dtype` (default: the target's); without
+    embed_tokens of its own it shares the target's input embedding, in the target's dtype (the rows it reads are
+    cast). HeadMismatch for a head made for another target."""
     path = Path(path)
     config = read_config(path, target.config)
     config._attn_implementation = "sdpa"
@@ -214,7 +220,7 @@ def load_head(path: str | Path, target: PreTrainedModel) -> Eagle3Head:
     weights.pop("t2d", None)
     with torch.device("meta"):
         head = Eagle3Head(config)
-    head = head.to_empty(device=target.device).to(target.dtype)
+    head = head.to_empty(device=target.device).to(dtype or target.dtype)
     head.rotary_emb = LlamaRotaryEmbedding(config=config).to(target.device)  # its inv_freq: not in the weights
     shared = "embed_tokens.weight" not in weights
     if shared:

@@ -102,16 +102,20 @@ def load_served_model(path: str, dtype: torch.dtype = torch.float32, device: str
     return on_compute(device, lambda: pack_linears(load_model(path, dtype, device)))
 
 
-def load_draft(path: str, target: "PreTrainedModel | TargetParts", dtype: torch.dtype = torch.float32, device: str = "cpu",
-               served: bool = False) -> PreTrainedModel:
+def load_draft(path: str, target: "PreTrainedModel | TargetParts", dtype: torch.dtype | None = None,
+               device: str = "cpu", served: bool = False) -> PreTrainedModel:
     """A draft for this target: an EAGLE-3 head (specdec.eagle3) or Medusa heads (specdec.medusa), on the
-    target's device and in its dtype and refused if made for another target, or a draft model (load_model).
+    target's device and refused if made for another target, or a draft model (load_model). In `dtype`; by
+    default a head takes the target's and a draft model float32. A head need not be in the target's dtype: it
+    reads the target's features cast to its own, and its drafts only decide what the target verifies (a
+    bfloat16 head on a CPU with bfloat16 instructions reads half the bytes, greedy output unchanged).
     With `served`, as specdec serves it: its linear layers packed on a CPU (specdec.cpu_linear), heads' too."""
     if is_eagle3(local_folder(path)):
-        head = load_head(local_folder(path), target)
+        head = load_head(local_folder(path), target, dtype)
     elif is_medusa(local_folder(path)):
-        head = load_medusa(local_folder(path), target)
+        head = load_medusa(local_folder(path), target, dtype)
     else:
+        dtype = dtype or torch.float32
         return load_served_model(path, dtype, device) if served else load_model(path, dtype, device)
     return on_compute(device, pack_linears, head) if served else head
 

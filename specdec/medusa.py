@@ -129,8 +129,8 @@ def check_fits(path: str | Path, target_config) -> tuple[int, int]:
     return hidden, vocab
 
 
-def load_medusa(path: str | Path, target: PreTrainedModel) -> MedusaHeads:
-    """The Medusa heads in `path` for this target, on its device and in its dtype. HeadMismatch for heads
+def load_medusa(path: str | Path, target: PreTrainedModel, dtype: torch.dtype | None = None) -> MedusaHeads:
+    """The Medusa heads in `path` for this target, on its device and in `dtype` (default: the target's). HeadMismatch for heads
     made for another target (hidden size, vocabulary) or weights that do not fit their config."""
     path = Path(path)
     hidden, vocab = check_fits(path, target.config)
@@ -173,7 +173,7 @@ def load_medusa(path: str | Path, target: PreTrainedModel) -> MedusaHeads:
             raise HeadMismatch(f"{where}: {name} is {tuple(tensor.shape)}, expected {tuple(state[name].shape)}")
     heads.load_state_dict(weights, strict=False)
     heads.target_layers = tc.num_hidden_layers  # the last hidden state's index among the target's (what it reads)
-    return heads.to(target.device, target.dtype).eval()
+    return heads.to(target.device, dtype or target.dtype).eval()
 
 
 def save_medusa(heads: MedusaHeads, path: str | Path) -> None:

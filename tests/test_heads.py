@@ -441,3 +441,20 @@ def test_medusa_sampling_matches_target_distribution(small_target, depth, width)
     assert joint > 1e-4 and min(margins) > 1e-4, (joint, margins, tv)
     accepted, drafted = sum(o.stats.accepted for o in outs), sum(o.stats.drafted for o in outs)
     assert 0 < accepted < drafted
+
+
+@pytest.mark.parametrize("which", ["eagle3", "medusa"])
+def test_heads_in_bfloat16_draft_for_a_float32_target_losslessly(smooth, trained_head, trained_medusa, which):
+    """A head in another dtype than its target (bfloat16 on a float32 target, `--draft-dtype`, models.draft.dtype):
+    it reads the target's features and a shared embedding cast to its own dtype, the target's weights untouched,
+    and greedy output is still plain decoding's, with drafts that are still accepted."""
+    target, reference = smooth.model, smooth.reference
+    trained = trained_head if which == "eagle3" else trained_medusa
+    target_dtypes = {p.dtype for p in target.parameters()}
+    heads = load_draft(trained.path, target, torch.bfloat16, served=True)
+    assert heads.dtype == torch.bfloat16 and {p.dtype for p in target.parameters()} == target_dtypes
+    drafter = make_drafter("model", CachedLM(heads) if which == "eagle3" else draft_runner(heads), 2)
+    outs = SpeculativeEngine(CachedLM(target), drafter, SpecConfig(depth=3), eos_token_ids=set()).generate(
+        reference.prompts, NEW_TOKENS)
+    assert [o.token_ids for o in outs] == reference.continuations
+    assert sum(o.stats.accepted for o in outs) > 0
