@@ -145,7 +145,9 @@ class TargetParts:
         """The checkpoint names of the embedding's and the LM head's weights (from the model built on no device)."""
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(self.config)
-        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        names: dict[int, str] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):  # a tied weight under its first name, the one
+            names.setdefault(id(p), n)  # saved: the embedding's (a tied LM head's is not in the checkpoint)
         head = model.get_output_embeddings()
         return names[id(model.get_input_embeddings().weight)], names.get(id(head.weight)) if head is not None else None
 

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import ray
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from actors import wire
 from actors.draft_replica import load_replica_draft
@@ -230,6 +231,19 @@ def test_target_parts_reads_the_embeddings_a_head_shares(smooth):
     torch.testing.assert_close(parts.get_input_embeddings().weight, smooth.model.get_input_embeddings().weight)
     plain = load_model(smooth.path)
     torch.testing.assert_close(parts.get_output_embeddings().weight, plain.lm_head.weight)
+
+
+def test_target_parts_reads_a_tied_targets_embedding_for_both(tmp_path):
+    """A target whose LM head is its embedding (tie_word_embeddings, as SmolLM2 and the bench target): its
+    checkpoint holds the embedding alone, under the embedding's name, and both reads find it."""
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    tied = LlamaForCausalLM(config)
+    tied.save_pretrained(tmp_path)
+    parts = TargetParts(str(tmp_path))
+    torch.testing.assert_close(parts.get_input_embeddings().weight, tied.get_input_embeddings().weight)
+    torch.testing.assert_close(parts.get_output_embeddings().weight, tied.get_input_embeddings().weight)
 
 
 # ------------------------------------------------------------------ a Ray topology
