@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextvars
 import ctypes
+import functools
 import os
 import queue
 import re
@@ -98,8 +99,10 @@ def on_compute(device: torch.device | str, fn: Callable[..., T], *args, **kwargs
     return compute.run(call)
 
 
+@functools.cache
 def _openmp() -> ctypes.CDLL | None:
-    """The OpenMP runtime this process has loaded (torch's), or None where it cannot be found."""
+    """The OpenMP runtime this process has loaded (torch's, with torch), or None where it cannot be found; looked
+    up once, not at every thread's start."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if line.rstrip().endswith(".so") or ".so." in line}
