@@ -11,6 +11,7 @@ from specdec.errors import InvalidArgument, Unavailable
 from specdec.grammar import Grammars, ResponseFormat, grammar_of
 from specdec.sampling import SamplingParams
 
+from specdec.blocks import BLOCK_TOKENS
 from specdec.scheduler import KvBudget
 
 from . import metrics
@@ -191,10 +192,12 @@ class Admission:
             raise InvalidArgument("prompt", f"{len(ids)} prompt tokens + max_new_tokens {max_new_tokens} exceed "
                                            f"the model's context of {self.context} tokens")
         if (cost := self.budget.cost(len(ids), max_new_tokens)) > self.budget.max_tokens:
+            held = (f"{len(ids)} prompt tokens + max_new_tokens {max_new_tokens} + {self.budget.tree_room} for a tree"
+                    if self.budget.window is None else
+                    f"the larger of {len(ids)} prompt tokens and the model's window of {self.budget.window} + "
+                    f"{self.budget.tree_room} for a tree + {2 * BLOCK_TOKENS} of blocks partly behind it")
             raise InvalidArgument("max_new_tokens" if req.max_new_tokens else "prompt",
-                                  f"{len(ids)} prompt tokens + max_new_tokens {max_new_tokens} + "
-                                  f"{self.budget.tree_room} for a tree = {cost} KV tokens, over the target's "
-                                  f"max_kv_tokens {self.budget.max_tokens}")
+                                  f"{held} = {cost} KV tokens, over the target's max_kv_tokens {self.budget.max_tokens}")
         self.supervisor.check()
         if self.in_flight + req.n > limits.max_queued_requests:
             raise QueueFull(f"{self.in_flight} requests are queued or running (max_queued_requests "
@@ -207,5 +210,7 @@ class Admission:
         """The most new tokens a request may ask for after this prompt: within the model's context and the
         target's KV budget (at least 1)."""
         room = self.context - prompt_tokens if self.context else self.limits.max_new_tokens
-        kv_room = self.budget.max_tokens - self.budget.cost(prompt_tokens, 0)
-        return max(1, min(room, kv_room, self.limits.max_new_tokens))
+        most = self.limits.max_new_tokens
+        fits = self.budget.cost(prompt_tokens, most) <= self.budget.max_tokens  # a model with a window may hold any
+        kv_room = most if fits else self.budget.max_tokens - self.budget.cost(prompt_tokens, 0)
+        return max(1, min(room, kv_room, most))

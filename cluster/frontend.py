@@ -13,6 +13,7 @@ import ray
 from transformers import GenerationConfig
 
 from specdec.errors import InvalidArgument, RequestFailed, ResourceExhausted, Unavailable
+from specdec.kvcache import window_of_every_layer
 from specdec.loading import check_draft, check_model, eos_ids, load_tokenizer
 
 from specdec.scheduler import HELD
@@ -63,13 +64,14 @@ class Frontend:
         target = cfg.models.target.path
         self.tokenizer = load_tokenizer(target)
         self.eos = sorted(eos_ids(_generation_config(target), self.tokenizer))
-        self.context = getattr(check_model(target), "max_position_embeddings", None)
+        config = check_model(target)
+        self.context = getattr(config, "max_position_embeddings", None)
         self.router = Router(cfg.routing, cfg.speculation.shapes())
         self.topology = topology
         self.supervisor = TargetSupervisor(cfg, topology)
         # as the target counts: a request that could never fit is refused at the door
-        self.admission = Admission(cfg, self.tokenizer, self.context, self.router, kv_budget(cfg), self.supervisor,
-                                   self.eos)
+        self.admission = Admission(cfg, self.tokenizer, self.context, self.router,
+                                   kv_budget(cfg, window_of_every_layer(config)), self.supervisor, self.eos)
         self.timing = StepTiming()
         self.relay = Relay(self.router, topology, self.supervisor, self.tokenizer, self.timing)
         self.telemetry = RouterTelemetry(self.router, topology, self.supervisor, self.timing,

@@ -125,14 +125,15 @@ def start_target_ranks(cfg: ServeConfig, pg: PlacementGroup, tag: str, security:
         raise
 
 
-def kv_budget(cfg: ServeConfig) -> KvBudget:
+def kv_budget(cfg: ServeConfig, window: int | None = None) -> KvBudget:
     """The target's bounds, from server.*; a tree's room from speculation and routing: the nodes past the
-    root of the largest drafter's tree (DraftShape.nodes) for the largest K any task type may be given."""
+    root of the largest drafter's tree (DraftShape.nodes) for the largest K any task type may be given.
+    window: every layer's sliding window (the target's scheduler sets its own, from its cache)."""
     routing = cfg.routing
     k = max([routing.default.max_k, *(t.max_k for t in routing.task_types.values())])
     tree_room = max([KvBudget.tree_room, *(shape.nodes(k) - 1 for shape in cfg.speculation.shapes().values())])
     return KvBudget(cfg.server.max_running_requests, cfg.server.max_kv_tokens, cfg.server.max_waiting_requests,
-                    tree_room)
+                    tree_room, window)
 
 
 def kill(actors: list) -> None:

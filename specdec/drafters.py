@@ -388,6 +388,8 @@ class ModelDrafter(TreeGrower):
         trees = [TokenTree.root(seq[-1]) for seq in seqs]
         if D == 0:
             return trees  # the draft catches up with these tokens next time
+        # a path of this tree may be assumed (drafting ahead) and rolled back: a window's blocks stay for that
+        self.lm.rewind = max(self.lm.rewind, 2 * (D + 1))
         self._hold_pending()  # rows given no depth may hold a tree drafted ahead
         # run what the draft has not seen yet; its last token is the root
         logits, state = self._catch_up(seqs, depths)  # [B, V]

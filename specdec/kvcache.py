@@ -155,6 +155,8 @@ class Prefilled:
         their blocks go to the prefix cache."""
         if not self.remaining:
             self.lm.remember(list(range(len(self.chunks))), self.chunks)
+            self.lm.frees = True  # the index holds what it keeps; the rows let go of what lies behind their windows
+            self.lm._trim()
 
     @torch.inference_mode()
     def advance(self, budget: int | None = None, hidden: bool = False) -> int:
@@ -332,6 +334,20 @@ def has_sliding_window(config) -> bool:
     return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True) is not False
 
 
+def window_of_every_layer(config) -> int | None:
+    """The window every attention layer of the model attends within, where all of them do (Mistral's,
+    Mixtral's, Phi-3's, Starcoder2's), -> its size; None where some layer attends to everything before it
+    (Gemma's global layers, Qwen2's first max_window_layers) or none slides. Only then are the blocks behind
+    a row's window free to go: one block table serves every layer."""
+    config = config.get_text_config()
+    if not has_sliding_window(config):
+        return None
+    types = getattr(config, "layer_types", None)
+    if types and any(t != "sliding_attention" for t in types):
+        return None
+    return config.sliding_window
+
+
 def run_ragged_capable(model: PreTrainedModel) -> str:
     """Switch the model's attention to its ragged-capable wrapper (once; not for a family whose attention
     takes its own path) -> its own attention (sdpa, eager)."""
@@ -499,6 +515,10 @@ class CachedLM:
         self.eager = run_ragged_capable(model) == "eager"
         self.packs = model.config._attn_implementation.startswith("specdec_ragged_")  # else a ragged block runs padded
         self.sliding = has_sliding_window(model.config)  # some layer attends within a window: positions needed
+        self.window = window_of_every_layer(model.config)  # every layer's: blocks behind a row's window are freed
+        self.rewind = 0  # tokens a row may still be truncated back by (a drafter's assumed path): their window stays
+        self.frees = True  # frees blocks behind the window (not while a prompt waits for the prefix index)
+        self.riding = 0  # the last rows are another's, riding in this batch's forward (carrying): not freed here
         if self.device.type == "cpu" and model.dtype == torch.float32 and not self.eager:
             paged_kernel.paged_attention()  # built now (the first time on this machine), not in a request's step
         self.reset(0)
@@ -761,6 +781,8 @@ class CachedLM:
         wants_last = wants_last or [False] * len(chunks)
         fresh = CachedLM(self.model, self.pool)
         fresh.reset(len(chunks))
+        fresh.rewind = self.rewind
+        fresh.frees = not self.pool.prefix_capacity  # with the index on, the prompt's blocks are indexed first (ran)
         if not hidden:  # the hidden states of indexed tokens are not kept
             fresh._reuse([chunk[:-1] if last else chunk for chunk, last in zip(chunks, wants_last)])
         prefilled = Prefilled(chunks, fresh, wants_last=wants_last)
@@ -813,9 +835,11 @@ class CachedLM:
             self.tables += p.lm.tables  # the same lists: what the forward takes or trims is theirs
             self.lengths += p.lm.lengths
             self._slots.n = max(self.size, p.lm.size)
+        self.riding = len(self.tables) - own  # their blocks are freed by their own CachedLM's rule
         try:
             yield
         finally:
+            self.riding = 0
             row = own
             for p in riders:
                 n = len(p.lm.tables)
@@ -839,8 +863,16 @@ class CachedLM:
         self._trim()
 
     def truncate(self, lengths: list[int]) -> None:
-        """Row b keeps only its first lengths[b] committed tokens (never more than it has)."""
+        """Row b keeps only its first lengths[b] committed tokens (never more than it has); not back past what
+        its window still holds (CachedLM.rewind says how far a row may go back)."""
         self.lengths = [min(n, keep) for n, keep in zip(self.lengths, lengths)]
+        if self.window is not None:
+            size = self.pool.block_tokens
+            for b, (n, table) in enumerate(zip(self.lengths, self.tables)):
+                first = max(0, n - self.window + 1) // size  # the block of the oldest key its next query sees
+                if n and first < len(table) and table[first] == NULL:
+                    raise ValueError(f"row {b} cannot go back to {n} tokens: the blocks its window would see there "
+                                     f"are freed (rewind is {self.rewind} tokens)")
         self._trim()
 
     def _trim(self) -> None:
@@ -853,6 +885,24 @@ class CachedLM:
             if len(table) > keep:
                 self.pool.release(table[keep:])
                 del table[keep:]
+        if self.window is not None and self.frees:
+            self._free_behind_window(range(len(self.tables) - self.riding))
+
+    def _free_behind_window(self, rows) -> None:
+        """Each row's blocks that no later query of it can see go back to the pool, their places NULL (vLLM's
+        sliding-window manager does the same): every layer attends fewer than `window` positions back, and a
+        row's next query sits at its length (less what it may be truncated back by), so a row holds about its
+        last window's blocks, however long it runs. The freed ones are a prefix of its table: found from the
+        end back to the first hole, each step's work is the blocks it frees."""
+        size, freed = self.pool.block_tokens, []
+        for b in rows:
+            table = self.tables[b]
+            i = min(len(table), (self.lengths[b] - self.rewind - self.window + 1) // size) - 1
+            while i >= 0 and table[i] != NULL:
+                freed.append(table[i])
+                table[i] = NULL
+                i -= 1
+        self.pool.release(freed)
 
     def prefill(self, chunks: list[list[int]], features: list[torch.Tensor] | None = None) -> torch.Tensor | None:
         """Append each row's tokens (any number, possibly none) and commit them, in one ragged forward

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from .acceptance import Verdict
 from .adaptive import Costs, Load, clock
@@ -87,10 +87,16 @@ class KvBudget:
     max_tokens: int = 65536
     max_waiting: int = 256
     tree_room: int = 64  # KV slots a request's tree may take beyond its tokens
+    window: int | None = None  # the window every layer of the target attends within (CachedLM.window), if any
 
     def cost(self, prompt_tokens: int, max_new_tokens: int) -> int:
-        """The KV tokens a request reserves."""
-        return prompt_tokens + max_new_tokens + self.tree_room
+        """The KV tokens a request reserves. Where every layer attends within a window, a row holds its prompt's
+        blocks until they are run and then only its window's, its tree's and a block partly behind each
+        (CachedLM._free_behind_window): a long request reserves that much, not its whole length."""
+        whole = prompt_tokens + max_new_tokens + self.tree_room
+        if self.window is None:
+            return whole
+        return min(whole, max(prompt_tokens, self.window + self.tree_room + 2 * BLOCK_TOKENS))
 
     @staticmethod
     def slots(reservations: list[int]) -> int:
@@ -178,7 +184,8 @@ class TargetScheduler:
         joining prompt is prefilled whole, in a forward of its own before the step."""
         if max_batched_tokens is not None and max_batched_tokens < 1:
             raise ValueError(f"max_batched_tokens must be >= 1 or None, got {max_batched_tokens}")
-        self.worker, self.budget, self.on_forward = worker, budget, on_forward
+        self.worker, self.on_forward = worker, on_forward
+        self.budget = replace(budget, window=worker.lm.window)  # what its rows hold, as its cache frees them
         self.idle_timeout_s, self.max_batched_tokens = idle_timeout_s, max_batched_tokens
         self._prefilling: collections.deque[tuple[int, list[_Join]]] = collections.deque()  # (worker handle, joins)
         self.forwards = 0  # forwards run (verify steps, plain rows included)

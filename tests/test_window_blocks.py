@@ -1,0 +1,173 @@
+"""Blocks behind a sliding window (specdec.kvcache.CachedLM._free_behind_window): where every layer of a model
+attends within a window, a row holds about its last window's blocks however long it runs, measured from the
+pool; outputs stay identical to transformers' generate(), plain and speculative, in the served loops, with the
+prefix cache on; a hybrid model (global layers beside local ones) keeps every block."""
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import specdec.kvcache as kvcache
+from specdec import CachedLM, SamplingParams, SpecConfig, SpeculativeEngine
+from specdec.blocks import BLOCK_TOKENS, BlockPool
+from specdec.drafter_factory import draft_runner, make_drafter
+from specdec.kvcache import window_of_every_layer
+from specdec.loading import load_model
+from specdec.plain import hf_greedy
+from specdec.scheduler import KvBudget, TargetScheduler
+from specdec.target import TargetWorker
+from test_grpc_trees import Collect
+from test_model_families import FAMILIES, VOCAB, WINDOW, build_config, save_pair
+
+LONG = 150  # tokens generated: nine windows past the prompt
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    """A Mistral whose every layer attends within WINDOW, and a noisy copy as its draft, loaded the real way."""
+    return tuple(load_model(path) for path in save_pair("mistral_sliding", tmp_path_factory.mktemp("mistral")))
+
+
+def long_prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, VOCAB) for _ in range(n)] for n in (20, 45)]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_window_every_layer_keeps_is_the_one_the_attention_applies(name, monkeypatch):
+    """window_of_every_layer reads the config; what it says must be what the layers say as they attend (every
+    layer the same window, or else None): a wrong 'every layer slides' would free blocks a global layer reads."""
+    seen = []
+    read = kvcache._window_of
+    monkeypatch.setattr(kvcache, "_window_of", lambda module, kwargs: seen.append(read(module, kwargs)) or seen[-1])
+    torch.manual_seed(0)
+    config = build_config(name)
+    lm = CachedLM(AutoModelForCausalLM.from_config(config).eval())
+    lm.add_rows(1)
+    lm.prefill([[1, 2, 3]])
+    every = len(seen) == config.get_text_config().num_hidden_layers and set(seen) == {WINDOW}
+    assert window_of_every_layer(config) == (WINDOW if every else None), seen
+
+
+@pytest.mark.parametrize("kind, width, depth", [("none", 1, 0), ("model", 1, 4), ("model", 2, 3)],
+                         ids=["plain", "chain", "tree"])
+def test_a_long_row_holds_its_window_not_its_past(mistral, kind, width, depth):
+    """Two rows of different lengths generate LONG tokens each, past the window nine times: greedy equals
+    generate(), and the most blocks the target's and the draft's pools held at once stay within each row's
+    window (its tree, and the draft's rewind, beside it), against what the same run holds keeping every block."""
+    target, draft = mistral
+    prompts = long_prompts(seed=1)
+    expected = [hf_greedy(target, p, LONG) for p in prompts]
+    peaks = {}
+    for frees in (True, False):
+        lms = [CachedLM(target), CachedLM(draft)]
+        peak = [0, 0]
+        for i, lm in enumerate(lms):
+            if not frees:
+                lm.window = None
+            commit = lm.commit
+
+            def recording(slots, lm=lm, commit=commit, i=i):
+                commit(slots)
+                peak[i] = max(peak[i], lm.pool.stats().used_tokens)
+
+            lm.commit = recording
+        engine = SpeculativeEngine(lms[0], make_drafter(kind, lms[1], width) if depth else None,
+                                   SpecConfig(depth=depth or None), eos_token_ids=set())
+        outs = engine.generate(prompts, LONG)
+        assert [o.token_ids for o in outs] == expected
+        if depth:
+            assert sum(o.stats.accepted for o in outs) > 0
+        peaks[frees] = peak
+    target_bound = len(prompts) * (-(-(WINDOW + depth * width + 1) // BLOCK_TOKENS) + 2) * BLOCK_TOKENS
+    assert peaks[True][0] <= target_bound < peaks[False][0], peaks
+    if depth:
+        rewind = 2 * (depth + 1)
+        draft_bound = len(prompts) * (-(-(WINDOW + rewind + depth * width + 1) // BLOCK_TOKENS) + 2) * BLOCK_TOKENS
+        assert peaks[True][1] <= draft_bound < peaks[False][1], peaks
+
+
+def test_served_loops_with_chunked_prefill_and_the_prefix_cache_free_behind_the_window(mistral):
+    """Two turns of two conversations longer than the window, in the served loops (the engine), with the
+    prefix cache on for the target and the draft: outputs equal generate() and the same run with the cache off,
+    the second turn reuses the first's prompt blocks, and once the rows leave the pools hold only the index."""
+    target, draft = mistral
+    prompts = long_prompts(seed=2)
+    runs = {}
+    for cache in (True, False):
+        pools = (BlockPool(4096), BlockPool(4096)) if cache else (None, None)
+        engine = SpeculativeEngine(CachedLM(target, pools[0]), make_drafter("model", draft_runner(draft, pools[1]), 2),
+                                   SpecConfig(depth=3), eos_token_ids=set())
+        turn, outs = prompts, []
+        for _ in range(2):
+            got = [o.token_ids for o in engine.generate(turn, 60, SamplingParams(), streams=[0, 1])]
+            assert got == [hf_greedy(target, p, 60) for p in turn]
+            outs.append(got)
+            turn = [p + o + [1, 2, 3] for p, o in zip(turn, got)]
+        runs[cache] = outs
+        if cache:
+            for pool in pools:
+                stats = pool.stats()
+                assert stats.hit_tokens >= 2 * 16, stats  # turn 2 took turn 1's indexed prompt blocks
+                assert stats.used_tokens == stats.cached_tokens, stats  # no row holds a block any more
+    assert runs[True] == runs[False]
+
+
+def test_a_hybrid_model_keeps_every_block(tmp_path):
+    """Gemma 2's global layers read the whole past: its rows keep every block."""
+    target = load_model(save_pair("gemma2", tmp_path)[0])
+    lm = CachedLM(target)
+    assert lm.window is None and lm.sliding
+    lm.add_rows(1)
+    lm.prefill([list(range(1, 61))])
+    assert all(block > kvcache.TRASH for block in lm.tables[0])
+
+
+def test_a_row_cannot_be_truncated_back_into_its_freed_blocks(mistral):
+    target, _ = mistral
+    lm = CachedLM(target)
+    lm.rewind = 4
+    lm.add_rows(1)
+    lm.prefill([list(range(1, 61))])  # 60 tokens: (60 - 4 - 16 + 1) // 16 = 2 blocks freed
+    assert lm.tables[0][:2] == [kvcache.NULL] * 2 and kvcache.NULL not in lm.tables[0][2:]
+    lm.truncate([56])  # back by its rewind: the window there is held
+    with pytest.raises(ValueError, match="row 0 cannot go back to 40 tokens"):
+        lm.truncate([40])
+
+
+def test_a_request_reserves_what_its_window_holds():
+    whole = KvBudget(tree_room=8)
+    assert whole.cost(20, LONG) == 20 + LONG + 8
+    windowed = KvBudget(tree_room=8, window=WINDOW)
+    assert windowed.cost(20, LONG) == WINDOW + 8 + 2 * BLOCK_TOKENS  # its window, its tree, two partial blocks
+    assert windowed.cost(20, 4) == 20 + 4 + 8  # a short request: its whole length
+    assert windowed.cost(300, LONG) == 300  # a long prompt: held whole until it has run
+
+
+def test_the_target_admits_by_the_window_and_holds_no_more(mistral):
+    """Three requests of LONG tokens, each of which would reserve its whole length (over max_kv_tokens, refused
+    at the door) without the window: reserved by their windows, two run at once and the third waits for room;
+    outputs equal generate(), and the most the pool held at once stays within max_kv_tokens."""
+    target, _ = mistral
+    lm = CachedLM(target)
+    scheduler = TargetScheduler(TargetWorker(lm), KvBudget(max_tokens=160, tree_room=8), idle_timeout_s=None)
+    assert scheduler.budget.window == WINDOW
+    peak, commit = [0], lm.commit
+
+    def recording(slots):
+        commit(slots)
+        peak[0] = max(peak[0], lm.pool.stats().used_tokens)
+
+    lm.commit = recording
+    prompts = long_prompts(seed=3) + long_prompts(seed=4)[:1]
+    sinks = [Collect() for _ in prompts]
+    try:
+        for i, (prompt, sink) in enumerate(zip(prompts, sinks)):
+            scheduler.decode(f"r{i}", prompt, SamplingParams(), LONG, set(), sink)
+        assert [s.wait()[0] for s in sinks] == [hf_greedy(target, p, LONG) for p in prompts]
+    finally:
+        scheduler.stop()
+    assert scheduler.stats().largest_batch == 2
+    assert 0 < peak[0] <= 160, peak
