@@ -194,7 +194,7 @@ def test_a_draft_of_another_family(tmp_path, pair):
 TP_RANK = Path(__file__).resolve().parent / "tp_rank.py"
 
 
-@pytest.mark.parametrize("name", ["qwen2_sliding", "mixtral", "gemma2"])
+@pytest.mark.parametrize("name", ["qwen2_sliding", "mixtral", "gemma2", "mistral_sliding"])
 def test_tensor_parallel_two_ranks_equal_generate(tmp_path, name):
     """Two gloo ranks, each its own process, shard the target by the family's tp_plan (loaded through
     DistributedConfig, with transformers' deprecation warnings as errors) and decode plain and with a
