@@ -122,6 +122,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
         md.add_argument("--rebuild", action="store_true", help="rebuild the draft (the fast pair: both)")
         md.add_argument("--seed", type=int, default=0)
         md.add_argument("--json", action="store_true", help='end with {"target": DIR, "draft": DIR}')
+        if name == "default":
+            md.add_argument("--head", action="store_true",
+                            help="also build (once) and locate the target's EAGLE-3 head, about an hour on 2 CPU cores")
 
     return parser, sub
 
@@ -263,10 +266,12 @@ def cmd_models(args) -> None:
 
         pair = fast_pair(FastSpec(seed=args.seed), rebuild=args.rebuild, log=log)
     else:
-        from .default_models import default_pair, default_spec
+        from .default_models import HeadSpec, default_head, default_pair, default_spec
 
         pair = default_pair(default_spec(seed=args.seed), rebuild=args.rebuild, log=log)
-    print(json.dumps(pair) if args.json else f"target: {pair['target']}\ndraft:  {pair['draft']}")
+        if args.head:
+            pair["head"] = default_head(HeadSpec(seed=args.seed), rebuild=args.rebuild, log=log)
+    print(json.dumps(pair) if args.json else "\n".join(f"{k + ':':7} {v}" for k, v in pair.items()))
 
 
 def cmd_bench(args) -> None:

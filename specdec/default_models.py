@@ -106,7 +106,10 @@ def fast_bf16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-RECIPE_ENV = "SPECDEC_DEFAULT_DRAFT"  # "quick": the reduced recipe (DefaultSpec.quick), for tests and smoke runs
+# "quick": the reduced recipe (DefaultSpec.quick), for tests and smoke runs; "head": the target's EAGLE-3 head
+# (HeadSpec, built on first use in about an hour) drafts instead of the draft model
+RECIPE_ENV = "SPECDEC_DEFAULT_DRAFT"
+RECIPES = ("full", "quick", "head")
 
 
 @dataclass(frozen=True)
@@ -143,11 +146,16 @@ class DefaultSpec:
 
 def default_spec(seed: int = 0) -> DefaultSpec:
     """The recipe this process builds: DefaultSpec, or the reduced one when RECIPE_ENV says quick."""
-    recipe = os.environ.get(RECIPE_ENV, "")
-    if recipe not in ("", "full", "quick"):
-        raise ValueError(f"{RECIPE_ENV}={recipe!r}: must be 'full' (the default) or 'quick' (the reduced recipe "
-                         f"the tests build)")
+    recipe = _recipe()
     return DefaultSpec.quick(seed=seed) if recipe == "quick" else DefaultSpec(seed=seed)
+
+
+def _recipe() -> str:
+    recipe = os.environ.get(RECIPE_ENV, "") or "full"
+    if recipe not in RECIPES:
+        raise ValueError(f"{RECIPE_ENV}={recipe!r}: must be 'full' (the default), 'quick' (the reduced recipe the "
+                         "tests build) or 'head' (the target's EAGLE-3 head drafts, built on first use)")
+    return recipe
 
 
 def default_pair(spec: DefaultSpec | None = None, rebuild: bool = False, root: Path | None = None, log=print,
@@ -159,6 +167,8 @@ def default_pair(spec: DefaultSpec | None = None, rebuild: bool = False, root: P
     target = default_target(root, log)
     if not with_draft:
         return {"target": target}
+    if _recipe() == "head":
+        return {"target": target, "draft": default_head(HeadSpec(seed=spec.seed, data=spec), root=root, log=log)}
     out = root / f"default-draft-{spec.key()}"
     if rebuild:
         shutil.rmtree(out, ignore_errors=True)
@@ -169,6 +179,23 @@ def default_pair(spec: DefaultSpec | None = None, rebuild: bool = False, root: P
             "n-gram drafting needs none: specdec serve --drafter ngram serves at once")
         build_draft(spec, target, out, log)
     return {"target": target, "draft": str(out / "draft")}
+
+
+def default_head(spec: "HeadSpec | None" = None, rebuild: bool = False, root: Path | None = None, log=print) -> str:
+    """The default target's EAGLE-3 head's folder, built first if it is not cached (`specdec models default
+    --head`; about an hour on 2 CPU cores: HeadSpec)."""
+    spec = spec or HeadSpec()
+    root = root or cache_root()
+    target = default_target(root, log)
+    out = root / f"default-head-{spec.key()}"
+    if rebuild:
+        shutil.rmtree(out, ignore_errors=True)
+    if not (out / "build.json").exists():
+        minutes = "about 55 minutes on 2 CPU cores" if spec.bf16 else \
+            "about 2 hours 15 minutes on 2 CPU cores without native bfloat16"
+        log(f"specdec: building the default target's EAGLE-3 head (once: {minutes}) into {out}")
+        build_head(spec, target, out, log)
+    return str(out / "head")
 
 
 TASKS = (  # instructions, each over a topic; what a chat assistant is asked
@@ -290,4 +317,64 @@ def build_draft(spec: DefaultSpec, target_dir: str, out: Path, log=print) -> dic
     return report
 
 
-__all__ = ["DefaultSpec", "default_pair", "default_spec", "default_target", "build_draft", "instructions"]
+# --- the head ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """How the default target's EAGLE-3 head is built (specdec distill --head eagle3's training) on the draft's
+    data: the target's answers (DefaultSpec's, weighted as there) and standard-library source. Counts, not
+    deadlines. The target runs in bfloat16 where the CPU has it natively (its features then cost a third), else
+    in float32. On 2 idle CPU cores: about 55 minutes in bfloat16, 2 hours 15 minutes in float32."""
+
+    seed: int = 0
+    data: DefaultSpec = field(default_factory=DefaultSpec)  # whose answers and corpus the head learns from
+    draft_vocab: int = 16384  # the head's vocabulary: the most frequent tokens of that text
+    ttt_steps: int = 3  # EAGLE-3's training-time test
+    train_steps: int = 1000
+    batch_size: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    bf16: bool = field(default_factory=fast_bf16)
+
+    def key(self) -> str:
+        blob = json.dumps({**asdict(self), "format": FORMAT, "target": GGUF_SHA256}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def build_head(spec: HeadSpec, target_dir: str, out: Path, log=print) -> dict:
+    """Train the default target's EAGLE-3 head into out/head (atomically, as build_draft)."""
+    from .distill import remove_checkpoint, split_heldout
+    from .head_training import train_head
+    from .loading import load_model, load_served_model, load_tokenizer
+    from .training import TrainConfig
+
+    t0 = time.perf_counter()
+    tmp = out.with_name(out.name + ".building")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = load_tokenizer(target_dir)
+    texts = cached_answers(load_served_model(target_dir), tokenizer, spec.data, out.parent, log)  # the draft's
+    target = load_model(target_dir, torch.bfloat16 if spec.bf16 else torch.float32)
+    torch.manual_seed(spec.seed)
+    tokens = torch.tensor([t for text in texts for t in text], dtype=torch.long, device=HOST)  # [N]
+    answers, heldout = split_heldout(tokens)
+    corpus = stdlib_corpus(tokenizer, spec.data.corpus_chars)  # [M]
+    train_tokens = torch.cat([answers.repeat(spec.data.answer_weight), corpus])
+    log(f"specdec: training the head on {answers.numel()} answer tokens (x{spec.data.answer_weight}) and "
+        f"{corpus.numel()} of standard-library source")
+    cfg = TrainConfig(steps=spec.train_steps, batch_size=spec.batch_size, seq_len=spec.seq_len, lr=spec.lr,
+                      seed=spec.seed, checkpoint_every=10**9)
+    summary = train_head(target, tokenizer, tmp / "head", train_tokens, heldout, spec.draft_vocab, cfg, spec.ttt_steps)
+    remove_checkpoint(tmp / "head")
+    report = {"spec": asdict(spec), "seconds": round(time.perf_counter() - t0, 1), "tokens": summary["tokens"],
+              "head_params": summary["head_params"],
+              "heldout_greedy_alpha_by_depth": {"before": summary["before"]["greedy_alpha"],
+                                                "after": summary["after"]["greedy_alpha"]}}
+    publish(tmp, out, report)
+    log(f"specdec: head built in {report['seconds']} s; held-out greedy alpha by depth "
+        + "/".join(f"{a:.3f}" for a in summary["after"]["greedy_alpha"]))
+    return report
+
+
+__all__ = ["DefaultSpec", "HeadSpec", "default_head", "default_pair", "default_spec", "default_target", "build_draft",
+           "build_head", "instructions"]

@@ -71,6 +71,17 @@ def test_the_recipe_is_chosen_by_the_environment_and_a_bad_one_is_refused(monkey
         dm.default_spec()
 
 
+def test_the_head_recipe_makes_the_head_the_default_pairs_drafter(tmp_path, monkeypatch):
+    """SPECDEC_DEFAULT_DRAFT=head: the pair's draft is the target's head (HeadSpec over the draft's data)."""
+    built = []
+    monkeypatch.setattr(dm, "default_target", lambda root, log: "TARGET")
+    monkeypatch.setattr(dm, "default_head", lambda spec, root, log: built.append(spec) or "HEAD")
+    monkeypatch.setenv(dm.RECIPE_ENV, "head")
+    assert dm.default_pair(dm.default_spec(seed=2), root=tmp_path) == {"target": "TARGET", "draft": "HEAD"}
+    assert built == [dm.HeadSpec(seed=2, data=dm.DefaultSpec(seed=2))]
+    assert dm.default_pair(root=tmp_path, with_draft=False) == {"target": "TARGET"}
+
+
 def test_bfloat16_training_only_where_the_cpu_has_it_and_the_key_says_which(monkeypatch):
     """Emulated bfloat16 is about 30x slower than float32 (an AVX2 EPYC: 228 s a step against 7): the recipe
     takes it only where it is native, and a draft trained either way is cached under its own key."""
@@ -79,3 +90,33 @@ def test_bfloat16_training_only_where_the_cpu_has_it_and_the_key_says_which(monk
     monkeypatch.setattr(dm, "fast_bf16", lambda: True)
     assert dm.DefaultSpec().bf16 is True
     assert dm.DefaultSpec(bf16=True).key() != dm.DefaultSpec(bf16=False).key()
+
+
+def test_the_head_spec_key_changes_with_every_setting():
+    base = dm.HeadSpec()
+    assert len({base.key(), dm.HeadSpec(seed=1).key(), dm.HeadSpec(train_steps=10).key(),
+                dm.HeadSpec(draft_vocab=4096).key(), dm.HeadSpec(data=dm.DefaultSpec.quick()).key()}) == 5
+
+
+def test_the_head_recipe_builds_a_head_that_drafts_for_the_default_target_losslessly(tmp_path):
+    """The default target's EAGLE-3 head, by its recipe shrunk to two steps (the quick answers, a 512-token
+    vocabulary): built atomically with its report, loaded by the draft path, and greedy decoding with it is
+    the target's own."""
+    from specdec import CachedLM, SpecConfig, SpeculativeEngine
+    from specdec.drafter_factory import draft_runner, make_drafter
+    from specdec.loading import load_draft, load_served_model, load_tokenizer
+    from specdec.plain import hf_greedy
+
+    target_dir = dm.default_target(log=lambda _: None)  # the user's cache's, as the served examples build it
+    spec = dm.HeadSpec(data=dm.DefaultSpec.quick(), draft_vocab=512, train_steps=2, batch_size=2, seq_len=32)
+    report = dm.build_head(spec, target_dir, tmp_path / "head", log=lambda _: None)
+    assert (tmp_path / "head" / "build.json").exists() and not (tmp_path / "head.building").exists()
+    assert report["spec"]["train_steps"] == 2 and len(report["heldout_greedy_alpha_by_depth"]["after"]) == 3
+    target = load_served_model(target_dir)
+    head = load_draft(str(tmp_path / "head" / "head"), target)
+    tokenizer = load_tokenizer(target_dir)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is a list?"}],
+                                           add_generation_prompt=True, tokenize=True, return_dict=False)
+    engine = SpeculativeEngine(CachedLM(target), make_drafter("model", draft_runner(head)), SpecConfig(depth=3),
+                               eos_token_ids=set())
+    assert engine.generate([prompt], 12)[0].token_ids == hf_greedy(target, prompt, 12)
