@@ -112,6 +112,12 @@ RECIPE_ENV = "SPECDEC_DEFAULT_DRAFT"
 RECIPES = ("full", "quick", "head")
 
 
+def spec_key(spec) -> str:
+    """A build recipe's cache key: its settings, the build format and the target's file."""
+    blob = json.dumps({**asdict(spec), "format": FORMAT, "target": GGUF_SHA256}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
 @dataclass(frozen=True)
 class DefaultSpec:
     """How the default draft is built: counts, not deadlines, so every machine of a kind runs the same
@@ -140,8 +146,7 @@ class DefaultSpec:
                        train_steps=24, batch_size=8, seq_len=64)
 
     def key(self) -> str:
-        blob = json.dumps({**asdict(self), "format": FORMAT, "target": GGUF_SHA256}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+        return spec_key(self)
 
 
 def default_spec(seed: int = 0) -> DefaultSpec:
@@ -254,7 +259,7 @@ def target_answers(target, tokenizer, spec: DefaultSpec) -> list[list[int]]:
     return texts
 
 
-def cached_answers(target, tokenizer, spec: DefaultSpec, root: Path, log) -> list[list[int]]:
+def cached_answers(load_target, tokenizer, spec: DefaultSpec, root: Path, log) -> list[list[int]]:
     """target_answers, kept beside the drafts (keyed by what shapes them), so a draft rebuilt with other
     training settings does not run the target again."""
     blob = json.dumps({"seed": spec.seed, "answers": spec.answers, "answer_tokens": spec.answer_tokens,
@@ -262,7 +267,7 @@ def cached_answers(target, tokenizer, spec: DefaultSpec, root: Path, log) -> lis
     path = root / f"default-answers-{hashlib.sha256(blob.encode()).hexdigest()[:12]}.json"
     if path.exists():
         return json.loads(path.read_text())
-    texts = target_answers(target, tokenizer, spec)
+    texts = target_answers(load_target(), tokenizer, spec)  # the target loaded only now, where needed
     log(f"specdec: the target wrote {len(texts)} answers ({sum(map(len, texts))} tokens with their prompts)")
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(texts))
@@ -285,9 +290,24 @@ def stdlib_corpus(tokenizer, max_chars: int) -> torch.Tensor:
     return encode_texts(texts, tokenizer)
 
 
+def training_tokens(spec: DefaultSpec, load_target, tokenizer, root: Path, log) -> tuple[list, torch.Tensor, torch.Tensor]:
+    """What the default draft and head learn from -> (the target's answers, the training stream [N], the held-out
+    answers [M]): the answers (cached_answers) weighted spec.answer_weight times beside standard-library source,
+    their last ones held out to judge on."""
+    from .distill import split_heldout
+
+    texts = cached_answers(load_target, tokenizer, spec, root, log)
+    tokens = torch.tensor([t for text in texts for t in text], dtype=torch.long, device=HOST)  # [N]
+    answers, heldout = split_heldout(tokens)
+    corpus = stdlib_corpus(tokenizer, spec.corpus_chars)  # [M]
+    log(f"specdec: training on {answers.numel()} answer tokens (x{spec.answer_weight}) and {corpus.numel()} of "
+        "standard-library source")
+    return texts, torch.cat([answers.repeat(spec.answer_weight), corpus]), heldout
+
+
 def build_draft(spec: DefaultSpec, target_dir: str, out: Path, log=print) -> dict:
     """Distil the default draft into out/draft (atomically: a half-built draft is never left there)."""
-    from .distill import distill, remove_checkpoint, sampled_text_loss, split_heldout
+    from .distill import distill, remove_checkpoint, sampled_text_loss
     from .loading import load_served_model, load_tokenizer
     from .training import TrainConfig
 
@@ -296,20 +316,14 @@ def build_draft(spec: DefaultSpec, target_dir: str, out: Path, log=print) -> dic
     shutil.rmtree(tmp, ignore_errors=True)
     tokenizer, target = load_tokenizer(target_dir), load_served_model(target_dir)
     torch.manual_seed(spec.seed)
-    texts = cached_answers(target, tokenizer, spec, out.parent, log)
-    tokens = torch.tensor([t for text in texts for t in text], dtype=torch.long, device=HOST)  # [N]
-    answers, heldout = split_heldout(tokens)  # held out: the last answers, what the draft is judged on
-    corpus = stdlib_corpus(tokenizer, spec.corpus_chars)  # [M]
-    train_tokens = torch.cat([answers.repeat(spec.answer_weight), corpus])
-    log(f"specdec: training on {answers.numel()} answer tokens (x{spec.answer_weight}) and {corpus.numel()} of "
-        "standard-library source")
+    texts, train_tokens, heldout = training_tokens(spec, lambda: target, tokenizer, out.parent, log)
     cfg = TrainConfig(steps=spec.train_steps, batch_size=spec.batch_size, seq_len=spec.seq_len,
                       lr=spec.lr, seed=spec.seed, checkpoint_every=10**9, bf16=spec.bf16)
     summary = distill(target, tokenizer, tmp / "draft", train_tokens, heldout, spec.draft_layers, spec.draft_hidden,
                       cfg, objective=sampled_text_loss, embedding_from_target=True)
     remove_checkpoint(tmp / "draft")
     report = {"spec": asdict(spec), "seconds": round(time.perf_counter() - t0, 1), "answers": len(texts),
-              "tokens": int(tokens.numel()), "draft": {"params": summary["draft_params"], "steps": summary["steps"]},
+              "tokens": sum(map(len, texts)), "draft": {"params": summary["draft_params"], "steps": summary["steps"]},
               "heldout": {"before_distillation": summary["before"], "after_distillation": summary["after"]}}
     publish(tmp, out, report)
     log(f"specdec: draft built in {report['seconds']} s; held-out greedy alpha "
@@ -338,13 +352,12 @@ class HeadSpec:
     bf16: bool = field(default_factory=fast_bf16)
 
     def key(self) -> str:
-        blob = json.dumps({**asdict(self), "format": FORMAT, "target": GGUF_SHA256}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+        return spec_key(self)
 
 
 def build_head(spec: HeadSpec, target_dir: str, out: Path, log=print) -> dict:
     """Train the default target's EAGLE-3 head into out/head (atomically, as build_draft)."""
-    from .distill import remove_checkpoint, split_heldout
+    from .distill import remove_checkpoint
     from .head_training import train_head
     from .loading import load_model, load_served_model, load_tokenizer
     from .training import TrainConfig
@@ -353,15 +366,11 @@ def build_head(spec: HeadSpec, target_dir: str, out: Path, log=print) -> dict:
     tmp = out.with_name(out.name + ".building")
     shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = load_tokenizer(target_dir)
-    texts = cached_answers(load_served_model(target_dir), tokenizer, spec.data, out.parent, log)  # the draft's
+    # the draft's answers, written (if not cached) by the target as served, whatever precision the head trains in
+    _, train_tokens, heldout = training_tokens(spec.data, lambda: load_served_model(target_dir), tokenizer,
+                                               out.parent, log)
     target = load_model(target_dir, torch.bfloat16 if spec.bf16 else torch.float32)
     torch.manual_seed(spec.seed)
-    tokens = torch.tensor([t for text in texts for t in text], dtype=torch.long, device=HOST)  # [N]
-    answers, heldout = split_heldout(tokens)
-    corpus = stdlib_corpus(tokenizer, spec.data.corpus_chars)  # [M]
-    train_tokens = torch.cat([answers.repeat(spec.data.answer_weight), corpus])
-    log(f"specdec: training the head on {answers.numel()} answer tokens (x{spec.data.answer_weight}) and "
-        f"{corpus.numel()} of standard-library source")
     cfg = TrainConfig(steps=spec.train_steps, batch_size=spec.batch_size, seq_len=spec.seq_len, lr=spec.lr,
                       seed=spec.seed, checkpoint_every=10**9)
     summary = train_head(target, tokenizer, tmp / "head", train_tokens, heldout, spec.draft_vocab, cfg, spec.ttt_steps)

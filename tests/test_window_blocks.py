@@ -30,6 +30,18 @@ def mistral(tmp_path_factory):
     return tuple(load_model(path) for path in save_pair("mistral_sliding", tmp_path_factory.mktemp("mistral")))
 
 
+def recording_peak(lm: CachedLM) -> list[int]:
+    """[the most tokens' worth of blocks lm's pool has held after any commit], kept up to date from now on."""
+    peak, commit = [0], lm.commit
+
+    def recording(slots):
+        commit(slots)
+        peak[0] = max(peak[0], lm.pool.stats().used_tokens)
+
+    lm.commit = recording
+    return peak
+
+
 def long_prompts(seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(1, VOCAB) for _ in range(n)] for n in (20, 45)]
@@ -63,24 +75,17 @@ def test_a_long_row_holds_its_window_not_its_past(mistral, kind, width, depth):
     peaks = {}
     for frees in (True, False):
         lms = [CachedLM(target), CachedLM(draft)]
-        peak = [0, 0]
-        for i, lm in enumerate(lms):
+        for lm in lms:
             if not frees:
                 lm.window = None
-            commit = lm.commit
-
-            def recording(slots, lm=lm, commit=commit, i=i):
-                commit(slots)
-                peak[i] = max(peak[i], lm.pool.stats().used_tokens)
-
-            lm.commit = recording
+        peak = [recording_peak(lm) for lm in lms]
         engine = SpeculativeEngine(lms[0], make_drafter(kind, lms[1], width) if depth else None,
                                    SpecConfig(depth=depth or None), eos_token_ids=set())
         outs = engine.generate(prompts, LONG)
         assert [o.token_ids for o in outs] == expected
         if depth:
             assert sum(o.stats.accepted for o in outs) > 0
-        peaks[frees] = peak
+        peaks[frees] = [p[0] for p in peak]
     target_bound = len(prompts) * (-(-(WINDOW + depth * width + 1) // BLOCK_TOKENS) + 2) * BLOCK_TOKENS
     assert peaks[True][0] <= target_bound < peaks[False][0], peaks
     if depth:
@@ -154,13 +159,7 @@ def test_the_target_admits_by_the_window_and_holds_no_more(mistral):
     lm = CachedLM(target)
     scheduler = TargetScheduler(TargetWorker(lm), KvBudget(max_tokens=160, tree_room=8), idle_timeout_s=None)
     assert scheduler.budget.window == WINDOW
-    peak, commit = [0], lm.commit
-
-    def recording(slots):
-        commit(slots)
-        peak[0] = max(peak[0], lm.pool.stats().used_tokens)
-
-    lm.commit = recording
+    peak = recording_peak(lm)
     prompts = long_prompts(seed=3) + long_prompts(seed=4)[:1]
     sinks = [Collect() for _ in prompts]
     try:
