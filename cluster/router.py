@@ -14,9 +14,12 @@ Where the draft replicas run several drafter kinds (speculation.drafter a list),
 type and drafter, and the router also chooses the drafter: each is tried until it has min_samples
 reports, then the one of the highest goodput at its best K drafts, and another takes over only once it
 beats it by switch_margin; a probe_fraction of speculative requests tries the others, so their alphas
-stay live. A drafter that runs no model costs no draft forwards; one that does costs what the replicas
+stay live. Measuring stops early for a drafter that cannot win (successive elimination): once even the top
+of its alpha's confidence interval commits less than another's bottom, it is only probed, so a drafter
+that costs far more than another is not tried min_samples times at a loss. A drafter that runs no model costs no draft forwards; one that does costs what the replicas
 measure. routing.*.drafter pins one; routing.*.forbid_drafters rules some out."""
 
+import math
 import threading
 from dataclasses import asdict, dataclass, field
 from typing import Literal, get_args
@@ -31,6 +34,8 @@ from specdec.drafter_kinds import DrafterKind, DraftShape
 Mode = Literal["speculative", "plain", "probe"]
 DEFAULT_TASK = "default"  # the task type of requests without one, and of unknown ones beyond max_task_types
 _ROUNDING = 1e-9  # probe credit: 0.1 added ten times falls just short of 1
+_Z = 2.0  # half-width of alpha's confidence interval in standard errors (about 95%)
+_PRIOR_VARIANCE = 0.25  # one pseudo-report of a Bernoulli's largest variance: a few equal reports are not certainty
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,23 @@ class _Measured:
     alpha: float | None = None  # moving average of reported alphas; None before the first report
     samples: int = 0  # reports seen
     routed: int = 0  # requests sent to it
+    mean: float = 0.0  # plain mean of the reported alphas (Welford), for the confidence interval
+    m2: float = 0.0  # sum of squared deviations from it
+
+    def add(self, observed: float, ema: float) -> None:
+        self.alpha = observed if self.alpha is None else self.alpha + ema * (observed - self.alpha)
+        self.samples += 1
+        delta = observed - self.mean
+        self.mean += delta / self.samples
+        self.m2 += delta * (observed - self.mean)
+
+    def bounds(self) -> tuple[float, float]:
+        """Alpha's confidence interval from the reports: mean +- _Z standard errors, the variance shrunk
+        towards a Bernoulli's largest; (0, 1) before any report."""
+        if not self.samples:
+            return 0.0, 1.0
+        half = _Z * math.sqrt((self.m2 + _PRIOR_VARIANCE) / self.samples / self.samples)
+        return max(0.0, self.mean - half), min(1.0, self.mean + half)
 
 
 @dataclass
@@ -200,10 +222,8 @@ class Router:
             measured = state.drafters.get(drafter if drafter is not None else next(iter(self.shapes)))
             if measured is None:
                 raise ValueError(f"drafter {drafter!r} is not served here ({', '.join(map(str, self.shapes))})")
-            observed = acceptance_rate(accepted, tried)
-            measured.alpha = observed if measured.alpha is None else measured.alpha + thresholds.ema * (observed - measured.alpha)
-            measured.samples += 1
-            _decide(state, thresholds, self._allowed(thresholds))
+            measured.add(acceptance_rate(accepted, tried), thresholds.ema)
+            _decide(state, thresholds, self._contenders(state, thresholds))
 
     def update_routing(self, routing: RoutingConfig) -> None:
         """New thresholds apply at once, to decisions too; learned alphas and counts are kept. ValueError
@@ -213,7 +233,7 @@ class Router:
             self._routing = routing
             for task_type, state in self._tasks.items():
                 thresholds = routing.thresholds(task_type)
-                _decide(state, thresholds, self._allowed(thresholds))
+                _decide(state, thresholds, self._contenders(state, thresholds))
 
     def stats(self) -> dict[str, TaskTypeStats]:
         """Per task type: alpha, decision ("on"/"off") and k for AUTO requests, the reason, the goodput
@@ -238,43 +258,70 @@ class Router:
         return [kind for kind in self.shapes if kind not in thresholds.forbid_drafters]
 
     def _choose(self, state: _TaskState, thresholds: Thresholds) -> tuple[DrafterKind, str]:
-        """The drafter AUTO requests speculate with, and why: pinned; or, while one allowed has fewer than
-        min_samples reports, the one least tried; else the highest goodput, switching only when it beats the
-        one chosen by switch_margin."""
+        """The drafter AUTO requests speculate with, and why: pinned; or, while one allowed and not ruled out
+        has fewer than min_samples reports, the least tried of those; else the highest goodput, switching
+        only when it beats the one chosen by switch_margin."""
         allowed = self._allowed(thresholds)
         if len(self.shapes) == 1:
             return allowed[0], ""  # the one served: nothing to choose
         if len(allowed) == 1:
             pinned = thresholds.drafter != "auto"
             return allowed[0], f"drafter {allowed[0]} ({'pinned by routing' if pinned else 'the only one allowed'})"
-        unmeasured = [kind for kind in allowed if state.drafters[kind].samples < thresholds.min_samples]
+        contenders = self._contenders(state, thresholds)
+        out = "".join(f"; {self._ruled_out(state, thresholds, kind)}" for kind in allowed if kind not in contenders)
+        unmeasured = [kind for kind in contenders if state.drafters[kind].samples < thresholds.min_samples]
         if unmeasured:
             kind = min(unmeasured, key=lambda k: state.drafters[k].routed)
             return kind, (f"drafter {kind}: measuring it ({state.drafters[kind].samples} of min_samples "
-                          f"{thresholds.min_samples} reports)")
-        value = {kind: self._value(state.drafters[kind], thresholds, kind) for kind in allowed}
-        best = max(allowed, key=value.get)
-        held = state.chosen if state.chosen in allowed else best
+                          f"{thresholds.min_samples} reports){out}")
+        value = {kind: self._value(state.drafters[kind], thresholds, kind) for kind in contenders}
+        best = max(contenders, key=value.get)
+        held = state.chosen if state.chosen in contenders else best
         if value[best] > value[held] * (1 + thresholds.switch_margin):
             held = best
         state.chosen = held
-        others = ", ".join(f"{kind} {value[kind]:.1f}" for kind in allowed if kind != held)
-        return held, f"drafter {held} ({value[held]:.1f} vs {others} tokens/s)"
+        others = ", ".join(f"{kind} {value[kind]:.1f}" for kind in contenders if kind != held)
+        return held, f"drafter {held} ({value[held]:.1f}{f' vs {others}' if others else ''} tokens/s){out}"
+
+    def _contenders(self, state: _TaskState, thresholds: Thresholds) -> list[DrafterKind]:
+        """The allowed drafters that may still be the best: all but those _ruled_out (never all: the one whose
+        interval's bottom is highest cannot be)."""
+        return [kind for kind in self._allowed(thresholds) if not self._ruled_out(state, thresholds, kind)]
+
+    def _ruled_out(self, state: _TaskState, thresholds: Thresholds, kind: DrafterKind) -> str:
+        """Why a drafter still measuring (fewer than min_samples reports) need not be: even at the top of its
+        alpha's confidence interval it commits less than another allowed drafter at the bottom of that one's;
+        "" when it may still be the best. One with min_samples reports is judged by its moving average."""
+        measured = state.drafters[kind]
+        if measured.samples == 0 or measured.samples >= thresholds.min_samples:
+            return ""
+        ceiling = self._worth(measured.bounds()[1], thresholds, kind)
+        for other in self._allowed(thresholds):
+            floor = self._worth(state.drafters[other].bounds()[0], thresholds, other)
+            if other != kind and floor > ceiling:
+                return (f"drafter {kind} ruled out after {measured.samples} reports: at most {ceiling:.1f} "
+                        f"against {other}'s at least {floor:.1f}")
+        return ""
 
     def _value(self, measured: _Measured, thresholds: Thresholds, kind: DrafterKind) -> float:
-        """What a drafter is worth: its goodput at its best K once the target has reported, else the tokens a
-        step commits per unit of drafting and verifying (best_k's measure)."""
-        alpha = thresholds.on_alpha if measured.alpha is None else measured.alpha
-        goodput_now = self._best_goodput(measured, thresholds, kind)
+        """What a drafter is worth at its moving average alpha (on_alpha before it is measured)."""
+        return self._worth(thresholds.on_alpha if measured.alpha is None else measured.alpha, thresholds, kind)
+
+    def _worth(self, alpha: float, thresholds: Thresholds, kind: DrafterKind) -> float:
+        """A drafter's goodput at its best K at this alpha once the target has reported, else the tokens a step
+        commits per unit of drafting and verifying (best_k's measure)."""
+        goodput_now = self._goodput_at(alpha, thresholds, kind)
         if goodput_now is not None:
             return goodput_now
         ratio = _draft_ratio(thresholds, kind)
         return tokens_per_cost(alpha, best_k(alpha, thresholds.max_k, ratio), ratio)
 
     def _best_goodput(self, measured: _Measured, thresholds: Thresholds, kind: DrafterKind) -> float | None:
+        return self._goodput_at(thresholds.on_alpha if measured.alpha is None else measured.alpha, thresholds, kind)
+
+    def _goodput_at(self, alpha: float, thresholds: Thresholds, kind: DrafterKind) -> float | None:
         if self._target is None or not self._target.costs.verify_table:
             return None
-        alpha = thresholds.on_alpha if measured.alpha is None else measured.alpha
         costs, load = self._target.step_costs(thresholds.draft_cost_ratio, kind.uses_model), self._target.load
         gains = goodput_by_k(costs, load, alpha, thresholds.max_k, self.shapes[kind].nodes)
         return round(gains[best_speculative_k(gains)], 1)
@@ -358,10 +405,10 @@ def _choose_mode(state: _TaskState, thresholds: Thresholds, requested: Speculati
     return "plain"
 
 
-def _decide(state: _TaskState, thresholds: Thresholds, allowed: list[DrafterKind]) -> None:
-    """Switch off once every allowed drafter with enough reports is below off_alpha (and none lacks them),
+def _decide(state: _TaskState, thresholds: Thresholds, contenders: list[DrafterKind]) -> None:
+    """Switch off once every contending drafter with enough reports is below off_alpha (and none lacks them),
     on once one reaches on_alpha; else keep."""
-    measured = [state.drafters[kind] for kind in allowed if kind in state.drafters]
+    measured = [state.drafters[kind] for kind in contenders if kind in state.drafters]
     ready = [m.alpha for m in measured if m.samples >= thresholds.min_samples]
     if not ready:
         return

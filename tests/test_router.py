@@ -535,16 +535,20 @@ def report_for(router: Router, task_type: str, drafter: DrafterKind, alpha: floa
 
 
 def measure_both(router: Router, task_type: str, alphas: dict) -> None:
-    """Route AUTO requests until each drafter has min_samples reports, reporting each request's alpha."""
-    while any(s.samples < MIN_SAMPLES for s in router.stats().get(task_type, _none()).drafters.values()):
-        decision = router.route(task_type)
-        report_for(router, task_type, decision.drafter, alphas[decision.drafter])
+    """Each drafter's min_samples reports, as a long run (its probes included) gives them."""
+    for drafter, alpha in alphas.items():
+        report_for(router, task_type, drafter, alpha, times=MIN_SAMPLES)
 
 
-def _none():
-    from types import SimpleNamespace
-
-    return SimpleNamespace(drafters={"x": SimpleNamespace(samples=0)})
+def route_and_report(router: Router, task_type: str, alphas: dict, requests: int) -> list[DrafterKind]:
+    """AUTO requests, each reporting the next of its drafter's alphas in turn -> the drafters they ran."""
+    ran = []
+    for _ in range(requests):
+        drafter = router.route(task_type).drafter
+        seen = ran.count(drafter)
+        report_for(router, task_type, drafter, alphas[drafter][seen % len(alphas[drafter])])
+        ran.append(drafter)
+    return ran
 
 
 def test_each_drafter_is_measured_then_the_better_one_drafts():
@@ -622,3 +626,55 @@ def test_a_drafter_without_a_model_is_priced_without_draft_forwards():
     stats = router.stats()["code"]
     assert stats.drafters["suffix"].goodput > stats.drafters["model"].goodput
     assert stats.drafter == "suffix"
+
+
+def test_a_drafter_that_cannot_win_is_measured_no_further():
+    """Successive elimination: a draft model whose depth costs 30% of a target forward, against a free lookup
+    of about the same alpha, is ruled out after a few reports instead of min_samples."""
+    router = Router(routing(probe_fraction=0.0), TWO)
+    router.observe_target(TargetView(Costs(verify_table={1: 0.02, 64: 0.03}), Load(rows=0), hop_s=0.001,
+                                     draft_s_per_depth=0.006))
+    alphas = {DrafterKind.MODEL: [0.9, 0.7, 0.8], DrafterKind.SUFFIX: [0.85, 0.65, 0.75]}
+    ran = route_and_report(router, "code", alphas, 100)
+    tried = ran.count(DrafterKind.MODEL)
+    assert 2 <= tried < MIN_SAMPLES // 2  # measured a little, then no more (no probes configured here)
+    assert DrafterKind.MODEL not in ran[2 * tried:]
+    stats = router.stats()["code"]
+    assert stats.drafter == "suffix" and stats.drafters["model"].samples == tried
+    assert "drafter model ruled out after" in stats.reason and "against suffix's at least" in stats.reason
+
+
+def test_drafters_that_may_each_be_the_best_are_both_measured_to_min_samples():
+    lookups = {DrafterKind.NGRAM: DraftShape(DrafterKind.NGRAM), DrafterKind.SUFFIX: SUFFIX}  # priced alike
+    router = Router(routing(probe_fraction=0.0), lookups)
+    alphas = {DrafterKind.NGRAM: [0.9, 0.5, 0.7], DrafterKind.SUFFIX: [0.6, 0.8, 1.0, 0.4]}
+    ran = route_and_report(router, "code", alphas, 2 * MIN_SAMPLES)
+    assert ran.count(DrafterKind.NGRAM) == ran.count(DrafterKind.SUFFIX) == MIN_SAMPLES
+    assert "ruled out" not in router.stats()["code"].reason
+
+
+def test_a_ruled_out_drafter_is_still_probed_and_judged_again_once_measured():
+    router = Router(routing(probe_fraction=0.25, ema=1.0), TWO)
+    ran = route_and_report(router, "code", {DrafterKind.MODEL: [0.1, 0.2], DrafterKind.SUFFIX: [0.9, 0.95]}, 12)
+    assert "drafter model ruled out" in router.stats()["code"].reason
+    decisions = [router.route("code") for _ in range(40)]
+    assert [d.drafter for d in decisions].count(DrafterKind.MODEL) == 10  # probes keep its alpha live
+    assert all(d.probe for d in decisions if d.drafter == DrafterKind.MODEL)
+    report_for(router, "code", DrafterKind.MODEL, 1.0, times=MIN_SAMPLES)  # it got better: judged by its average
+    report_for(router, "code", DrafterKind.SUFFIX, 0.3, times=MIN_SAMPLES)
+    assert router.stats()["code"].drafter == "model"
+
+
+def test_an_alphas_confidence_interval_narrows_with_reports_and_holds_their_mean():
+    from cluster.router import _Measured
+
+    measured = _Measured()
+    assert measured.bounds() == (0.0, 1.0)
+    widths = []
+    for observed in [0.6, 0.8] * 20:
+        measured.add(observed, ema=0.1)
+        lo, hi = measured.bounds()
+        assert 0.0 <= lo < measured.mean < hi <= 1.0
+        widths.append(hi - lo)
+    assert measured.mean == pytest.approx(0.7) and widths[-1] < widths[3] < widths[0]
+    assert widths[-1] < 0.2
