@@ -6,9 +6,10 @@ import grpc
 import torch
 
 from protos import specdec_tree_pb2 as tree_pb
+from specdec.acceptance import Verdict
 from specdec.errors import RequestFailed, ResourceExhausted, Unavailable
 from specdec.sampling import SamplingParams
-from specdec.target import Outcome
+from specdec.target import Opened, Outcome
 from specdec.tree import TokenTree
 
 from . import wire
@@ -41,14 +42,15 @@ class GrpcTarget:
                                    max_new_tokens=max_new_tokens, feature_layers=list(feature_layers))
 
     def open(self, rid: str, prompt: list[int], params: SamplingParams, stream: int = 0,
-             max_new_tokens: int = 0, feature_layers: tuple[int, ...] = ()) -> torch.Tensor | None:
-        """Open the request; with feature_layers, -> its prompt's features [len(prompt) - 1, F] (on the host)."""
+             max_new_tokens: int = 0, feature_layers: tuple[int, ...] = ()) -> Opened:
+        """Open the request -> its first verdict and, with feature_layers, its prompt's features [len(prompt), F]
+        (on the host)."""
         try:
-            self.stub.Open(self._open_request(rid, prompt, params, stream, max_new_tokens, feature_layers),
-                           timeout=self.open_timeout_s)
+            reply = self.stub.Open(self._open_request(rid, prompt, params, stream, max_new_tokens, feature_layers),
+                                   timeout=self.open_timeout_s)
         except grpc.RpcError as e:
             raise self._open_error(e) from None
-        return self.prompt_features(rid) if feature_layers else None
+        return Opened(_first(rid, reply), self.prompt_features(rid) if feature_layers else None)
 
     def prompt_features(self, rid: str) -> torch.Tensor:
         """An opened request's prompt features, in as many PromptFeatures calls as the message limit needs."""
@@ -70,7 +72,7 @@ class GrpcTarget:
         return features
 
     async def open_async(self, rid: str, prompt: list[int], params: SamplingParams, stream: int = 0,
-                         max_new_tokens: int = 0, feature_layers: tuple[int, ...] = ()) -> torch.Tensor | None:
+                         max_new_tokens: int = 0, feature_layers: tuple[int, ...] = ()) -> Opened:
         """open() awaited on an event loop, holding no thread while the target keeps it waiting for room;
         cancelling it cancels the call (the target then drops the request from its queue). Its prompt's
         features, once it is admitted, are read on a thread (a few calls, none of them waiting for room)."""
@@ -86,10 +88,10 @@ class GrpcTarget:
             call.cancel()
             raise
         try:
-            call.result()
+            reply = call.result()
         except grpc.RpcError as e:
             raise self._open_error(e) from None
-        return await asyncio.to_thread(self.prompt_features, rid) if feature_layers else None
+        return Opened(_first(rid, reply), await asyncio.to_thread(self.prompt_features, rid) if feature_layers else None)
 
     def _open_error(self, e: grpc.RpcError) -> Exception:
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -126,3 +128,17 @@ def _error(e: grpc.RpcError) -> Exception:
     if e.code() == grpc.StatusCode.UNAVAILABLE:
         return Unavailable(f"the target group is unreachable: {e.details()}")
     return wire.error_of_status(e.code(), e.details() or "")
+
+
+def _first(rid: str, reply: tree_pb.OpenResponse) -> Verdict:
+    """An Open's first verdict; RequestFailed where it is missing, malformed or not the request's."""
+    if not reply.HasField("first"):
+        raise RequestFailed(f"request {rid!r}: the target's Open reply has no first token")
+    try:
+        got, verdict = wire.verdict_from_proto(reply.first)
+    except ValueError as e:
+        raise RequestFailed(f"request {rid!r}: the target's first verdict is malformed: {e}") from None
+    if got != rid or verdict.path != [0]:
+        raise RequestFailed(f"request {rid!r}: the target's first verdict is for {got!r} with path {verdict.path}; "
+                            "a first verdict commits one token at the root")
+    return verdict

@@ -22,7 +22,7 @@ from specdec.errors import InvalidArgument
 
 from . import wire
 from .security import MAX_MESSAGE_BYTES
-from specdec.scheduler import TargetScheduler
+from specdec.scheduler import Opened, TargetScheduler
 
 log = logging.getLogger(__name__)
 VERIFY_THREADS = 16  # Verify calls waiting for a forward at once (one per replica loop in flight; more queue)
@@ -41,17 +41,17 @@ class TargetService(tree_grpc.TargetServiceServicer):
             loop = asyncio.get_running_loop()
             admitted = loop.create_future()
 
-            def done(error: Exception | None) -> None:  # on the scheduler's thread
-                loop.call_soon_threadsafe(_settle, admitted, error)
+            def done(outcome: Opened | Exception) -> None:  # on the scheduler's thread
+                loop.call_soon_threadsafe(_settle, admitted, outcome)
 
             self.scheduler.open_then(args.request_id, args.prompt, args.params, args.stream, args.max_new_tokens,
                                      done, args.feature_layers)  # a refusal at the door raises here: nothing is left
             try:
-                await admitted
+                opened = await admitted
             except asyncio.CancelledError:  # the caller hung up or its deadline passed: it leaves the queue
                 self.scheduler.close([args.request_id])
                 raise
-        return tree_pb.OpenResponse()
+        return tree_pb.OpenResponse(first=wire.verdict_to_proto(args.request_id, opened.first))
 
     async def Verify(self, request, context):
         async with _status(context):
@@ -112,9 +112,9 @@ def _placed(outcome, index: int):
     return outcome
 
 
-def _settle(future: asyncio.Future, error: Exception | None) -> None:
+def _settle(future: asyncio.Future, outcome) -> None:
     if not future.done():  # not cancelled meanwhile
-        future.set_result(None) if error is None else future.set_exception(error)
+        future.set_exception(outcome) if isinstance(outcome, Exception) else future.set_result(outcome)
 
 
 @contextlib.asynccontextmanager

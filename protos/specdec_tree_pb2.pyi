@@ -60,8 +60,10 @@ class OpenRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("first",)
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    first: VerifyResult
+    def __init__(self, first: _Optional[_Union[VerifyResult, _Mapping]] = ...) -> None: ...
 
 class Features(_message.Message):
     __slots__ = ("data", "rows", "width", "dtype")

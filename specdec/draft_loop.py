@@ -26,13 +26,13 @@ from .generation import Generation, emit, record_step
 from .kvcache import Prefilled, compacting
 from .sampling import SamplingParams, make_generator
 from .sinks import Sink, tell
-from .target import Outcome
+from .target import Opened, Outcome
 from .tree import TokenTree
 
 
 class Target(Protocol):
     def open(self, rid: str, prompt: list[int], params: SamplingParams, stream: int = 0,
-             max_new_tokens: int = 0) -> None: ...
+             max_new_tokens: int = 0) -> Opened: ...
     def verify(self, trees: dict[str, TokenTree]) -> dict[str, Outcome]: ...
     def close(self, rids: list[str]) -> None: ...
 
@@ -53,6 +53,8 @@ class DraftRequest:
     next_tree: TokenTree | None = None  # drafted ahead, while the target verified the last step
     draft_prefill: Prefilled | None = None  # its prompt in the draft's cache, run while it was opened (DraftLoop.prefill)
     features: torch.Tensor | None = None  # its prompt's features from the target's open, for a drafter that reads them
+    first: Verdict | None = field(kw_only=True)  # its first token, decided by the target as its prompt ran
+    # (Opened.first); None once handed to its sink
 
     def __post_init__(self):
         self.seq = list(self.prompt)
@@ -76,6 +78,7 @@ class DraftLoop:
         self._verifier = ThreadPoolExecutor(1, thread_name_prefix="verify", initializer=single_threaded) if self.overlap else None
         self.rows: list[DraftRequest] = []  # batch order: the drafter's rows
         self._joining: list[DraftRequest] = []
+        self._ending: list[str] = []  # requests done at their first token: closed on the target by the loop
         self._cancelled = RecentlyClosed()  # a cancel may come before its request joins: kept until it is seen
         self._failure: Exception | None = None  # every request in the loop ends with it before the next step
         self._stopped = False
@@ -105,9 +108,13 @@ class DraftLoop:
         self.join_all([request])
 
     def join_all(self, requests: list[DraftRequest]) -> None:
-        """Requests already opened on the target join together at the next step."""
+        """Requests already opened on the target join together at the next step; each one's first token (the
+        target decided it as its prompt ran) goes to its sink now (on the caller's thread: the time to first
+        token waits for no step), and one that ends there is closed on the target by the loop."""
+        going = [_take_first(r) for r in requests]
         with self._cv:
-            self._joining += requests
+            self._joining += [r for r, more in zip(requests, going) if more]
+            self._ending += [r.rid for r, more in zip(requests, going) if not more]
             self._cv.notify()
 
     def cancel(self, rid: str) -> None:
@@ -129,12 +136,15 @@ class DraftLoop:
         single_threaded()  # its forwards run on the compute thread
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self.rows or self._joining or self._stopped)
-                if self._stopped and not (self.rows or self._joining):
+                self._cv.wait_for(lambda: self.rows or self._joining or self._ending or self._stopped)
+                if self._stopped and not (self.rows or self._joining or self._ending):
                     return
                 joining, self._joining = self._joining, []
+                ending, self._ending = self._ending, []
                 failure, self._failure = self._failure, None
             try:
+                if ending:
+                    self.target.close(ending)
                 if failure is not None:
                     self._fail(failure)
                 self._add(joining)
@@ -257,6 +267,14 @@ class DraftLoop:
             self.drafter.start(0)
         for r in rows:
             tell(r.rid, r.sink, [], r.out, True, error)
+
+
+def _take_first(r: DraftRequest) -> bool:
+    """Hand a request its first token, which the target decided (a step of a lone root) -> whether it goes on."""
+    first, r.first = r.first, None
+    record_step(r.out.stats, TokenTree.root(r.seq[-1]), first, (0.0, 0.0))
+    more = emit(r.out, r.seq, first, r.max_new_tokens, r.eos)
+    return tell(r.rid, r.sink, r.out.token_ids, r.out, not more, None) and more
 
 
 def _verdict(outcomes: dict[str, Outcome], rid: str) -> Verdict | None:

@@ -142,11 +142,11 @@ class SpeculativeEngine:
         if not k:
             scheduler.decode_many(openings, self.eos, sinks)
         else:
-            features = scheduler.open_many(openings)
+            opened = scheduler.open_many(openings)
             # the draft runs each prompt before it joins, as a replica does: from its prefix cache, where it holds one
             loop.join_all([DraftRequest(o.rid, o.prompt, o.params, max_new_tokens, self.eos, k, sink, o.stream,
-                                        features=f, draft_prefill=loop.prefill(o.prompt))
-                           for o, sink, f in zip(openings, sinks, features)])
+                                        features=f.features, first=f.first, draft_prefill=loop.prefill(o.prompt))
+                           for o, sink, f in zip(openings, sinks, opened)])
         for sink in sinks:
             sink.done.wait()
         return sinks

@@ -5,7 +5,9 @@ runs one forward, and hands the results out. Requests join and leave between ite
 
 A plain request is owned by the loop: it costs no thread and no call per token; its tokens go to a
 sink the caller gives. A speculative request is opened by its draft replica, which then sends trees
-(verify) and gets verdicts back. A KV budget (rows, tokens) bounds memory; beyond it requests wait
+(verify) and gets verdicts back. Every request's first token is decided from its prompt's last token's
+logits in the forward that runs it (as vLLM does) and comes back with its admission (Opened.first), so
+speculating costs no time to first token and the first tree is rooted at that token. A KV budget (rows, tokens) bounds memory; beyond it requests wait
 in the admission queue, in arrival order, and beyond the queue's own bound they are refused
 (ResourceExhausted). A speculative row that gets no tree for `idle_timeout_s` (its replica or its
 client is gone) is closed by the loop."""
@@ -26,7 +28,7 @@ from .errors import InvalidArgument, RequestExists, ResourceExhausted, UnknownRe
 from .generation import Generation, emit, record_step
 from .sampling import SamplingParams
 from .sinks import Sink, tell
-from .target import ChunksFailed, Outcome, TargetWorker
+from .target import ChunksFailed, Opened, Outcome, TargetWorker
 from .tree import TokenTree
 
 log = logging.getLogger(__name__)
@@ -126,13 +128,13 @@ class _Waiter:
 
 @dataclass
 class _CallbackWaiter(_Waiter):
-    """A waiter that also calls `done(error)` when the loop serves it (open_then), on the loop's thread."""
+    """A waiter that also calls `done(result or error)` when the loop serves it (open_then), on the loop's thread."""
 
-    done_callback: Callable[[Exception | None], None] = lambda error: None
+    done_callback: Callable[["Opened | Exception"], None] = lambda outcome: None
 
     def finish(self, result=None, error: Exception | None = None) -> None:
         super().finish(result, error)
-        self.done_callback(error)
+        self.done_callback(result if error is None else error)
 
 
 @dataclass
@@ -220,17 +222,17 @@ class TargetScheduler:
     # --- what callers do (any thread) ------------------------------------------------------------
 
     def open(self, rid: str, prompt: list[int], params: SamplingParams, stream: int = 0,
-             max_new_tokens: int = 0) -> None:
-        """A speculative request joins; returns once it is admitted and its prompt prefilled."""
-        self.open_many([Opening(rid, prompt, params, stream, max_new_tokens)])
+             max_new_tokens: int = 0) -> Opened:
+        """A speculative request joins; returns once it is admitted and its prompt prefilled, with its first token."""
+        return self.open_many([Opening(rid, prompt, params, stream, max_new_tokens)])[0]
 
     def open_then(self, rid: str, prompt: list[int], params: SamplingParams, stream: int, max_new_tokens: int,
-                  done: Callable[[Exception | None], None], feature_layers: tuple[int, ...] = ()) -> None:
+                  done: Callable[[Opened | Exception], None], feature_layers: tuple[int, ...] = ()) -> None:
         """open() without blocking (the target's gRPC service awaits it on an event loop, holding no thread
         while the request waits for room): a refusal at the door (RequestExists, ResourceExhausted, an empty
-        prompt, over the budget) raises here; otherwise `done(None)` is called once the request is admitted
-        and prefilled, or `done(error)` when it never will be (closed while it waited, its prefill failed),
-        on the loop's thread (it must not block). With feature_layers, its prompt's features wait for
+        prompt, over the budget) raises here; otherwise `done(Opened)` is called once the request is admitted
+        and prefilled, or `done(error)` when it never will be (closed while it waited, its prefill or its first
+        token failed), on the loop's thread (it must not block). With feature_layers, its prompt's features wait for
         prompt_features (until taken, or until the request leaves)."""
         self._join_all([_Join(rid, list(prompt), params, stream, self._cost(prompt, max_new_tokens),
                               waiter=_CallbackWaiter(done_callback=done), feature_layers=tuple(feature_layers),
@@ -254,12 +256,12 @@ class TargetScheduler:
                 del self._prompt_features[rid]
             return chunk, total
 
-    def open_many(self, openings: list[Opening]) -> list:
+    def open_many(self, openings: list[Opening]) -> list[Opened]:
         """open() for a batch at once (the in-process engine): queued together, so admitted together and
         prefilled in one forward as far as the budget allows; all are refused at the door or none. Returns
-        once every one is admitted and prefilled, with each one's prompt features (Opening.feature_layers:
-        the inputs of those layers at its prompt's tokens but the last, [len(prompt) - 1, F]; else None);
-        raises the first error."""
+        once every one is admitted and prefilled: each one's first verdict and, with Opening.feature_layers,
+        its prompt features (the inputs of those layers at its prompt's tokens, [len(prompt), F]); raises the
+        first error."""
         joins = [_Join(o.rid, list(o.prompt), o.params, o.stream, self._cost(o.prompt, o.max_new_tokens),
                        feature_layers=tuple(o.feature_layers)) for o in openings]
         return [waiter.wait() for waiter in self._join_all(joins)]
@@ -480,7 +482,8 @@ class TargetScheduler:
         try:
             handle = self.worker.begin([(j.rid, j.prompt, j.params, j.stream) for j in joining],
                                        {j.rid: j.feature_layers for j in joining if j.feature_layers},
-                                       budget=0 if chunked else None, decide_first=[j.rid for j in joining if j.plain])
+                                       budget=0 if chunked else None,
+                                       decide_first=[j.rid for j in joining])
             if not chunked:
                 self._complete(handle, joining)
         except Exception as e:  # noqa: BLE001 - every joiner learns why
@@ -536,9 +539,9 @@ class TargetScheduler:
                 self._fail_joins(joins, e)
 
     def _complete(self, handle: int, joins: list[_Join]) -> None:
-        """begin's requests join the batch and their callers hear it (a plain row's sink its first token,
-        decided as its prompt's last token ran); any closed meanwhile (while their prompt was prefilled in
-        chunks) leave again at once."""
+        """begin's requests join the batch and their callers hear it, with their first tokens, decided as their
+        prompts' last tokens ran (a plain row's goes to its sink); any closed meanwhile (while their prompt was
+        prefilled in chunks) leave again at once, and so does a row whose first token failed."""
         joined = self.worker.complete(handle)
         features = joined.features
         with self._cv:  # first tokens: committed by the forward that ran each prompt's last token
@@ -548,23 +551,26 @@ class TargetScheduler:
                                       if j.keep_features and j.rid in features and j.rid not in closed}
         if closed:
             self.worker.remove(list(closed))
-        ending: dict[str, Exception | None] = {}  # plain rows done at their first token, or failed at it
+        ending: dict[str, Exception | None] = {}  # rows done at their first token, or failed at it
         for j in joins:
+            first = joined.first.get(j.rid)
             if j.rid in closed:
                 error = UnknownRequest(f"request {j.rid!r} was closed while its prompt was prefilled")
                 j.waiter.finish(error=error)
                 if j.plain:
                     tell(j.rid, j.plain.sink, [], j.plain.out, True, error)
-                continue
-            if j.plain:
+            elif j.plain:
                 self._plain[j.rid] = j.plain
-                first = joined.first[j.rid]
                 if not isinstance(first, Verdict):
                     ending[j.rid] = first
                 elif not self._advance_plain(j.rid, j.plain, TokenTree.root(j.prompt[-1]), first, 0.0):
                     ending[j.rid] = None
-            j.waiter.finish(None if j.keep_features else features.get(j.rid))
-        self._finish_plain(ending)
+            elif isinstance(first, Exception):  # its replica hears it as the open's error
+                ending[j.rid] = first
+                j.waiter.finish(error=first)
+            else:
+                j.waiter.finish(Opened(first, None if j.keep_features else features.get(j.rid)))
+        self._finish_joined(ending)
 
     def _fail_joins(self, joins: list[_Join], error: Exception) -> None:
         with self._cv:
@@ -596,7 +602,7 @@ class TargetScheduler:
         except Exception as e:  # noqa: BLE001 - the forward itself failed: handed to each waiting caller
             for waiter in waiters:
                 waiter.finish(error=e)
-            self._finish_plain({rid: e for rid in self._plain})
+            self._finish_joined({rid: e for rid in self._plain})
             return
         now = self._clock()  # verify's host read has waited for the device; the clock says so, not by chance
         elapsed = now - t0
@@ -618,7 +624,7 @@ class TargetScheduler:
                 ending[rid] = outcome
             elif not self._advance_plain(rid, plain, batch[rid], outcome, elapsed):
                 ending[rid] = None
-        self._finish_plain(ending)
+        self._finish_joined(ending)
         self._join_prefilled()
 
     def _verify(self, batch: dict[str, TokenTree], budget: int) -> tuple[dict[str, Outcome], int]:
@@ -658,15 +664,17 @@ class TargetScheduler:
         # a sink that failed ends its request: nobody is left to hear the rest
         return tell(rid, plain.sink, plain.out.token_ids[before:], plain.out, not more, None) and more
 
-    def _finish_plain(self, ending: dict[str, Exception | None]) -> None:
-        """These plain rows leave the batch together; each one's error, if any, goes to its sink."""
+    def _finish_joined(self, ending: dict[str, Exception | None]) -> None:
+        """These rows leave the batch together, done or failed at their first token; a plain row's error, if
+        any, goes to its sink (a speculative row's caller heard it from its open)."""
         if not ending:
             return
         for rid, error in ending.items():
-            plain = self._plain.pop(rid)
-            if error is not None:
+            plain = self._plain.pop(rid, None)
+            if plain is not None and error is not None:
                 tell(rid, plain.sink, [], plain.out, True, error)
         self.worker.remove(list(ending))
         with self._cv:
             for rid in ending:
                 self._reserved.pop(rid, None)
+                self._last_tree.pop(rid, None)

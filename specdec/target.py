@@ -63,10 +63,21 @@ class _Joining:
     prefilled: Prefilled  # its wants_last: the rows begun in decide_first
 
 
+@dataclass(frozen=True)
+class Opened:
+    """A speculative request admitted and prefilled: its first verdict (its first token, committed: the
+    next tree is rooted at it) and, where its prompt's features were asked for, those features [len(prompt),
+    F] (None where they wait for prompt_features)."""
+
+    first: Verdict
+    features: torch.Tensor | None = None
+
+
 @dataclass
 class Joined:
-    """What complete says of requests that joined: prompt features (those begun with feature_layers:
-    [len(prompt) - 1, F] each) and first verdicts (those begun in decide_first)."""
+    """What complete says of requests that joined: prompt features (those begun with feature_layers: [n, F]
+    each, n the tokens prefilled: the whole prompt where the first token was decided, else all but the last)
+    and first verdicts (those begun in decide_first)."""
 
     features: dict[Hashable, torch.Tensor]
     first: dict[Hashable, Outcome]
@@ -115,10 +126,10 @@ class TargetWorker:
     def add(self, joining: list[tuple[Hashable, list[int], SamplingParams, int]],
             feature_layers: dict[Hashable, tuple[int, ...]] | None = None) -> dict[Hashable, torch.Tensor]:
         """Requests (id, prompt, params, stream) join the batch; their prompts are prefilled in one forward
-        of their own (the running rows are not padded along). `feature_layers`: requests whose verdicts
-        carry the inputs of these layers of the target (a draft head's features). -> those requests'
-        prompt features [len(prompt) - 1, F]: the prompt's tokens but the last, which the first tree's
-        verdict carries as its root's"""
+        of their own (the running rows are not padded along), but for their last tokens, the roots of their
+        first trees. `feature_layers`: requests whose verdicts carry the inputs of these layers of the target
+        (a draft head's features). -> those requests' prompt features [len(prompt) - 1, F]: the prompt's
+        tokens but the last, which the first tree's verdict carries as its root's"""
         return self.complete(self.begin(joining, feature_layers)).features
 
     def begin(self, joining: list[tuple[Hashable, list[int], SamplingParams, int]],
@@ -127,13 +138,11 @@ class TargetWorker:
         """add, in steps (chunked prefill): check the requests (raising as add does) and prefill up to `budget`
         of their prompts' tokens (None: all), then advance runs more and complete joins them. -> a handle
         for those calls. Requests with feature_layers are prefilled whole now (their features come from one
-        forward). Requests in decide_first (none with feature_layers) have their first token decided from
-        their prompt's last token as it is prefilled (as vLLM does), not by a first tree's verify a step
-        later: complete commits it and says it (Joined.first). The others' prompts are prefilled but for
-        their last token, which a drafter's first tree takes as its root."""
+        forward). Requests in decide_first (the scheduler's: all) have their first token decided from their
+        prompt's last token as it is prefilled (as vLLM does), not by a first tree's verify a step later:
+        complete commits it and says it (Joined.first), and their features cover the whole prompt. The
+        others' prompts are prefilled but for their last token, which a first tree takes as its root."""
         feature_layers, decide_first = feature_layers or {}, set(decide_first)
-        if decide_first & feature_layers.keys():
-            raise ValueError("a request whose prompt features are asked for gets its first token from a tree")
         grammars = {}
         for rid, prompt, params, _ in joining:
             if rid in self.requests:

@@ -175,8 +175,8 @@ def chunked_outputs(target, draft, ps: list[list[int]], budget: int | None, pref
     sinks = [Collect() for _ in ps]
     spec = [i for i in range(len(ps)) if i % 2 == 0]
     for i in spec:
-        scheduler.open_many([Opening(f"s{i}", ps[i], GREEDY, 0, NEW_TOKENS)])
-        loop.join_all([DraftRequest(f"s{i}", ps[i], GREEDY, NEW_TOKENS, set(), 3, sinks[i])])
+        (opened,) = scheduler.open_many([Opening(f"s{i}", ps[i], GREEDY, 0, NEW_TOKENS)])
+        loop.join_all([DraftRequest(f"s{i}", ps[i], GREEDY, NEW_TOKENS, set(), 3, sinks[i], first=opened.first)])
     for i in range(len(ps)):
         if i not in spec:
             scheduler.decode(f"p{i}", ps[i], GREEDY, NEW_TOKENS, set(), sinks[i])

@@ -185,8 +185,9 @@ def test_self_draft_greedy_accepts_everything(target, reference):
             assert out.token_ids == ref
             assert out.stats.accepted == out.stats.drafted > 0
             assert out.stats.alpha == 1.0
-            # every step but possibly the last (clamped to the remaining room) commits depth + 1 tokens
-            assert out.stats.steps == -(-NEW_TOKENS // (depth + 1))
+            # the first token comes from the prompt's forward; every later step but possibly the last (clamped
+            # to the remaining room) commits depth + 1 tokens
+            assert out.stats.steps == 1 + -(-(NEW_TOKENS - 1) // (depth + 1))
 
 
 def test_self_draft_greedy_tree_accepts_full_depth(target, reference):

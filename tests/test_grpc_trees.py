@@ -22,6 +22,7 @@ from protos import specdec_tree_pb2 as tree_pb
 from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.drafter_factory import make_drafter
 from specdec.errors import ResourceExhausted
+from specdec.generation import FinishReason
 from specdec.kvcache import CachedLM
 from specdec.sampling import SamplingParams
 from specdec.acceptance import Verdict
@@ -161,10 +162,11 @@ def test_draft_loops_over_grpc_equal_plain_decoding(served, target, draft, refer
         if i == 5:
             scheduler.decode(f"r{i}", prompt, GREEDY, NEW_TOKENS, set(), sink)
             continue
-        remote.open(f"r{i}", prompt, GREEDY, 0, NEW_TOKENS)
+        first = remote.open(f"r{i}", prompt, GREEDY, 0, NEW_TOKENS).first
         prefilled = loops[i % 2].prefill(prompt) if i in (2, 3) else None
         assert (prefilled is None) == (i not in (2, 3) or kind == "none")
-        loops[i % 2].join(DraftRequest(f"r{i}", prompt, GREEDY, NEW_TOKENS, set(), 3, sink, draft_prefill=prefilled))
+        loops[i % 2].join(DraftRequest(f"r{i}", prompt, GREEDY, NEW_TOKENS, set(), 3, sink, draft_prefill=prefilled,
+                                       first=first))
     assert [s.wait()[0] for s in sinks] == reference.continuations[:6]
     if kind != "none":
         assert any(len(step) > 1 for s in sinks[:5] for step in s.steps)  # drafts were accepted
@@ -185,8 +187,8 @@ def test_drafting_ahead_keeps_greedy_output_exact(served, target, draft, referen
     prompts = reference.prompts[:5]
     sinks = [Collect() for _ in prompts]
     for i, (prompt, sink) in enumerate(zip(prompts, sinks)):
-        remote.open(f"a{i}", prompt, GREEDY, 0, NEW_TOKENS)
-        loop.join(DraftRequest(f"a{i}", prompt, GREEDY, NEW_TOKENS, set(), 3, sink))
+        first = remote.open(f"a{i}", prompt, GREEDY, 0, NEW_TOKENS).first
+        loop.join(DraftRequest(f"a{i}", prompt, GREEDY, NEW_TOKENS, set(), 3, sink, first=first))
         time.sleep(0.05 * i)
     assert [s.wait()[0] for s in sinks] == reference.continuations[:5]
     ahead = [s.stats["drafted_ahead"] for s in sinks]
@@ -204,8 +206,8 @@ def on_one_loop(stub, draft, prompt: list[int], rids: tuple[str, ...]) -> tuple[
     loop = DraftLoop(remote, make_drafter("model", CachedLM(draft), 1))
     sinks = [Collect() for _ in rids]
     for rid, sink in zip(rids, sinks):
-        remote.open(rid, prompt, GREEDY, 0, 200)
-        loop.join(DraftRequest(rid, prompt, GREEDY, 200, set(), 2, sink))
+        first = remote.open(rid, prompt, GREEDY, 0, 200).first
+        loop.join(DraftRequest(rid, prompt, GREEDY, 200, set(), 2, sink, first=first))
     return remote, loop, sinks
 
 
@@ -235,7 +237,7 @@ def test_errors_come_back_as_status_codes(served):
     """A bad Open is refused as a whole, with the status of the core's typed error and the field named; a
     bad tree gets its error in its own VerifyResult."""
     _, stub = served
-    stub.Open(tree_pb.OpenRequest(request_id="a", prompt=[1, 2, 3], params=tree_pb.SamplingParams()))
+    root = stub.Open(tree_pb.OpenRequest(request_id="a", prompt=[1, 2, 3], params=tree_pb.SamplingParams())).first.tokens[0]
     opens = [
         (tree_pb.OpenRequest(request_id="a", prompt=[4]), grpc.StatusCode.ALREADY_EXISTS, "already"),
         (tree_pb.OpenRequest(request_id="b", prompt=[]), grpc.StatusCode.INVALID_ARGUMENT, "prompt: the prompt is empty"),
@@ -255,17 +257,17 @@ def test_errors_come_back_as_status_codes(served):
             stub.Open(request, timeout=10)
         assert e.value.code() == code and text in e.value.details(), (code, e.value.details())
     trees = [
-        (tree_msg("zzz", [3]), grpc.StatusCode.NOT_FOUND, "", "not in the batch"),
-        (tree_msg("a", [2]), grpc.StatusCode.INVALID_ARGUMENT, "trees[0].tokens", "root must be its last token"),
-        (tree_msg("a", [3, 4], parents=[-1]), grpc.StatusCode.INVALID_ARGUMENT, "trees[0].parents", "1 parents"),
-        (tree_msg("a", [3, -4]), grpc.StatusCode.INVALID_ARGUMENT, "trees[0].tokens", ">= 0"),
+        (tree_msg("zzz", [root]), grpc.StatusCode.NOT_FOUND, "", "not in the batch"),
+        (tree_msg("a", [root + 1]), grpc.StatusCode.INVALID_ARGUMENT, "trees[0].tokens", "root must be its last token"),
+        (tree_msg("a", [root, 4], parents=[-1]), grpc.StatusCode.INVALID_ARGUMENT, "trees[0].parents", "1 parents"),
+        (tree_msg("a", [root, -4]), grpc.StatusCode.INVALID_ARGUMENT, "trees[0].tokens", ">= 0"),
     ]
     for tree, code, field, text in trees:
         (result,) = stub.Verify(tree_pb.VerifyRequest(trees=[tree]), timeout=10).results
         got = row_error(result)
         assert got[0] == code and got[1] == field and text in got[2], got
     # the request that was open is unharmed by its bad calls
-    reply = stub.Verify(tree_pb.VerifyRequest(trees=[tree_msg("a", [3])]))
+    reply = stub.Verify(tree_pb.VerifyRequest(trees=[tree_msg("a", [root])]))
     assert list(reply.results[0].path) == [0] and len(reply.results[0].tokens) == 1
     stub.Close(tree_pb.CloseRequest(request_ids=["a", "never-opened"]))
 
@@ -309,20 +311,22 @@ def test_one_bad_tree_fails_alone(served, reference, name):
     scheduler, stub = served
     prompt = reference.prompts[0]
     for rid in ("good-0", "bad", "good-1"):
-        stub.Open(open_request(rid, prompt))
-    _, bad, field = next(t for t in hostile_trees(prompt[-1]) if t[0] == name)
-    reply = stub.Verify(tree_pb.VerifyRequest(trees=[tree_msg("good-0", [prompt[-1]]), bad,
-                                                     tree_msg("good-1", [prompt[-1]])]), timeout=30)
+        reply = stub.Open(open_request(rid, prompt))
+        assert list(reply.first.path) == [0] and list(reply.first.tokens) == reference.continuations[0][:1]
+    root = reply.first.tokens[0]  # each row's first token, decided as its prompt ran
+    _, bad, field = next(t for t in hostile_trees(root) if t[0] == name)
+    reply = stub.Verify(tree_pb.VerifyRequest(trees=[tree_msg("good-0", [root]), bad,
+                                                     tree_msg("good-1", [root])]), timeout=30)
     results = {r.request_id: r for r in reply.results}
     assert set(results) == {"good-0", "bad", "good-1"}
     code, got_field, _ = row_error(results["bad"])
     assert (code, got_field) == (grpc.StatusCode.INVALID_ARGUMENT, field)
     for rid in ("good-0", "good-1"):
         assert not results[rid].HasField("error") and list(results[rid].path) == [0]
-        assert list(results[rid].tokens) == reference.continuations[0][:1]
+        assert list(results[rid].tokens) == reference.continuations[0][1:2]
     # as a draft replica sees it: the typed error for that row alone
     outcomes = GrpcTarget(stub).verify({"good-0": _root(results["good-0"].tokens[0]),
-                                        "bad": _root(prompt[-1] + 1)})
+                                        "bad": _root(root + 1)})
     assert isinstance(outcomes["good-0"], Verdict) and isinstance(outcomes["bad"], ValueError)
     stub.Close(tree_pb.CloseRequest(request_ids=["good-0", "bad", "good-1"]))
     wait_until_empty(scheduler)
@@ -336,9 +340,9 @@ def test_a_request_id_twice_in_one_verify_is_refused_for_it_alone(served, refere
     _, stub = served
     prompt = reference.prompts[0]
     for rid in ("twice", "once"):
-        stub.Open(open_request(rid, prompt))
-    reply = stub.Verify(tree_pb.VerifyRequest(trees=[tree_msg("twice", [prompt[-1]]), tree_msg("once", [prompt[-1]]),
-                                                     tree_msg("twice", [prompt[-1]])]), timeout=30)
+        root = stub.Open(open_request(rid, prompt)).first.tokens[0]
+    reply = stub.Verify(tree_pb.VerifyRequest(trees=[tree_msg("twice", [root]), tree_msg("once", [root]),
+                                                     tree_msg("twice", [root])]), timeout=30)
     results = {r.request_id: r for r in reply.results}
     assert row_error(results["twice"])[:2] == (grpc.StatusCode.INVALID_ARGUMENT, "trees[2].request_id")
     assert list(results["once"].path) == [0]
@@ -362,8 +366,8 @@ def test_sampling_through_the_loops_keeps_the_targets_distribution(small_target,
     sinks = [Collect() for _ in range(m)]
 
     def start(i: int) -> None:
-        scheduler.open(f"s{i}", PROMPT, params, i, n_tokens)
-        loop.join(DraftRequest(f"s{i}", PROMPT, params, n_tokens, set(), 1, sinks[i], stream=i))
+        first = scheduler.open(f"s{i}", PROMPT, params, i, n_tokens).first
+        loop.join(DraftRequest(f"s{i}", PROMPT, params, n_tokens, set(), 1, sinks[i], stream=i, first=first))
 
     with ThreadPoolExecutor(32) as pool:
         list(pool.map(start, range(m)))
@@ -476,7 +480,7 @@ def test_waiting_opens_hold_no_thread_and_do_not_starve_verify(target, reference
     prompt = reference.prompts[1]
     scheduler = scheduler_for(target, max_rows=1, max_waiting=200)
     with serving(scheduler) as stub:
-        stub.Open(open_request("running", prompt), timeout=10)
+        root = stub.Open(open_request("running", prompt), timeout=10).first.tokens[0]
         threads = threading.active_count()
         waiting = [stub.Open.future(open_request(f"waiting-{i}", prompt), timeout=60) for i in range(80)]
         deadline = time.monotonic() + 30
@@ -485,7 +489,7 @@ def test_waiting_opens_hold_no_thread_and_do_not_starve_verify(target, reference
             time.sleep(0.01)
         assert threading.active_count() < threads + 16  # no thread per waiting Open
         t0 = time.monotonic()
-        reply = stub.Verify(root_tree("running", prompt[-1]), timeout=10)
+        reply = stub.Verify(root_tree("running", root), timeout=10)
         assert list(reply.results[0].path) == [0] and time.monotonic() - t0 < 5
         for call in waiting:
             call.cancel()
@@ -516,14 +520,86 @@ def test_calls_beyond_max_concurrent_rpcs_are_refused_at_once(target, reference)
     prompt = reference.prompts[1]
     scheduler = scheduler_for(target, max_rows=1, max_waiting=10)
     with serving(scheduler, max_concurrent_rpcs=3) as stub:
-        stub.Open(open_request("running", prompt), timeout=10)
+        root = stub.Open(open_request("running", prompt), timeout=10).first.tokens[0]
         waiting = [stub.Open.future(open_request(f"waiting-{i}", prompt), timeout=60) for i in range(3)]
         wait_for(lambda: scheduler.stats().waiting >= 3, scheduler.stats)
         with pytest.raises(grpc.RpcError) as e:
-            stub.Verify(root_tree("running", prompt[-1]), timeout=10)
+            stub.Verify(root_tree("running", root), timeout=10)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         for call in waiting:
             call.cancel()
         wait_for(lambda: not scheduler.stats().waiting, scheduler.stats)
         stub.Close(tree_pb.CloseRequest(request_ids=["running"]))
         wait_until_empty(scheduler)
+
+
+# --- the first token comes with the open ---
+
+
+def test_the_first_token_comes_with_the_open_from_the_prompts_own_forward(served, reference):
+    """Open's reply carries the request's first token, decided from its prompt's last token in the forward
+    that ran the prompt and committed there: no verify step is spent on it, and the first tree is rooted at it."""
+    scheduler, stub = served
+    prompt = reference.prompts[2]
+    reply = stub.Open(open_request("a", prompt), timeout=10)
+    assert list(reply.first.path) == [0] and list(reply.first.tokens) == reference.continuations[2][:1]
+    assert scheduler.stats().forwards == 0  # the prefill decided it; no verify ran
+    assert scheduler.worker.last_token("a") == reply.first.tokens[0]
+    (result,) = stub.Verify(root_tree("a", reply.first.tokens[0]), timeout=10).results
+    assert list(result.tokens) == reference.continuations[2][1:2]
+    stub.Close(tree_pb.CloseRequest(request_ids=["a"]))
+    wait_until_empty(scheduler)
+
+
+def test_a_first_token_reaches_the_client_before_any_tree_is_verified(served, draft, reference):
+    """The draft loop hands a request its first token as it joins, on the caller's thread: the time to
+    first token waits for no draft and no verify."""
+    scheduler, stub = served
+    release = threading.Event()
+
+    class HeldTarget(GrpcTarget):
+        def verify(self, trees):
+            release.wait(30)  # no tree is verified until the test has seen the first token
+            return super().verify(trees)
+
+    remote = HeldTarget(stub)
+    loop = DraftLoop(remote, make_drafter("model", CachedLM(draft), 1))
+    prompt, sink = reference.prompts[3], Collect()
+    first = remote.open("a", prompt, GREEDY, 0, NEW_TOKENS).first
+    loop.join(DraftRequest("a", prompt, GREEDY, NEW_TOKENS, set(), 3, sink, first=first))
+    assert sink.steps == [reference.continuations[3][:1]] and not sink.done.is_set()
+    release.set()
+    assert sink.wait()[0] == reference.continuations[3]
+    assert sink.stats["steps"] >= 2 and scheduler.stats().trees_verified == sink.stats["steps"] - 1
+    wait_until_empty(scheduler)
+
+
+@pytest.mark.parametrize("new_tokens, eos_first", [(1, False), (4, True)])
+def test_a_request_done_at_its_first_token_sends_no_tree_and_is_closed(served, draft, reference, new_tokens, eos_first):
+    scheduler, stub = served
+    remote = GrpcTarget(stub)
+    loop = DraftLoop(remote, make_drafter("model", CachedLM(draft), 1))
+    prompt, sink = reference.prompts[4], Collect()
+    eos = {reference.continuations[4][0]} if eos_first else set()
+    first = remote.open("a", prompt, GREEDY, 0, new_tokens).first
+    loop.join(DraftRequest("a", prompt, GREEDY, new_tokens, eos, 3, sink, first=first))
+    tokens, reason, error = sink.wait()
+    assert tokens == reference.continuations[4][:1] and error is None
+    assert reason == (FinishReason.STOP if eos_first else FinishReason.LENGTH)
+    wait_until_empty(scheduler)  # closed on the target by the loop
+    assert scheduler.stats().trees_verified == 0
+
+
+def test_a_malformed_first_verdict_fails_the_open(served, reference):
+    from actors.grpc_target import _first
+    from specdec.errors import RequestFailed
+
+    good = tree_pb.OpenResponse(first=tree_pb.VerifyResult(request_id="a", path=[0], tokens=[5]))
+    assert _first("a", good).tokens == [5]
+    with pytest.raises(RequestFailed, match="has no first token"):
+        _first("a", tree_pb.OpenResponse())
+    for bad, text in [(tree_pb.VerifyResult(request_id="b", path=[0], tokens=[5]), "for 'b'"),
+                      (tree_pb.VerifyResult(request_id="a", path=[0, 1], tokens=[5, 6]), "path \\[0, 1\\]"),
+                      (tree_pb.VerifyResult(request_id="a", path=[0], tokens=[5, 6]), "malformed")]:
+        with pytest.raises(RequestFailed, match=text):
+            _first("a", tree_pb.OpenResponse(first=bad))

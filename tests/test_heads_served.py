@@ -92,8 +92,9 @@ def run_remote(remote: GrpcTarget, drafter, prompts, new_tokens, params=GREEDY, 
 
     def start(i: int) -> None:
         rid = f"{prefix}{i}"
-        features = remote.open(rid, prompts[i], params, i, new_tokens, drafter.feature_layers)
-        loop.join(DraftRequest(rid, prompts[i], params, new_tokens, set(), depth, sinks[i], stream=i, features=features))
+        opened = remote.open(rid, prompts[i], params, i, new_tokens, drafter.feature_layers)
+        loop.join(DraftRequest(rid, prompts[i], params, new_tokens, set(), depth, sinks[i], stream=i,
+                               features=opened.features, first=opened.first))
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(start, range(len(prompts))))
@@ -206,9 +207,9 @@ def test_prompt_features_are_kept_until_taken_or_closed(smooth):
         scheduler.open_then("a", [3, 4, 5, 6, 7], GREEDY, 0, 4, lambda error: done.set(), feature_layers=(0, 3))
         assert done.wait(30)
         first, total = scheduler.prompt_features("a", 0, lambda width, dtype: 3)
-        assert total == 4 and first.shape == (3, 2 * 64)
+        assert total == 5 and first.shape == (3, 2 * 64)  # every prompt token's: the first token came with the open
         rest, _ = scheduler.prompt_features("a", 3, lambda width, dtype: 3)
-        assert rest.shape[0] == 1
+        assert rest.shape[0] == 2
         with pytest.raises(KeyError, match="no prompt features waiting"):  # all taken: forgotten
             scheduler.prompt_features("a", 0, lambda width, dtype: 3)
         done.clear()

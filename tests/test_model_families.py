@@ -149,8 +149,8 @@ def test_the_served_loops_equal_generate(family):
     try:
         scheduler.decode("plain", batch[0], SamplingParams(), NEW, set(), sinks[0])
         for i in (1, 2):
-            scheduler.open(f"spec{i}", batch[i], SamplingParams(), 0, NEW)
-            loop.join(DraftRequest(f"spec{i}", batch[i], SamplingParams(), NEW, set(), 3, sinks[i]))
+            first = scheduler.open(f"spec{i}", batch[i], SamplingParams(), 0, NEW).first
+            loop.join(DraftRequest(f"spec{i}", batch[i], SamplingParams(), NEW, set(), 3, sinks[i], first=first))
         assert [s.wait()[0] for s in sinks] == expected
         assert any(rode)  # some prompt's chunks rode in a running row's forward
     finally:

@@ -99,8 +99,8 @@ def _run_honest(scheduler, draft, prompts, hostile=None) -> list[tuple]:
     scheduler.decode("plain-greedy", prompts[0], GREEDY, NEW_TOKENS, set(), sinks[0])
     scheduler.decode("plain-sampled", prompts[1], SAMPLED, NEW_TOKENS, set(), sinks[1])
     for i, params in ((2, GREEDY), (3, SAMPLED)):
-        scheduler.open(f"spec-{i}", prompts[i], params, 0, NEW_TOKENS)
-        loop.join(DraftRequest(f"spec-{i}", prompts[i], params, NEW_TOKENS, set(), 3, sinks[i]))
+        first = scheduler.open(f"spec-{i}", prompts[i], params, 0, NEW_TOKENS).first
+        loop.join(DraftRequest(f"spec-{i}", prompts[i], params, NEW_TOKENS, set(), 3, sinks[i], first=first))
     results = [s.wait() for s in sinks]
     stop.set()
     if thread:
@@ -174,8 +174,8 @@ def test_a_sink_that_raises_ends_its_own_request(target, draft, reference, clean
 
     scheduler.decode("broken-plain", reference.prompts[5], GREEDY, NEW_TOKENS, set(), broken)
     loop = DraftLoop(scheduler, make_drafter("model", CachedLM(draft), 1))
-    scheduler.open("broken-spec", reference.prompts[6], GREEDY, 0, NEW_TOKENS)
-    loop.join(DraftRequest("broken-spec", reference.prompts[6], GREEDY, NEW_TOKENS, set(), 3, broken))
+    first = scheduler.open("broken-spec", reference.prompts[6], GREEDY, 0, NEW_TOKENS).first
+    loop.join(DraftRequest("broken-spec", reference.prompts[6], GREEDY, NEW_TOKENS, set(), 3, broken, first=first))
     assert _run_honest(scheduler, draft, reference.prompts[:4]) == clean_run
     wait_until_empty(scheduler)
 

@@ -194,7 +194,7 @@ def test_a_draft_replica_keeps_what_its_rows_ran_and_prefills_the_next_turn_from
     turns = []
     for turn, rid in enumerate(("t1", "t2")):
         sink = Collect()
-        scheduler.open_many([Opening(rid, prompt, SamplingParams(), 0, NEW_TOKENS)])
+        (opened,) = scheduler.open_many([Opening(rid, prompt, SamplingParams(), 0, NEW_TOKENS)])
         prefilled = loop.prefill(prompt)
         if turn:  # the first turn's prompt and answer were kept: all whole blocks of it
             kept = (len(turns[0]) - 1) // 16 * 16
@@ -202,7 +202,8 @@ def test_a_draft_replica_keeps_what_its_rows_ran_and_prefills_the_next_turn_from
             for (k, v), (mine_k, mine_v) in zip(fresh_kv(draft, prompt[:-1]), prefilled.lm.row_kv(0)):
                 torch.testing.assert_close(mine_k, k, atol=1e-5, rtol=1e-5)
                 torch.testing.assert_close(mine_v, v, atol=1e-5, rtol=1e-5)
-        loop.join(DraftRequest(rid, prompt, SamplingParams(), NEW_TOKENS, set(), 3, sink, draft_prefill=prefilled))
+        loop.join(DraftRequest(rid, prompt, SamplingParams(), NEW_TOKENS, set(), 3, sink, draft_prefill=prefilled,
+                               first=opened.first))
         tokens, _, _ = sink.wait()
         turns.append(prompt + tokens)
         prompt = prompt + tokens + [1, 2, 3]

@@ -441,8 +441,8 @@ def test_the_scheduler_counts_the_loop_time_its_trees_waited_through(target):
 
     scheduler = TargetScheduler(TargetWorker(CachedLM(target)))
     try:
-        scheduler.open("a", [1, 2, 3], SamplingParams(), 0, 8)
-        verdict = scheduler.verify({"a": TokenTree.root(3)})["a"]
+        first = scheduler.open("a", [1, 2, 3], SamplingParams(), 0, 8).first  # the prompt's last token decided it
+        verdict = scheduler.verify({"a": TokenTree.root(first.tokens[-1])})["a"]
         scheduler.verify({"a": TokenTree.root(verdict.tokens[-1])})
         stats = scheduler.stats()
         assert stats.trees_verified == 2
@@ -492,8 +492,7 @@ def test_the_scheduler_times_device_work_and_leaves_a_sizes_cold_first_forward_o
     assert scheduler.device == torch.device("cpu")
     scheduler.device = torch.device("cuda:0")  # the timers' device; the model stays on the CPU
     try:
-        scheduler.open("a", [1, 2, 3], SamplingParams(), 0, 8)
-        root = 3
+        root = scheduler.open("a", [1, 2, 3], SamplingParams(), 0, 8).first.tokens[-1]
         for _ in range(3):
             root = scheduler.verify({"a": TokenTree.root(root)})["a"].tokens[-1]
         stats = scheduler.stats()

@@ -192,15 +192,15 @@ def test_warped_sampling_matches_warped_target(small_target, small_draft, exact_
 
 
 def test_wide_tree_first_tokens_match_target(small_target, small_draft):
-    """A root with 4 i.i.d. children from q (max_new_tokens 2, so one depth): the sharpest test of the
-    sibling rule. 10000 samples of the first two tokens (64 cells). Drawing the siblings without
-    replacement, for instance, fails this by a wide margin."""
+    """A root with 4 i.i.d. children from q (max_new_tokens 3: the first token from the prompt's forward, then
+    one tree of one depth): the sharpest test of the sibling rule. 10000 samples of the first two tokens (64
+    cells). Drawing the siblings without replacement, for instance, fails this by a wide margin."""
     m, params = 10000, SamplingParams(temperature=1.0, seed=77)
     exact = exact_joint(small_target, PROMPT, 2, params)
     engine = SpeculativeEngine(CachedLM(small_target), ModelDrafter(CachedLM(small_draft), 4), SpecConfig(depth=1))
-    outs = engine.generate([PROMPT] * m, 2, params=params, streams=list(range(m)))
-    counts = Counter(tuple(o.token_ids) for o in outs)
-    first = Counter((k[0],) for k in (tuple(o.token_ids) for o in outs))
+    outs = engine.generate([PROMPT] * m, 3, params=params, streams=list(range(m)))
+    counts = Counter(tuple(o.token_ids[:2]) for o in outs)
+    first = Counter((o.token_ids[0],) for o in outs)
     joint_p = chi_square_pvalue(counts, exact, m)
     first_p = chi_square_pvalue(first, marginal(exact, 0), m)
     print(f"width 4: joint p={joint_p:.3g} first-token p={first_p:.3g}")
@@ -302,7 +302,7 @@ def test_self_draft_sampling_accepts_every_drafted_token(small_target, width):
         assert out.stats.alpha == 1.0
         if width == 1:
             assert out.stats.accepted == out.stats.drafted
-        assert out.stats.steps == 3  # 4 + 4 + 4 tokens
+        assert out.stats.steps == 4  # 1 (the prompt's forward) + 4 + 4 + 3 tokens
 
 
 # ------------------------------------------------------------------ accept_sampling by hand

@@ -72,7 +72,7 @@ def test_the_served_loops_past_the_window_equal_generate(family):
     batch, sinks = prompts(), [Collect() for _ in range(3)]
     scheduler.decode("plain", batch[0], SamplingParams(), NEW, set(), sinks[0])
     for i in (1, 2):
-        scheduler.open(f"spec{i}", batch[i], SamplingParams(), 0, NEW)
-        loop.join(DraftRequest(f"spec{i}", batch[i], SamplingParams(), NEW, set(), 3, sinks[i]))
+        first = scheduler.open(f"spec{i}", batch[i], SamplingParams(), 0, NEW).first
+        loop.join(DraftRequest(f"spec{i}", batch[i], SamplingParams(), NEW, set(), 3, sinks[i], first=first))
     assert [s.wait()[0] for s in sinks] == [hf_greedy(target, p, NEW) for p in batch]
     scheduler.stop()

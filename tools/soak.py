@@ -714,11 +714,12 @@ class FakeReplica:
         pb = self._tree_pb
         params = {"temperature": 0.0, "seed": 1} | case.params
         opening = {"prompt": FAKE_PROMPT, "max_new_tokens": 8} | case.open
+        roots = []  # each row's last token: its first, which came with its Open
         for n, rid in enumerate(rids):
             request = pb.OpenRequest(request_id=rid, params=pb.SamplingParams(**params), **opening) if n == 0 else \
                 pb.OpenRequest(request_id=rid, prompt=FAKE_PROMPT, max_new_tokens=8, params=pb.SamplingParams())
             try:
-                stub.Open(request, timeout=60)
+                roots += stub.Open(request, timeout=60).first.tokens[-1:]
             except grpc.RpcError as e:
                 if case.tree is None and n == 0 or e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED,
                                                                 grpc.StatusCode.UNAVAILABLE):  # full, or down
@@ -729,9 +730,9 @@ class FakeReplica:
         if case.tree is None:
             out.status, out.detail = "OK", "the target took a malformed Open"
             return
-        trees = [pb.CandidateTree(request_id=rids[0], **case.tree(opening["prompt"][-1], self.ctx))]
+        trees = [pb.CandidateTree(request_id=rids[0], **case.tree(roots[0], self.ctx))]
         if case.beside_good:
-            trees.append(pb.CandidateTree(request_id=rids[1], tokens=[FAKE_PROMPT[-1]], parents=[-1],
+            trees.append(pb.CandidateTree(request_id=rids[1], tokens=[roots[1]], parents=[-1],
                                           proposal_ids=[-1], from_model=[True]))
         try:
             response = stub.Verify(pb.VerifyRequest(trees=trees), timeout=60)

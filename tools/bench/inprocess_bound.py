@@ -47,8 +47,8 @@ def run(clients: int, k: int) -> tuple[float, float, dict]:
             if k == 0:
                 scheduler.decode(rid, prompt, SamplingParams(), NEW_TOKENS, set(), sink)
             else:
-                scheduler.open(rid, prompt, SamplingParams(), 0, NEW_TOKENS)
-                drafts.join(DraftRequest(rid, prompt, SamplingParams(), NEW_TOKENS, set(), k, sink))
+                first = scheduler.open(rid, prompt, SamplingParams(), 0, NEW_TOKENS).first
+                drafts.join(DraftRequest(rid, prompt, SamplingParams(), NEW_TOKENS, set(), k, sink, first=first))
             done.wait()
             outputs[i] = tokens
 
