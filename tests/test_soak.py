@@ -332,7 +332,8 @@ class _FakeTarget:
                 if strict and (request.max_new_tokens < 0 or any(not 0 <= x < fake.VOCAB for x in request.prompt)
                                or 0 < request.params.temperature < 1e-5):
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: refused")
-                return pb.OpenResponse()
+                # its first token, decided as its prompt ran: 13, the root its trees must have
+                return pb.OpenResponse(first=pb.VerifyResult(request_id=request.request_id, path=[0], tokens=[13]))
 
             def Verify(self, request, context):
                 results = []

@@ -719,7 +719,7 @@ class FakeReplica:
             request = pb.OpenRequest(request_id=rid, params=pb.SamplingParams(**params), **opening) if n == 0 else \
                 pb.OpenRequest(request_id=rid, prompt=FAKE_PROMPT, max_new_tokens=8, params=pb.SamplingParams())
             try:
-                roots += stub.Open(request, timeout=60).first.tokens[-1:]
+                first = stub.Open(request, timeout=60).first.tokens
             except grpc.RpcError as e:
                 if case.tree is None and n == 0 or e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED,
                                                                 grpc.StatusCode.UNAVAILABLE):  # full, or down
@@ -727,6 +727,10 @@ class FakeReplica:
                 else:
                     out.status, out.detail = f"link Open {e.code().name}", f"a well-formed Open: {e.details()}"
                 return
+            if len(first) != 1:
+                out.status, out.detail = "link Open reply", f"an Open's reply carried {len(first)} first tokens, not 1"
+                return
+            roots.append(first[0])
         if case.tree is None:
             out.status, out.detail = "OK", "the target took a malformed Open"
             return
