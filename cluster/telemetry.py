@@ -64,9 +64,10 @@ class RecentSteps:
     without speculative steps only the stall."""
 
     hop_s: float = 0.0
-    draft_s_per_depth: float | None = None
+    draft_s_per_depth: float | None = None  # None until a draft model has run (lookups have no depth to price)
     drafted_ahead: float = 0.0
     stall_s_per_token: float | None = None
+    stepped: bool = False  # a speculative step has been measured (the first is taken whole)
     timing: StepTiming | None = None  # the ingress's cumulative timing at the last poll
     target: TargetStats | None = None  # the target's cumulative counts at the last poll
 
@@ -82,14 +83,15 @@ class RecentSteps:
                                                          (target.stall_time_s - was.stall_time_s) / committed))
         steps, depths = timing.steps - then.steps, timing.draft_depths - then.draft_depths
         trees = target.trees_verified - was.trees_verified
-        if steps <= 0 or depths <= 0 or trees <= 0:
+        if steps <= 0 or trees <= 0:
             return seen
         in_target_s = (target.tree_loop_time_s - was.tree_loop_time_s) / trees
         now = {"hop_s": max(0.0, (timing.step_round_trip_s - then.step_round_trip_s) / steps - in_target_s),
-               "draft_s_per_depth": (timing.draft_s - then.draft_s) / depths,
                "drafted_ahead": (timing.drafted_ahead - then.drafted_ahead) / steps}
-        if self.draft_s_per_depth is None:  # the first measurement: nothing to smooth with yet
-            return replace(seen, **now)
+        if depths > 0:  # a lookup drafter's steps (n-gram, suffix) run no draft forward: their hop counts all the same
+            now["draft_s_per_depth"] = (timing.draft_s - then.draft_s) / depths
+        if not self.stepped:  # the first measurement: nothing to smooth with yet
+            return replace(seen, stepped=True, **now)
         return replace(seen, **{key: _smoothed(getattr(self, key), value) for key, value in now.items()})
 
     def view(self, target: TargetStats) -> TargetView:

@@ -7,10 +7,10 @@ A plain request is owned by the loop: it costs no thread and no call per token; 
 sink the caller gives. A speculative request is opened by its draft replica, which then sends trees
 (verify) and gets verdicts back. Every request's first token is decided from its prompt's last token's
 logits in the forward that runs it (as vLLM does) and comes back with its admission (Opened.first), so
-speculating costs no time to first token and the first tree is rooted at that token. A KV budget (rows, tokens) bounds memory; beyond it requests wait
-in the admission queue, in arrival order, and beyond the queue's own bound they are refused
-(ResourceExhausted). A speculative row that gets no tree for `idle_timeout_s` (its replica or its
-client is gone) is closed by the loop."""
+speculating costs no time to first token and the first tree is rooted at that token. A KV budget (rows,
+tokens) bounds memory; beyond it requests wait in the admission queue, in arrival order, and beyond the
+queue's own bound they are refused (ResourceExhausted). A speculative row that gets no tree for
+`idle_timeout_s` (its replica or its client is gone) is closed by the loop."""
 
 import collections
 import logging
@@ -130,7 +130,7 @@ class _Waiter:
 class _CallbackWaiter(_Waiter):
     """A waiter that also calls `done(result or error)` when the loop serves it (open_then), on the loop's thread."""
 
-    done_callback: Callable[["Opened | Exception"], None] = lambda outcome: None
+    done_callback: Callable[[Opened | Exception], None] = lambda outcome: None
 
     def finish(self, result=None, error: Exception | None = None) -> None:
         super().finish(result, error)
@@ -232,8 +232,8 @@ class TargetScheduler:
         while the request waits for room): a refusal at the door (RequestExists, ResourceExhausted, an empty
         prompt, over the budget) raises here; otherwise `done(Opened)` is called once the request is admitted
         and prefilled, or `done(error)` when it never will be (closed while it waited, its prefill or its first
-        token failed), on the loop's thread (it must not block). With feature_layers, its prompt's features wait for
-        prompt_features (until taken, or until the request leaves)."""
+        token failed), on the loop's thread (it must not block). With feature_layers, its prompt's features
+        wait for prompt_features (until taken, or until the request leaves)."""
         self._join_all([_Join(rid, list(prompt), params, stream, self._cost(prompt, max_new_tokens),
                               waiter=_CallbackWaiter(done_callback=done), feature_layers=tuple(feature_layers),
                               keep_features=True)])

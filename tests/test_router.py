@@ -677,3 +677,25 @@ def test_an_alphas_confidence_interval_narrows_with_reports_and_holds_their_mean
         widths.append(hi - lo)
     assert measured.mean == pytest.approx(0.7) and widths[-1] < widths[3] < widths[0]
     assert widths[-1] < 0.2
+
+
+def test_a_lookup_drafters_steps_measure_the_hop_though_they_draft_no_depth():
+    """Suffix or n-gram steps run no draft forward (no draft depth to price), but their round trip beyond the
+    target is a cost all the same: the router must see it."""
+    from specdec.scheduler import TargetStats
+    from cluster.telemetry import RecentSteps, StepTiming
+
+    recent = RecentSteps().observe(StepTiming(), TargetStats())
+    # 10 lookup steps, 25 ms round trips on 20 ms forwards: 5 ms of hop, no draft depth
+    timing = StepTiming(steps=10, step_round_trip_s=0.25, drafted=40)
+    counts = TargetStats(forwards=10, forward_time_s=0.2, committed_tokens=30, trees_verified=10,
+                         tree_loop_time_s=0.2)
+    recent = recent.observe(timing, counts)
+    assert recent.hop_s == pytest.approx(0.005) and recent.draft_s_per_depth is None
+    # then a draft model's steps: its depth's cost is measured from its first step on, the hop smoothed
+    timing = StepTiming(steps=20, step_round_trip_s=0.55, draft_s=0.04, drafted=80, draft_depths=20)
+    counts = replace(counts, forwards=20, forward_time_s=0.4, committed_tokens=60, trees_verified=20,
+                     tree_loop_time_s=0.4)
+    recent = recent.observe(timing, counts)
+    assert recent.draft_s_per_depth == pytest.approx(0.002)
+    assert recent.hop_s == pytest.approx(0.005 + 0.3 * (0.01 - 0.005))
