@@ -267,8 +267,9 @@ class Router:
         if len(allowed) == 1:
             pinned = thresholds.drafter != "auto"
             return allowed[0], f"drafter {allowed[0]} ({'pinned by routing' if pinned else 'the only one allowed'})"
-        contenders = self._contenders(state, thresholds)
-        out = "".join(f"; {self._ruled_out(state, thresholds, kind)}" for kind in allowed if kind not in contenders)
+        why_out = {kind: self._ruled_out(state, thresholds, kind) for kind in allowed}
+        contenders = [kind for kind in allowed if not why_out[kind]]
+        out = "".join(f"; {why}" for why in why_out.values() if why)
         unmeasured = [kind for kind in contenders if state.drafters[kind].samples < thresholds.min_samples]
         if unmeasured:
             kind = min(unmeasured, key=lambda k: state.drafters[k].routed)
