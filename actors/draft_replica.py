@@ -9,7 +9,7 @@ from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.drafter_kinds import DrafterKind, DraftShape
 from specdec.drafters import Drafter
 from specdec.drafter_factory import draft_runner, make_drafter
-from specdec.suffix import TextIndex, read_corpus
+from specdec.suffix import RecentOutputs, TextIndex, read_corpus
 from specdec.errors import Unavailable
 from specdec.loading import TargetParts, is_head, load_draft, load_served_model, load_tokenizer, local_folder, parse_dtype
 from specdec.blocks import BlockPool, PrefixStats
@@ -58,6 +58,8 @@ class DraftReplica:
                       for task in self.models}  # each model's KV, its drafters'
         self.shapes = dict(shapes or {DrafterKind.MODEL_NGRAM: DraftShape()})
         self.corpora = read_corpora(corpora or {}, target_model, corpus_max_tokens)
+        # the outputs of every request this replica drafts, whatever its drafter, for its suffix drafts
+        self.outputs = suffix_store(self.shapes)
         self.overlap = overlap
         for kind in self.shapes:
             self._make_drafter("", kind)  # fail at start
@@ -135,14 +137,22 @@ class DraftReplica:
         if (key, kind) not in self.loops:
             task = key if key in self.models else ""
             self.loops[(key, kind)] = DraftLoop(self.target, self._make_drafter(task, kind, self.corpora.get(key)),
-                                                on_step=self.step_timer, overlap=self.overlap)
+                                                on_step=self.step_timer, overlap=self.overlap, outputs=self.outputs)
         return self.loops[(key, kind)]
 
     def _make_drafter(self, task: str, kind: DrafterKind, corpus: TextIndex | None = None) -> Drafter | None:
         """task: the task type whose draft model it drafts with ("": the rest's)."""
         shape, model = self.shapes[kind], self.models.get(task)
         return make_drafter(kind, draft_runner(model, self.pools[task]) if model is not None else None, shape.width,
-                            shape.proposal_top_k, shape.suffix, corpus)
+                            shape.proposal_top_k, shape.suffix, corpus, self.outputs)
+
+
+def suffix_store(shapes: dict[DrafterKind, DraftShape]) -> RecentOutputs | None:
+    """One store of recent outputs for all a replica's drafters, within speculation.suffix.global_max_tokens;
+    None when none of its drafter kinds drafts from it."""
+    caps = [shape.suffix.global_max_tokens for kind, shape in shapes.items()
+            if kind in (DrafterKind.SUFFIX, DrafterKind.MODEL_SUFFIX)]
+    return RecentOutputs(max(caps)) if caps else None
 
 
 def load_replica_draft(path: str, target_model: str | None, dtype, device):

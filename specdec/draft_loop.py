@@ -21,11 +21,12 @@ from .acceptance import Verdict
 from .ahead import Ahead, draft_ahead, settle
 from .closed import RecentlyClosed
 from .compute import single_threaded
-from .drafters import Drafter, Plan
+from .drafters import Drafter, Plan, recent_outputs
 from .generation import Generation, emit, record_step
 from .kvcache import Prefilled, compacting
 from .sampling import SamplingParams, make_generator
 from .sinks import Sink, tell
+from .suffix import RecentOutputs
 from .target import Opened, Outcome
 from .tree import TokenTree
 
@@ -70,8 +71,12 @@ class DraftLoop:
     """The running requests of one drafter, stepped together on a thread of their own."""
 
     def __init__(self, target: Target, drafter: Drafter | None,
-                 on_step: Callable[[float, float], None] = lambda draft_s, verify_s: None, overlap: bool = True):
+                 on_step: Callable[[float, float], None] = lambda draft_s, verify_s: None, overlap: bool = True,
+                 outputs: RecentOutputs | None = None):
+        """outputs: where each finished request's output goes, for suffix drafts of later requests (a draft
+        replica's store, shared by all its loops); None: the drafter's own store, if it drafts from one."""
         self.target, self.drafter, self.on_step = target, drafter, on_step
+        self.outputs = outputs if outputs is not None else recent_outputs(drafter)
         # drafting ahead pays only where drafting costs (a draft model): n-gram guesses are free; a head would
         # draft ahead from its own features where the target's are due, so it does not
         self.overlap = overlap and drafter is not None and drafter.uses_model and not drafter.feature_layers
@@ -180,6 +185,9 @@ class DraftLoop:
         """Remove rows from the batch (and the drafter); `close`: also on the target, and tell their sinks."""
         if not leaving:
             return
+        if self.outputs is not None:
+            for r in leaving:
+                self.outputs.add(r.out.token_ids)
         gone = {id(r) for r in leaving}
         ending = [i for i, r in enumerate(self.rows) if id(r) in gone]
         keep = compacting(len(self.rows), ending)  # the last rows fill the gaps: the draft's cache copies only them

@@ -10,14 +10,15 @@ from .head_drafter import HeadDrafter, MedusaDrafter
 from .kvcache import CachedLM
 from .medusa import MedusaHeads
 from .blocks import BlockPool
-from .suffix import SuffixConfig, TextIndex
+from .suffix import RecentOutputs, SuffixConfig, TextIndex
 
 
 def make_drafter(kind: DrafterKind | str, draft, width: int = 1,
                  proposal_top_k: int = DEFAULT_PROPOSAL_TOP_K, suffix: SuffixConfig = SuffixConfig(),
-                 corpus: TextIndex | None = None) -> Drafter | None:
+                 corpus: TextIndex | None = None, recent: RecentOutputs | None = None) -> Drafter | None:
     """The drafter of this kind (a DrafterKind or its name); the model-based ones need a draft (draft_runner's: a
-    draft model's or an EAGLE-3 head's CachedLM, or Medusa heads); the suffix ones draft from `corpus` too."""
+    draft model's or an EAGLE-3 head's CachedLM, or Medusa heads); the suffix ones draft from `corpus` too, and
+    from `recent`, a store of recent outputs shared with other drafters (None: one of their own)."""
     try:
         kind = DrafterKind(kind)
     except ValueError:
@@ -25,13 +26,14 @@ def make_drafter(kind: DrafterKind | str, draft, width: int = 1,
     if kind is DrafterKind.NONE:
         return None
     if not kind.uses_model:
-        return SuffixDrafter(suffix, corpus) if kind is DrafterKind.SUFFIX else NgramDrafter()
+        return SuffixDrafter(suffix, corpus, recent) if kind is DrafterKind.SUFFIX else NgramDrafter()
     if draft is None:
         raise ValueError(f"drafter {kind.value!r} needs a draft model (--draft DIR)")
     model = _model_drafter(draft, width, proposal_top_k)
     if kind is DrafterKind.MODEL:
         return model
-    return MergedDrafter(model, SuffixDrafter(suffix, corpus) if kind is DrafterKind.MODEL_SUFFIX else NgramDrafter())
+    lookup = SuffixDrafter(suffix, corpus, recent) if kind is DrafterKind.MODEL_SUFFIX else NgramDrafter()
+    return MergedDrafter(model, lookup)
 
 
 def _model_drafter(draft, width: int, proposal_top_k: int) -> TreeGrower:

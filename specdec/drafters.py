@@ -125,17 +125,11 @@ class _SuffixRow:
     """One row of a SuffixDrafter: its own text, indexed as the row drafts."""
 
     text: TextIndex = field(default_factory=TextIndex)
-    prompt: int | None = None  # the length of the text when the row was first seen: its prompt
     last: tuple[int, int, Draft] | None = None  # (text length, budget, draft): the latest draft, reused
 
     def sync(self, seq: list[int]) -> None:
-        if self.prompt is None:
-            self.prompt = len(seq)
         if len(seq) > len(self.text):
             self.text.extend(seq[len(self.text):])
-
-    def output(self) -> list[int]:
-        return self.text.tokens[self.prompt:] if self.prompt is not None else []
 
 
 class SuffixDrafter:
@@ -143,20 +137,23 @@ class SuffixDrafter:
     the longest match of its tail, in its own text or in the outputs of this drafter's recent requests
     (kept across batches, within suffix.global_max_tokens), or in a corpus given to it (REST), whichever
     scores higher. A row's text is
-    indexed as the row drafts from it (text assumed while drafting ahead is taken back on rollback); a
-    finished row's output joins the recent outputs (all of it but its last step's tokens, which the
-    drafter never sees)."""
+    indexed as the row drafts from it (text assumed while drafting ahead is taken back on rollback). The
+    recent outputs are fed by the loop that steps the drafter's rows (DraftLoop: each finished request's
+    whole output), and a draft replica gives all its drafters' loops one store (recent_outputs)."""
 
     uses_model, uses_ngram = False, True
     draft_lm = None
     device = HOST
     feature_layers = ()
 
-    def __init__(self, config: SuffixConfig = SuffixConfig(), corpus: TextIndex | None = None):
-        """corpus: an operator's corpus to draft from as well (REST; suffix.read_corpus), shared, never changed."""
+    def __init__(self, config: SuffixConfig = SuffixConfig(), corpus: TextIndex | None = None,
+                 recent: RecentOutputs | None = None):
+        """corpus: an operator's corpus to draft from as well (REST; suffix.read_corpus), shared, never changed.
+        recent: the store of recent outputs to draft from, shared with other drafters (None: one of its own,
+        within config.global_max_tokens)."""
         self.config, self.corpus = config, corpus
         self.shape = DraftShape(DrafterKind.SUFFIX, suffix=config)
-        self.recent = RecentOutputs(config.global_max_tokens)
+        self.recent = recent if recent is not None else RecentOutputs(config.global_max_tokens)
         self.rows: list[_SuffixRow] = []
 
     def guess(self, row: int, seq: list[int], n: int) -> Draft:
@@ -173,7 +170,6 @@ class SuffixDrafter:
         return best
 
     def start(self, batch_size: int) -> None:
-        self._remember(self.rows)
         self.rows = []
         self.add_rows(batch_size)
 
@@ -190,8 +186,6 @@ class SuffixDrafter:
         pass
 
     def select(self, rows: list[int]) -> None:
-        kept = set(rows)
-        self._remember([r for i, r in enumerate(self.rows) if i not in kept])
         self.rows = [self.rows[i] for i in rows]
 
     def assume(self, paths) -> list[int]:
@@ -208,9 +202,13 @@ class SuffixDrafter:
             if k is not None:  # its next sync indexes what the target accepted
                 r.text.truncate(length)
 
-    def _remember(self, rows: list[_SuffixRow]) -> None:
-        for r in rows:
-            self.recent.add(r.output())
+
+def recent_outputs(drafter: "Drafter | None") -> RecentOutputs | None:
+    """The store of recent outputs a drafter drafts from (a suffix drafter's, alone or merged with a model's),
+    which its loop feeds; None for the others."""
+    if isinstance(drafter, MergedDrafter):
+        drafter = drafter.lookup
+    return drafter.recent if isinstance(drafter, SuffixDrafter) else None
 
 
 def guessed_trees(lookup: "NgramDrafter | SuffixDrafter", seqs, plans) -> list[TokenTree]:

@@ -11,9 +11,11 @@ the matched occurrences is counted when a draft is asked for."""
 
 import heapq
 import os
+import threading
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 SEP = -1  # between texts in one store: no match or continuation crosses it
@@ -66,6 +68,8 @@ class Draft:
 class TextIndex:
     """Texts, appended to, with every position indexed by the token and the token pair that end there.
     Positions are absolute (they survive dropping the oldest texts: `base` is where `tokens` starts)."""
+
+    guard = nullcontext()  # held while drafting from it: a store shared across threads (RecentOutputs) locks
 
     def __init__(self):
         self.tokens: list[int] = []
@@ -132,6 +136,11 @@ def speculate(index: TextIndex, tail: list[int], max_tokens: int, config: Suffix
     """The best draft of at most max_tokens nodes from the matches of `tail` in `index`: for each match
     length m found, the continuation tree of the occurrences matching at least m tokens, capped at
     max_spec_factor x m + max_spec_offset nodes; the one of highest score (the longest on ties)."""
+    with index.guard:  # the positions found stay valid while the continuations are read
+        return _speculate(index, tail, max_tokens, config)
+
+
+def _speculate(index: TextIndex, tail: list[int], max_tokens: int, config: SuffixConfig) -> Draft:
     found = index.occurrences(tail, config.max_depth, config.max_occurrences)
     best = Draft()
     for m in sorted({length for length, _ in found}, reverse=True):
@@ -179,12 +188,14 @@ def _grow(index: TextIndex, ends: list[int], budget: int, max_depth: int, min_pr
 
 
 class RecentOutputs(TextIndex):
-    """The outputs of recent requests, shared by every request of a drafter: the oldest are dropped
+    """The outputs of recent requests, shared by every request of a drafter (a draft replica's: by all its
+    drafters' loops, each on its own thread, so adding and drafting hold a lock): the oldest are dropped
     once more than max_tokens are held, and the index is rebuilt once the dropped part is as large as a
     quarter of the cap, so memory stays within about 1.25 x max_tokens positions."""
 
     def __init__(self, max_tokens: int):
         super().__init__()
+        self.guard = threading.Lock()
         self.max_tokens = max_tokens
         self.starts: deque[int] = deque()  # absolute start of each text held, oldest first
         self.start = 0  # absolute start of the oldest text held (before it: dropped, awaiting the rebuild)
@@ -197,6 +208,10 @@ class RecentOutputs(TextIndex):
     def add(self, text: list[int]) -> None:
         if not text:
             return
+        with self.guard:
+            self._add(text)
+
+    def _add(self, text: list[int]) -> None:
         text = text[max(0, len(text) - self.max_tokens + 1):]  # one text longer than the cap: its end
         self.starts.append(len(self))
         self.extend([SEP, *text])

@@ -9,12 +9,15 @@ import pytest
 import torch
 
 from specdec.acceptance import accept_sampling
+from specdec.draft_loop import DraftLoop, DraftRequest
+from specdec.drafter_factory import make_drafter
 from specdec.drafters import Plan, SuffixDrafter
 from specdec.sampling import SamplingParams
 from specdec.suffix import SEP, RecentOutputs, SuffixConfig, TextIndex, speculate
 from specdec.tree import TokenTree
 
 CFG = SuffixConfig()
+GREEDY = SamplingParams()
 
 
 def indexed(tokens: list[int]) -> TextIndex:
@@ -102,19 +105,43 @@ def test_matches_never_cross_from_one_text_into_another():
 
 
 def test_a_request_drafts_from_an_earlier_requests_output():
-    drafter = SuffixDrafter()
+    store = RecentOutputs(1000)
+    drafter = SuffixDrafter(recent=store)
     drafter.start(1)
     answer = list(range(200, 240))
-    seq = [1, 2, 3] + answer + [9]  # the prompt [1, 2, 3], then the answer
-    drafter.propose([[1, 2, 3]], [Plan(0, 8)], None, None)  # first sight: the prompt
-    drafter.propose([seq], [Plan(0, 8)], None, None)
-    drafter.select([])  # it finished: its output joins the recent outputs
-    assert drafter.recent.held == 1 + len(answer) + 1
-    drafter.start(1)
+    store.add(answer)  # an earlier request's output (its loop adds it as the request ends)
     new_prompt = [77, 78, 200, 201, 202, 203]  # never seen, but it ends as that answer began
     tree = drafter.propose([new_prompt], [Plan(0, 8)], None, None)[0]
     assert tree.tokens == [203, 204, 205, 206, 207]  # a match of 4: 4 guesses
     assert tree.guess == [204, 205, 206, 207]
+
+
+def test_a_replicas_loops_share_one_store_of_outputs(target, reference):
+    """A draft replica's loops (one per drafter kind) feed one store: a request drafted by n-gram lookup leaves
+    its whole output there, and a suffix request of the same prompt later drafts it, output unchanged."""
+    from test_grpc_trees import Collect, scheduler_for
+
+    scheduler, store = scheduler_for(target), RecentOutputs(10_000)
+    ngram = DraftLoop(scheduler, make_drafter("ngram", None), outputs=store)
+    suffix = DraftLoop(scheduler, make_drafter("suffix", None, recent=store), outputs=store)
+    alone = DraftLoop(scheduler, make_drafter("suffix", None))  # a loop of its own feeds its drafter's store
+    prompt, expected = reference.prompts[3], reference.continuations[3]
+
+    def run(loop: DraftLoop, rid: str) -> Collect:
+        sink = Collect()
+        first = scheduler.open(rid, prompt, GREEDY, 0, len(expected)).first
+        loop.join(DraftRequest(rid, prompt, GREEDY, len(expected), set(), 4, sink, first=first))
+        assert sink.wait()[0] == expected
+        return sink
+
+    run(ngram, "by-ngram")
+    assert store.held == 1 + len(expected)  # the separator and the whole output
+    shared, fresh = run(suffix, "from-store"), run(alone, "own-text")
+    assert len(shared.steps) < len(fresh.steps)  # the first answer, drafted from the store
+    assert alone.drafter.recent.held == 1 + len(expected)
+    for loop in (ngram, suffix, alone):
+        loop.stop()
+    scheduler.stop()
 
 
 def test_guess_trees_graft_and_share_nodes_when_greedy():
