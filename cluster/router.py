@@ -13,8 +13,8 @@ stays live. A task type's `speculation: on | off` forces the decision.
 Where the draft replicas run several drafter kinds (speculation.drafter a list), alpha is kept per task
 type and drafter, and the router also chooses the drafter: each is tried until it has min_samples
 reports, then the one of the highest goodput at its best K drafts, and another takes over only once it
-beats it by switch_margin; a probe_fraction of speculative requests tries the others, so their alphas
-stay live. Measuring stops early for a drafter that cannot win (successive elimination): once even the top
+beats it by switch_margin; a probe_fraction of speculative requests tries the others that may still beat
+it, so their alphas stay live. Measuring stops early for a drafter that cannot win (successive elimination): once even the top
 of its alpha's confidence interval commits less than another's bottom, it is only probed, so a drafter
 that costs far more than another is not tried min_samples times at a loss. A drafter that runs no model costs no draft forwards; one that does costs what the replicas
 measure. routing.*.drafter pins one; routing.*.forbid_drafters rules some out."""
@@ -126,12 +126,16 @@ class _Measured:
         self.mean += delta / self.samples
         self.m2 += delta * (observed - self.mean)
 
-    def bounds(self) -> tuple[float, float]:
+    last_report: int = 0  # the task type's count of reports (_TaskState.reports) at its latest
+
+    def bounds(self, weight: float = 1.0) -> tuple[float, float]:
         """Alpha's confidence interval from the reports: mean +- _Z standard errors, the variance shrunk
-        towards a Bernoulli's largest; (0, 1) before any report."""
+        towards a Bernoulli's largest; (0, 1) before any report. `weight` (at most 1): what each report
+        still counts for (stale reports count less: the interval widens)."""
         if not self.samples:
             return 0.0, 1.0
-        half = _Z * math.sqrt((self.m2 + _PRIOR_VARIANCE) / self.samples / self.samples)
+        n = self.samples * weight
+        half = _Z * math.sqrt((self.m2 * weight + _PRIOR_VARIANCE) / n / n)
         return max(0.0, self.mean - half), min(1.0, self.mean + half)
 
 
@@ -142,6 +146,7 @@ class _TaskState:
     speculating: bool = True  # within the alpha bounds (hysteresis); optimistic until reports say otherwise
     probe_credit: float = 0.0  # probe_fraction accumulated per request while off; a probe at 1
     other_credit: float = 0.0  # probe_fraction accumulated per speculative request: another drafter's try at 1
+    reports: int = 0  # acceptance reports taken, every drafter's
     requests: dict[Mode, int] = field(default_factory=lambda: dict.fromkeys(get_args(Mode), 0))
 
     def samples(self) -> int:
@@ -223,6 +228,8 @@ class Router:
             if measured is None:
                 raise ValueError(f"drafter {drafter!r} is not served here ({', '.join(map(str, self.shapes))})")
             measured.add(acceptance_rate(accepted, tried), thresholds.ema)
+            state.reports += 1
+            measured.last_report = state.reports
             _decide(state, thresholds, self._contenders(state, thresholds))
 
     def update_routing(self, routing: RoutingConfig) -> None:
@@ -329,7 +336,8 @@ class Router:
 
     def _try_another(self, state: _TaskState, thresholds: Thresholds, chosen: DrafterKind) -> tuple[DrafterKind, bool]:
         """A probe_fraction of speculative requests goes to the other allowed drafters in turn (their alphas
-        stay live) -> (the drafter, whether it is such a probe)."""
+        stay live), of those that may still beat the one chosen (_may_beat) -> (the drafter, whether it is
+        such a probe)."""
         others = [kind for kind in self._allowed(thresholds) if kind != chosen]
         if not others:
             return chosen, False
@@ -337,7 +345,20 @@ class Router:
         if state.other_credit < 1 - _ROUNDING:
             return chosen, False
         state.other_credit -= 1
-        return min(others, key=lambda k: state.drafters[k].routed), True
+        hopeful = [kind for kind in others if self._may_beat(state, thresholds, kind, chosen)]
+        if not hopeful:
+            return chosen, False
+        return min(hopeful, key=lambda k: state.drafters[k].routed), True
+
+    def _may_beat(self, state: _TaskState, thresholds: Thresholds, kind: DrafterKind, chosen: DrafterKind) -> bool:
+        """Whether a drafter is worth a probe: at the top of its alpha's interval it commits at least what the one
+        chosen does at the bottom of its. Its reports count for half after every min_samples reports of the task
+        type since its latest, so the interval widens while it is not tried: one that could win at some alpha it
+        might have now is tried again in time; one that loses even at an alpha of 1 is not, while the costs hold."""
+        measured = state.drafters[kind]
+        weight = 0.5 ** ((state.reports - measured.last_report) / thresholds.min_samples)
+        ceiling = self._worth(measured.bounds(weight)[1], thresholds, kind)
+        return ceiling >= self._worth(state.drafters[chosen].bounds()[0], thresholds, chosen)
 
     def _plan(self, state: _TaskState, thresholds: Thresholds) -> Plan:
         """What AUTO requests get: forced by the config, off below the alpha bounds, else the drafter and K

@@ -576,10 +576,11 @@ def test_another_drafter_takes_over_only_past_the_switch_margin():
 
 
 def test_the_other_drafters_are_probed_at_the_probe_fraction():
-    router = Router(routing(probe_fraction=0.25), TWO)
-    measure_both(router, "code", {DrafterKind.MODEL: 0.5, DrafterKind.SUFFIX: 0.9})
+    lookups = {DrafterKind.NGRAM: DraftShape(DrafterKind.NGRAM), DrafterKind.SUFFIX: SUFFIX}  # priced alike
+    router = Router(routing(probe_fraction=0.25), lookups)
+    measure_both(router, "code", {DrafterKind.NGRAM: 0.85, DrafterKind.SUFFIX: 0.9})  # n-gram may still be the better
     decisions = [router.route("code") for _ in range(100)]
-    probes = [d for d in decisions if d.drafter == DrafterKind.MODEL]
+    probes = [d for d in decisions if d.drafter == DrafterKind.NGRAM]
     assert len(probes) == 25 and all(d.probe and d.speculative for d in probes)
     assert all(not d.probe for d in decisions if d.drafter == DrafterKind.SUFFIX)
 
@@ -652,16 +653,31 @@ def test_drafters_that_may_each_be_the_best_are_both_measured_to_min_samples():
     assert "ruled out" not in router.stats()["code"].reason
 
 
-def test_a_ruled_out_drafter_is_still_probed_and_judged_again_once_measured():
+def test_a_drafter_that_cannot_win_is_not_probed_until_it_might():
+    """Probes go only to a drafter that may still beat the one chosen (the top of its alpha's interval against
+    the bottom of the chosen one's): none while it cannot; once the chosen one's alpha falls, its reports aging
+    widen the loser's interval until it is tried again, and a good report brings it back."""
     router = Router(routing(probe_fraction=0.25, ema=1.0), TWO)
-    ran = route_and_report(router, "code", {DrafterKind.MODEL: [0.1, 0.2], DrafterKind.SUFFIX: [0.9, 0.95]}, 12)
+    route_and_report(router, "code", {DrafterKind.MODEL: [0.1, 0.2], DrafterKind.SUFFIX: [0.9, 0.95]}, 12)
     assert "drafter model ruled out" in router.stats()["code"].reason
-    decisions = [router.route("code") for _ in range(40)]
-    assert [d.drafter for d in decisions].count(DrafterKind.MODEL) == 10  # probes keep its alpha live
-    assert all(d.probe for d in decisions if d.drafter == DrafterKind.MODEL)
-    report_for(router, "code", DrafterKind.MODEL, 1.0, times=MIN_SAMPLES)  # it got better: judged by its average
-    report_for(router, "code", DrafterKind.SUFFIX, 0.3, times=MIN_SAMPLES)
+    alphas = {DrafterKind.MODEL: [0.1, 0.2], DrafterKind.SUFFIX: [0.9, 0.95]}
+    assert DrafterKind.MODEL not in route_and_report(router, "code", alphas, 100)  # no probe pays
+    alphas = {DrafterKind.MODEL: [1.0], DrafterKind.SUFFIX: [0.6]}  # suffix falls; the model got better, unseen
+    ran = route_and_report(router, "code", alphas, 200)
+    first = ran.index(DrafterKind.MODEL)
+    assert 0 < first < 100  # tried again once its stale interval reached past suffix's
     assert router.stats()["code"].drafter == "model"
+
+
+def test_a_drafter_that_loses_even_at_an_alpha_of_1_is_never_probed():
+    """Where a draft model's depth costs more than the target's forward, it cannot beat a free lookup near its
+    alpha even accepting everything: no share of requests is spent on it, however long the run."""
+    router = Router(routing(probe_fraction=0.25), TWO)
+    router.observe_target(TargetView(Costs(verify_table={1: 0.02, 64: 0.03}), Load(rows=0), hop_s=0.001,
+                                     draft_s_per_depth=0.05))
+    measure_both(router, "code", {DrafterKind.MODEL: 0.95, DrafterKind.SUFFIX: 0.85})
+    ran = route_and_report(router, "code", {DrafterKind.MODEL: [0.95], DrafterKind.SUFFIX: [0.8, 0.9]}, 400)
+    assert DrafterKind.MODEL not in ran and router.stats()["code"].drafter == "suffix"
 
 
 def test_an_alphas_confidence_interval_narrows_with_reports_and_holds_their_mean():
