@@ -57,6 +57,21 @@ class Costs:
         old = self.verify_table.get(tokens)
         self.verify_table[tokens] = seconds if old is None else old + self.smoothing * (seconds - old)
 
+    def fixed_tokens(self) -> int | None:
+        """How many tokens of a forward cost what the forward's fixed part does (weights read, launches): the
+        intercept of the chord from the smallest measured size to the largest, over its slope. A GPU runs
+        hundreds to thousands of tokens in that time, a CPU tens. None until two sizes at least 64 tokens apart
+        are measured, or when the larger costs no more."""
+        if not self.verify_table:
+            return None
+        small, large = min(self.verify_table), max(self.verify_table)
+        if large - small < 64:
+            return None
+        per_token = (self.verify_table[large] - self.verify_table[small]) / (large - small)
+        if per_token <= 0:
+            return None
+        return max(0, round((self.verify_table[small] - per_token * small) / per_token))
+
     def verify(self, tokens: int) -> float:
         sizes = sorted(self.verify_table)
         i = bisect.bisect_left(sizes, tokens)

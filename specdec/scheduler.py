@@ -493,8 +493,17 @@ class TargetScheduler:
             self._prefilling.append((handle, joining))
 
     def _chunk_budget(self, forward_tokens: int) -> int:
-        """Joining prompts' tokens an iteration runs: max_batched_tokens less its trees' (at least a quarter)."""
-        return max(self.max_batched_tokens - forward_tokens, self.max_batched_tokens // 4, 1)
+        """Joining prompts' tokens an iteration runs: max_batched_tokens less its trees' (at least a quarter), and
+        of them no more than the oldest prompt's rest plus the tokens that cost what a forward's fixed part does
+        (Costs.fixed_tokens). A later prompt's chunk delays the oldest's first token by its cost; it rides along
+        only while running it in a forward of its own would cost more. On a GPU that packs as before; on a CPU,
+        whose forward costs about its tokens, prompts that arrive together get their first tokens one by one
+        instead of all at the end of one long forward."""
+        room = max(self.max_batched_tokens - forward_tokens, self.max_batched_tokens // 4, 1)
+        fixed = self.costs.fixed_tokens()
+        if fixed is None:
+            return room
+        return min(room, self.worker.remaining(self._prefilling[0][0]) + fixed)
 
     def _prefill_alone(self, budget: int) -> None:
         """No row steps this iteration: up to `budget` of the joining prompts' tokens, the oldest first, in one

@@ -12,6 +12,7 @@ from specdec.draft_loop import DraftLoop, DraftRequest
 from specdec.drafter_factory import draft_runner, make_drafter
 from specdec.errors import UnknownRequest
 from specdec.kvcache import CachedLM
+from specdec.adaptive import Costs
 from specdec.blocks import BlockPool
 from specdec.sampling import SamplingParams
 from specdec.scheduler import KvBudget, Opening, TargetScheduler
@@ -138,6 +139,50 @@ def test_a_burst_on_an_idle_batch_is_prefilled_in_one_forward(target, caplog):
         alone.add([("r", p, GREEDY, 0)])
         alone.verify({"r": TokenTree.root(alone.last_token("r"))})
         assert out == alone.requests["r"].seq[len(p):]
+
+
+@pytest.mark.parametrize("costs, forwards", [
+    ({1: 0.010, 512: 0.011}, 1),  # a GPU's: 512 tokens cost about what one does (fixed part ~5000 tokens)
+    ({1: 0.001, 512: 0.512}, 4),  # a CPU's: a forward costs its tokens (fixed part ~0): one prompt a forward
+])
+def test_a_burst_packs_prompts_only_where_a_forwards_fixed_cost_pays_for_it(target, costs, forwards):
+    """Prompts arriving together on an idle batch: where a forward's fixed part costs as much as many tokens, one
+    forward runs them all; where a forward costs what its tokens do, each prompt runs in a forward of its own,
+    so the first gets its first token after its own prompt, not after all four. Outputs as prefilled alone."""
+    scheduler = TargetScheduler(TargetWorker(CachedLM(target)), KvBudget(), max_batched_tokens=2048)
+    scheduler.costs = Costs(verify_table=dict(costs))  # as the target measured them (no verify runs here)
+    worker, calls, first_at = scheduler.worker, {"forward": 0}, []
+    forward = worker.lm.forward
+
+    def counting_forward(*args, **kwargs):
+        calls["forward"] += 1
+        return forward(*args, **kwargs)
+
+    class Timed(Collect):
+        def __call__(self, tokens, out, finished, error):
+            first_at.append(calls["forward"])
+            super().__call__(tokens, out, finished, error)
+
+    worker.lm.forward = counting_forward
+    ps, sinks = prompts(11, 4, 30, 40), [Timed() for _ in range(4)]
+    scheduler.decode_many([Opening(f"r{i}", p, GREEDY, max_new_tokens=1) for i, p in enumerate(ps)], set(), sinks)
+    outputs = [sink.wait()[0] for sink in sinks]
+    wait_until_empty(scheduler)
+    scheduler.stop()
+    assert calls["forward"] == forwards and sorted(first_at) == ([1] * 4 if forwards == 1 else [1, 2, 3, 4])
+    for p, out in zip(ps, outputs):
+        alone = TargetWorker(CachedLM(target))
+        alone.add([("r", p, GREEDY, 0)])
+        alone.verify({"r": TokenTree.root(alone.last_token("r"))})
+        assert out == alone.requests["r"].seq[len(p):]
+
+
+def test_a_forwards_fixed_cost_in_tokens_is_read_from_the_measured_costs():
+    assert Costs(verify_table={1: 0.010, 512: 0.011}).fixed_tokens() == round(0.010 / (0.001 / 511) - 1)
+    assert Costs(verify_table={1: 0.001, 2049: 2.049}).fixed_tokens() == 0
+    assert Costs(verify_table={1: 0.01, 8: 0.012}).fixed_tokens() is None  # too close together to read a slope
+    assert Costs(verify_table={1: 0.01, 512: 0.009}).fixed_tokens() is None  # no slope: nothing to weigh
+    assert Costs().fixed_tokens() is None
 
 
 @pytest.mark.parametrize("budget", [None, 4, 64])
