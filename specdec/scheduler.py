@@ -511,12 +511,16 @@ class TargetScheduler:
         each group's apart (_advance_each)."""
         t0 = self._clock()
         try:
-            self.worker.verify({}, prefill=[handle for handle, _ in self._prefilling], budget=budget)
+            _, tokens = self.worker.verify({}, prefill=[handle for handle, _ in self._prefilling], budget=budget)
         except Exception:  # noqa: BLE001 - which part failed is found out by running them apart
             log.exception("a forward of prompts' chunks failed; running each group's apart")
             self._advance_each(budget)
             return
-        self.stall_time_s += self._clock() - t0
+        elapsed = self._clock() - t0
+        self.stall_time_s += elapsed
+        if tokens:
+            with self._cv:  # a forward of that many tokens: its cost is the table's too (_chunk_budget reads it)
+                self.costs.observe_verify(elapsed, tokens)
         self._join_prefilled()
 
     def _advance_each(self, budget: int) -> None:
