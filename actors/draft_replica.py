@@ -80,6 +80,11 @@ class DraftReplica:
         """Each draft model's block pool (by its task type; "" for the rest): blocks made, used and cached."""
         return {task: pool.stats() for task, pool in self.pools.items()}
 
+    def forget_outputs(self) -> int:
+        """Drop the store of recent outputs its suffix drafts read (POST /v1/admin/forget_outputs) -> the tokens
+        dropped; 0 where no drafter reads one."""
+        return self.outputs.clear() if self.outputs is not None else 0
+
     def gpu_ids(self) -> list:
         return ray.get_gpu_ids()
 

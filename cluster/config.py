@@ -267,6 +267,10 @@ class ServerConfig(_Section):
     # the largest request body (HTTP) or message (gRPC, RAY_SERVE_GRPC_MAX_MESSAGE_SIZE of Serve's proxy), in
     # bytes; a prompt of more characters is refused before it is tokenized. Also caps gRPC replies.
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=MAX_REQUEST_BYTES)
+    # POST /v1/admin/forget_outputs: the draft replicas drop the outputs their suffix drafts read (what
+    # `specdec bench-served --forget-outputs` calls between cells, so each starts as a fresh server's would);
+    # refused (403) unless true. API keys guard it as every route.
+    allow_forget_outputs: bool = False
 
     @field_validator("http_port")
     @classmethod

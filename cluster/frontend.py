@@ -6,6 +6,7 @@ told, and report; the router's telemetry (cluster/telemetry.py) runs beside it.
 The topology is started by the Frontend's owner (the Serve deployment) and handed in. A lost
 target group is rebuilt in place (cluster/supervisor.py); meanwhile requests fail fast with Unavailable."""
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
@@ -123,6 +124,10 @@ class Frontend:
             held = target.held()
         return IngressStats(self.router.stats(), self.router.folded, replace(self.relay.served), self.admission.in_flight,
                             timing | self.timing.to_dict(), self.supervisor.stats() | held)
+
+    async def forget_outputs(self) -> int:
+        """Every draft replica drops its store of recent outputs -> the tokens dropped, all replicas' together."""
+        return sum(await asyncio.gather(*(d.forget_outputs.remote() for d in self.topology.drafts)))
 
     def shutdown(self) -> None:
         self.telemetry.stop()

@@ -181,6 +181,15 @@ class SpecDecodeIngress:
     async def chat_completions(self, http: HttpRequest):
         return await self._with_body(http, self.openai.chat)
 
+    @http_app.post("/v1/admin/forget_outputs")
+    async def forget_outputs(self):
+        """The draft replicas forget the outputs of earlier requests (their suffix drafts' store):
+        {"forgotten_tokens": n}; 403 unless server.allow_forget_outputs."""
+        if not self.frontend.cfg.server.allow_forget_outputs:
+            return HttpError(403, "forgetting outputs is off on this server: set server.allow_forget_outputs: true",
+                             None, "permission_error").response()
+        return {"forgotten_tokens": await self.frontend.forget_outputs()}
+
     @http_app.get("/v1/stats")
     async def stats(self) -> dict:
         return (await self.frontend.stats()).to_json()

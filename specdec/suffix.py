@@ -221,6 +221,16 @@ class RecentOutputs(TextIndex):
         if self.start - self.base > self.max_tokens // 4:
             self._rebuild()
 
+    def clear(self) -> int:
+        """Forget every output held (new texts start at the absolute end: positions stay absolute) -> the tokens
+        dropped, separators included."""
+        with self.guard:
+            held, end = self.held, len(self)
+            self.tokens, self.singles, self.pairs, self.base = [], {}, {}, end
+            self.starts.clear()
+            self.start = end
+            return held
+
     def _rebuild(self) -> None:
         kept, start = self.tokens[self.start - self.base:], self.start
         self.tokens, self.singles, self.pairs, self.base = [], {}, {}, start

@@ -32,12 +32,12 @@ def served(model_dirs, tmp_path_factory, target):
               "speculation": {"drafter": ["ngram", "suffix"], "suffix": {"corpora": {"rest": str(root / "corpus.txt")}}},
               "routing": {"default": thresholds, "task_types": {"pinned": {**thresholds, "drafter": "suffix"},
                                                                 "rest": {**thresholds, "drafter": "suffix"}}},
-              "server": {"max_prompt_tokens": 64, "max_new_tokens": 64,
+              "server": {"max_prompt_tokens": 64, "max_new_tokens": 64, "allow_forget_outputs": True,
                          "grpc_port": free_port(), "http_port": free_port()}}
     path = start_serving(config, root, num_cpus=4, num_gpus=2)
     serve.run(build_app({"config": str(path)}), name="specdec", route_prefix="/")
     channel = grpc.insecure_channel(f"127.0.0.1:{config['server']['grpc_port']}")
-    yield api_grpc.SpecDecodeStub(channel), load_tokenizer(served_path)
+    yield api_grpc.SpecDecodeStub(channel), load_tokenizer(served_path), f"http://127.0.0.1:{config['server']['http_port']}"
     channel.close()
     serve.shutdown()
     ray.shutdown()
@@ -57,7 +57,7 @@ def stats_of(stub, task_type: str) -> api.TaskTypeStats:
 
 
 def test_each_drafter_is_measured_and_one_chosen_with_greedy_output_unchanged(served, target):
-    stub, tokenizer = served
+    stub, tokenizer, _ = served
     for i in range(4 * MIN_SAMPLES):
         prompt = PROMPTS[i % len(PROMPTS)]
         reply = stub.Generate(api.GenerateRequest(prompt=prompt, task_type="code", max_new_tokens=24,
@@ -70,7 +70,7 @@ def test_each_drafter_is_measured_and_one_chosen_with_greedy_output_unchanged(se
 
 
 def test_a_pinned_task_type_drafts_with_its_drafter_only(served, target):
-    stub, tokenizer = served
+    stub, tokenizer, _ = served
     for prompt in PROMPTS:
         reply = stub.Generate(api.GenerateRequest(prompt=prompt, task_type="pinned", max_new_tokens=16,
                                                   speculation=api.SPECULATION_ON), timeout=120)
@@ -81,7 +81,7 @@ def test_a_pinned_task_type_drafts_with_its_drafter_only(served, target):
 
 
 def test_a_task_types_corpus_is_drafted_from_on_its_first_request(served, target):
-    stub, tokenizer = served
+    stub, tokenizer, _ = served
     reply = stub.Generate(api.GenerateRequest(prompt=REST_PROMPT, task_type="rest", max_new_tokens=REST_TOKENS,
                                               speculation=api.SPECULATION_ON), timeout=120)
     assert list(reply.token_ids) == hf_greedy(target, tokenizer(REST_PROMPT)["input_ids"], REST_TOKENS)
@@ -90,3 +90,13 @@ def test_a_task_types_corpus_is_drafted_from_on_its_first_request(served, target
     # the own text alone takes about one step a token
     assert reply.stats.alpha >= 0.5 and reply.stats.steps <= 8, reply.stats
     assert reply.stats.alpha == pytest.approx(reply.stats.accepted / reply.stats.tried)  # the depths it tried
+
+
+def test_the_replicas_forget_earlier_outputs_when_asked(served):
+    """POST /v1/admin/forget_outputs (allowed here): the replica's store, which every request before fed whatever
+    drafted it, is dropped whole; asked again, nothing is left."""
+    from tools.served_bench import forget_outputs
+
+    _, _, http = served
+    assert forget_outputs(http, None) > 0
+    assert forget_outputs(http, None) == 0

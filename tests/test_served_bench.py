@@ -70,7 +70,9 @@ class Served:
         api_grpc.add_SpecDecodeServicer_to_server(servicer, self.grpc)
         self.address = f"127.0.0.1:{self.grpc.add_insecure_port('127.0.0.1:0')}"
         self.grpc.start()
-        seen = self.stats_authorizations = []  # each GET's Authorization header
+        seen = self.stats_authorizations = []  # each GET's (and POST's) Authorization header
+        forgets = self.forgets = []  # each POST's path
+        self.forget_allowed, served = True, self
 
         class Stats(BaseHTTPRequestHandler):
             def do_GET(self):
@@ -82,6 +84,17 @@ class Served:
                 self.send_header("Content-Type", "application/json")
                 self.end_headers()
                 self.wfile.write(body.encode())
+
+            def do_POST(self):  # /v1/admin/forget_outputs, allowed or refused as the test sets
+                seen.append(self.headers.get("Authorization"))
+                forgets.append(self.path)
+                refused = self.path != "/v1/admin/forget_outputs" or not served.forget_allowed
+                body = {"error": {"message": "forgetting outputs is off on this server"}} if refused \
+                    else {"forgotten_tokens": 7}
+                self.send_response(403 if refused else 200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(json.dumps(body).encode())
 
             def log_message(self, *args):
                 pass
@@ -211,6 +224,23 @@ def test_the_api_key_goes_with_every_call(bench_setup, capsys):
         served.close()
     assert len(servicer.authorizations) > len(PROMPTS) and set(servicer.authorizations) == {"Bearer k1"}
     assert served.stats_authorizations and set(served.stats_authorizations) == {"Bearer k1"}
+
+
+def test_forget_outputs_asks_the_server_before_every_cell(bench_setup, capsys):
+    _, prompts, outputs = bench_setup
+    served = Served(FakeSpecDecode(outputs))
+    try:
+        main(argv(served, prompts, "--modes", "off", "on", "--forget-outputs", "--api-key", "k1"))
+        assert served.forgets == ["/v1/admin/forget_outputs"] * 4  # 2 client counts x 2 modes
+        assert set(served.stats_authorizations) == {"Bearer k1"}
+        served.forget_allowed = False
+        with pytest.raises(SystemExit) as e:
+            main(argv(served, prompts, "--modes", "off", "--forget-outputs"))
+        assert "answered 403: forgetting outputs is off on this server" in str(e.value)
+    finally:
+        served.close()
+    with pytest.raises(SystemExit, match="--forget-outputs needs --http"):
+        main(["bench-served", "--prompts", prompts, "--http", "", "--forget-outputs"])
 
 
 class GreedyOutputs(dict):

@@ -151,6 +151,11 @@ INVALID = [
 ]
 
 
+def test_forgetting_outputs_is_refused_unless_allowed(server):
+    status, body = http(server, "/v1/admin/forget_outputs", b"")
+    assert status == 403 and "server.allow_forget_outputs" in body["error"]["message"]
+
+
 @pytest.mark.parametrize("fields, field", INVALID)
 def test_invalid_requests_are_refused_naming_the_field(server, fields, field):
     req = api.GenerateRequest(**{"prompt": "w1 w2", "max_new_tokens": 8, **fields})

@@ -96,6 +96,16 @@ def test_recent_outputs_stay_within_their_cap_and_forget_the_oldest():
     assert one.held <= 50 and one.tokens[-1] == 199
 
 
+def test_a_cleared_store_forgets_every_output_and_takes_new_ones():
+    store = RecentOutputs(1000)
+    store.add(list(range(200, 240)))
+    assert store.clear() == 41 and store.held == 0
+    assert speculate(store, [200, 201, 202], 8, CFG).tokens == []  # nothing left to draft from
+    store.add(list(range(300, 340)))
+    assert speculate(store, [300, 301, 302], 4, CFG).tokens == [303, 304, 305]
+    assert store.held == 41
+
+
 def test_matches_never_cross_from_one_text_into_another():
     store = RecentOutputs(1000)
     store.add([1, 2, 3])

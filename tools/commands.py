@@ -51,6 +51,10 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
     sb.add_argument("--dtype", choices=get_args(Dtype), default="float32",
                     help="the server's target dtype (its models.target.dtype): the references run in it; a server "
                          "in another dtype than float32 is held to its greedy agreement with off, not equality")
+    sb.add_argument("--forget-outputs", action="store_true",
+                    help="before each cell, ask the server's draft replicas to forget earlier outputs (POST "
+                         "/v1/admin/forget_outputs; the server needs server.allow_forget_outputs), so suffix drafts "
+                         "of a cell never read the answers of a cell before it that sent the same prompts")
     sb.add_argument("--timeout", type=float, default=600, help="deadline per request in seconds (default 600)")
     sb.add_argument("--json", action="store_true", help='end with one JSON line {"rows": [...], "references": {...}}')
     sb.add_argument("--plot", metavar="PNG", help="write tokens/s against clients, one line per mode, "

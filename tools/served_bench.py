@@ -28,6 +28,7 @@ import os
 import queue
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
@@ -129,6 +130,8 @@ def bench_main(args) -> None:
     turns = turns_of(args.workload, args.turns)
     if turns > 1 and tokenizer is None:
         raise ValueError("--workload multi-turn needs --target DIR: its tokenizer reads each answer into the next turn")
+    if args.forget_outputs and not args.http:
+        raise ValueError("--forget-outputs needs --http: the server's HTTP root answers POST /v1/admin/forget_outputs")
     modes = [Speculation.OFF] + [m for m in dict.fromkeys(args.modes) if m != Speculation.OFF]
     if max(args.clients) > len(rows):
         print(f"bench-served: {len(rows)} prompts: cells with more clients than that run at most {len(rows)} "
@@ -144,6 +147,8 @@ def bench_main(args) -> None:
         for clients in args.clients:
             off = None
             for mode in modes:
+                if args.forget_outputs:
+                    forget_outputs(args.http, args.api_key)
                 before = stats.read()
                 replies, wall, asked = run_cell(stub, rows, mode, clients, args.max_new_tokens, args.timeout,
                                                 turns, tokenizer)
@@ -316,6 +321,29 @@ def cell_row(clients: int, mode: Speculation, wall: float, replies: list[Reply],
         "drafted_ahead": round(delta["drafted_ahead"] / delta["steps"], 3)  # share of steps whose tree was ready
         if "drafted_ahead" in delta and delta.get("steps") else None,
     }
+
+
+def forget_outputs(http: str, api_key: str | None) -> int:
+    """POST /v1/admin/forget_outputs: the server's draft replicas drop the outputs their suffix drafts read, so the
+    next cell starts as a fresh server's would -> the tokens dropped. ValueError saying why when it is refused or
+    fails."""
+    url = f"{http.rstrip('/')}/v1/admin/forget_outputs"
+    headers = {"Authorization": bearer(api_key)} if api_key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST", headers=headers),
+                                    timeout=60) as r:
+            return int(json.loads(r.read())["forgotten_tokens"])
+    except urllib.error.HTTPError as e:
+        raise ValueError(f"--forget-outputs: POST {url} answered {e.code}: {_error_message(e)}") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--forget-outputs: POST {url} failed ({e})") from None
+
+
+def _error_message(e: "urllib.error.HTTPError") -> str:
+    try:
+        return str(json.loads(e.read())["error"]["message"])
+    except (ValueError, KeyError, TypeError, OSError):
+        return e.reason
 
 
 class _StatsReader:
