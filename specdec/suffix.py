@@ -225,10 +225,10 @@ class RecentOutputs(TextIndex):
         """Forget every output held (new texts start at the absolute end: positions stay absolute) -> the tokens
         dropped, separators included."""
         with self.guard:
-            held, end = self.held, len(self)
-            self.tokens, self.singles, self.pairs, self.base = [], {}, {}, end
+            held = self.held
             self.starts.clear()
-            self.start = end
+            self.start = len(self)
+            self._rebuild()  # keeps nothing: the oldest text held now starts at the end
             return held
 
     def _rebuild(self) -> None:
