@@ -184,7 +184,9 @@ class Thresholds(_Section):
     # where speculation.drafter lists several: `auto` chooses among them by measured goodput; a kind pins it
     drafter: Literal["auto"] | DrafterKind = "auto"
     forbid_drafters: list[DrafterKind] = Field(default_factory=list)  # never chosen for this task type
-    switch_margin: float = Field(0.05, ge=0, le=1)  # another drafter is chosen once it beats this one by this share
+    # another drafter, or plain decoding against speculation (and back), is chosen once its goodput beats
+    # the one chosen by this share
+    switch_margin: float = Field(0.05, ge=0, le=1)
 
     @field_validator("off_alpha")
     @classmethod

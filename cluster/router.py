@@ -6,7 +6,8 @@ off, and it comes back at `on_alpha` once `min_samples` reports have come in (be
 keeps its decision). Within those bounds, the router speculates, and picks K, to maximise the tokens
 the target commits per second at its current load (specdec.adaptive.goodput): the target reports its
 forward cost by batch tokens and its batch, so speculation turns off when the batch is big and comes
-back as it drains. Before the target has reported, K maximises expected_tokens(alpha, K) /
+back as it drains; either way only once the other beats it by `switch_margin`, so that noise in the
+measured costs does not flip it request by request. Before the target has reported, K maximises expected_tokens(alpha, K) /
 (1 + K * draft_cost_ratio). While off, a `probe_fraction` of requests still speculates so that alpha
 stays live. A task type's `speculation: on | off` forces the decision.
 
@@ -144,6 +145,7 @@ class _TaskState:
     drafters: dict[DrafterKind, _Measured]  # every drafter served
     chosen: DrafterKind  # the one AUTO requests speculate with (hysteresis: switch_margin)
     speculating: bool = True  # within the alpha bounds (hysteresis); optimistic until reports say otherwise
+    plain_pays: bool = False  # goodput's last verdict within them (hysteresis: switch_margin)
     probe_credit: float = 0.0  # probe_fraction accumulated per request while off; a probe at 1
     other_credit: float = 0.0  # probe_fraction accumulated per speculative request: another drafter's try at 1
     reports: int = 0  # acceptance reports taken, every drafter's
@@ -390,7 +392,8 @@ class Router:
         if measured.samples < thresholds.min_samples:  # speculate to measure alpha before trusting it
             return Plan(True, k, f"{known}; measuring alpha ({measured.samples} of min_samples "
                                  f"{thresholds.min_samples} reports), K={k} by goodput {at}", rates, kind)
-        if gains[k] <= gains[0]:
+        state.plain_pays = _holds_or_beaten(state.plain_pays, gains[0], gains[k], thresholds.switch_margin)
+        if state.plain_pays:
             return Plan(False, 0, f"{known}; plain decoding commits more ({rates['plain']} vs "
                                   f"{rates['speculative']} tokens/s with K={k}) {at}", rates, kind)
         return Plan(True, k, f"{known}; K={k} commits the most ({rates['speculative']} vs "
@@ -411,6 +414,16 @@ class Router:
 
 def _also(why: str) -> str:
     return f"; {why}" if why else ""
+
+
+def _holds_or_beaten(plain_pays: bool, plain: float, speculative: float, margin: float) -> bool:
+    """Whether plain decoding is the choice now: the one made holds until the other's goodput beats it by
+    `margin`. Measured served (docs/performance.md), a choice that flipped with every poll of the costs
+    left a batch of plain and speculative rows, slower than either (0.86x of all plain, where all
+    speculative gave 0.97-1.05x)."""
+    if plain_pays:
+        return speculative <= plain * (1 + margin)
+    return plain > speculative * (1 + margin)
 
 
 def _choose_mode(state: _TaskState, thresholds: Thresholds, requested: Speculation, plan: Plan) -> Mode:

@@ -31,13 +31,20 @@ class Costs:
     Until a size is warm the table interpolates it from its neighbours. Entries given at construction
     (calibrate's, measured after a warm-up forward; the router's copy of the target's table) are warm.
     Measuring the router's sizes at start instead cannot cover them: it consults every batch size up
-    to max_running_requests x (max_k + 1), in shapes (rows x tree length) the traffic decides."""
+    to max_running_requests x (max_k + 1), in shapes (rows x tree length) the traffic decides.
+
+    Read back monotone: served, each size's entry is a handful of forwards taken at its own moments, and a
+    busy host moves them by half (measured: 16 tokens 33.5 ms beside 48 tokens 28.9 ms, 20 of 55 neighbours
+    out of order, docs/performance.md), so a plan comparing a batch of 16 with one of 48 read noise and
+    flipped with it. verify() reads the table's isotonic fit instead (pool adjacent violators: entries out
+    of order are replaced by their mean), so a forward of more tokens is never priced below one of fewer."""
 
     draft: float = 0.0
     verify_table: dict[int, float] = field(default_factory=dict)  # tokens -> seconds (warm sizes only)
     smoothing: float = 0.2
     warmup: int = 1  # observations of a size left out before its entry starts
     cold: dict[int, int] = field(default_factory=dict)  # sizes not yet warm -> observations left out so far
+    _fit: tuple[list[int], list[float]] | None = field(default=None, init=False, repr=False, compare=False)  # _fitted()
 
     @classmethod
     def linear(cls, draft: float, base: float, per_token: float, up_to: int = 64) -> "Costs":
@@ -56,6 +63,7 @@ class Costs:
         self.cold.pop(tokens, None)
         old = self.verify_table.get(tokens)
         self.verify_table[tokens] = seconds if old is None else old + self.smoothing * (seconds - old)
+        self._fit = None
 
     def fixed_tokens(self) -> int | None:
         """How many tokens of a forward cost what the forward's fixed part does (weights read, launches): the
@@ -64,25 +72,47 @@ class Costs:
         are measured, or when the larger costs no more."""
         if not self.verify_table:
             return None
-        small, large = min(self.verify_table), max(self.verify_table)
+        sizes, seconds = self._fitted()
+        small, large = sizes[0], sizes[-1]
         if large - small < 64:
             return None
-        per_token = (self.verify_table[large] - self.verify_table[small]) / (large - small)
+        per_token = (seconds[-1] - seconds[0]) / (large - small)
         if per_token <= 0:
             return None
-        return max(0, round((self.verify_table[small] - per_token * small) / per_token))
+        return max(0, round((seconds[0] - per_token * small) / per_token))
 
     def verify(self, tokens: int) -> float:
-        sizes = sorted(self.verify_table)
+        """Seconds of a forward of this many tokens: the monotone fit of the table at a measured size,
+        interpolated between two, the nearest segment extended outside them."""
+        sizes, seconds = self._fitted()
         i = bisect.bisect_left(sizes, tokens)
         if i < len(sizes) and sizes[i] == tokens:
-            return self.verify_table[tokens]
+            return seconds[i]
         if len(sizes) == 1:  # one size measured: the best guess for any other
-            return self.verify_table[sizes[0]]
+            return seconds[0]
         if i == 0 or i == len(sizes):  # outside the measured sizes: extend the nearest segment
             i = 1 if i == 0 else len(sizes) - 1
-        (a, b), (ta, tb) = sizes[i - 1 : i + 1], (self.verify_table[sizes[i - 1]], self.verify_table[sizes[i]])
+        (a, b), (ta, tb) = sizes[i - 1 : i + 1], seconds[i - 1 : i + 1]
         return max(0.0, ta + (tb - ta) * (tokens - a) / (b - a))
+
+    def _fitted(self) -> tuple[list[int], list[float]]:
+        """The measured sizes and their isotonic fit (computed once per change of the table)."""
+        if self._fit is None or len(self._fit[0]) != len(self.verify_table):
+            sizes = sorted(self.verify_table)
+            self._fit = sizes, isotonic([self.verify_table[n] for n in sizes])
+        return self._fit
+
+
+def isotonic(values: list[float]) -> list[float]:
+    """The non-decreasing sequence nearest to `values` in squared error (pool adjacent violators: each run
+    of entries out of order becomes their mean)."""
+    blocks: list[list[float]] = []  # [mean, count] of each pooled run
+    for value in values:
+        blocks.append([value, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2]
+    return [mean for mean, count in blocks for _ in range(int(count))]
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -143,8 +173,9 @@ class StepCosts:
 def step_forward(costs: StepCosts, load: Load, nodes: int) -> float:
     """Seconds of the target's forward when every row of the batch (the rows running now and one more)
     brings a tree of `nodes` nodes, root included (1: a plain step)."""
-    # a table measured in noise can extrapolate to nothing: a forward costs at least the cheapest seen
-    return max(costs.target.verify(round((load.rows + 1) * nodes)), min(costs.target.verify_table.values()))
+    # below the smallest size measured the first segment can extrapolate to nothing: a forward costs at least
+    # the cheapest (the fit is monotone, so that is its smallest size's)
+    return max(costs.target.verify(round((load.rows + 1) * nodes)), costs.target.verify(min(costs.target.verify_table)))
 
 
 def step_costs_note(costs: StepCosts, load: Load, k: int, nodes: int) -> str:

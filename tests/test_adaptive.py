@@ -4,7 +4,7 @@ and the in-process engine's auto K on real (tiny) models."""
 import pytest
 
 from specdec import CachedLM, SpecConfig, SpeculativeEngine
-from specdec.adaptive import Costs, Load, StepCosts, best_k, best_speculative_k, expected_tokens, goodput_by_k
+from specdec.adaptive import Costs, Load, StepCosts, best_k, best_speculative_k, expected_tokens, goodput_by_k, isotonic
 from specdec.drafter_kinds import DraftShape
 from specdec.drafter_factory import make_drafter
 
@@ -52,6 +52,42 @@ def test_costs_smoothing():
     c.observe_verify(3.0, 11)  # a size's entry follows what steps of that size take
     assert c.verify(11) == pytest.approx(2.0 + 0.2 * (3.0 - 2.0))
     assert c.verify(1) == pytest.approx(1.0)
+
+
+# the target's table as the router read it at the end of a served run at 16 clients on this 2-core CPU (bench
+# pair, multi-turn): tokens -> ms; each entry a few forwards on a busy host, 20 of 55 neighbours out of order
+SERVED_16_CLIENTS_MS = {
+    1: 13.1, 2: 12.2, 3: 19.7, 4: 19.4, 5: 9.8, 6: 19.1, 7: 18.9, 8: 22.0, 9: 22.6, 11: 12.6, 12: 13.3, 14: 25.0,
+    15: 34.7, 16: 33.5, 17: 23.7, 18: 29.8, 20: 35.3, 26: 21.6, 28: 33.8, 29: 35.7, 30: 38.1, 31: 41.9, 32: 39.0,
+    33: 38.4, 35: 41.3, 36: 43.8, 37: 29.9, 40: 44.0, 41: 45.0, 43: 53.0, 44: 49.0, 47: 63.6, 48: 28.9, 50: 45.6,
+    52: 47.1, 55: 51.9, 57: 38.0, 65: 41.0, 66: 56.9, 74: 47.7, 86: 62.1, 87: 58.3, 88: 51.6, 94: 53.0, 99: 54.5,
+    100: 63.5, 104: 69.1, 108: 69.0, 112: 61.9, 118: 63.1, 119: 65.4, 121: 66.2, 130: 60.9, 131: 68.9, 152: 71.0,
+    2048: 744.0}
+
+
+def test_isotonic_pools_entries_out_of_order_into_their_mean():
+    assert isotonic([]) == []
+    assert isotonic([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert isotonic([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert isotonic([3.0, 2.0, 1.0]) == [2.0, 2.0, 2.0]
+    assert isotonic([1.0, 5.0, 2.0, 2.0, 6.0]) == [1.0, 3.0, 3.0, 3.0, 6.0]
+
+
+def test_a_served_cost_table_is_read_monotone():
+    """Read as it stood, the table priced 48 tokens (28.9 ms) below 16 (33.5 ms), so the router's plain and
+    speculative estimates swapped with each entry's noise. Its fit never falls as the forward grows, keeps
+    the table's mean, and leaves a table already in order as it is."""
+    costs = Costs(verify_table={n: ms / 1e3 for n, ms in SERVED_16_CLIENTS_MS.items()})
+    read = [costs.verify(n) for n in range(1, 2100)]
+    assert all(a <= b for a, b in zip(read, read[1:]))
+    fitted = [costs.verify(n) for n in SERVED_16_CLIENTS_MS]
+    assert sum(fitted) == pytest.approx(sum(SERVED_16_CLIENTS_MS.values()) / 1e3)
+    assert costs.verify(16) <= costs.verify(48)
+    assert costs.verify_table[48] == 0.0289  # the measurements themselves are kept as taken
+    ordered = Costs(verify_table={1: 0.01, 8: 0.012, 64: 0.05})
+    assert [ordered.verify(n) for n in (1, 8, 64)] == [0.01, 0.012, 0.05]
+    costs.observe_verify(0.5, 16)  # an observation changes the fit
+    assert costs.verify(16) > fitted[list(SERVED_16_CLIENTS_MS).index(16)]
 
 
 def test_a_cold_first_forward_of_a_size_is_left_out_of_its_cost():

@@ -280,14 +280,51 @@ def test_a_target_that_has_run_one_batch_size_is_enough_to_plan():
     assert router.stats()["code"].goodput["plain"] == pytest.approx(3 / 0.01)
 
 
-def test_a_noisy_cost_table_that_extrapolates_to_nothing_still_plans():
-    """Measured in noise, 16 tokens can look cheaper than 8: extrapolated to 100 tokens that is 0 s."""
+def test_a_noisy_cost_table_is_read_monotone_and_never_extrapolates_to_nothing():
+    """Measured in noise, 16 tokens can look cheaper than 8: read as it stood, extrapolated to 101 tokens
+    that is below 0 s. The router reads the table's monotone fit: both sizes at their mean, and beyond."""
     router = Router(routing(), SHAPES)
     router.observe_target(TargetView(Costs(verify_table={8: 0.01, 16: 0.001}), Load(100, 100, 100)))
     router.route("code")
-    # plain: 101 rows' forward of 101 tokens extrapolates below 0 s, so it costs the cheapest entry
-    # seen (0.001 s): 101 tokens per 0.001 s
-    assert router.stats()["code"].goodput["plain"] == pytest.approx(101 / 0.001)
+    assert router.stats()["code"].goodput["plain"] == pytest.approx(101 / 0.0055, abs=0.1)
+    # below the smallest size the first segment (8 -> 16 tokens) would reach 1.25 ms at 1 token: a forward
+    # costs at least the smallest size's
+    router.observe_target(TargetView(Costs(verify_table={8: 0.01, 16: 0.02}), Load(0, 0, 0)))
+    assert router.stats()["code"].goodput["plain"] == pytest.approx(1 / 0.01, abs=0.1)
+
+
+def _speculative_over_plain(router: Router, hop_s: float) -> float:
+    router.observe_target(TargetView(CPU_TARGET, Load(0, 0, 0), hop_s=hop_s))
+    goodput = router.stats()["code"].goodput
+    return goodput["speculative"] / goodput["plain"]
+
+
+def _hop_for(router: Router, ratio: float) -> float:
+    """The hop at which speculation's goodput is `ratio` of plain decoding's (it falls as the hop grows)."""
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if _speculative_over_plain(router, mid) > ratio else (low, mid)
+    return low
+
+
+def test_plain_or_speculative_changes_only_once_the_other_beats_it_by_switch_margin():
+    """Served at 16 clients the goodput comparison flipped with every poll of noisy costs, and the batch of
+    plain and speculative rows it left was slower than either: the choice holds until the other's goodput
+    beats it by switch_margin (0.05 here), both ways."""
+    router = Router(routing(switch_margin=0.05, probe_fraction=0.0), SHAPES)
+    report_alpha(router, "code", 0.7, times=MIN_SAMPLES)
+    far_worse, worse, better, far_better = (_hop_for(router, r) for r in (0.93, 0.98, 1.02, 1.07))
+
+    def speculates(hop: float) -> bool:
+        router.observe_target(TargetView(CPU_TARGET, Load(0, 0, 0), hop_s=hop))
+        return router.route("code").speculative
+
+    assert [speculates(hop) for hop in (worse, better) * 3] == [True] * 6  # speculating: it holds
+    assert not speculates(far_worse)  # plain beats it by more than the margin
+    assert [speculates(hop) for hop in (better, worse) * 3] == [False] * 6  # plain: it holds
+    assert speculates(far_better)
+    assert "commits the most" in router.stats()["code"].reason
 
 
 def test_the_router_sees_step_costs_of_the_last_seconds_not_since_start():
@@ -333,7 +370,7 @@ def test_the_router_sees_step_costs_of_the_last_seconds_not_since_start():
 def test_speculation_does_not_keep_itself_on_when_the_batch_is_already_speculating():
     """The same 8 rows, all plain or all speculating 8 deep: the batch's tokens differ ninefold, the
     choice must not (a row added to an already dear forward would make speculation look cheap)."""
-    router = Router(routing(max_k=8), SHAPES)
+    router = Router(routing(max_k=8, switch_margin=0.0), SHAPES)  # the estimates alone decide
     report_alpha(router, "code", 0.8, times=MIN_SAMPLES)
     decisions = []
     for load in (Load(batch_tokens=8, committed=8, rows=8), Load(batch_tokens=72, committed=32, rows=8)):
@@ -351,7 +388,7 @@ def test_plain_rows_wait_through_the_loops_stall_and_speculating_rows_draft_thro
     a lot (requests joining under load) can make speculation pay where plain decoding won without it."""
     from specdec.adaptive import StepCosts, expected_tokens, goodput
 
-    router = Router(routing(max_k=8), SHAPES)
+    router = Router(routing(max_k=8, switch_margin=0.0), SHAPES)  # the estimates alone decide
     report_alpha(router, "code", 0.8, times=MIN_SAMPLES)
     load = Load(batch_tokens=8, committed=8, rows=8)
     rates = []
