@@ -48,7 +48,9 @@ class TargetStats:
     weights_held: int = 0  # weights this rank's process holds (its shard)
     forwards: int = 0  # forwards run (verify steps, plain rows included)
     forward_time_s: float = 0.0
-    stall_time_s: float = 0.0  # the loop's seconds between forwards (prefilling joiners, dropping leavers)
+    # the loop's seconds prefilling joiners (forwards of prompts' chunks alone, and what chunks added to the forwards
+    # they rode in) and dropping leavers: what every plain row waits through
+    stall_time_s: float = 0.0
     committed_tokens: int = 0  # tokens the forwards committed, all rows
     trees_verified: int = 0  # replicas' trees verified
     tree_loop_time_s: float = 0.0  # seconds those trees spent in the target, arrival to verdict
@@ -197,8 +199,9 @@ class TargetScheduler:
         self.device = worker.lm.device  # where the forwards run (rank 0's under tensor parallelism): the timers wait for it
         self._load = Load()  # tokens per forward run and committed, smoothed
         self.idle_rows_closed = 0
-        # seconds the loop spent between forwards prefilling joining requests and dropping leaving ones:
-        # a stall every running row waits through, plain or speculating (the router charges it to both)
+        # seconds the loop spent prefilling joining requests (forwards of their chunks alone, what their chunks added
+        # to the forwards they rode in: the forward less the table's price of its rows' tokens) and dropping leaving
+        # ones: a stall every running row waits through, plain or speculating (the router charges it to both)
         self.stall_time_s = 0.0
         self.committed_tokens = 0  # tokens the forwards committed, all rows
         # replicas' trees verified, and the seconds each spent in the target, from its arrival to its
@@ -602,7 +605,8 @@ class TargetScheduler:
         batch = {rid: tree for rid, (tree, _) in trees.items() if rid in self.worker.requests}
         verified = [waiter for rid, (_, waiter) in trees.items() if rid in batch]  # closed requests get no verdict
         batch |= {rid: TokenTree.root(p.seq[-1]) for rid, p in self._plain.items()}
-        budget = self._chunk_budget(sum(map(len, batch.values()))) if self._prefilling else 0
+        nodes = sum(map(len, batch.values()))
+        budget = self._chunk_budget(nodes) if self._prefilling else 0
         if not batch:
             for waiter in waiters:
                 waiter.finish({})
@@ -624,6 +628,8 @@ class TargetScheduler:
             self.forward_time_s += elapsed
             committed = sum(len(o.tokens) for o in outcomes.values() if isinstance(o, Verdict))
             self.committed_tokens += committed
+            if tokens > nodes and self.costs.verify_table:  # prompts' chunks rode in it: what they added is stall
+                self.stall_time_s += max(0.0, elapsed - self.costs.verify(nodes))
             self.trees_verified += len(verified)
             self.tree_loop_time_s += sum(now - waiter.since for waiter in verified)
             self.largest_batch = max(self.largest_batch, len(batch))

@@ -177,6 +177,43 @@ def test_a_burst_packs_prompts_only_where_a_forwards_fixed_cost_pays_for_it(targ
         assert out == alone.requests["r"].seq[len(p):]
 
 
+def test_what_prompts_chunks_add_to_the_forwards_they_ride_in_is_the_loops_stall(target):
+    """The router charges plain rows the loop's stall per token committed (prefilling joiners): with chunks riding
+    in the verify forwards that time is inside them, and a stall of only the forwards of chunks alone let the
+    router price a plain step below what its rows waited (served at 16 clients, multi-turn: 0.1-0.2 ms a token
+    counted, about 0.7 paid). Each forward carrying chunks adds its time beyond the table's price of its rows' own
+    tokens. A clock that advances by a forward's price (10 ms + 1 ms a token) measures it exactly."""
+    scheduler = TargetScheduler(TargetWorker(CachedLM(target)), KvBudget(), max_batched_tokens=16)
+    price = Costs.linear(draft=0.0, base=0.010, per_token=0.001, up_to=2048)
+    scheduler.costs = Costs(verify_table=dict(price.verify_table))
+    now, riding, alone = [0.0], [], []
+    scheduler._clock = lambda: now[0]
+    verify = scheduler.worker.verify
+
+    def priced_verify(trees, **kwargs):
+        outcomes, tokens = verify(trees, **kwargs)
+        nodes = sum(map(len, trees.values()))
+        (riding if trees else alone).append((nodes, tokens))
+        now[0] += price.verify(tokens)
+        return outcomes, tokens
+
+    scheduler.worker.verify = priced_verify
+    running = Collect()
+    scheduler.decode("running", [3, 4, 5], GREEDY, 200, set(), running)
+    while len(running.tokens) < 3:
+        threading.Event().wait(0.001)
+    scheduler.open("long", prompts(1, 1, 150, 150)[0], GREEDY, max_new_tokens=8)
+    scheduler.close(["long", "running"])
+    wait_until_empty(scheduler)
+    scheduler.stop()
+    chunks = [(nodes, tokens) for nodes, tokens in riding if tokens > nodes]
+    assert len(chunks) >= 6  # the prompt rode in the running row's forwards, 15 tokens at a time
+    expected = sum(price.verify(tokens) - price.verify(nodes) for nodes, tokens in chunks)
+    expected += sum(price.verify(tokens) for _, tokens in alone)
+    assert scheduler.stall_time_s == pytest.approx(expected)
+    assert expected >= 0.001 * 140
+
+
 def test_a_forwards_fixed_cost_in_tokens_is_read_from_the_measured_costs():
     assert Costs(verify_table={1: 0.010, 512: 0.011}).fixed_tokens() == round(0.010 / (0.001 / 511) - 1)
     assert Costs(verify_table={1: 0.001, 2049: 2.049}).fixed_tokens() == 0
