@@ -216,9 +216,11 @@ def test_router_keeps_echo_on_turns_noise_off_and_probes_it(server):
         time.sleep(0.2)
     assert stats.alpha == 1.0
     # then the goodput at the target's load decides (on these tiny models a step's round trip can
-    # outweigh what it saves): the reason names both rates, and the decision follows them
+    # outweigh what it saves): the reason names both rates, and the decision follows them, held until the other
+    # beats the one chosen by switch_margin (0.05 by default)
     assert set(stats.goodput) == {"plain", "speculative"} and "tokens/s" in stats.reason
-    assert (stats.decision == "on") == (stats.goodput["speculative"] > stats.goodput["plain"])
+    chosen, other = ("speculative", "plain") if stats.decision == "on" else ("plain", "speculative")
+    assert stats.goodput[other] <= stats.goodput[chosen] * 1.05 + 0.1, stats  # + the rates' rounding
 
     noise = [run("noise") for _ in range(min_samples + 8)]
     assert all(noise[:min_samples])  # speculative until min_samples reports are in
