@@ -7,8 +7,8 @@ keeps its decision). Within those bounds, the router speculates, and picks K, to
 the target commits per second at its current load (specdec.adaptive.goodput): the target reports its
 forward cost by batch tokens and its batch, so speculation turns off when the batch is big and comes
 back as it drains; either way only once the other beats it by `switch_margin`, so that noise in the
-measured costs does not flip it request by request. Before the target has reported, K maximises expected_tokens(alpha, K) /
-(1 + K * draft_cost_ratio). While off, a `probe_fraction` of requests still speculates so that alpha
+measured costs does not flip it request by request. Before the target has reported, K maximises
+expected_tokens(alpha, K) / (1 + K * draft_cost_ratio). While off, a `probe_fraction` of requests still speculates so that alpha
 stays live. A task type's `speculation: on | off` forces the decision.
 
 Where the draft replicas run several drafter kinds (speculation.drafter a list), alpha is kept per task
