@@ -8,8 +8,8 @@ the target commits per second at its current load (specdec.adaptive.goodput): th
 forward cost by batch tokens and its batch, so speculation turns off when the batch is big and comes
 back as it drains; either way only once the other beats it by `switch_margin`, so that noise in the
 measured costs does not flip it request by request. Before the target has reported, K maximises
-expected_tokens(alpha, K) / (1 + K * draft_cost_ratio). While off, a `probe_fraction` of requests still speculates so that alpha
-stays live. A task type's `speculation: on | off` forces the decision.
+expected_tokens(alpha, K) / (1 + K * draft_cost_ratio). While off, a `probe_fraction` of requests still
+speculates so that alpha stays live. A task type's `speculation: on | off` forces the decision.
 
 Where the draft replicas run several drafter kinds (speculation.drafter a list), alpha is kept per task
 type and drafter, and the router also chooses the drafter: each is tried until it has min_samples
