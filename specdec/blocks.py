@@ -14,7 +14,14 @@ block's memory is reused once nothing holds it.
 Each layer's keys and values are a tensor [blocks, BLOCK_TOKENS, H, D], grown by doubling. Block 0 is NULL
 (zeros, never written: what a table's holes read) and block 1 is TRASH (written, never read: where the padding
 of a padded forward goes). Growing replaces the tensors, so it waits until no thread is inside `using()`, the
-bracket every read and write of the tensors runs in (a draft replica prefills on a thread of its own)."""
+bracket every read and write of the tensors runs in (a draft replica prefills on a thread of its own).
+
+A hybrid model (Gemma 2 and 3, Cohere 2, gpt-oss: sliding-window layers beside global ones) keeps its sliding
+layers' keys and values in storage of their own (use_window), as vLLM's hybrid KV cache manager keeps a
+group per attention kind: a block's window storage, held apart from the block, goes back to the pool once no
+holder's window covers it, while the global layers keep the block. So a long row holds its whole length in
+the global layers and about a window in the sliding ones. The window storage's ids are a block's own mapped
+(window_of): storage 0 is NULL's, 1 TRASH's."""
 
 import collections
 import contextlib
@@ -26,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from .device import HOST, to_device
 
 BLOCK_TOKENS = 16  # vLLM's default block size
 NULL, TRASH = 0, 1
@@ -43,6 +52,8 @@ class PrefixStats:
     capacity_tokens: int = 0  # the index's cap, in whole blocks
     used_tokens: int = 0  # of the blocks held by anything (sequences or the index)
     allocated_tokens: int = 0  # of the blocks the pool's tensors have room for
+    window_used_tokens: int = 0  # a hybrid model's: of the blocks whose sliding layers' storage is held
+    window_allocated_tokens: int = 0  # a hybrid model's: of the sliding layers' storage the tensors have room for
 
     @property
     def hit_rate(self) -> float:
@@ -53,15 +64,28 @@ class PrefixStats:
 class _Indexed:
     key: tuple[int, tuple[int, ...]]  # (parent block, or -1 at the root; its tokens)
     children: int = 0
+    window: bool = False  # the index holds the block's window storage too (a hybrid model's, while it had it)
+
+
+@dataclass(frozen=True)
+class Taken:
+    """The blocks of an indexed prefix a sequence takes (BlockPool.take), root first, each held once more by it,
+    and the first of them whose window storage it holds too (a hybrid model's: the blocks its next tokens' sliding
+    layers see; 0 otherwise)."""
+
+    blocks: list[int]
+    window_from: int = 0
 
 
 class BlockPool:
-    def __init__(self, prefix_tokens: int = 0, block_tokens: int = BLOCK_TOKENS, reserve_tokens: int = 0):
+    def __init__(self, prefix_tokens: int = 0, block_tokens: int = BLOCK_TOKENS, reserve_tokens: int = 0,
+                 window_reserve_tokens: int | None = None):
         """prefix_tokens: the most tokens the prefix index keeps (whole blocks); 0: it keeps none.
         reserve_tokens: room made at once (each layer's tensors, on its first use, as vLLM sizes its KV cache
         at start): a pool grows only past it, and a growth copies every layer's KV (0.6-1.8 s on a CPU, every
         running row waiting; docs/performance.md). The room is not written until blocks are taken, so a CPU's
-        memory maps it as it is used."""
+        memory maps it as it is used. window_reserve_tokens: the same for a hybrid model's sliding layers
+        (use_window; None: reserve_tokens)."""
         if block_tokens < 1:
             raise ValueError(f"a block holds at least one token; got {block_tokens}")
         if prefix_tokens and prefix_tokens < block_tokens:
@@ -78,6 +102,37 @@ class BlockPool:
         self._cond = threading.Condition()
         self._in_flight = 0
         self._looked_up = self._hit = self._evicted = 0
+        # a hybrid model's sliding layers (use_window): their storage, block -> its id there, holds of it, free ids
+        self.window: int | None = None
+        self._windowed: frozenset[int] = frozenset()
+        wreserved = reserved if window_reserve_tokens is None else max(0, -(-window_reserve_tokens // block_tokens))
+        self._wrefs: list[int] = [1, 1] + [0] * reserved  # per block: holds of its window storage
+        with torch.inference_mode(False):  # a plain tensor: written in place inside inference mode and out of it
+            # per block: its window storage (0: none)
+            self._wmap = torch.zeros(len(self._refs), dtype=torch.long, device=HOST)
+        self._wmap[TRASH] = TRASH
+        self._wheld = [1, 1] + [0] * wreserved  # per window storage id: held (by its block)
+        self._wfree: list[int] = list(range(TRASH + 1, TRASH + 1 + wreserved))
+
+    def use_window(self, layers: frozenset[int], window: int) -> None:
+        """These layers (a hybrid model's sliding ones) attend within `window` and keep their keys and values in
+        the window storage; called by every CachedLM of the model, before any layer's tensors are made."""
+        if (self._windowed, self.window) == (layers, window):
+            return
+        if self.window is not None or self._kv:
+            raise ValueError(f"this block pool holds layers {sorted(self._windowed)} within a window of "
+                             f"{self.window}; another model's layers cannot share it")
+        self._windowed, self.window = layers, window
+
+    def windowed(self, index: int) -> bool:
+        """Whether layer `index` keeps its KV in the window storage."""
+        return index in self._windowed
+
+    def window_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """Flat block slots (block * size + offset, on the host) -> the same slots of the window storage (NULL's
+        where a block has none: what a row's sliding layers see there is behind their window, masked)."""
+        size = self.block_tokens
+        return self._wmap[slots // size] * size + slots % size
 
     # -- the tensors -----------------------------------------------------------------------------------
 
@@ -94,19 +149,41 @@ class BlockPool:
                 self._cond.notify_all()
 
     def layer(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `index`'s flat keys and values [blocks * size, H, D], made like these ([.., H, .., D] each) on
-        first use: called inside using()."""
+        """Layer `index`'s flat keys and values [blocks * size, H, D] (a windowed layer's: of the window
+        storage), made like these ([.., H, .., D] each) on first use: called inside using()."""
         if index >= len(self._kv):
             with self._cond:
                 while len(self._kv) <= index:  # layers come in order; made at the pool's present size
-                    shape = (len(self._refs), self.block_tokens, keys.shape[1], keys.shape[-1])  # [blocks, size, H, D]
+                    blocks = len(self._wheld) if self.windowed(len(self._kv)) else len(self._refs)
+                    shape = (blocks, self.block_tokens, keys.shape[1], keys.shape[-1])  # [blocks, size, H, D]
                     self._kv.append((_zeros(shape, keys), _zeros(shape, values)))
         k, v = self._kv[index]
         return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
 
-    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's flat keys and values (as layer())."""
-        return [(k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])) for k, v in self._kv]
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+        """Every layer's flat keys and values (as layer()), and whether it is a windowed one."""
+        return [(k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:]), self.windowed(i))
+                for i, (k, v) in enumerate(self._kv)]
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor, device: torch.device) -> None:
+        """Slot dst[i] <- slot src[i] (flat block slots, on the host) in every layer (on `device`), each read before
+        any is written; called inside using()."""
+        slots = {False: (to_device(src, device), to_device(dst, device))}
+        if self._windowed:
+            slots[True] = (to_device(self.window_of(src), device), to_device(self.window_of(dst), device))
+        for k, v, windowed in self.layers():
+            s, d = slots[windowed]
+            k[d] = k[s]
+            v[d] = v[s]
+
+    def gather(self, slots: torch.Tensor, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's keys and values (on `device`) of these flat block slots (on the host), copies [n, H, D]
+        each; called inside using()."""
+        index = {False: to_device(slots, device)}
+        if self._windowed:
+            index[True] = to_device(self.window_of(slots), device)
+        return [(k.index_select(0, index[windowed]), v.index_select(0, index[windowed]))
+                for k, v, windowed in self.layers()]
 
     def nbytes(self) -> int:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self._kv)
@@ -123,27 +200,54 @@ class BlockPool:
             ids = [heapq.heappop(self._free) for _ in range(n)]
             for b in ids:
                 self._refs[b] = 1
+            stored = self._window_storage(ids) if self._windowed else []
         with self.using():
-            for k, v in self._kv:
-                index = torch.tensor(ids, dtype=torch.long, device=k.device)
-                k.index_fill_(0, index, 0)
-                v.index_fill_(0, index, 0)
+            for k, v, windowed in self.layers():
+                index = torch.tensor(stored if windowed else ids, dtype=torch.long, device=k.device)
+                k.view(-1, self.block_tokens, *k.shape[1:]).index_fill_(0, index, 0)
+                v.view(-1, self.block_tokens, *v.shape[1:]).index_fill_(0, index, 0)
         return ids
 
-    def hold(self, ids: Sequence[int]) -> None:
-        with self._cond:
-            for b in ids:
-                if b > TRASH:
-                    self._refs[b] += 1
+    def _window_storage(self, ids: list[int]) -> list[int]:
+        """Window storage for these new blocks, each held once -> its ids; with the lock held."""
+        while len(self._wfree) < len(ids):
+            self._grow_window(len(ids) - len(self._wfree))
+        stored = [heapq.heappop(self._wfree) for _ in ids]
+        for b, w in zip(ids, stored):
+            self._wmap[b], self._wrefs[b], self._wheld[w] = w, 1, 1
+        return stored
 
-    def release(self, ids: Sequence[int]) -> None:
-        """Drop one hold of each block (NULL and TRASH are ignored); a block no one holds is free."""
+    def release(self, ids: Sequence[int], window: bool = True) -> None:
+        """Drop one hold of each block (NULL and TRASH are ignored), and of its window storage where the holder
+        holds that too (window; a hybrid model's); a block no one holds is free."""
         with self._cond:
             for b in ids:
                 if b > TRASH:
                     self._refs[b] -= 1
                     if self._refs[b] == 0:
                         heapq.heappush(self._free, b)
+            if window and self._windowed:
+                self._release_window(ids)
+
+    def release_window(self, ids: Sequence[int]) -> None:
+        """Drop one hold of each block's window storage, the block's own hold kept: a row whose sliding layers no
+        longer see it (a hybrid model's)."""
+        if self._windowed:
+            with self._cond:
+                self._release_window(ids)
+
+    def _release_window(self, ids: Sequence[int]) -> None:
+        for b in ids:
+            if b > TRASH:
+                self._wrefs[b] -= 1
+                if self._wrefs[b] == 0:
+                    w = int(self._wmap[b])
+                    self._wmap[b], self._wheld[w] = NULL, 0
+                    heapq.heappush(self._wfree, w)
+
+    def has_window(self, block: int) -> bool:
+        """Whether a block's window storage is held (a hybrid model's)."""
+        return self._wrefs[block] > 0
 
     def shared(self, block: int) -> bool:
         """Whether a block has more than one holder (so it must be copied before it is written)."""
@@ -155,21 +259,44 @@ class BlockPool:
             self._cond.wait()
         old = len(self._refs)
         new = max(FIRST_BLOCKS, 2 * old, old + at_least)
-        self._kv = [(_grown(k, new), _grown(v, new)) for k, v in self._kv]
+        self._kv = [kv if self.windowed(i) else (_grown(kv[0], new), _grown(kv[1], new))
+                    for i, kv in enumerate(self._kv)]
         self._refs += [0] * (new - old)
+        self._wrefs += [0] * (new - old)
+        with torch.inference_mode(False):  # a plain tensor: written in place inside inference mode and out of it
+            self._wmap = torch.cat([self._wmap, torch.zeros(new - old, dtype=torch.long, device=HOST)])
         for b in range(old, new):
             heapq.heappush(self._free, b)
 
+    def _grow_window(self, at_least: int) -> None:
+        """More window storage (doubling), as _grow."""
+        while self._in_flight:
+            self._cond.wait()
+        old = len(self._wheld)
+        new = max(FIRST_BLOCKS, 2 * old, old + at_least)
+        self._kv = [(_grown(kv[0], new), _grown(kv[1], new)) if self.windowed(i) else kv
+                    for i, kv in enumerate(self._kv)]
+        self._wheld += [0] * (new - old)
+        for w in range(old, new):
+            heapq.heappush(self._wfree, w)
+
     def copy(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Block dst <- block src, for each (src, dst), in every layer."""
+        """Block dst <- block src, for each (src, dst), in every layer (a windowed layer's: where src's window
+        storage is held)."""
         if not pairs:
             return
         with self.using():
-            for k, v in self._kv:
-                src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=k.device)
-                dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=k.device)
-                k.index_copy_(0, dst, k.index_select(0, src))
-                v.index_copy_(0, dst, v.index_select(0, src))
+            kept = ([(int(self._wmap[s]), int(self._wmap[d])) for s, d in pairs if self._wrefs[s]]
+                    if self._windowed else [])
+            for k, v, windowed in self.layers():
+                these = kept if windowed else pairs
+                if not these:
+                    continue
+                src = torch.tensor([s for s, _ in these], dtype=torch.long, device=k.device)
+                dst = torch.tensor([d for _, d in these], dtype=torch.long, device=k.device)
+                for t in (k, v):
+                    blocks = t.view(-1, self.block_tokens, *t.shape[1:])
+                    blocks.index_copy_(0, dst, blocks.index_select(0, src))
 
     # -- the prefix index ------------------------------------------------------------------------------
 
@@ -177,22 +304,41 @@ class BlockPool:
         with self._cond:
             size = self.block_tokens
             used = sum(1 for r in self._refs[TRASH + 1:] if r > 0)
+            windowed = (sum(self._wheld[TRASH + 1:]), len(self._wheld) - TRASH - 1) if self._windowed else (0, 0)
             return PrefixStats(self._looked_up, self._hit, self._evicted * size, len(self._indexed) * size,
-                               self.prefix_capacity * size, used * size, (len(self._refs) - TRASH - 1) * size)
+                               self.prefix_capacity * size, used * size, (len(self._refs) - TRASH - 1) * size,
+                               windowed[0] * size, windowed[1] * size)
 
-    def take(self, tokens: Sequence[int]) -> list[int]:
-        """The blocks of the longest indexed prefix of `tokens` (whole blocks), each now held once more by
-        the caller, root first; [] when none is indexed (or the index is off)."""
+    def take(self, tokens: Sequence[int]) -> Taken:
+        """The blocks of the longest indexed prefix of `tokens` (whole blocks) that the sequence can go on from,
+        each now held once more by the caller, root first (none when the index is off). A hybrid model's
+        sliding layers see the window behind the prefix's end: the prefix ends where those blocks' window
+        storage is held, and the caller holds that storage too."""
         if not self.prefix_capacity:
-            return []
+            return Taken([])
         with self._cond:
             path = self._match(tokens)
+            window_from = 0
+            if self._windowed:
+                path, window_from = self._window_held(path)
             self._touch(path)
             self._looked_up += len(tokens)
             self._hit += len(path) * self.block_tokens
             for b in path:
                 self._refs[b] += 1
-            return path
+            for b in path[window_from:]:
+                self._wrefs[b] += 1
+            return Taken(path, window_from)
+
+    def _window_held(self, path: list[int]) -> tuple[list[int], int]:
+        """The longest beginning of `path` whose last window's blocks have their window storage, and the first
+        of those: a query after it sees keys fewer than `window` positions back."""
+        size = self.block_tokens
+        for n in range(len(path), 0, -1):
+            first = max(0, n * size - self.window + 1) // size
+            if all(self._wrefs[b] for b in path[first:n]):
+                return path[:n], first
+        return [], 0
 
     def store(self, tokens: Sequence[int], table: Sequence[int]) -> None:
         """Index the whole blocks of `tokens`, whose KV is in blocks `table` (a sequence's table: block i holds
@@ -213,8 +359,10 @@ class BlockPool:
                     if len(self._indexed) >= self.prefix_capacity and not self._evict(protected=set(path)):
                         break  # the cap is smaller than these tokens: what fits stays
                     self._ids[key] = block
-                    self._indexed[block] = _Indexed(key)
+                    self._indexed[block] = _Indexed(key, window=self._windowed and self._wrefs[block] > 0)
                     self._refs[block] += 1
+                    if self._indexed[block].window:
+                        self._wrefs[block] += 1
                     if parent >= 0:
                         self._indexed[parent].children += 1
                 path.append(block)
@@ -250,6 +398,8 @@ class BlockPool:
         self._refs[victim] -= 1
         if self._refs[victim] == 0:
             heapq.heappush(self._free, victim)
+        if entry.window:
+            self._release_window([victim])
         return True
 
 

@@ -192,12 +192,14 @@ def ragged_attention(module, query, key, value, attention_mask, inner: str, **kw
     block = _BLOCK.get()
     if key.dim() == 3:  # the pool itself (PagedLayer.update): the rows' keys and values are read here
         slots = _READING.get()
-        read = slots.plan.read.view(slots.plan.batch, slots.plan.slots)  # [B, S + T]
+        windowed = bool(window) and slots.plan.read_w is not None  # a hybrid model's sliding layer: its own storage
+        read = slots.plan.read_w if windowed else slots.plan.read
+        read = read.view(slots.plan.batch, slots.plan.slots)  # [B, S + T]
         if block is not None and block.groups:  # packed in, packed out: [1, N, H, D]
             return _attend_groups(attend, module, query, key, value, attention_mask, slots, read, block.groups, inner,
-                                  kwargs), None
+                                  windowed, kwargs), None
         out = _attend_pool(attend, module, query if block is None else block.pad(query), key, value, attention_mask,
-                           slots, read, None if block is None else block.real, 0, inner, kwargs)
+                           slots, read, None if block is None else block.real, (0, windowed), inner, kwargs)
         return (out if block is None else block.pack(out)), None  # out [B, T, H, D]
     if block is None:
         return attend(module, query, key, value, attention_mask, **kwargs)
@@ -213,21 +215,21 @@ READ_GROUP_BYTES = 4 << 20
 
 
 def _attend_groups(attend, module, query, pool_k, pool_v, mask, slots: "_Slots", read, groups: "tuple[_Rows, ...]",
-                   inner: str, kwargs) -> torch.Tensor:
+                   inner: str, windowed: bool, kwargs) -> torch.Tensor:
     """The packed queries [1, Hq, N, D] of rows of very different widths, each group of them attending apart,
-    padded to its own widest only -> [1, N, Hq, D]."""
+    padded to its own widest only -> [1, N, Hq, D]. windowed: read is the window storage's (a sliding layer's)."""
     _, H, N, D = query.shape
     out = query.new_empty(1, N, H, D)  # every token is some group's
     for g, group in enumerate(groups):
-        rows, t = group.rows, group.width
+        rows, t, key = group.rows, group.width, (g + 1, windowed)
         group.pack_into(out, _attend_pool(attend, module, group.pad(query), pool_k, pool_v,
-                                          slots.group_mask(mask, g, rows, t), slots, slots.group_read(read, g, rows),
-                                          group.real, g + 1, inner, kwargs))
+                                          slots.group_mask(mask, g, rows, t), slots, slots.group_read(read, key, rows),
+                                          group.real, key, inner, kwargs))
     return out
 
 
-def _attend_pool(attend, module, query, pool_k, pool_v, mask, slots: "_Slots", read, real, group: int, inner: str,
-                 kwargs) -> torch.Tensor:
+def _attend_pool(attend, module, query, pool_k, pool_v, mask, slots: "_Slots", read, real, group: tuple[int, bool],
+                 inner: str, kwargs) -> torch.Tensor:
     """query [b, Hq, t, D] of rows reading the pool's slots read [b, L] -> [b, t, Hq, D]: in place where an
     in-place attention runs (only the first real[i] queries of row i, where given), else gathered."""
     out = _attend_in_place(query, pool_k, pool_v, mask, slots, read, real, group, kwargs) if inner == "sdpa" else None
@@ -237,7 +239,7 @@ def _attend_pool(attend, module, query, pool_k, pool_v, mask, slots: "_Slots", r
 
 
 def _attend_in_place(query, pool_k, pool_v, mask, slots: "_Slots", read: torch.Tensor, real: torch.Tensor | None,
-                     group: int, kwargs) -> torch.Tensor | None:
+                     group: tuple[int, bool], kwargs) -> torch.Tensor | None:
     """query [B, Hq, T, D] against each row's keys and values where they lie in the pool -> [B, T, Hq, D]: under a
     bool mask [B or 1, 1, T, L], with nothing the in-place attentions do not apply (softcap, sinks, position bias,
     dropout), on a GPU through paged_flex, on a CPU through paged_kernel's C++ (float32, built here; in a ragged
@@ -348,6 +350,23 @@ def window_of_every_layer(config) -> int | None:
     return config.sliding_window
 
 
+def windowed_layers(config) -> frozenset[int]:
+    """A hybrid model's sliding-window layers (Gemma 2's and 3's local ones, Cohere 2's, gpt-oss's, Qwen2's past
+    max_window_layers), by their index, where others attend to the whole past; none where no layer slides or
+    every layer does (window_of_every_layer). Their KV behind a row's window is freed on its own
+    (BlockPool.use_window)."""
+    config = config.get_text_config()
+    types = getattr(config, "layer_types", None) or ()
+    if not has_sliding_window(config) or "sliding_attention" not in types or set(types) == {"sliding_attention"}:
+        return frozenset()
+    return frozenset(i for i, t in enumerate(types) if t == "sliding_attention")
+
+
+def hybrid_window(config) -> int | None:
+    """The window of a hybrid model's sliding layers (windowed_layers), None for any other model."""
+    return config.get_text_config().sliding_window if windowed_layers(config) else None
+
+
 def run_ragged_capable(model: PreTrainedModel) -> str:
     """Switch the model's attention to its ragged-capable wrapper (once; not for a family whose attention
     takes its own path) -> its own attention (sdpa, eager)."""
@@ -381,6 +400,8 @@ class _Plan:
     batch: int  # B
     slots: int  # S + T
     direct: bool  # the attention reads the pool itself (ragged_attention); else the layers read it for it
+    write_w: torch.Tensor | None = None  # a hybrid model's: write's slots in the window storage (its sliding layers')
+    read_w: torch.Tensor | None = None  # and read's
 
 
 class _Slots:
@@ -398,15 +419,17 @@ class _Slots:
             self._made = (self.plan, {})
         return self._made[1]
 
-    def row_blocks(self, read: torch.Tensor, pool_slots: int, group: int = 0) -> paged_flex.RowBlocks:
-        """The running plan's rows' blocks in flex's terms (read [b, L]: all rows, group 0, or a _Rows group's)."""
+    def row_blocks(self, read: torch.Tensor, pool_slots: int,
+                   group: tuple[int, bool] = (0, False)) -> paged_flex.RowBlocks:
+        """The running plan's rows' blocks in flex's terms (read [b, L]: all rows, group 0, or a _Rows group's; of
+        the window storage where group says windowed)."""
         made = self._of_plan()
         if ("blocks", group) not in made:
             size = self.pool.block_tokens
             made["blocks", group] = paged_flex.row_blocks(read, pool_slots // size, size)
         return made["blocks", group]
 
-    def group_read(self, read: torch.Tensor, group: int, rows: torch.Tensor) -> torch.Tensor:
+    def group_read(self, read: torch.Tensor, group: tuple[int, bool], rows: torch.Tensor) -> torch.Tensor:
         """read [B, L] of a _Rows group: its rows' slots [b, L], made by the plan's first layer, shared by all."""
         made = self._of_plan()
         if ("read", group) not in made:
@@ -465,13 +488,15 @@ class PagedLayer(CacheLayerMixin):
         plan = self.slots.plan
         out = []
         pools = self.slots.pool.layer(self.index, key_states, value_states)
+        windowed = plan.read_w is not None and self.slots.pool.windowed(self.index)
+        write, reading = (plan.write_w, plan.read_w) if windowed else (plan.write, plan.read)
         for pool, new in zip(pools, (key_states, value_states)):
-            pool.index_copy_(0, plan.write, new.transpose(1, 2).reshape(-1, *pool.shape[1:]))  # [N, H, D]
+            pool.index_copy_(0, write, new.transpose(1, 2).reshape(-1, *pool.shape[1:]))  # [N, H, D]
         if plan.direct:
             return pools  # [blocks * size, H, D] each: ragged_attention reads the rows' slots itself
         for which, pool in enumerate(pools):
-            read = self.slots.scratch(which, (plan.read.shape[0], *pool.shape[1:]), pool)
-            torch.index_select(pool, 0, plan.read, out=read)
+            read = self.slots.scratch(which, (reading.shape[0], *pool.shape[1:]), pool)
+            torch.index_select(pool, 0, reading, out=read)
             out.append(read.view(plan.batch, plan.slots, *pool.shape[1:]).transpose(1, 2))
         return out[0], out[1]
 
@@ -516,6 +541,9 @@ class CachedLM:
         self.packs = model.config._attn_implementation.startswith("specdec_ragged_")  # else a ragged block runs padded
         self.sliding = has_sliding_window(model.config)  # some layer attends within a window: positions needed
         self.window = window_of_every_layer(model.config)  # every layer's: blocks behind a row's window are freed
+        self.layer_window = hybrid_window(model.config)  # a hybrid model's sliding layers': storage behind it is freed
+        if self.layer_window is not None:
+            self.pool.use_window(windowed_layers(model.config), self.layer_window)
         self.rewind = 0  # tokens a row may still be truncated back by (a drafter's assumed path): their window stays
         self.frees = True  # frees blocks behind the window (not while a prompt waits for the prefix index)
         self.riding = 0  # the last rows are another's, riding in this batch's forward (carrying): not freed here
@@ -529,6 +557,7 @@ class CachedLM:
         self.kv = Cache(layer_class_to_replicate=self._slots.new_layer)
         self.tables = [[] for _ in range(batch_size)]
         self.lengths = [0] * batch_size
+        self.window_from = [0] * batch_size  # per row: its first block whose window storage it holds (hybrid models)
         self.held = 0  # slots [0, held) outlive every crop: a drafter's pending tree, beyond the rows' lengths
 
     def __del__(self):
@@ -538,8 +567,7 @@ class CachedLM:
     def _release(self, rows) -> None:
         """These rows give their blocks back (their tables empty)."""
         for b in rows:
-            self.pool.release(self.tables[b])
-            self.tables[b] = []
+            self._drop(b, 0)
 
     @property
     def size(self) -> int:
@@ -553,10 +581,9 @@ class CachedLM:
         n = self.lengths[b] if n is None else n
         size, table = self.pool.block_tokens, self.tables[b]
         flat = [table[s // size] * size + s % size if s // size < len(table) else s % size for s in range(n)]
-        index = host_tensor(flat, torch.long, self.device)
         with self.pool.using():
-            return [(k.index_select(0, index).transpose(0, 1), v.index_select(0, index).transpose(0, 1))
-                    for k, v in self.pool.layers()]
+            return [(k.transpose(0, 1), v.transpose(0, 1))
+                    for k, v in self.pool.gather(torch.tensor(flat, dtype=torch.long, device=HOST), self.device)]
 
     @property
     def prefix(self) -> BlockPool | None:
@@ -639,8 +666,12 @@ class CachedLM:
             is_padding = torch.arange(T, device=HOST).view(1, T) >= torch.tensor(real, device=HOST).view(B, 1)
             write = new.masked_fill(is_padding, 0) + is_padding * (TRASH * size + torch.arange(T, device=HOST) % size)
             write = write.flatten()
+        windowed = {}
+        if self.layer_window is not None:  # a hybrid model's sliding layers write and read their own storage
+            windowed = {"write_w": to_device(self.pool.window_of(write), self.device),
+                        "read_w": to_device(self.pool.window_of(read.flatten()), self.device)}
         self._slots.plan = _Plan(to_device(write, self.device), to_device(read.flatten(), self.device), B, S + T,
-                                 direct=self.packs)
+                                 direct=self.packs, **windowed)
 
     def _own(self, spans: list[tuple[int, int, int]]) -> None:
         """Row b holds a block of its own (taken, or copied from a shared one) for every slot of each span
@@ -648,6 +679,9 @@ class CachedLM:
         size, fresh, shared = self.pool.block_tokens, {}, {}  # (row, block index) once each, however many spans
         for b, first, end in spans:
             table = self.tables[b]
+            if first // size < self.window_from[b]:
+                raise RuntimeError(f"row {b} writes slot {first}, behind its window's blocks (from block "
+                                   f"{self.window_from[b]}): its sliding layers' storage there is freed")
             table += [NULL] * max(0, -(-end // size) - len(table))
             for i in range(first // size, -(-end // size)):
                 if table[i] == NULL:
@@ -754,12 +788,10 @@ class CachedLM:
             self._own([(b, dst, dst + 1) for b, _, dst in moves])
             size = self.pool.block_tokens
             flat = lambda b, s: self.tables[b][s // size] * size + s % size  # noqa: E731
-            src = host_tensor([flat(b, s) for b, s, _ in moves], torch.long, self.device)
-            dst = host_tensor([flat(b, d) for b, _, d in moves], torch.long, self.device)
+            src = torch.tensor([flat(b, s) for b, s, _ in moves], dtype=torch.long, device=HOST)
+            dst = torch.tensor([flat(b, d) for b, _, d in moves], dtype=torch.long, device=HOST)
             with self.pool.using():
-                for pool_k, pool_v in self.pool.layers():
-                    pool_k[dst] = pool_k[src]  # read (copied) before written
-                    pool_v[dst] = pool_v[src]
+                self.pool.move(src, dst, self.device)
         for b, row_slots in enumerate(slots):
             self.lengths[b] += len(row_slots)
         self._trim()
@@ -769,6 +801,7 @@ class CachedLM:
         """n new sequences join the batch, with nothing committed yet."""
         self.tables += [[] for _ in range(n)]
         self.lengths += [0] * n
+        self.window_from += [0] * n
 
     @torch.inference_mode()
     def prefill_alone(self, chunks: list[list[int]], hidden: bool = False, budget: int | None = None,
@@ -792,7 +825,9 @@ class CachedLM:
     def _reuse(self, chunks: list[list[int]]) -> None:
         """An empty batch takes, as each row's first committed tokens, the longest indexed prefix of its chunk:
         its blocks, shared, not copied."""
-        self.tables = [self.pool.take(chunk) for chunk in chunks]
+        taken = [self.pool.take(chunk) for chunk in chunks]
+        self.tables = [t.blocks for t in taken]
+        self.window_from = [t.window_from for t in taken]
         self.lengths = [len(t) * self.pool.block_tokens for t in self.tables]
         self._slots.n = max(self.lengths, default=0)
 
@@ -818,7 +853,8 @@ class CachedLM:
             raise ValueError("these sequences were prefilled in another block pool than this batch's")
         self.tables += fresh.tables
         self.lengths += fresh.lengths
-        fresh.tables, fresh.lengths = [], []  # theirs now
+        self.window_from += fresh.window_from
+        fresh.tables, fresh.lengths, fresh.window_from = [], [], []  # theirs now
         self._slots.n = max(self.size, fresh.size)
         self._trim()
 
@@ -834,6 +870,7 @@ class CachedLM:
                 raise ValueError("these sequences are prefilled in another block pool than this batch's")
             self.tables += p.lm.tables  # the same lists: what the forward takes or trims is theirs
             self.lengths += p.lm.lengths
+            self.window_from += p.lm.window_from
             self._slots.n = max(self.size, p.lm.size)
         self.riding = len(self.tables) - own  # their blocks are freed by their own CachedLM's rule
         try:
@@ -844,10 +881,11 @@ class CachedLM:
             for p in riders:
                 n = len(p.lm.tables)
                 p.lm.tables, p.lm.lengths = self.tables[row : row + n], self.lengths[row : row + n]
+                p.lm.window_from = self.window_from[row : row + n]
                 p.lm._slots.n = max(p.lm.lengths, default=0)
                 p.lm._trim()
                 row += n
-            del self.tables[own:], self.lengths[own:]
+            del self.tables[own:], self.lengths[own:], self.window_from[own:]
             self._trim()
 
     @torch.inference_mode()
@@ -860,6 +898,7 @@ class CachedLM:
         self._release(sorted(set(range(len(self.tables))) - set(rows)))
         self.tables = [self.tables[r] for r in rows]
         self.lengths = [self.lengths[r] for r in rows]
+        self.window_from = [self.window_from[r] for r in rows]
         self._trim()
 
     def truncate(self, lengths: list[int]) -> None:
@@ -873,6 +912,11 @@ class CachedLM:
                 if n and first < len(table) and table[first] == NULL:
                     raise ValueError(f"row {b} cannot go back to {n} tokens: the blocks its window would see there "
                                      f"are freed (rewind is {self.rewind} tokens)")
+        if self.layer_window is not None:
+            for b, n in enumerate(self.lengths):
+                if n and max(0, n - self.layer_window + 1) // self.pool.block_tokens < self.window_from[b]:
+                    raise ValueError(f"row {b} cannot go back to {n} tokens: its sliding layers' storage of the "
+                                     f"blocks their window would see there is freed (rewind is {self.rewind} tokens)")
         self._trim()
 
     def _trim(self) -> None:
@@ -883,10 +927,30 @@ class CachedLM:
         for b, table in enumerate(self.tables):
             keep = -(-min(self.size, max(self.lengths[b], self.held)) // size)
             if len(table) > keep:
-                self.pool.release(table[keep:])
-                del table[keep:]
-        if self.window is not None and self.frees:
+                self._drop(b, keep)
+        if self.frees and self.window is not None:
             self._free_behind_window(range(len(self.tables) - self.riding))
+        if self.frees and self.layer_window is not None:
+            self._free_window_behind(range(len(self.tables) - self.riding))
+
+    def _drop(self, b: int, keep: int) -> None:
+        """Row b gives back its blocks past its first `keep`, and their window storage where it holds that."""
+        table, first = self.tables[b], self.window_from[b]
+        self.pool.release(table[keep:first], window=False)
+        self.pool.release(table[max(keep, first):])
+        del table[keep:]
+        self.window_from[b] = min(first, keep)
+
+    def _free_window_behind(self, rows) -> None:
+        """A hybrid model's: each row's blocks that no later query of its sliding layers can see keep their place
+        in its table (its global layers read them) but give back their window storage (the blocks before the
+        row's window, less what it may be truncated back by, as _free_behind_window)."""
+        size = self.pool.block_tokens
+        for b in rows:
+            first = min(len(self.tables[b]), max(0, (self.lengths[b] - self.rewind - self.layer_window + 1) // size))
+            if first > self.window_from[b]:
+                self.pool.release_window(self.tables[b][self.window_from[b] : first])
+                self.window_from[b] = first
 
     def _free_behind_window(self, rows) -> None:
         """Each row's blocks that no later query of it can see go back to the pool, their places NULL (vLLM's

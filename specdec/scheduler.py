@@ -102,6 +102,12 @@ class KvBudget:
             return whole
         return min(whole, max(prompt_tokens, self.window + self.tree_room + 2 * BLOCK_TOKENS))
 
+    def window_room(self, window: int) -> int:
+        """The KV slots a hybrid model's sliding layers hold for max_rows requests running past their window of
+        `window` (CachedLM._free_window_behind): each its window, its tree and a block partly behind each (a
+        prompt being prefilled holds its whole length there until it has run)."""
+        return self.max_rows * (window + self.tree_room + 2 * BLOCK_TOKENS)
+
     @staticmethod
     def slots(reservations: list[int]) -> int:
         """The KV slots per layer the cache holds at most for requests of these reservations: their blocks."""

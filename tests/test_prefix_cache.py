@@ -26,12 +26,12 @@ def test_a_prompt_gets_the_blocks_of_its_longest_indexed_prefix_shared():
     table = run(pool, seq)
     pool.store(seq, table)
     assert pool.stats().cached_tokens == 8
-    got = pool.take(seq[:9] + [99, 98])  # the two blocks, then another token
+    got = pool.take(seq[:9] + [99, 98]).blocks  # the two blocks, then another token
     assert got == table[:2]  # the very blocks, not copies
     assert pool.shared(got[0]) and pool.shared(got[1])
-    assert pool.take(seq[:7]) == table[:1]  # one whole block of 7 tokens
-    assert pool.take([10, 11, 12]) == []  # less than a block
-    assert pool.take([10, 11, 12, 0, 14]) == []  # the first block differs in one token
+    assert pool.take(seq[:7]).blocks == table[:1]  # one whole block of 7 tokens
+    assert pool.take([10, 11, 12]).blocks == []  # less than a block
+    assert pool.take([10, 11, 12, 0, 14]).blocks == []  # the first block differs in one token
     stats = pool.stats()
     assert stats.looked_up_tokens == 11 + 7 + 3 + 5 and stats.hit_tokens == 8 + 4
 
@@ -41,11 +41,11 @@ def test_blocks_are_keyed_by_their_whole_prefix_not_their_own_tokens():
     a = [1, 2, 3, 4, 5, 6, 7, 8]
     pool.store(a, run(pool, a))
     b = [9, 9, 9, 9, 5, 6, 7, 8]  # its second block's tokens are a's, after another first block
-    assert pool.take(b) == []
+    assert pool.take(b).blocks == []
     table_b = run(pool, b)
     pool.store(b, table_b)
     assert pool.stats().cached_tokens == 16  # four blocks: the same tokens after other ones are another block
-    assert pool.take(b) == table_b  # b's own blocks, not a's
+    assert pool.take(b).blocks == table_b  # b's own blocks, not a's
 
 
 def test_storing_again_keeps_the_blocks_indexed_and_adds_the_rest():
@@ -56,7 +56,7 @@ def test_storing_again_keeps_the_blocks_indexed_and_adds_the_rest():
     longer = first + [50, 51, 52, 53]
     longer_table = run(pool, longer)  # a sequence that ran the same first blocks on its own
     pool.store(longer, longer_table)
-    assert pool.take(longer) == first_table + longer_table[2:]
+    assert pool.take(longer).blocks == first_table + longer_table[2:]
     assert pool.stats().cached_tokens == 12
 
 
@@ -67,7 +67,7 @@ def test_a_block_goes_back_to_the_pool_once_nothing_holds_it():
     pool.store(seq, table)  # the index holds them too
     pool.release(table)  # the sequence leaves: the index keeps them
     assert pool.stats().used_tokens == 8
-    taken = pool.take(seq)
+    taken = pool.take(seq).blocks
     pool.release(taken)
     assert pool.stats().used_tokens == 8 and not pool.shared(table[0])
 
@@ -78,19 +78,19 @@ def test_the_least_recently_used_leaf_is_let_go_within_the_cap():
     x, y = shared + [1] * BT, shared + [2] * BT
     pool.store(x, tx := run(pool, x))
     pool.store(y, run(pool, y))  # 3 blocks: shared, x's, y's (y's own copy of shared is not indexed)
-    pool.release(pool.take(x))  # x used after y
+    pool.release(pool.take(x).blocks)  # x used after y
     z = [3] * (2 * BT)  # two more blocks: room for one, then y's leaf goes (not shared, which x's needs)
     pool.store(z, run(pool, z))
     stats = pool.stats()
     assert stats.cached_tokens == 4 * BT and stats.evicted_tokens == BT
-    assert pool.take(x) == tx  # x whole
-    assert len(pool.take(y)) == 1  # y's first block only (shared)
-    assert len(pool.take(z)) == 2
+    assert pool.take(x).blocks == tx  # x whole
+    assert len(pool.take(y).blocks) == 1  # y's first block only (shared)
+    assert len(pool.take(z).blocks) == 2
     for n in range(20):  # many more prompts: never past the cap, every path still a prefix
         p = [100 + n] * (3 * BT)
         pool.store(p, run(pool, p))
         assert pool.stats().cached_tokens <= 4 * BT
-        assert pool.take(p)
+        assert pool.take(p).blocks
 
 
 def test_a_prompt_longer_than_the_cap_keeps_what_fits():
@@ -98,14 +98,14 @@ def test_a_prompt_longer_than_the_cap_keeps_what_fits():
     p = list(range(5 * BT))
     pool.store(p, run(pool, p))
     assert pool.stats().cached_tokens == 2 * BT
-    assert len(pool.take(p)) == 2
+    assert len(pool.take(p).blocks) == 2
 
 
 def test_an_index_that_is_off_keeps_nothing():
     pool = BlockPool(block_tokens=BT)
     p = list(range(3 * BT))
     pool.store(p, run(pool, p))
-    assert pool.take(p) == [] and pool.stats().cached_tokens == 0
+    assert pool.take(p).blocks == [] and pool.stats().cached_tokens == 0
 
 
 def test_a_cap_under_one_block_is_refused():

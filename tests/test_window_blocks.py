@@ -1,7 +1,9 @@
 """Blocks behind a sliding window (specdec.kvcache.CachedLM._free_behind_window): where every layer of a model
 attends within a window, a row holds about its last window's blocks however long it runs, measured from the
 pool; outputs stay identical to transformers' generate(), plain and speculative, in the served loops, with the
-prefix cache on; a hybrid model (global layers beside local ones) keeps every block."""
+prefix cache on. A hybrid model (global layers beside local ones: Gemma 2, Qwen2 past max_window_layers) keeps
+every block for its global layers and about a window of them for its sliding layers, in the pool's window
+storage (CachedLM._free_window_behind, BlockPool.use_window)."""
 
 import random
 
@@ -13,7 +15,7 @@ import specdec.kvcache as kvcache
 from specdec import CachedLM, SamplingParams, SpecConfig, SpeculativeEngine
 from specdec.blocks import BLOCK_TOKENS, BlockPool
 from specdec.drafter_factory import draft_runner, make_drafter
-from specdec.kvcache import window_of_every_layer
+from specdec.kvcache import hybrid_window, window_of_every_layer, windowed_layers
 from specdec.loading import load_model
 from specdec.plain import hf_greedy
 from specdec.scheduler import KvBudget, TargetScheduler
@@ -30,13 +32,27 @@ def mistral(tmp_path_factory):
     return tuple(load_model(path) for path in save_pair("mistral_sliding", tmp_path_factory.mktemp("mistral")))
 
 
-def recording_peak(lm: CachedLM) -> list[int]:
-    """[the most tokens' worth of blocks lm's pool has held after any commit], kept up to date from now on."""
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory):
+    """A Gemma 2 whose first layer attends within WINDOW and second to the whole past, and its noisy copy."""
+    return tuple(load_model(path) for path in save_pair("gemma2", tmp_path_factory.mktemp("gemma2")))
+
+
+@pytest.fixture(params=["mistral", "gemma2"])
+def windowed(request):
+    """(target, draft, what their pools hold within the windows: all blocks, or the hybrid's window storage)."""
+    held = "used_tokens" if request.param == "mistral" else "window_used_tokens"
+    return (*request.getfixturevalue(request.param), held)
+
+
+def recording_peak(lm: CachedLM, held: str = "used_tokens") -> list[int]:
+    """[the most tokens' worth of blocks lm's pool has held after any commit (its PrefixStats field `held`)], kept
+    up to date from now on."""
     peak, commit = [0], lm.commit
 
     def recording(slots):
         commit(slots)
-        peak[0] = max(peak[0], lm.pool.stats().used_tokens)
+        peak[0] = max(peak[0], getattr(lm.pool.stats(), held))
 
     lm.commit = recording
     return peak
@@ -61,15 +77,20 @@ def test_the_window_every_layer_keeps_is_the_one_the_attention_applies(name, mon
     lm.prefill([[1, 2, 3]])
     every = len(seen) == config.get_text_config().num_hidden_layers and set(seen) == {WINDOW}
     assert window_of_every_layer(config) == (WINDOW if every else None), seen
+    sliding = frozenset(i for i, window in enumerate(seen) if window)
+    hybrid = bool(sliding) and not every
+    assert windowed_layers(config) == (sliding if hybrid else frozenset()), seen  # the layers given window storage
+    assert hybrid_window(config) == (WINDOW if hybrid else None)
 
 
 @pytest.mark.parametrize("kind, width, depth", [("none", 1, 0), ("model", 1, 4), ("model", 2, 3)],
                          ids=["plain", "chain", "tree"])
-def test_a_long_row_holds_its_window_not_its_past(mistral, kind, width, depth):
+def test_a_long_row_holds_its_window_not_its_past(windowed, kind, width, depth):
     """Two rows of different lengths generate LONG tokens each, past the window nine times: greedy equals
-    generate(), and the most blocks the target's and the draft's pools held at once stay within each row's
-    window (its tree, and the draft's rewind, beside it), against what the same run holds keeping every block."""
-    target, draft = mistral
+    generate(), and the most blocks the target's and the draft's pools held at once within the window (a hybrid
+    model's: its sliding layers' storage) stay within each row's window (its tree, and the draft's rewind, beside
+    it), against what the same run holds keeping every block."""
+    target, draft, held = windowed
     prompts = long_prompts(seed=1)
     expected = [hf_greedy(target, p, LONG) for p in prompts]
     peaks = {}
@@ -78,7 +99,8 @@ def test_a_long_row_holds_its_window_not_its_past(mistral, kind, width, depth):
         for lm in lms:
             if not frees:
                 lm.window = None
-        peak = [recording_peak(lm) for lm in lms]
+                lm.frees = not lm.layer_window  # a hybrid's rows keep every block's window storage
+        peak = [recording_peak(lm, held) for lm in lms]
         engine = SpeculativeEngine(lms[0], make_drafter(kind, lms[1], width) if depth else None,
                                    SpecConfig(depth=depth or None), eos_token_ids=set())
         outs = engine.generate(prompts, LONG)
@@ -94,11 +116,11 @@ def test_a_long_row_holds_its_window_not_its_past(mistral, kind, width, depth):
         assert peaks[True][1] <= draft_bound < peaks[False][1], peaks
 
 
-def test_served_loops_with_chunked_prefill_and_the_prefix_cache_free_behind_the_window(mistral):
+def test_served_loops_with_chunked_prefill_and_the_prefix_cache_free_behind_the_window(windowed):
     """Two turns of two conversations longer than the window, in the served loops (the engine), with the
     prefix cache on for the target and the draft: outputs equal generate() and the same run with the cache off,
     the second turn reuses the first's prompt blocks, and once the rows leave the pools hold only the index."""
-    target, draft = mistral
+    target, draft, _ = windowed
     prompts = long_prompts(seed=2)
     runs = {}
     for cache in (True, False):
@@ -117,17 +139,60 @@ def test_served_loops_with_chunked_prefill_and_the_prefix_cache_free_behind_the_
                 stats = pool.stats()
                 assert stats.hit_tokens >= 2 * 16, stats  # turn 2 took turn 1's indexed prompt blocks
                 assert stats.used_tokens == stats.cached_tokens, stats  # no row holds a block any more
+                assert stats.window_used_tokens <= stats.cached_tokens, stats  # nor any window storage
     assert runs[True] == runs[False]
 
 
-def test_a_hybrid_model_keeps_every_block(tmp_path):
-    """Gemma 2's global layers read the whole past: its rows keep every block."""
-    target = load_model(save_pair("gemma2", tmp_path)[0])
+def test_a_hybrid_model_keeps_every_block_and_a_window_of_storage(gemma2):
+    """Gemma 2's global layers read the whole past: its rows keep every block, and their sliding layers' storage
+    only of the blocks their window (and rewind) sees; a row cannot go back behind that."""
+    target, _ = gemma2
     lm = CachedLM(target)
-    assert lm.window is None and lm.sliding
+    assert lm.window is None and lm.sliding and lm.layer_window == WINDOW
+    lm.rewind = 4
     lm.add_rows(1)
-    lm.prefill([list(range(1, 61))])
-    assert all(block > kvcache.TRASH for block in lm.tables[0])
+    lm.prefill([list(range(1, 61))])  # 60 tokens: (60 - 4 - 16 + 1) // 16 = 2 blocks' window storage given back
+    assert all(block > kvcache.TRASH for block in lm.tables[0]) and lm.window_from == [2]
+    assert [lm.pool.has_window(b) for b in lm.tables[0]] == [False, False, True, True]
+    stats = lm.pool.stats()
+    assert (stats.used_tokens, stats.window_used_tokens) == (4 * BLOCK_TOKENS, 2 * BLOCK_TOKENS)
+    lm.truncate([56])  # back by its rewind: the window there is held
+    with pytest.raises(ValueError, match="row 0 cannot go back to 40 tokens: its sliding layers' storage"):
+        lm.truncate([40])
+    lm.select([])
+    assert lm.pool.stats().used_tokens == lm.pool.stats().window_used_tokens == 0
+
+
+def test_a_prefix_is_taken_only_as_far_as_its_window_storage_is_held(gemma2):
+    """A hybrid model's cached prefix whose sliding layers' storage is gone behind a row's window (a long row,
+    indexed as it leaves) is taken only up to where the window before its end is held; the row holds that
+    storage; evicting the indexed blocks gives their storage back; the logits equal a fresh prefill's."""
+    target, _ = gemma2
+    rng = random.Random(5)
+    seq = [rng.randrange(1, VOCAB) for _ in range(100)]  # 6 whole blocks and 4 tokens
+    pool = BlockPool(4096)
+    lm = CachedLM(target, pool)
+    lm.add_rows(1)
+    lm.prefill([seq])  # (100 - 16 + 1) // 16: the first 5 blocks' window storage given back
+    lm.remember([0], [seq])
+    table = list(lm.tables[0])
+    assert [pool.has_window(b) for b in table] == [False] * 5 + [True, True]
+    taken = pool.take(seq + [7, 8, 9])
+    assert taken.blocks == table[:6] and taken.window_from == 5  # (96 - 16 + 1) // 16: the 6th block's held
+    pool.release(taken.blocks[: taken.window_from], window=False)
+    pool.release(taken.blocks[taken.window_from :])
+    lm.select([])
+    assert pool.take(seq[:50]).blocks == []  # 3 whole blocks: the window before their end has no storage
+    longer = seq + [7, 8, 9]
+    again = CachedLM(target, pool).prefill_alone([longer], wants_last=[True])  # as a joining prompt is
+    assert pool.stats().hit_tokens == 2 * 96 and again.lm.window_from == [5]  # took 96 tokens' blocks again
+    fresh = CachedLM(target)
+    fresh.add_rows(1)
+    torch.testing.assert_close(again.last[0], fresh.prefill([longer])[0])
+    again.lm.select([])
+    while pool._evict(set()):
+        pass
+    assert pool.stats().used_tokens == pool.stats().window_used_tokens == 0
 
 
 def test_a_row_cannot_be_truncated_back_into_its_freed_blocks(mistral):
@@ -170,3 +235,24 @@ def test_the_target_admits_by_the_window_and_holds_no_more(mistral):
         scheduler.stop()
     assert scheduler.stats().largest_batch == 2
     assert 0 < peak[0] <= 160, peak
+
+
+def test_a_hybrid_pool_makes_its_sliding_layers_room_apart(gemma2):
+    """window_reserve_tokens sizes the sliding layers' storage (the served target's: its rows' windows and the
+    prefix cache, KvBudget.window_room), the global layers' stays reserve_tokens; rows past it grow it."""
+    target, _ = gemma2
+    assert KvBudget(max_rows=4, tree_room=8).window_room(WINDOW) == 4 * (WINDOW + 8 + 2 * BLOCK_TOKENS)
+    pool = BlockPool(reserve_tokens=1024, window_reserve_tokens=64)
+    lm = CachedLM(target, pool)
+    lm.add_rows(1)
+    lm.prefill([list(range(1, 41))])
+    stats = pool.stats()
+    assert (stats.allocated_tokens, stats.window_allocated_tokens) == (1024, 64)
+    layers = pool.layers()
+    assert [windowed for *_, windowed in layers] == [True, False]  # Gemma 2's first layer slides
+    made = [(tokens // BLOCK_TOKENS + 2) * BLOCK_TOKENS for tokens in (64, 1024)]  # and NULL's and TRASH's
+    assert [k.shape[0] for k, _, _ in layers] == made
+    lm.add_rows(3)
+    lm.prefill([[], *long_prompts(seed=6), [5] * 30])  # 8 blocks' storage held in all: past the 4 made
+    assert pool.stats().window_allocated_tokens > 64
+    assert lm.prefill([[1], [2], [3], [4]]).shape[0] == 4

@@ -54,7 +54,7 @@ def main() -> None:
     join_leave()
     steps = timed(step)
     joins = timed(join_leave)
-    kv = worker.lm.pool.stats().used_tokens * sum(k.shape[1] * k.shape[2] + v.shape[1] * v.shape[2] for k, v in worker.lm.pool.layers()) * model.dtype.itemsize
+    kv = worker.lm.pool.stats().used_tokens * sum(k.shape[1] * k.shape[2] + v.shape[1] * v.shape[2] for k, v, _ in worker.lm.pool.layers()) * model.dtype.itemsize
     print(f"# join_leave: {args.rows} rows of ~{args.prompt} tokens ({kv / 2**20:.0f} MiB of KV), a {args.joining}-token "
           f"request, torch threads {args.threads}, median of {REPEATS}")
     print(f"decode step      {1000 * steps:8.1f} ms")
