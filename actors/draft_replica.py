@@ -12,7 +12,8 @@ from specdec.drafter_factory import draft_runner, make_drafter
 from specdec.suffix import RecentOutputs, TextIndex, read_corpus
 from specdec.errors import Unavailable
 from specdec.loading import TargetParts, is_head, load_draft, load_served_model, load_tokenizer, local_folder, parse_dtype
-from specdec.blocks import BlockPool, PrefixStats
+from specdec.blocks import PrefixStats
+from specdec.scheduler import KvBudget
 from specdec.sampling import SamplingParams
 
 from specdec.closed import RecentlyClosed
@@ -34,7 +35,8 @@ class DraftReplica:
                  shapes: dict[DrafterKind, DraftShape] | None = None,
                  overlap: bool = True, *, security: LinkSecurity | SharedSecurity, logical_gpus: bool = False,
                  corpora: dict[str, str] | None = None, corpus_max_tokens: int = 1_000_000,
-                 target_model: str | None = None, prefix_cache_tokens: int = 0, kv_tokens: int = 0):
+                 target_model: str | None = None, prefix_cache_tokens: int = 0,
+                 budget: KvBudget = KvBudget(max_tokens=0)):
         """drafts: task type -> (model folder, dtype); the "" entry drafts for every other task type.
         shapes: per drafter kind it runs, its tree width and its proposals' entries (speculation.*); the first
         drafts a request that names none. Default: model+ngram.
@@ -47,15 +49,15 @@ class DraftReplica:
         target_model: the target's folder (models.target.path): its tokenizer for the corpora, and its config
         and shared embeddings for draft heads (a draft that is an EAGLE-3 head or Medusa heads).
         prefix_cache_tokens: each draft model's prefix cache, in its block pool shared by its loops (0: none).
-        kv_tokens: server.max_kv_tokens: each draft model's pool makes room for it and its prefix cache at once,
-        as the target's does (the replica's rows are some of the target's), so it never grows, copying, while
-        requests run."""
+        budget: the target's (placement.kv_budget): each draft model's pool makes room for its KV and the prefix
+        cache at once, as the target's does (the replica's rows are some of the target's), so it never grows,
+        copying, while requests run (KvBudget.pool)."""
         use_assigned_cpus()
         device = device_for_actor(logical_gpus)  # before anything loads: a wrong image fails here
         self.models = {task: load_replica_draft(path, target_model, parse_dtype(dtype), device)
                        for task, (path, dtype) in drafts.items()}
-        self.pools = {task: BlockPool(prefix_cache_tokens, reserve_tokens=kv_tokens + prefix_cache_tokens)
-                      for task in self.models}  # each model's KV, its drafters'
+        self.pools = {task: budget.pool(getattr(model, "config", None), prefix_cache_tokens)
+                      for task, model in self.models.items()}  # each model's KV, its drafters'
         self.shapes = dict(shapes or {DrafterKind.MODEL_NGRAM: DraftShape()})
         self.corpora = read_corpora(corpora or {}, target_model, corpus_max_tokens)
         # the outputs of every request this replica drafts, whatever its drafter, for its suffix drafts

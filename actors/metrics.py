@@ -60,6 +60,9 @@ target_idle_rows_closed = LazyMetric(Counter, "target_idle_rows_closed", "Specul
 
 target_kv_used_tokens = LazyMetric(Gauge, "target_kv_used_tokens", "KV tokens of the blocks the target holds "
                                    "now (running rows, a shared prefix once, the prefix cache)")
+target_kv_window_used_tokens = LazyMetric(Gauge, "target_kv_window_used_tokens", "A hybrid target's (sliding "
+                                          "layers beside global ones): KV tokens of the blocks whose sliding layers' "
+                                          "storage it holds now (each row's window, the prefix cache); 0 for others")
 target_prefix_cached_tokens = LazyMetric(Gauge, "target_prefix_cached_tokens", "Tokens whose KV the target's "
                                          "prefix cache holds")
 target_prefix_prompt_tokens = LazyMetric(Counter, "target_prefix_prompt_tokens", "Prompt tokens looked up in the "
@@ -98,6 +101,7 @@ def publish_target(stats: Callable[[], "TargetStats"]) -> None:
         target_kv_tokens_reserved().set(now.kv_tokens_reserved)
         target_prefix_cached_tokens().set(now.prefix_cached_tokens)
         target_kv_used_tokens().set(now.kv_used_tokens)
+        target_kv_window_used_tokens().set(now.kv_window_used_tokens)
         for name, counter in COUNTERS.items():
             if (total := getattr(now, name)) > counted[name]:
                 counter().inc(total - counted[name])

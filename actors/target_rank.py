@@ -15,8 +15,7 @@ import torch.distributed as dist
 from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.compute import on_compute, single_threaded
 from specdec.cpu_linear import packed_numel
-from specdec.kvcache import CachedLM, hybrid_window
-from specdec.blocks import BlockPool
+from specdec.kvcache import CachedLM
 from specdec.loading import load_grammars, load_served_model, load_sharded_model, parse_dtype
 from specdec.sampling import SamplingParams
 from specdec.target import TargetWorker
@@ -96,11 +95,7 @@ class TargetRank:
             group = _join_tensor_parallel_group(rank, world_size, dist_address, device)
             model = on_compute(device, load_sharded_model, model_path, parse_dtype(dtype))
         # every rank alike: they take and give back blocks alike; room for the budget's KV and the prefix cache's
-        # a hybrid model's sliding layers: their windows' room and the prefix cache's (BlockPool.use_window)
-        room = budget.max_tokens + prefix_cache_tokens
-        window = hybrid_window(model.config)
-        pool = BlockPool(prefix_cache_tokens, reserve_tokens=room, window_reserve_tokens=None if window is None else
-                         min(room, budget.window_room(window) + prefix_cache_tokens))
+        pool = budget.pool(model.config, prefix_cache_tokens)
         worker = TargetWorker(CachedLM(model, pool), load_grammars(model_path, model))
         self.weights_held = _local_numel(model)
         if world_size > 1:

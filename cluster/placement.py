@@ -92,7 +92,7 @@ def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
             .remote(models.drafts(), topo.target_address, spec.shapes(), spec.overlap,
                     corpora=spec.suffix.corpora, corpus_max_tokens=spec.suffix.corpus_max_tokens,
                     target_model=models.target.path, prefix_cache_tokens=cfg.server.prefix_cache_tokens,
-                    kv_tokens=cfg.server.max_kv_tokens,
+                    budget=kv_budget(cfg),
                     security=topo.shared, logical_gpus=place.logical_gpus)
             for i in range(n_drafts)]
         ray.get([d.ready.remote() for d in topo.drafts], timeout=timeout_s)

@@ -21,11 +21,12 @@ from dataclasses import asdict, dataclass, field, replace
 
 from .acceptance import Verdict
 from .adaptive import Costs, Load, clock
-from .blocks import BLOCK_TOKENS
+from .blocks import BLOCK_TOKENS, BlockPool
 from .closed import RecentlyClosed
 from .compute import single_threaded
 from .errors import InvalidArgument, RequestExists, ResourceExhausted, UnknownRequest
 from .generation import Generation, emit, record_step
+from .kvcache import hybrid_window
 from .sampling import SamplingParams
 from .sinks import Sink, tell
 from .target import ChunksFailed, Opened, Outcome, TargetWorker
@@ -36,8 +37,8 @@ LOAD_SMOOTHING = 0.2  # weight of each forward in the batch's moving average
 
 
 # What the target holds now, as /v1/stats's target section and GetStats's TargetStats show it.
-HELD = ("open_requests", "kv_tokens_reserved", "kv_used_tokens", "waiting", "largest_batch", "idle_rows_closed",
-        "prefix_cached_tokens", "prefix_prompt_tokens", "prefix_hit_tokens", "prefix_evicted_tokens")
+HELD = ("open_requests", "kv_tokens_reserved", "kv_used_tokens", "kv_window_used_tokens", "waiting", "largest_batch",
+        "idle_rows_closed", "prefix_cached_tokens", "prefix_prompt_tokens", "prefix_hit_tokens", "prefix_evicted_tokens")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class TargetStats:
     open_requests: int = 0
     kv_tokens_reserved: int = 0  # the slots the cache may come to hold for them
     kv_used_tokens: int = 0  # the slots of the blocks held now (by rows, shared ones once, and by the prefix index)
+    kv_window_used_tokens: int = 0  # a hybrid model's: of those, the blocks whose sliding layers' storage is held
     waiting: int = 0  # in the admission queue
     idle_rows_closed: int = 0
     # the target's prefix index (specdec.blocks; all 0 when off): tokens it holds now, prompt tokens
@@ -107,6 +109,15 @@ class KvBudget:
         `window` (CachedLM._free_window_behind): each its window, its tree and a block partly behind each (a
         prompt being prefilled holds its whole length there until it has run)."""
         return self.max_rows * (window + self.tree_room + 2 * BLOCK_TOKENS)
+
+    def pool(self, config, prefix_cache_tokens: int) -> BlockPool:
+        """A served model's block pool (of this config; None for Medusa heads, which keep no KV): room made at
+        once for this budget's KV and the prefix cache's, so it never grows (copying) while requests run; a hybrid
+        model's sliding layers get their windows' room and the prefix cache's (window_room), where that is less."""
+        room = self.max_tokens + prefix_cache_tokens
+        window = None if config is None else hybrid_window(config)
+        return BlockPool(prefix_cache_tokens, reserve_tokens=room, window_reserve_tokens=None if window is None
+                         else min(room, self.window_room(window) + prefix_cache_tokens))
 
     @staticmethod
     def slots(reservations: list[int]) -> int:
@@ -330,6 +341,7 @@ class TargetScheduler:
                 committed_tokens=self.committed_tokens, trees_verified=self.trees_verified,
                 tree_loop_time_s=self.tree_loop_time_s, largest_batch=self.largest_batch, open_requests=len(held),
                 kv_tokens_reserved=self.budget.slots(list(held.values())), kv_used_tokens=prefix.used_tokens,
+                kv_window_used_tokens=prefix.window_used_tokens,
                 waiting=len(self._waiting),
                 idle_rows_closed=self.idle_rows_closed, forward_costs=dict(self.costs.verify_table),
                 batch_tokens=load.batch_tokens, committed_per_forward=load.committed, batch_rows=load.rows,

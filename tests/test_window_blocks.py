@@ -256,3 +256,25 @@ def test_a_hybrid_pool_makes_its_sliding_layers_room_apart(gemma2):
     lm.prefill([[], *long_prompts(seed=6), [5] * 30])  # 8 blocks' storage held in all: past the 4 made
     assert pool.stats().window_allocated_tokens > 64
     assert lm.prefill([[1], [2], [3], [4]]).shape[0] == 4
+
+
+def test_the_target_scheduler_of_a_hybrid_reports_its_window_storage(gemma2):
+    """The served target's loop on a hybrid model, its pool as served (KvBudget.pool) with the prefix cache on:
+    two long requests equal generate(); once they leave, the index holds every block of theirs but the sliding
+    layers' storage only of those it got while the rows still had it (kv_window_used_tokens, in /v1/stats)."""
+    target, _ = gemma2
+    budget = KvBudget(max_tokens=1024, tree_room=8)
+    lm = CachedLM(target, budget.pool(target.config, prefix_cache_tokens=1024))
+    scheduler = TargetScheduler(TargetWorker(lm), budget, idle_timeout_s=None)
+    prompts = long_prompts(seed=7)
+    sinks = [Collect() for _ in prompts]
+    try:
+        for i, (prompt, sink) in enumerate(zip(prompts, sinks)):
+            scheduler.decode(f"r{i}", prompt, SamplingParams(), LONG, set(), sink)
+        assert [s.wait()[0] for s in sinks] == [hf_greedy(target, p, LONG) for p in prompts]
+        scheduler.close([])
+        stats = scheduler.stats()
+    finally:
+        scheduler.stop()
+    assert stats.open_requests == 0 and stats.kv_used_tokens == stats.prefix_cached_tokens > 0
+    assert 0 < stats.kv_window_used_tokens < stats.kv_used_tokens, stats
