@@ -45,23 +45,28 @@ def dense_weight(layer: nn.Module) -> torch.Tensor:
     return (out if layer.bias is None else out - layer.bias).T.contiguous()
 
 
-def can_pack(model: nn.Module) -> bool:
-    """Packing helps a model served on a CPU whose torch has oneDNN, in a dtype oneDNN runs there."""
-    param = next(model.parameters())
-    if param.device.type != "cpu" or param.dtype not in PACKABLE or not torch.backends.mkldnn.is_available():
+def packable(weight: torch.Tensor) -> bool:
+    """Whether oneDNN runs a linear layer of this weight here: on a CPU whose torch has oneDNN, in float32, or in
+    bfloat16 where the CPU has the instructions oneDNN's bfloat16 path needs (AVX-512 or AVX-NE-CONVERT; a plain
+    AVX2 CPU refuses the packing)."""
+    if weight.device.type != "cpu" or weight.dtype not in PACKABLE or not torch.backends.mkldnn.is_available():
         return False
-    return param.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def can_pack(model: nn.Module) -> bool:
+    """Packing helps a model served on a CPU: whether some linear layer of it is packable."""
+    return any(type(m) is nn.Linear and packable(m.weight) for m in model.modules())
 
 
 @torch.no_grad()
 def pack_linears(model: nn.Module) -> nn.Module:
-    """Swap every nn.Linear of an inference model for a PackedLinear, in place, when can_pack(model).
+    """Swap every packable nn.Linear of an inference model for a PackedLinear, in place; the others stay (a
+    bfloat16 draft head beside a float32 target's embedding, on a CPU without oneDNN's bfloat16 path, packs none).
     A tied output layer gets its own packed copy; the embedding keeps the original weight."""
-    if not can_pack(model):
-        return model
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
+            if type(child) is nn.Linear and packable(child.weight):
                 setattr(parent, name, PackedLinear(child))
     return model
 

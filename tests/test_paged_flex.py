@@ -114,3 +114,33 @@ def test_a_flex_that_fails_falls_back_once_and_says_why(on_cpu, monkeypatch, cap
                                 torch.ones(1, 1, 1, 20, dtype=torch.bool), 0.5)
     assert out is None and "no kernel for this head size" in caplog.text
     assert not paged_flex.runs(query)  # not tried again: the caller gathers from now on
+
+
+def test_a_hybrid_models_sliding_layers_read_their_own_storage_through_flex(on_cpu, monkeypatch, tmp_path):
+    """A Gemma 3 (a sliding layer beside a global one) past its window with its steps through flex_attention, as
+    on a GPU: each layer reads its own storage (the sliding layer's window storage, BlockPool.use_window, made
+    smaller here), and the logits equal those of the same steps gathered (each shape compiles: a few steps, of
+    4 queries: inductor's CPU flex does not compile a single-query decode here)."""
+    from specdec import CachedLM
+    from specdec.blocks import BlockPool
+    from specdec.loading import load_model
+    from test_model_families import save_pair
+    from test_window_blocks import long_prompts
+
+    target = load_model(save_pair("gemma3_text", tmp_path)[0])
+    prompt = long_prompts(seed=8)[1]  # 45 tokens: past the window of 16
+    logits = {}
+    for flex in (True, False):
+        monkeypatch.setattr(paged_flex, "DEVICES", ("cuda", "cpu") if flex else ("cuda",))
+        pools, attend = [], paged_flex.attend
+        monkeypatch.setattr(paged_flex, "attend", lambda *args: pools.append(args[1].shape[0]) or attend(*args))
+        lm = CachedLM(target, BlockPool(reserve_tokens=2048, window_reserve_tokens=256))
+        lm.add_rows(1)
+        steps = [lm.prefill([prompt])] + [lm.prefill([chunk]) for chunk in ([5, 6, 7, 8], [9, 10, 11, 12])]
+        logits[flex] = torch.stack(steps)
+        assert lm.window_from == [2]  # (53 - 16 + 1) // 16: the first two blocks' window storage given back
+        monkeypatch.setattr(paged_flex, "attend", attend)
+        if flex:  # both of the target's storages read through flex, which did not fall back
+            assert {k.shape[0] for k, _, _ in lm.pool.layers()} <= set(pools)
+            assert paged_flex.runs(torch.zeros(1, 4, 4, 16))
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=1e-4)
