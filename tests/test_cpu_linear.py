@@ -48,3 +48,19 @@ def test_models_oneDNN_cannot_run_are_left_as_they_are(model_dirs):
     assert not can_pack(half)
     assert pack_linears(half) is half
     assert any(type(m) is nn.Linear for m in half.modules())
+
+
+def test_each_linear_is_packed_by_its_own_dtype():
+    """A float32 embedding before bfloat16 linears (a bfloat16 draft head on a float32 target's embedding): the
+    bfloat16 ones are packed only where this CPU has oneDNN's bfloat16 path, the float32 one always, and every
+    one still computes its product."""
+    model = nn.Sequential(nn.Embedding(8, 16), nn.Linear(16, 16).to(torch.bfloat16), nn.Linear(16, 4))
+    model[2].to(torch.float32)
+    x = torch.randn(3, 16)
+    want = [model[1](x.to(torch.bfloat16)), model[2](x)]
+    pack_linears(model)
+    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert isinstance(model[1], PackedLinear) == bf16 and isinstance(model[2], PackedLinear)
+    with torch.inference_mode():
+        torch.testing.assert_close(model[1](x.to(torch.bfloat16)), want[0])
+        torch.testing.assert_close(model[2](x), want[1], rtol=1e-4, atol=1e-4)
