@@ -111,7 +111,7 @@ class BlockPool:
             # per block: its window storage (0: none)
             self._wmap = torch.zeros(len(self._refs), dtype=torch.long, device=HOST)
         self._wmap[TRASH] = TRASH
-        self._wheld = [1, 1] + [0] * wreserved  # per window storage id: held (by its block)
+        self._wblocks = TRASH + 1 + wreserved  # window storage ids made (NULL's and TRASH's among them)
         self._wfree: list[int] = list(range(TRASH + 1, TRASH + 1 + wreserved))
 
     def use_window(self, layers: frozenset[int], window: int) -> None:
@@ -154,7 +154,7 @@ class BlockPool:
         if index >= len(self._kv):
             with self._cond:
                 while len(self._kv) <= index:  # layers come in order; made at the pool's present size
-                    blocks = len(self._wheld) if self.windowed(len(self._kv)) else len(self._refs)
+                    blocks = self._wblocks if self.windowed(len(self._kv)) else len(self._refs)
                     shape = (blocks, self.block_tokens, keys.shape[1], keys.shape[-1])  # [blocks, size, H, D]
                     self._kv.append((_zeros(shape, keys), _zeros(shape, values)))
         k, v = self._kv[index]
@@ -214,7 +214,7 @@ class BlockPool:
             self._grow_window(len(ids) - len(self._wfree))
         stored = [heapq.heappop(self._wfree) for _ in ids]
         for b, w in zip(ids, stored):
-            self._wmap[b], self._wrefs[b], self._wheld[w] = w, 1, 1
+            self._wmap[b], self._wrefs[b] = w, 1
         return stored
 
     def release(self, ids: Sequence[int], window: bool = True) -> None:
@@ -242,7 +242,7 @@ class BlockPool:
                 self._wrefs[b] -= 1
                 if self._wrefs[b] == 0:
                     w = int(self._wmap[b])
-                    self._wmap[b], self._wheld[w] = NULL, 0
+                    self._wmap[b] = NULL
                     heapq.heappush(self._wfree, w)
 
     def has_window(self, block: int) -> bool:
@@ -272,11 +272,11 @@ class BlockPool:
         """More window storage (doubling), as _grow."""
         while self._in_flight:
             self._cond.wait()
-        old = len(self._wheld)
+        old = self._wblocks
         new = max(FIRST_BLOCKS, 2 * old, old + at_least)
         self._kv = [(_grown(kv[0], new), _grown(kv[1], new)) if self.windowed(i) else kv
                     for i, kv in enumerate(self._kv)]
-        self._wheld += [0] * (new - old)
+        self._wblocks = new
         for w in range(old, new):
             heapq.heappush(self._wfree, w)
 
@@ -304,7 +304,8 @@ class BlockPool:
         with self._cond:
             size = self.block_tokens
             used = sum(1 for r in self._refs[TRASH + 1:] if r > 0)
-            windowed = (sum(self._wheld[TRASH + 1:]), len(self._wheld) - TRASH - 1) if self._windowed else (0, 0)
+            made = self._wblocks - TRASH - 1
+            windowed = (made - len(self._wfree), made) if self._windowed else (0, 0)
             return PrefixStats(self._looked_up, self._hit, self._evicted * size, len(self._indexed) * size,
                                self.prefix_capacity * size, used * size, (len(self._refs) - TRASH - 1) * size,
                                windowed[0] * size, windowed[1] * size)
