@@ -281,6 +281,25 @@ def test_multi_turn_resends_each_conversation_with_its_answers(bench_setup, caps
     assert final["references"]["generate"]["identical_to_off"] == f"{2 * len(PROMPTS)}/{2 * len(PROMPTS)}"
 
 
+def test_no_references_runs_the_multi_turn_grid_alone(bench_setup, capsys, monkeypatch):
+    """--no-references: the target's tokenizer carries the turns, and no reference decode runs."""
+    import tools.served_bench as served_bench
+
+    target, prompts, outputs = bench_setup
+    monkeypatch.setattr(served_bench, "measure_references", lambda *a, **k: pytest.fail("a reference ran"))
+    served = Served(FakeSpecDecode(GreedyOutputs(target, outputs)))
+    try:
+        main(argv(served, prompts, "--workload", "multi-turn", "--turns", "2", "--target", target, "--json",
+                  "--no-references"))
+    finally:
+        served.close()
+    out = capsys.readouterr().out
+    final = json.loads(out.splitlines()[-1])
+    assert [r["requests"] for r in final["rows"]] == [2 * len(PROMPTS)] * 6  # 2 client counts x off, on, auto
+    assert final["references"] == {name: {"skipped": "--no-references"} for name in ("generate", "generate_batch")}
+    assert "skipping the transformers reference lines" in out
+
+
 class SameOutput(dict):
     def __missing__(self, prompt):
         return list(range(1, NEW_TOKENS + 1))

@@ -48,6 +48,9 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
     sb.add_argument("--target", metavar="DIR", help="the served target's model folder: its chat template renders "
                     "chat rows, and transformers generate() and generate_batch on it are measured in this process after "
                     "the grid (default: no references; chat rows need it)")
+    sb.add_argument("--no-references", action="store_true",
+                    help="skip the transformers references even with --target (which multi-turn needs for its "
+                         "tokenizer): the grid alone, where a reference decode would take minutes")
     sb.add_argument("--dtype", choices=get_args(Dtype), default="float32",
                     help="the server's target dtype (its models.target.dtype): the references run in it; a server "
                          "in another dtype than float32 is held to its greedy agreement with off, not equality")

@@ -161,11 +161,12 @@ def bench_main(args) -> None:
                     agree = check_identical(off, replies, mode, clients, dtype)
                 results.append(cell_row(clients, mode, wall, replies, before, after, results, agree))
                 print(json.dumps(results[-1]), flush=True)
-    if args.target:
+    if args.target and not args.no_references:
         references = measure_references(args.target, sent, args.max_new_tokens, off_outputs, dtype)
     else:
-        print("bench-served: no --target: skipping the transformers reference lines", flush=True)
-        references = {name: {"skipped": "no --target"} for name in REFERENCES}
+        why = "--no-references" if args.target else "no --target"
+        print(f"bench-served: {why}: skipping the transformers reference lines", flush=True)
+        references = {name: {"skipped": why} for name in REFERENCES}
     print(table(results, references, args, len(sent)))
     if args.plot:
         plot(results, references, args.plot, args)
