@@ -7,12 +7,14 @@ Where it cannot run (a CPU without AVX2, no C++ compiler, SPECDEC_PAGED_KERNEL=o
 said once in the log), the attention gathers each row's keys and values into a buffer and runs the model's
 own attention on it (specdec.kvcache._attend_blocks)."""
 
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -56,6 +58,13 @@ def kernel_dir() -> Path:
     return Path(os.environ[PLACE]) if os.environ.get(PLACE) else cache_root() / "kernels"
 
 
+def build_folder() -> Path:
+    """The kernel's folder in kernel_dir(), named by the source, torch's version and the flags."""
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + torch.__version__.encode() + " ".join(_FLAGS).encode()).hexdigest()[:12]
+    return kernel_dir() / f"specdec_paged_attention_{digest}"
+
+
 def _build() -> Callable | None:
     if reason := unavailable():
         log.warning("attention over the block pool gathers each row's KV first: %s", reason)
@@ -63,19 +72,35 @@ def _build() -> Callable | None:
     from torch.utils.cpp_extension import load
 
     _ninja_on_path()
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + torch.__version__.encode() + " ".join(_FLAGS).encode()).hexdigest()[:12]
-    name = f"specdec_paged_attention_{digest}"
-    folder = kernel_dir() / name
-    try:  # the builder holds a lock file in the folder: processes starting together build it once
+    folder = build_folder()
+    try:
         folder.mkdir(parents=True, exist_ok=True)
-        module = load(name=name, sources=[str(SOURCE)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
-                      build_directory=str(folder), verbose=False)
+        with builder_lock(folder):
+            module = load(name=folder.name, sources=[str(SOURCE)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                          build_directory=str(folder), verbose=False)
     except Exception as e:  # a read-only cache, a compiler that fails: the gathering path still serves
         log.warning("attention over the block pool gathers each row's KV first: building %s in %s failed: %s",
                     SOURCE, folder, e)
         return None
     return module.paged_attention
+
+
+@contextmanager
+def builder_lock(folder: Path) -> Iterator[None]:
+    """One builder at a time in `folder`, across processes, under a lock the OS drops when its holder dies.
+    torch's builder marks its own build with a file named `lock` that it deletes when done; a builder killed
+    mid-build (a Ctrl-C during the first `specdec serve`) leaves it behind, and every later process would wait
+    for it forever. Holding this lock, no other builder is at work here, so such a file is stale: removed."""
+    with open(folder / "builder.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released on close, or when the process ends however it ends
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a kernel build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _ninja_on_path() -> None:

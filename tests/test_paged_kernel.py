@@ -140,3 +140,45 @@ def test_a_failed_build_leaves_the_gathering_path_and_says_why(monkeypatch, capl
     with caplog.at_level("WARNING", logger=paged_kernel.__name__):
         assert paged_kernel.paged_attention() is None
     assert "gathers each row's KV first" in caplog.text and "no such compiler" in caplog.text
+
+
+def test_a_build_killed_midway_leaves_no_lock_the_next_one_waits_on(monkeypatch, tmp_path):
+    """A builder killed mid-build (kill -9: no clean-up runs) leaves torch's `lock` file behind; the next process
+    takes the builder's lock at once (the OS dropped it with its holder), removes the stale file, and builds,
+    where torch's own builder would wait for that file forever (it did, after a Ctrl-C during a first build)."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    import torch.utils.cpp_extension
+    from torch.utils.file_baton import FileBaton
+
+    monkeypatch.setenv(paged_kernel.PLACE, str(tmp_path))  # for the builder below and the one killed
+    killed = subprocess.Popen(
+        [sys.executable, "-c", "import time\nfrom specdec.paged_kernel import build_folder, builder_lock\n"
+         "folder = build_folder(); folder.mkdir(parents=True)\n"
+         "with builder_lock(folder):\n    (folder / 'lock').touch(); print('building', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert killed.stdout.readline().strip() == "building"
+    finally:
+        killed.kill()  # SIGKILL
+        killed.wait(timeout=30)
+    folder = paged_kernel.build_folder()
+    assert (folder / "lock").exists()  # what the killed build left
+
+    def load(name, build_directory, **kwargs):  # torch's builder, as far as its lock file goes
+        baton = FileBaton(os.path.join(build_directory, "lock"))
+        assert baton.try_acquire(), "torch's builder would wait forever for a lock file no builder holds"
+        baton.release()
+        return SimpleNamespace(paged_attention="the kernel")
+
+    monkeypatch.setattr(paged_kernel, "_loaded", {})
+    monkeypatch.setattr(paged_kernel, "unavailable", lambda: None)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
+    t0 = time.monotonic()
+    assert paged_kernel.paged_attention() == "the kernel"
+    assert time.monotonic() - t0 < 10
+    assert not (folder / "lock").exists()
