@@ -92,15 +92,12 @@ def builder_lock(folder: Path) -> Iterator[None]:
     mid-build (a Ctrl-C during the first `specdec serve`) leaves it behind, and every later process would wait
     for it forever. Holding this lock, no other builder is at work here, so such a file is stale: removed."""
     with open(folder / "builder.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # released on close, or when the process ends however it ends
-        try:
-            stale = folder / "lock"
-            if stale.exists():
-                log.warning("removing %s, left by a kernel build that did not finish", stale)
-                stale.unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes, or when the process ends however it ends
+        stale = folder / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a kernel build that did not finish", stale)
+            stale.unlink()
+        yield
 
 
 def _ninja_on_path() -> None:
