@@ -18,7 +18,7 @@ from specdec.sampling import SamplingParams
 from specdec.scheduler import KvBudget, Opening, TargetScheduler
 from specdec.target import TargetWorker
 from specdec.tree import TokenTree
-from test_grpc_trees import Collect, wait_for, wait_until_empty
+from scheduling import Collect, wait_for, wait_until_empty
 
 GREEDY = SamplingParams()
 

@@ -14,10 +14,11 @@ import pytest
 
 from actors.grpc_target import GrpcTarget
 from specdec.draft_loop import DraftLoop, DraftRequest
-from specdec.scheduler import KvBudget, TargetScheduler
+from specdec.scheduler import TargetScheduler
 from actors.security import LinkSecurity, serve_target, target_channel
 from actors.target_service import TargetService
 from conftest import NEW_TOKENS
+from scheduling import Collect, scheduler_for, wait_for, wait_until_empty
 from protos import specdec_tree_pb2 as tree_pb
 from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.drafter_factory import make_drafter
@@ -26,33 +27,9 @@ from specdec.generation import FinishReason
 from specdec.kvcache import CachedLM
 from specdec.sampling import SamplingParams
 from specdec.acceptance import Verdict
-from specdec.target import TargetWorker
 from specdec.tree import TokenTree
 
 GREEDY = SamplingParams()
-
-
-class Collect:
-    """A sink that keeps a request's steps; wait() -> (token ids, finish reason, error)."""
-
-    def __init__(self):
-        self.steps, self.done = [], threading.Event()
-        self.tokens, self.finish_reason, self.error = [], None, None
-
-    def __call__(self, tokens, out, finished, error):
-        self.steps.append(list(tokens))
-        self.tokens += tokens
-        if finished:
-            self.finish_reason, self.error, self.stats = out.finish_reason, error, out.stats.to_dict()
-            self.done.set()
-
-    def wait(self, timeout: float = 120):
-        assert self.done.wait(timeout), "the request never finished"
-        return self.tokens, self.finish_reason, self.error
-
-
-def scheduler_for(target, idle_timeout_s: float = 30.0, **budget) -> TargetScheduler:
-    return TargetScheduler(TargetWorker(CachedLM(target)), KvBudget(**budget), idle_timeout_s=idle_timeout_s)
 
 
 SECRET = "grpc-trees-secret"
@@ -78,18 +55,6 @@ def served(target):
     scheduler = scheduler_for(target)
     with serving(scheduler) as stub:
         yield scheduler, stub
-
-
-def wait_until_empty(scheduler: TargetScheduler, timeout: float = 10) -> None:
-    wait_for(lambda: not scheduler.stats().open_requests, scheduler.stats, timeout)
-
-
-def wait_for(condition, state, timeout: float = 30, every: float = 0.005) -> None:
-    """Poll `condition` until it holds; fail with `state()` (what was seen) after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout} s: {state()}"
-        time.sleep(every)
 
 
 def test_plain_requests_share_forwards_and_equal_plain_decoding(target, reference):

@@ -25,7 +25,7 @@ from specdec.loading import check_same_vocabulary, load_model, load_tokenizer
 from specdec.plain import hf_greedy
 from specdec.scheduler import KvBudget, TargetScheduler
 from specdec.target import TargetWorker
-from test_grpc_trees import Collect
+from scheduling import Collect
 
 WINDOW, VOCAB, NEW = 16, 64, 40
 PROMPT_LENGTHS = (20, 7, 13)  # batched rows of different lengths; the shortest + NEW passes the window

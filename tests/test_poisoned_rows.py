@@ -19,7 +19,7 @@ from specdec.kvcache import CachedLM
 from specdec.sampling import MIN_TEMPERATURE, SamplingParams, make_generator, warp
 from specdec.target import TargetWorker
 from specdec.tree import Proposal, TokenTree
-from test_grpc_trees import Collect, scheduler_for, wait_until_empty
+from scheduling import Collect, scheduler_for, wait_until_empty
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.8, seed=7)

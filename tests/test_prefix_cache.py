@@ -185,7 +185,7 @@ def test_a_draft_replica_keeps_what_its_rows_ran_and_prefills_the_next_turn_from
     from specdec.scheduler import KvBudget, Opening, TargetScheduler
     from specdec.target import TargetWorker
     from test_cache import fresh_kv
-    from test_grpc_trees import Collect, wait_until_empty
+    from scheduling import Collect, wait_until_empty
 
     scheduler = TargetScheduler(TargetWorker(CachedLM(target)), KvBudget(), idle_timeout_s=None)
     prefix = BlockPool(4096)

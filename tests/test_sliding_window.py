@@ -14,7 +14,7 @@ from specdec.drafter_factory import make_drafter
 from specdec.kvcache import has_sliding_window
 from specdec.loading import load_model
 from specdec.plain import hf_greedy
-from test_grpc_trees import Collect, scheduler_for
+from scheduling import Collect, scheduler_for
 
 WINDOW, VOCAB, NEW = 16, 64, 48
 FAMILIES = {

@@ -129,7 +129,7 @@ def test_a_request_drafts_from_an_earlier_requests_output():
 def test_a_replicas_loops_share_one_store_of_outputs(target, reference):
     """A draft replica's loops (one per drafter kind) feed one store: a request drafted by n-gram lookup leaves
     its whole output there, and a suffix request of the same prompt later drafts it, output unchanged."""
-    from test_grpc_trees import Collect, scheduler_for
+    from scheduling import Collect, scheduler_for
 
     scheduler, store = scheduler_for(target), RecentOutputs(10_000)
     ngram = DraftLoop(scheduler, make_drafter("ngram", None), outputs=store)

@@ -20,7 +20,7 @@ from specdec.loading import load_model
 from specdec.plain import hf_greedy
 from specdec.scheduler import KvBudget, TargetScheduler
 from specdec.target import TargetWorker
-from test_grpc_trees import Collect
+from scheduling import Collect
 from test_model_families import FAMILIES, VOCAB, WINDOW, build_config, save_pair
 
 LONG = 150  # tokens generated: nine windows past the prompt
