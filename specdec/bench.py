@@ -5,8 +5,11 @@ warm-up generation each. Every mode runs the models as specdec serves them (on a
 through oneDNN's packed weights: specdec.cpu_linear). `plain` is transformers' own generate() without
 speculation; `hf-*` are transformers' assisted modes, the peer. Speedup is tokens/s over plain's, per task type."""
 
+import contextlib
 import json
+import signal
 import sys
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -35,6 +38,42 @@ class Tally:
     tried: int = 0
     steps: int = 0
     identical: bool = True
+
+    def add(self, tokens: int, seconds: float, stats, identical: bool) -> None:
+        """One generation: its tokens, wall time, speculation stats (None for transformers' modes)."""
+        self.tokens += tokens
+        self.seconds += seconds
+        self.identical &= identical
+        if stats is not None:
+            self.accepted += stats.accepted
+            self.tried += stats.tried_depths
+            self.steps += stats.steps
+
+    def merge(self, other: "Tally") -> None:
+        self.tokens += other.tokens
+        self.seconds += other.seconds
+        self.accepted += other.accepted
+        self.tried += other.tried
+        self.steps += other.steps
+        self.identical &= other.identical
+
+
+@contextlib.contextmanager
+def stop_as_interrupt():
+    """SIGTERM (what `timeout` sends) raises KeyboardInterrupt in the main thread while the bench runs, so a run
+    cut short still prints what it measured."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass
@@ -140,33 +179,36 @@ def run_bench(args) -> None:
 
     for mode in modes:  # warm-up (auto K starts measuring costs here), not timed
         mode.run(talks[mode.name][0].ids[:64])
-    with tqdm(total=len(rows) * len(modes) * turns, desc="bench", file=sys.stderr) as bar:
-        for i, row in enumerate(rows):
-            for _ in range(turns):
-                reference = None
+    done = 0
+    with tqdm(total=len(rows) * len(modes) * turns, desc="bench", file=sys.stderr) as bar, stop_as_interrupt():
+        try:
+            for i, row in enumerate(rows):
+                measured = {mode.name: Tally() for mode in modes}  # this prompt's, counted once every mode ran it
+                for _ in range(turns):
+                    reference = None
+                    for mode in modes:
+                        talk = talks[mode.name][i]
+                        t0 = time.perf_counter()
+                        tokens, stats = mode.run(talk.ids)
+                        reference = tokens if mode.name == "plain" else reference
+                        measured[mode.name].add(len(tokens), time.perf_counter() - t0, stats, tokens == reference)
+                        talk.answer(tokens, tokenizer)
+                        bar.update()
                 for mode in modes:
-                    talk = talks[mode.name][i]
-                    t0 = time.perf_counter()
-                    tokens, stats = mode.run(talk.ids)
-                    seconds = time.perf_counter() - t0
-                    tally = mode.tallies[row["task_type"]]
-                    tally.tokens += len(tokens)
-                    tally.seconds += seconds
-                    reference = tokens if mode.name == "plain" else reference
-                    tally.identical &= tokens == reference
-                    if stats is not None:
-                        tally.accepted += stats.accepted
-                        tally.tried += stats.tried_depths
-                        tally.steps += stats.steps
-                    talk.answer(tokens, tokenizer)
-                    bar.update()
+                    mode.tallies[row["task_type"]].merge(measured[mode.name])
+                done += 1
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from a timeout: report the prompts every mode finished
+            if not done:
+                raise
+            bar.write(f"# stopped: the table holds the first {done} of {len(rows)} prompts, every mode over the same ones",
+                      file=sys.stderr)
 
     result = report_rows(modes, params)
     print_table(result, args)
     if args.plot:
         plot(result, args.plot, args)
     if args.json:
-        print(json.dumps({"rows": result}))
+        print(json.dumps({"rows": result, "prompts": done, "of": len(rows)}))
 
 
 def report_rows(modes: list[Mode], params: SamplingParams) -> list[dict]:

@@ -133,6 +133,50 @@ def test_bench_json_rows_and_plot(dirs, capsys, tmp_path):
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_bench_stopped_midway_reports_the_prompts_every_mode_finished(dirs, capsys, tmp_path, monkeypatch):
+    """A run cut short (Ctrl-C, or `timeout`'s SIGTERM) prints the table of the prompts every mode finished: the
+    mode interrupted in the second prompt counts none of it, and neither does any other mode."""
+    import specdec.bench as bench
+
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": PROMPT, "task_type": "code"}, {"prompt": "w7 w8 w9 w7 w8", "task_type": "prose"}]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    build = bench.build_modes
+
+    def interrupted_in_the_second_prompt(*a, **k):
+        modes = build(*a, **k)
+        last, calls = modes[-1], []
+
+        def run(ids):
+            calls.append(ids)
+            if len(calls) == 3:  # the warm-up, the first prompt, then the second prompt
+                raise KeyboardInterrupt
+            return inner(ids)
+
+        inner, last.run = last.run, run
+        return modes
+
+    monkeypatch.setattr(bench, "build_modes", interrupted_in_the_second_prompt)
+    out = run_json(capsys, ["bench", "--target", dirs["target"], "--draft", dirs["draft"], "--prompts", str(prompts),
+                            "--max-new-tokens", "8", "--modes", "chain-k4,ngram-k8", "--json"])
+    assert (out["prompts"], out["of"]) == (1, 2)
+    assert {(r["mode"], r["task_type"]) for r in out["rows"]} == {(m, "code") for m in ("plain", "chain-k4", "ngram-k8")}
+    assert all(r["tokens_per_s"] > 0 for r in out["rows"])
+
+
+def test_sigterm_during_a_bench_is_an_interrupt():
+    import os
+    import signal
+    import time
+
+    from specdec.bench import stop_as_interrupt
+
+    with pytest.raises(KeyboardInterrupt), stop_as_interrupt():
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler runs in this (the main) thread before the next line
+        time.sleep(5)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
 def test_bench_multi_turn_with_suffix_and_a_corpus(dirs, capsys, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "w5 w17 w3 w9", "task_type": "code"}) + "\n")
