@@ -177,6 +177,28 @@ def test_sigterm_during_a_bench_is_an_interrupt():
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
+def test_step_profile_splits_steps_into_the_models_forwards(dirs, capsys, tmp_path):
+    """tools.bench.step_profile: per mode, the forwards a step runs (a prompt's prefill apart) and the rest."""
+    from tools.bench import step_profile
+
+    prompts = tmp_path / "prompts.jsonl"
+    long = " ".join([PROMPT] * 4)  # 40 tokens: its prefill is counted apart from the steps' forwards
+    prompts.write_text("\n".join(json.dumps({"prompt": long, "task_type": t}) for t in ("code", "prose")) + "\n")
+    step_profile.main(["--target", dirs["target"], "--draft", dirs["draft"], "--prompts", str(prompts),
+                       "--max-new-tokens", "12", "--modes", "chain-k4,ngram-k8", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    by = {m["mode"]: m for m in out["modes"]}
+    assert set(by) == {"plain", "chain-k4", "ngram-k8"}
+    for m in by.values():
+        assert m["tokens"] == 24 and m["forwards"]["target prefill"]["calls"] == 2
+        assert m["other_ms"] >= 0 and m["wall_ms"] >= m["forwards"]["target"]["host_ms"]
+    assert by["plain"]["tokens_per_step"] == 1.0 and "draft" not in by["plain"]["forwards"]
+    for m in by.values():  # one target forward a step (a token for plain); a prompt's first comes from its prefill
+        assert m["forwards"]["target"]["calls"] + 2 == m["steps"], m
+    assert "draft" not in by["ngram-k8"]["forwards"]
+    assert by["chain-k4"]["forwards"]["draft"]["calls"] >= by["chain-k4"]["steps"]  # up to K=4 depths a step
+
+
 def test_bench_multi_turn_with_suffix_and_a_corpus(dirs, capsys, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "w5 w17 w3 w9", "task_type": "code"}) + "\n")

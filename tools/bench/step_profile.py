@@ -1,0 +1,159 @@
+"""Where a speculative step's time goes, on any device: for each `specdec bench` mode, the wall time of a step
+against the target's and the drafter's forwards inside it, and what is left (trees, acceptance, the loops'
+hand-offs). A forward's time is split into host time (until the call returns: transformers' modules in Python,
+specdec's attention and block tables, the kernel launches) and, on a GPU, the wait for its kernels after it.
+Where host time is nearly all of it, a forward costs the same whatever its layers do, and fewer forwards or
+CUDA graphs are the lever, not faster kernels.
+
+On a GPU each forward is followed by a synchronize, so no forward overlaps the next one's launches. Wall time a
+step is then a little above the bench's, so compare tokens/s with `specdec bench`.
+
+    python -m tools.bench.step_profile --target DIR --draft DIR [--head DIR] [--device cuda] \\
+        --prompts FILE [--limit N] [--modes chain-k4,ngram-k8] [--torch-profile] [--json]
+"""
+import argparse
+import json
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+
+import torch
+
+from specdec.bench import build_modes
+from specdec.loading import check_draft_tokenizer, eos_ids, load_draft, load_served_model, load_tokenizer, parse_dtype
+from specdec.prompts import load_prompts
+from specdec.sampling import SamplingParams
+
+
+PREFILL_TOKENS = 32  # a forward of more query tokens than this is a prompt's prefill, counted apart
+
+
+def query_tokens(args, kwargs) -> int:
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    return ids.shape[-1] if isinstance(ids, torch.Tensor) else 0
+
+
+class ForwardClock:
+    """Host and device-wait seconds and calls per model (and per model's prefills), timed around each forward."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.host, self.wait, self.calls = Counter(), Counter(), Counter()
+
+    def watch(self, model: torch.nn.Module, name: str) -> None:
+        inner = model.forward
+
+        def forward(*args, **kwargs):
+            key = f"{name} prefill" if query_tokens(args, kwargs) > PREFILL_TOKENS else name
+            t0 = time.perf_counter()
+            out = inner(*args, **kwargs)
+            t1 = time.perf_counter()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.host[key] += t1 - t0
+            self.wait[key] += time.perf_counter() - t1
+            self.calls[key] += 1
+            return out
+
+        model.forward = forward  # nn.Module.__call__ calls the instance's forward
+
+    def reset(self) -> None:
+        self.host.clear(), self.wait.clear(), self.calls.clear()
+
+
+@dataclass
+class StepSplit:
+    """One mode over the prompts: per step (per token for plain), in milliseconds."""
+    mode: str
+    tokens: int
+    steps: int
+    wall_ms: float
+    forwards: dict  # model -> {"host_ms", "wait_ms": a step's, "calls": in all}
+    other_ms: float
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.steps
+
+
+def profile_mode(mode, prompts: list[list[int]], clock: ForwardClock) -> StepSplit:
+    mode.run(prompts[0][:64])  # warm-up, not counted
+    clock.reset()
+    tokens = steps = 0
+    t0 = time.perf_counter()
+    for ids in prompts:
+        out, stats = mode.run(ids)
+        tokens += len(out)
+        steps += stats.steps if stats is not None else len(out)
+    wall = time.perf_counter() - t0
+    per = lambda s: round(s * 1e3 / steps, 3)  # noqa: E731
+    forwards = {name: {"host_ms": per(clock.host[name]), "wait_ms": per(clock.wait[name]),
+                       "calls": clock.calls[name]} for name in clock.calls}
+    other = wall - sum(clock.host.values()) - sum(clock.wait.values())
+    return StepSplit(mode.name, tokens, steps, per(wall), forwards, per(other))
+
+
+def torch_profile(mode, ids: list[int], device: torch.device) -> str:
+    """One generation under torch.profiler: its operators by self CPU time (a GPU's launches among them)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        mode.run(ids)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
+
+
+def print_split(s: StepSplit) -> None:
+    parts = "  ".join(f"{name} {f['host_ms']:.2f}+{f['wait_ms']:.2f} ms x{f['calls'] / s.steps:.2f}"
+                      for name, f in sorted(s.forwards.items()))
+    unit = "token" if s.mode == "plain" else "step"
+    print(f"{s.mode:<18} {s.tokens:>6} tokens {s.tokens_per_step:5.2f}/step  {s.wall_ms:7.2f} ms a {unit}: "
+          f"{parts}  other {s.other_ms:.2f} ms")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft", required=True)
+    p.add_argument("--head", help="draft heads' folder: adds the head modes")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--prompts", required=True)
+    p.add_argument("--limit", type=int, help="the first N prompts of each task type")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--modes", default="chain-k4,ngram-k8", help="`specdec bench` modes (plain always runs)")
+    p.add_argument("--torch-profile", action="store_true", help="also print torch.profiler's operator table per mode")
+    p.add_argument("--json", action="store_true", help="end with one JSON line {'modes': [...]}")
+    args = p.parse_args(argv)
+
+    device, dtype = torch.device(args.device), parse_dtype(args.dtype)
+    tokenizer = load_tokenizer(args.target)
+    check_draft_tokenizer(tokenizer, args.draft)
+    with torch.inference_mode():
+        target = load_served_model(args.target, dtype, args.device)
+        draft = load_draft(args.draft, target, dtype, args.device, served=True)
+        head = load_draft(args.head, target, dtype, args.device, served=True) if args.head else None
+        clock = ForwardClock(device)
+        clock.watch(target, "target")
+        clock.watch(draft, "draft")
+        if head is not None:
+            clock.watch(head, "head")
+        modes = build_modes(target, draft, eos_ids(target.generation_config, tokenizer), args.max_new_tokens,
+                            SamplingParams(), set(args.modes.split(",")), head=head)
+        prompts = [tokenizer(r["prompt"])["input_ids"] for r in load_prompts(args.prompts, args.limit, tokenizer)]
+        print(f"# tools.bench.step_profile: {args.target} / {args.draft}"
+              f"{' / ' + args.head if args.head else ''}, {len(prompts)} prompts of {args.prompts}, "
+              f"{args.max_new_tokens} greedy tokens, {args.dtype}, device {args.device}; per forward model: "
+              f"host + device wait a step, x forwards a step")
+        splits = []
+        for mode in modes:
+            splits.append(profile_mode(mode, prompts, clock))
+            print_split(splits[-1])
+            if args.torch_profile:
+                print(torch_profile(mode, prompts[0], device))
+    if args.json:
+        print(json.dumps({"modes": [asdict(s) | {"tokens_per_step": s.tokens_per_step} for s in splits]}))
+
+
+if __name__ == "__main__":
+    main()
