@@ -72,8 +72,8 @@ def stop_as_interrupt():
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    finally:  # None: a handler installed outside Python, which Python cannot put back
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 @dataclass

@@ -171,10 +171,17 @@ def test_sigterm_during_a_bench_is_an_interrupt():
 
     from specdec.bench import stop_as_interrupt
 
-    with pytest.raises(KeyboardInterrupt), stop_as_interrupt():
-        os.kill(os.getpid(), signal.SIGTERM)  # its handler runs in this (the main) thread before the next line
-        time.sleep(5)
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    def earlier(signum, frame):  # what was there before the bench (an earlier test's or a library's handler)
+        raise AssertionError("the bench's handler should have run")
+
+    original = signal.signal(signal.SIGTERM, earlier)
+    try:
+        with pytest.raises(KeyboardInterrupt), stop_as_interrupt():
+            os.kill(os.getpid(), signal.SIGTERM)  # its handler runs in this (the main) thread before the next line
+            time.sleep(5)
+        assert signal.getsignal(signal.SIGTERM) is earlier
+    finally:
+        signal.signal(signal.SIGTERM, original if original is not None else signal.SIG_DFL)
 
 
 def test_step_profile_splits_steps_into_the_models_forwards(dirs, capsys, tmp_path):
