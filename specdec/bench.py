@@ -200,8 +200,8 @@ def run_bench(args) -> None:
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from a timeout: report the prompts every mode finished
             if not done:
                 raise
-            bar.write(f"# stopped: the table holds the first {done} of {len(rows)} prompts, every mode over the same ones",
-                      file=sys.stderr)
+            bar.write(f"# stopped: the table holds the first {done} of {len(rows)} prompts, every mode over the "
+                      "same ones", file=sys.stderr)
 
     result = report_rows(modes, params)
     print_table(result, args)

@@ -84,7 +84,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     b.add_argument("--corpus", help="a text file or folder: adds the mode rest-auto, suffix drafts that also draw "
                         "from it (REST)")
     b.add_argument("--corpus-max-tokens", type=int, default=1_000_000, help="read at most this many tokens of it")
-    b.add_argument("--json", action="store_true", help="end with one JSON line {'rows': [...], 'prompts': N, 'of': M} (N < M: stopped midway)")
+    b.add_argument("--json", action="store_true",
+                   help="end with one JSON line {'rows': [...], 'prompts': N, 'of': M} (N < M: stopped midway)")
     b.add_argument("--plot", help="write a PNG of speedup per mode and task type")
 
     d = sub.add_parser("distill", help="train a draft (or an EAGLE-3 head) for a target by knowledge distillation")
