@@ -107,6 +107,11 @@ def hf_mode(name, target, eos, max_new, params, **kwargs):
     return Mode(name, run)
 
 
+ENGINE_MODES = ("chain-k4", "tree-2x4", "ngram-k8", "ngram-auto", "suffix-k16", "suffix-auto", "model+suffix-k4",
+                "model+ngram-k4", "auto", "model+ngram-auto")  # build_modes' without heads or a corpus
+HF_MODES = ("hf-assisted", "hf-prompt-lookup")  # transformers' own assisted decoding, the peer
+
+
 def build_modes(target, draft, eos, max_new, params, only: set[str] | None, corpus: TextIndex | None = None,
                 head=None):
     def dlm():
@@ -136,18 +141,36 @@ def build_modes(target, draft, eos, max_new, params, only: set[str] | None, corp
         }
     if corpus is not None:  # REST: suffix drafts from the corpus too
         specs["rest-auto"] = lambda: (make_drafter("suffix", None, corpus=corpus), SpecConfig(depth=None, max_depth=16))
-    modes = [hf_mode("plain", target, eos, max_new, params)]
-    for name, make in specs.items():
-        if only is None or name in only:
-            modes.append(engine_mode(name, target, *make(), eos, max_new, params))
     hf = {
         "hf-assisted": dict(assistant_model=draft),
         "hf-prompt-lookup": dict(prompt_lookup_num_tokens=10),
     }
+    assert set(ENGINE_MODES) <= set(specs) and set(HF_MODES) == set(hf), "ENGINE_MODES, HF_MODES: every mode named"
+    modes = [hf_mode("plain", target, eos, max_new, params)]
+    for name, make in specs.items():
+        if only is None or name in only:
+            modes.append(engine_mode(name, target, *make(), eos, max_new, params))
     for name, kw in hf.items():
         if only is None or name in only:
             modes.append(hf_mode(name, target, eos, max_new, params, **kw))
     return modes
+
+
+def modes_asked(args) -> set[str] | None:
+    """The modes `--modes` names (None: all), checked before any model loads: ValueError naming each one this
+    run cannot run, and why."""
+    if not args.modes:
+        return None
+    only = {m.strip() for m in args.modes.split(",") if m.strip()}
+    needs = {**dict.fromkeys(HEAD_MODES, "--head DIR"), "rest-auto": "--corpus PATH"}
+    ready = {"plain", *ENGINE_MODES, *HF_MODES, *(HEAD_MODES if args.head else ()),
+             *(("rest-auto",) if args.corpus else ())}
+    unknown = sorted(m for m in only - ready if m not in needs)
+    if unknown:
+        raise ValueError(f"unknown modes {', '.join(unknown)}; the modes: {', '.join(sorted(ready | set(needs)))}")
+    if only - ready:
+        raise ValueError("; ".join(f"mode {m} needs {needs[m]}" for m in sorted(only - ready)))
+    return only
 
 
 @torch.inference_mode()
@@ -163,7 +186,7 @@ def run_bench(args) -> None:
     draft = load_draft(args.draft, target, draft_dtype, args.device, served=True)
     head = load_draft(args.head, target, draft_dtype, args.device, served=True) if args.head else None
     eos = eos_ids(target.generation_config, tokenizer)
-    only = set(args.modes.split(",")) if args.modes else None
+    only = modes_asked(args)
     corpus = None
     if args.corpus:
         corpus = read_corpus(args.corpus, lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],

@@ -276,9 +276,10 @@ def cmd_models(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from .bench import run_bench
+    from .bench import modes_asked, run_bench
     from .compute import single_threaded
 
+    modes_asked(args)  # a mistyped mode is named before the default pair may be built
     resolve_models(args)  # may build the default pair first, with every thread
     single_threaded()  # the models run on the compute thread (specdec.compute), all of torch's threads theirs
     run_bench(args)

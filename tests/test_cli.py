@@ -206,6 +206,20 @@ def test_step_profile_splits_steps_into_the_models_forwards(dirs, capsys, tmp_pa
     assert by["chain-k4"]["forwards"]["draft"]["calls"] >= by["chain-k4"]["steps"]  # up to K=4 depths a step
 
 
+@pytest.mark.parametrize("modes, named", [
+    ("chain-k4,chian-k4", "unknown modes chian-k4; the modes: "),  # a typo, with the modes there are
+    ("head-k4", "mode head-k4 needs --head DIR"),
+    ("rest-auto,suffix-auto", "mode rest-auto needs --corpus PATH"),
+])
+def test_bench_names_a_mode_it_cannot_run_before_loading_anything(modes, named, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPT, "task_type": "code"}) + "\n")
+    nowhere = str(tmp_path / "no-model")  # never read: the modes are checked first
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--target", nowhere, "--draft", nowhere, "--prompts", str(prompts), "--modes", modes])
+    assert named in str(e.value)
+
+
 def test_bench_multi_turn_with_suffix_and_a_corpus(dirs, capsys, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "w5 w17 w3 w9", "task_type": "code"}) + "\n")

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from specdec.bench import build_modes
+from specdec.bench import build_modes, modes_asked
 from specdec.loading import check_draft_tokenizer, eos_ids, load_draft, load_served_model, load_tokenizer, parse_dtype
 from specdec.prompts import load_prompts
 from specdec.sampling import SamplingParams
@@ -115,7 +115,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True)
     p.add_argument("--draft", required=True)
-    p.add_argument("--head", help="draft heads' folder: adds the head modes")
+    p.add_argument("--head", help="draft heads' folder, for the head modes (head-k4, ...) --modes names")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--prompts", required=True)
@@ -126,6 +126,8 @@ def main(argv=None) -> None:
     p.add_argument("--json", action="store_true", help="end with one JSON line {'modes': [...]}")
     args = p.parse_args(argv)
 
+    args.corpus = None  # modes_asked's: no corpus modes here
+    only = modes_asked(args)
     device, dtype = torch.device(args.device), parse_dtype(args.dtype)
     tokenizer = load_tokenizer(args.target)
     check_draft_tokenizer(tokenizer, args.draft)
@@ -139,7 +141,7 @@ def main(argv=None) -> None:
         if head is not None:
             clock.watch(head, "head")
         modes = build_modes(target, draft, eos_ids(target.generation_config, tokenizer), args.max_new_tokens,
-                            SamplingParams(), set(args.modes.split(",")), head=head)
+                            SamplingParams(), only, head=head)
         prompts = [tokenizer(r["prompt"])["input_ids"] for r in load_prompts(args.prompts, args.limit, tokenizer)]
         print(f"# tools.bench.step_profile: {args.target} / {args.draft}"
               f"{' / ' + args.head if args.head else ''}, {len(prompts)} prompts of {args.prompts}, "
