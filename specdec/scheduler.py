@@ -24,7 +24,7 @@ from .adaptive import Costs, Load, clock
 from .blocks import BLOCK_TOKENS, BlockPool
 from .closed import RecentlyClosed
 from .compute import single_threaded
-from .errors import InvalidArgument, RequestExists, ResourceExhausted, UnknownRequest
+from .errors import InvalidArgument, RequestExists, ResourceExhausted, Unavailable, UnknownRequest
 from .generation import Generation, emit, record_step
 from .kvcache import hybrid_window
 from .sampling import SamplingParams
@@ -405,7 +405,7 @@ class TargetScheduler:
                 self._cv.wait_for(lambda: self._stopped or self._leaving or self._trees or self._plain
                                   or self._prefilling or self._admissible(), timeout=self._until_idle())
                 if self._stopped:
-                    return
+                    break
                 leaving, self._leaving = self._leaving + self._idle(), []
                 joining = self._admit()
                 trees, self._trees = self._trees, {}
@@ -416,6 +416,21 @@ class TargetScheduler:
             if stalled:  # the prefill reads nothing back: on a GPU only the clock's synchronize waits for it
                 self.stall_time_s += self._clock() - t0
             self._step(trees)
+        self._release_all()
+
+    def _release_all(self) -> None:
+        """The loop ends: the rows closed before it did, and every other row and joining prompt, give their blocks
+        back to the pool, which outlives the scheduler (the in-process engine's next call reads its prefix cache)."""
+        with self._cv:
+            leaving, self._leaving = self._leaving, []
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        self._remove(list(dict.fromkeys(leaving + list(self.worker.requests))))
+        stopped = Unavailable("the target's loop stopped before this request joined")
+        while self._prefilling:
+            handle, joins = self._prefilling.popleft()
+            self.worker.abandon(handle)
+            self._fail_joins(joins, stopped)
+        self._fail_joins(waiting, stopped)
 
     def _until_idle(self) -> float | None:
         """Seconds until the row heard from longest ago goes idle; None while there is none."""

@@ -236,3 +236,27 @@ def test_rows_sharing_a_prefix_hold_its_blocks_once(target):
     for _ in range(4):
         alone.verify({rid: TokenTree.root(alone.last_token(rid)) for rid in alone.rows})
     assert {rid: worker.requests[rid].seq for rid in worker.rows} == {rid: alone.requests[rid].seq for rid in alone.rows}
+
+
+def test_a_stopped_scheduler_gives_every_block_back_to_the_pool_it_shares(target):
+    """The pool outlives a scheduler (the in-process engine makes one per generate() and keeps the pool for the
+    next turn): when the loop stops, a row closed just before, a row never closed and a request still waiting
+    for room give their blocks back, and the waiting one learns why it never ran."""
+    from specdec.errors import Unavailable
+    from specdec.scheduler import KvBudget, TargetScheduler
+    from specdec.target import TargetWorker
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(VOCAB) for _ in range(40)] for _ in range(3)]
+    pool = BlockPool(4096)
+    scheduler = TargetScheduler(TargetWorker(CachedLM(target, pool)), KvBudget(max_rows=2), idle_timeout_s=None)
+    scheduler.open("closed", prompts[0], SamplingParams())
+    scheduler.open("open", prompts[1], SamplingParams())
+    waited = []
+    scheduler.open_then("waiting", prompts[2], SamplingParams(), 0, 8, waited.append)
+    assert pool.stats().used_tokens > pool.stats().cached_tokens  # two rows hold blocks of their own
+    scheduler.close(["closed"])
+    scheduler.stop()
+    stats = pool.stats()
+    assert stats.used_tokens == stats.cached_tokens > 0, stats  # only the index holds blocks, both prompts' among them
+    assert len(waited) == 1 and isinstance(waited[0], Unavailable), waited
