@@ -1,4 +1,4 @@
-"""The core's commands: generate, bench, distill, models (serve, client: cluster/commands.py; the `specdec`
+"""The core's commands: generate, bench, distill, draft-vocab, models (serve, client: cluster/commands.py; the `specdec`
 command with all of them: tools/commands.py). Parsing imports no torch; a command imports it when it runs."""
 
 import argparse
@@ -94,8 +94,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     d.add_argument("--head", choices=["eagle3", "medusa"], help="train draft heads instead of a draft model, which "
                    "draft from the target's hidden states: an EAGLE-3 head (with EAGLE-3's training-time test) or "
                    "Medusa heads")
-    d.add_argument("--draft-vocab", type=int, default=32000, help="--head eagle3: the draft vocabulary, the most frequent "
-                   "tokens of the training text (at most the target's vocabulary; default 32000)")
+    d.add_argument("--draft-vocab", type=int, help="the draft vocabulary: it drafts among this many of the training "
+                   "text's most frequent tokens (default 16384 for a draft model, 32000 for an EAGLE-3 head; at most the "
+                   "target's vocabulary)")
     d.add_argument("--ttt-steps", type=int, default=3, help="--head eagle3: steps of the training-time test (default 3)")
     d.add_argument("--medusa-heads", type=int, default=4, help="--head medusa: heads, tokens drafted at most (default 4)")
     d.add_argument("--medusa-layers", type=int, default=1, help="--head medusa: residual layers per head (default 1)")
@@ -114,6 +115,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     d.add_argument("--dtype", default="float32")
     d.add_argument("--device", default="cpu")
     d.add_argument("--json", action="store_true", help="end with the summary as one JSON line")
+
+    v = sub.add_parser("draft-vocab", help="rank a draft model's tokens by their frequency in a corpus: it drafts "
+                       "among the most frequent only (its LM head reads that share of its rows)")
+    v.add_argument("--draft", required=True, help="draft model folder; the ranking is written into it "
+                   "(draft_vocab.json; delete it to draft over the whole vocabulary again)")
+    v.add_argument("--corpus", nargs="+", required=True, help="text files or folders of the text it will draft")
+    v.add_argument("--size", type=int, default=16384, help="tokens it drafts among (default 16384)")
+    v.add_argument("--max-tokens", type=int, default=5_000_000, help="count at most this many tokens of the corpus")
+    v.add_argument("--json", action="store_true", help="end with one JSON line")
 
     m = sub.add_parser("models", help="the embedded model pairs")
     msub = m.add_subparsers(dest="models_command", required=True)
@@ -218,6 +228,7 @@ def cmd_generate(args) -> None:
 def cmd_distill(args) -> None:
 
     from .distill import corpus_files, distill, encode_texts, generated_corpus, split_heldout
+    from .draft_vocab import DEFAULT_SIZE
     from .loading import load_model, load_tokenizer, parse_dtype
     from .training import TrainConfig
 
@@ -236,7 +247,8 @@ def cmd_distill(args) -> None:
     if args.head:
         distill_head(args, target, tokenizer, train_tokens, heldout, cfg)
         return
-    summary = distill(target, tokenizer, args.out, train_tokens, heldout, args.layers, args.hidden, cfg, args.resume)
+    summary = distill(target, tokenizer, args.out, train_tokens, heldout, args.layers, args.hidden, cfg, args.resume,
+                      draft_vocab=args.draft_vocab or DEFAULT_SIZE)
     b, a = summary["before"], summary["after"]
     log(f"specdec: draft saved to {args.out}; held-out KL {b['kl']:.3f} -> {a['kl']:.3f}, "
         f"greedy alpha {b['greedy_alpha']:.3f} -> {a['greedy_alpha']:.3f}, "
@@ -252,13 +264,43 @@ def distill_head(args, target, tokenizer, tokens, heldout, cfg) -> None:
         summary = train_medusa(target, tokenizer, args.out, tokens, heldout, args.medusa_heads, args.medusa_layers,
                                cfg, args.resume)
     else:
-        vocab = min(args.draft_vocab, target.config.get_text_config().vocab_size)
+        vocab = min(args.draft_vocab or 32000, target.config.get_text_config().vocab_size)
         summary = train_head(target, tokenizer, args.out, tokens, heldout, vocab, cfg, args.ttt_steps, args.resume)
     b, a = summary["before"]["greedy_alpha"], summary["after"]["greedy_alpha"]
     fmt = lambda alphas: "/".join(f"{x:.3f}" for x in alphas)  # noqa: E731
     log(f"specdec: heads saved to {args.out}; held-out greedy alpha by depth {fmt(b)} -> {fmt(a)}")
     if args.json:
         print(json.dumps(summary))
+
+
+def cmd_draft_vocab(args) -> None:
+    import torch
+
+    from .distill import corpus_files, encode_texts
+    from .draft_vocab import rank_tokens, save_ranking
+    from .loading import check_model, load_tokenizer, local_folder
+
+    if args.size < 1:
+        raise ValueError(f"--size must be >= 1, got {args.size}")
+    config = check_model(args.draft)
+    vocab = config.get_text_config().vocab_size
+    files = corpus_files(args.corpus)
+    tokenizer = load_tokenizer(args.draft)
+    texts, chars = [], 0
+    for f in files:  # the corpus's first files, up to about max_tokens (4 characters a token, read generously)
+        texts.append(f.read_text(encoding="utf-8", errors="replace"))
+        chars += len(texts[-1])
+        if chars > 8 * args.max_tokens:
+            break
+    tokens = encode_texts(texts, tokenizer)[: args.max_tokens]
+    ranking = rank_tokens(tokens, vocab, args.size)
+    path = save_ranking(local_folder(args.draft), ranking)
+    covered = float(torch.isin(tokens, ranking.kept()).float().mean()) if tokens.numel() else 0.0
+    log(f"specdec: {path}: the draft ({config.model_type}, {vocab} tokens) drafts among the {ranking.size} most "
+        f"frequent of {tokens.numel()} corpus tokens, which cover {covered:.1%} of them")
+    if args.json:
+        print(json.dumps({"path": str(path), "size": ranking.size, "vocab": vocab, "counted_tokens": tokens.numel(),
+                          "covered": round(covered, 4)}))
 
 
 def cmd_models(args) -> None:
@@ -285,7 +327,8 @@ def cmd_bench(args) -> None:
     run_bench(args)
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "distill": cmd_distill, "models": cmd_models}
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "distill": cmd_distill, "draft-vocab": cmd_draft_vocab,
+            "models": cmd_models}
 
 
 def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None,

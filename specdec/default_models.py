@@ -26,6 +26,7 @@ import torch
 
 from .cache_dir import cache_root, publish
 from .device import HOST
+from .draft_vocab import DEFAULT_SIZE
 from .gguf import convert, file_sha256
 
 # --- the target ------------------------------------------------------------------------------------------------
@@ -137,6 +138,7 @@ class DefaultSpec:
     seq_len: int = 128
     lr: float = 2e-3
     bf16: bool = field(default_factory=lambda: fast_bf16())  # train under bfloat16 autocast: only where it is native
+    draft_vocab: int = DEFAULT_SIZE  # it drafts among this many of its training text's most frequent tokens
 
     @classmethod
     def quick(cls, **fields) -> "DefaultSpec":
@@ -320,10 +322,12 @@ def build_draft(spec: DefaultSpec, target_dir: str, out: Path, log=print) -> dic
     cfg = TrainConfig(steps=spec.train_steps, batch_size=spec.batch_size, seq_len=spec.seq_len,
                       lr=spec.lr, seed=spec.seed, checkpoint_every=10**9, bf16=spec.bf16)
     summary = distill(target, tokenizer, tmp / "draft", train_tokens, heldout, spec.draft_layers, spec.draft_hidden,
-                      cfg, objective=sampled_text_loss, embedding_from_target=True)
+                      cfg, objective=sampled_text_loss, embedding_from_target=True, draft_vocab=spec.draft_vocab)
     remove_checkpoint(tmp / "draft")
+    draft = {"params": summary["draft_params"], "steps": summary["steps"], "vocab": summary["draft_vocab"],
+             "heldout_kept": summary["heldout_kept"]}
     report = {"spec": asdict(spec), "seconds": round(time.perf_counter() - t0, 1), "answers": len(texts),
-              "tokens": sum(map(len, texts)), "draft": {"params": summary["draft_params"], "steps": summary["steps"]},
+              "tokens": sum(map(len, texts)), "draft": draft,
               "heldout": {"before_distillation": summary["before"], "after_distillation": summary["after"]}}
     publish(tmp, out, report)
     log(f"specdec: draft built in {report['seconds']} s; held-out greedy alpha "

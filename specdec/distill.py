@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from .device import HOST
+from .draft_vocab import DEFAULT_SIZE, rank_tokens, save_ranking
 from .training import TrainConfig, sample_windows, train
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".jsonl")
@@ -156,8 +157,10 @@ def distill(
     on_step=None,
     objective=kl_loss,  # (target, draft) -> (batch -> loss): kl_loss, or sampled_text_loss on the target's samples
     embedding_from_target: bool = False,  # init_embedding: start from the target's (projected) embedding
+    draft_vocab: int = DEFAULT_SIZE,  # it drafts among this many of the training text's most frequent tokens
 ) -> dict:
-    """Train a draft for `target` and save it (with the tokenizer) to out_dir; returns a summary."""
+    """Train a draft for `target` and save it (with the tokenizer, and its tokens ranked by their frequency in
+    `tokens`: specdec.draft_vocab) to out_dir; returns a summary."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     target.eval().requires_grad_(False)
@@ -170,8 +173,11 @@ def distill(
     after = evaluate(target, draft, heldout)
     draft.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    ranking = rank_tokens(tokens, draft.get_output_embeddings().out_features, draft_vocab)
+    save_ranking(out, ranking)
     summary = {"out": str(out), **result, "before": before, "after": after,
-               "draft_params": sum(p.numel() for p in draft.parameters())}
+               "draft_params": sum(p.numel() for p in draft.parameters()), "draft_vocab": ranking.size,
+               "heldout_kept": round(float(torch.isin(heldout.cpu(), ranking.kept()).float().mean()), 4)}
     (out / "distill_summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

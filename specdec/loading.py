@@ -10,6 +10,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from .compute import on_compute
 from .cpu_linear import pack_linears
+from .draft_vocab import keep_frequent_tokens, read_ranking
 from .eagle3 import HeadMismatch, is_eagle3, load_head
 from .eagle3 import read_config as read_eagle3_config
 from .medusa import check_fits as medusa_fits
@@ -105,7 +106,7 @@ def load_served_model(path: str, dtype: torch.dtype = torch.float32, device: str
 def load_draft(path: str, target: "PreTrainedModel | TargetParts", dtype: torch.dtype | None = None,
                device: str = "cpu", served: bool = False) -> PreTrainedModel:
     """A draft for this target: an EAGLE-3 head (specdec.eagle3) or Medusa heads (specdec.medusa), on the
-    target's device and refused if made for another target, or a draft model (load_model). In `dtype`; by
+    target's device and refused if made for another target, or a draft model (load_draft_model). In `dtype`; by
     default a head takes the target's and a draft model float32. A head need not be in the target's dtype: it
     reads the target's features cast to its own, and its drafts only decide what the target verifies (a
     bfloat16 head on a CPU with bfloat16 instructions reads half the bytes, greedy output unchanged).
@@ -115,9 +116,18 @@ def load_draft(path: str, target: "PreTrainedModel | TargetParts", dtype: torch.
     elif is_medusa(local_folder(path)):
         head = load_medusa(local_folder(path), target, dtype)
     else:
-        dtype = dtype or torch.float32
-        return load_served_model(path, dtype, device) if served else load_model(path, dtype, device)
+        return on_compute(device, load_draft_model, path, dtype or torch.float32, device, served)
     return on_compute(device, pack_linears, head) if served else head
+
+
+def load_draft_model(path: str, dtype: torch.dtype, device: str, served: bool) -> PreTrainedModel:
+    """load_model for a draft: drafting among its most frequent tokens where its folder ranks them
+    (specdec.draft_vocab), its linear layers packed when `served`."""
+    model = load_model(path, dtype, device)
+    ranking = read_ranking(local_folder(path), model.get_output_embeddings().out_features)
+    if ranking is not None:
+        keep_frequent_tokens(model, ranking)
+    return pack_linears(model) if served else model
 
 
 class TargetParts:

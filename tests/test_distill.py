@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 import specdec.fast_pair as fp
 from specdec.cli import main
 from specdec.distill import distill, draft_config, generated_corpus, split_heldout
+from specdec.draft_vocab import read_ranking
 from specdec.engine import SpeculativeEngine
 from specdec.kvcache import CachedLM
 from specdec.loading import load_model, load_tokenizer
@@ -71,13 +72,18 @@ def test_interrupted_distillation_resumes_from_its_checkpoint(setup, tmp_path):
 
 
 def test_distill_cli(setup, tmp_path, capsys):
-    target_dir = setup[0]
+    target_dir, target, tokenizer = setup[:3]
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(" ".join(f"w{i % 17} w{(i * 7) % 13}" for i in range(2000)))
     main(["distill", "--target", target_dir, "--out", str(tmp_path / "d"), "--corpus", str(corpus),
           "--steps", "5", "--hidden", "32", "--batch-size", "4", "--seq-len", "16", "--json"])
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["steps"] == 5 and {"kl", "greedy_alpha", "sampled_alpha"} <= set(summary["after"])
+    # its tokens ranked by their frequency in the training text (specdec.draft_vocab): the corpus's 17 words first
+    ranking = read_ranking(tmp_path / "d", target.config.vocab_size)
+    assert summary["draft_vocab"] == ranking.size == target.config.vocab_size  # 64 tokens: none cut
+    assert set(ranking.ids[:17]) == set(tokenizer.convert_tokens_to_ids([f"w{i}" for i in range(17)]))
+    assert summary["heldout_kept"] == 1.0
     with pytest.raises(SystemExit, match="does not exist"):
         main(["distill", "--target", target_dir, "--out", str(tmp_path / "e"), "--corpus", str(tmp_path / "missing")])
 

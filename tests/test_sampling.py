@@ -3,6 +3,7 @@
 from one batch of M copies of a prompt with separate random streams. The same statistic is then shown
 to reject deliberately wrong acceptance rules, so the bound has teeth."""
 
+import copy
 import itertools
 import math
 from collections import Counter
@@ -15,6 +16,7 @@ import specdec.target
 from specdec import CachedLM, ModelDrafter, SamplingParams, SpecConfig, SpeculativeEngine
 from specdec.acceptance import Verdict, accept_sampling
 from specdec.drafter_kinds import DEFAULT_PROPOSAL_TOP_K
+from specdec.draft_vocab import Ranking, keep_frequent_tokens
 from specdec.drafters import Plan
 from specdec.drafter_factory import make_drafter
 from specdec.sampling import make_generator, warp
@@ -134,12 +136,17 @@ SHAPES = {  # test case -> (drafter kind, depth, width, proposal_top_k)
     "auto": ("model+ngram", None, 2, DEFAULT_PROPOSAL_TOP_K),  # auto K: chosen per request from the costs measured so far
     "truncated chain": ("model", 2, 1, TRUNCATED),
     "truncated merged": ("model+ngram", 2, 2, TRUNCATED),
+    "kept chain": ("model", 2, 1, DEFAULT_PROPOSAL_TOP_K),  # the draft drafts among 5 of the 8 tokens (KEPT)
+    "kept tree": ("model", 2, 2, DEFAULT_PROPOSAL_TOP_K),
 }
+KEPT = Ranking((0, 2, 3, 5, 7, 1, 4, 6), size=5, counted=0)  # specdec.draft_vocab: 1, 4 and 6 are never drafted
 
 
 def drafter_for(case, small_draft):
     """-> (drafter, depth, width) of a test case."""
     kind, depth, width, top_k = SHAPES[case]
+    if case.startswith("kept"):
+        small_draft = keep_frequent_tokens(copy.deepcopy(small_draft), KEPT)
     return make_drafter(kind, CachedLM(small_draft), width, top_k), depth, width
 
 
@@ -165,7 +172,7 @@ def test_exact_distribution_sums_to_one(exact_t1, exact_warped):
 
 
 @pytest.mark.parametrize("kind", ["chain", "tree", "merged", "ngram", "suffix", "model+suffix", "none", "auto",
-                                  "truncated chain", "truncated merged"])
+                                  "truncated chain", "truncated merged", "kept chain"])
 def test_sampling_matches_target_distribution(small_target, small_draft, exact_t1, kind):
     drafter, depth, width = drafter_for(kind, small_draft)
     counts, outs = sample_engine(small_target, drafter, depth, width, PARAMS_T1)
@@ -179,7 +186,7 @@ def test_sampling_matches_target_distribution(small_target, small_draft, exact_t
         assert 0 < accepted < drafted  # partial acceptance: residual sampling is exercised
 
 
-@pytest.mark.parametrize("kind", ["chain", "tree", "merged", "truncated merged"])
+@pytest.mark.parametrize("kind", ["chain", "tree", "merged", "truncated merged", "kept tree"])
 def test_warped_sampling_matches_warped_target(small_target, small_draft, exact_warped, kind):
     """temperature 0.7, top_k 5, top_p 0.9: the emitted tokens follow warp(target logits)."""
     drafter, depth, width = drafter_for(kind, small_draft)
