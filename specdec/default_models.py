@@ -113,9 +113,9 @@ RECIPE_ENV = "SPECDEC_DEFAULT_DRAFT"
 RECIPES = ("full", "quick", "head")
 
 
-def spec_key(spec) -> str:
-    """A build recipe's cache key: its settings, the build format and the target's file."""
-    blob = json.dumps({**asdict(spec), "format": FORMAT, "target": GGUF_SHA256}, sort_keys=True)
+def spec_key(settings: dict) -> str:
+    """A build recipe's cache key: the settings that shape what it trains, the build format and the target's file."""
+    blob = json.dumps({**settings, "format": FORMAT, "target": GGUF_SHA256}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -138,7 +138,7 @@ class DefaultSpec:
     seq_len: int = 128
     lr: float = 2e-3
     bf16: bool = field(default_factory=lambda: fast_bf16())  # train under bfloat16 autocast: only where it is native
-    draft_vocab: int = DEFAULT_SIZE  # it drafts among this many of its training text's most frequent tokens
+    draft_vocab: int = DEFAULT_SIZE  # it drafts among this many of its training text's most frequent tokens (not keyed)
 
     @classmethod
     def quick(cls, **fields) -> "DefaultSpec":
@@ -147,8 +147,13 @@ class DefaultSpec:
         return replace(cls(**fields), answers=16, answer_tokens=48, answer_batch=16, corpus_chars=200_000,
                        train_steps=24, batch_size=8, seq_len=64)
 
+    def trained(self) -> dict:
+        """The settings that shape the trained draft, its cache key's: all but draft_vocab, which only sizes the
+        ranking beside it (written again when it changes: ensure_draft_vocab)."""
+        return {k: v for k, v in asdict(self).items() if k != "draft_vocab"}
+
     def key(self) -> str:
-        return spec_key(self)
+        return spec_key(self.trained())
 
 
 def default_spec(seed: int = 0) -> DefaultSpec:
@@ -185,7 +190,24 @@ def default_pair(spec: DefaultSpec | None = None, rebuild: bool = False, root: P
         log(f"specdec: building the default draft (once: {minutes}) into {out}; "
             "n-gram drafting needs none: specdec serve --drafter ngram serves at once")
         build_draft(spec, target, out, log)
+    ensure_draft_vocab(spec, target, out / "draft", root, log)
     return {"target": target, "draft": str(out / "draft")}
+
+
+def ensure_draft_vocab(spec: DefaultSpec, target_dir: str, draft_dir: Path, root: Path, log) -> None:
+    """The draft's ranking (specdec.draft_vocab) as the recipe says: written from its training text where it is
+    missing (a draft built before the ranking was) or of another size than spec.draft_vocab; seconds, no training."""
+    from .draft_vocab import rank_tokens, read_ranking, save_ranking
+    from .loading import load_served_model, load_tokenizer
+
+    vocab = json.loads((draft_dir / "config.json").read_text())["vocab_size"]
+    ranking = read_ranking(draft_dir, vocab)
+    if ranking is not None and ranking.size == min(spec.draft_vocab, vocab):
+        return
+    log(f"specdec: ranking the default draft's tokens ({spec.draft_vocab} kept) from its training text")
+    tokenizer = load_tokenizer(target_dir)
+    _, tokens, _ = training_tokens(spec, lambda: load_served_model(target_dir), tokenizer, root, log)
+    save_ranking(draft_dir, rank_tokens(tokens, vocab, spec.draft_vocab))
 
 
 def default_head(spec: "HeadSpec | None" = None, rebuild: bool = False, root: Path | None = None, log=print) -> str:
@@ -356,7 +378,7 @@ class HeadSpec:
     bf16: bool = field(default_factory=fast_bf16)
 
     def key(self) -> str:
-        return spec_key(self)
+        return spec_key({**asdict(self), "data": self.data.trained()})
 
 
 def build_head(spec: HeadSpec, target_dir: str, out: Path, log=print) -> dict:

@@ -12,6 +12,7 @@ distill` from its training text, `specdec draft-vocab` from any corpus); a draft
 whole vocabulary."""
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,7 +58,9 @@ def rank_tokens(tokens: torch.Tensor, vocab_size: int, size: int = DEFAULT_SIZE)
 
 def save_ranking(folder: str | Path, ranking: Ranking) -> Path:
     path = Path(folder) / RANKING_FILE
-    path.write_text(json.dumps({"size": ranking.size, "counted_tokens": ranking.counted, "ids": list(ranking.ids)}))
+    tmp = path.with_name(f".{RANKING_FILE}.{os.getpid()}")  # written whole, then moved: a reader never sees half
+    tmp.write_text(json.dumps({"size": ranking.size, "counted_tokens": ranking.counted, "ids": list(ranking.ids)}))
+    tmp.replace(path)
     return path
 
 

@@ -2,10 +2,12 @@
 pinned hash, and, when it cannot be had, an error that says what to install. (Building it for real is
 tests/test_example_configs.py's first run: it serves the default pair.)"""
 
+import json
 import subprocess
 import zipfile
 
 import pytest
+import torch
 
 import specdec.default_models as dm
 
@@ -120,3 +122,28 @@ def test_the_head_recipe_builds_a_head_that_drafts_for_the_default_target_lossle
     engine = SpeculativeEngine(CachedLM(target), make_drafter("model", draft_runner(head)), SpecConfig(depth=3),
                                eos_token_ids=set())
     assert engine.generate([prompt], 12)[0].token_ids == hf_greedy(target, prompt, 12)
+
+
+def test_the_draft_vocabulary_is_not_keyed_and_a_cached_draft_is_ranked_without_training(tmp_path, monkeypatch):
+    """draft_vocab sizes the ranking beside the trained draft, not the draft: it keeps the draft's (and the head's)
+    cache key, and a cached draft without a ranking, or with one of another size, is ranked from its training text
+    (no training), once."""
+    import specdec.loading
+    from specdec.draft_vocab import read_ranking
+
+    assert dm.DefaultSpec(draft_vocab=8192).key() == dm.DefaultSpec().key()
+    assert dm.HeadSpec(data=dm.DefaultSpec(draft_vocab=8192)).key() == dm.HeadSpec().key()
+    draft = tmp_path / "default-draft-x" / "draft"
+    draft.mkdir(parents=True)
+    (draft / "config.json").write_text(json.dumps({"vocab_size": 10}))
+    ranked = []
+    monkeypatch.setattr(specdec.loading, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(dm, "training_tokens", lambda spec, load, tokenizer, root, log: ranked.append(root) or (
+        None, torch.tensor([7, 7, 7, 2, 2, 9]), None))
+    dm.ensure_draft_vocab(dm.DefaultSpec(draft_vocab=3), "TARGET", draft, tmp_path, log=lambda _: None)
+    ranking = read_ranking(draft, 10)
+    assert ranking.size == 3 and ranking.ids[:3] == (7, 2, 9) and ranked == [tmp_path]
+    dm.ensure_draft_vocab(dm.DefaultSpec(draft_vocab=3), "TARGET", draft, tmp_path, log=lambda _: None)
+    assert len(ranked) == 1  # as the recipe says already: nothing done
+    dm.ensure_draft_vocab(dm.DefaultSpec(draft_vocab=5), "TARGET", draft, tmp_path, log=lambda _: None)
+    assert read_ranking(draft, 10).size == 5 and len(ranked) == 2
