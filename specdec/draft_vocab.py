@@ -84,7 +84,9 @@ def read_ranking(folder: str | Path, vocab_size: int) -> Ranking | None:
 
 class KeptTokensHead(nn.Module):
     """An LM head over the kept ids only: hidden [..., H] -> logits [..., V], -inf at every other id (a
-    token the draft cannot draft). Its `proj` is a plain nn.Linear, so a served CPU model packs it."""
+    token the draft cannot draft). Its `proj` is a plain nn.Linear, so a served CPU model packs it. (A family
+    that soft-caps the head's logits, Gemma 2, turns -inf into -cap: those ids keep a tiny probability in the
+    draft, which the target's verification makes no less exact.)"""
 
     def __init__(self, head: nn.Linear, kept: torch.Tensor):
         super().__init__()
