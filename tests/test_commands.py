@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SUBCOMMANDS = {"generate", "bench", "distill", "models", "serve", "client", "bench-served", "soak"}
+SUBCOMMANDS = {"generate", "bench", "distill", "draft-vocab", "models", "serve", "client", "bench-served", "soak"}
 
 
 def test_every_subcommand_is_offered():
