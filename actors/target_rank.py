@@ -79,10 +79,11 @@ class TargetRank:
 
     def __init__(self, model_path: str, dtype: str = "float32", rank: int = 0, world_size: int = 1,
                  dist_address: str | None = None, budget: KvBudget = KvBudget(), idle_timeout_s: float = 30.0,
-                 prefix_cache_tokens: int = 0, max_batched_tokens: int = 0, *,
+                 prefix_cache_tokens: int = 0, max_batched_tokens: int = 0, *, gather_trees: bool = True,
                  security: LinkSecurity | SharedSecurity, logical_gpus: bool = False):
         """prefix_cache_tokens: server.prefix_cache_tokens (0: no prefix cache).
         max_batched_tokens: server.max_batched_tokens (0: no chunked prefill).
+        gather_trees: server.gather_trees (TargetScheduler's).
         logical_gpus: placement.logical_gpus (the models on the CPU whatever GPUs Ray gave; without it a
         GPU from Ray and no CUDA here stops the rank: device_for_actor)."""
         use_assigned_cpus()
@@ -104,7 +105,8 @@ class TargetRank:
                 return
             worker = LockstepWorker(worker, group)
         self.scheduler = TargetScheduler(worker, budget, on_forward=metrics.observe_forward,
-                                         idle_timeout_s=idle_timeout_s, max_batched_tokens=max_batched_tokens or None)
+                                         idle_timeout_s=idle_timeout_s, max_batched_tokens=max_batched_tokens or None,
+                                         gather_trees=gather_trees)
         threading.Thread(target=metrics.publish_target, args=(self.scheduler.stats,), name="metrics",
                          daemon=True).start()
         self.host = ray.util.get_node_ip_address()

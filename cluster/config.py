@@ -264,6 +264,10 @@ class ServerConfig(_Section):
     # slows a few running steps instead of stalling them. 0: each joining prompt is prefilled whole, in a
     # forward of its own before the step.
     max_batched_tokens: int = Field(2048, ge=0, le=1_000_000)
+    # before a forward, the target waits for speculating rows' next trees while plain rows (or other replicas'
+    # trees) are ready, as long as that costs the ready rows less than the forward the late rows would miss
+    # (specdec.scheduler.TreeGather). false: a forward runs as soon as any row is ready.
+    gather_trees: bool = True
     idle_row_timeout_s: float = Field(30.0, gt=0)  # a speculative row with no tree for this long is closed
     max_n: int = Field(8, ge=1)  # most samples one request may ask for (OpenAI's n)
     # the largest request body (HTTP) or message (gRPC, RAY_SERVE_GRPC_MAX_MESSAGE_SIZE of Serve's proxy), in

@@ -38,7 +38,7 @@ class IngressStats:
     task_types_folded: int
     requests: Served
     in_flight: int
-    timing: dict  # the target's forwards, forward_s, stall_s (None while unknown) and this ingress's StepTiming
+    timing: dict  # the target's forwards, forward_s, stall_s, gather_s (None while unknown) and this ingress's StepTiming
     target: dict  # the supervisor's state and what the target holds (HELD; None while unknown)
 
     def to_json(self) -> dict:
@@ -118,9 +118,10 @@ class Frontend:
         (why, rebuilds, the last recovery's seconds) and what it holds (None while unreachable)."""
         target = await self.telemetry.target_stats()
         if target is None:  # down or not answering: what it holds is unknown
-            timing, held = dict.fromkeys(("forwards", "forward_s", "stall_s")), dict.fromkeys(HELD)
+            timing, held = dict.fromkeys(("forwards", "forward_s", "stall_s", "gather_s")), dict.fromkeys(HELD)
         else:
-            timing = {"forwards": target.forwards, "forward_s": target.forward_time_s, "stall_s": target.stall_time_s}
+            timing = {"forwards": target.forwards, "forward_s": target.forward_time_s, "stall_s": target.stall_time_s,
+                      "gather_s": target.gather_time_s}
             held = target.held()
         return IngressStats(self.router.stats(), self.router.folded, replace(self.relay.served), self.admission.in_flight,
                             timing | self.timing.to_dict(), self.supervisor.stats() | held)

@@ -115,7 +115,7 @@ def start_target_ranks(cfg: ServeConfig, pg: PlacementGroup, tag: str, security:
                                 name=f"target-{r}-{tag}", namespace=NAMESPACE)
              .remote(cfg.models.target.path, cfg.models.target.dtype, r, tp, rendezvous, kv_budget(cfg),
                      server.idle_row_timeout_s, server.prefix_cache_tokens, server.max_batched_tokens,
-                     security=security, logical_gpus=place.logical_gpus)
+                     gather_trees=server.gather_trees, security=security, logical_gpus=place.logical_gpus)
              for r in range(tp)]
     try:
         ray.get([rank.ready.remote() for rank in ranks], timeout=timeout_s)

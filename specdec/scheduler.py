@@ -55,6 +55,7 @@ class TargetStats:
     committed_tokens: int = 0  # tokens the forwards committed, all rows
     trees_verified: int = 0  # replicas' trees verified
     tree_loop_time_s: float = 0.0  # seconds those trees spent in the target, arrival to verdict
+    gather_time_s: float = 0.0  # seconds the loop waited for trees out while rows were ready (TreeGather)
     largest_batch: int = 0  # most rows in one forward
     open_requests: int = 0
     kv_tokens_reserved: int = 0  # the slots the cache may come to hold for them
@@ -181,6 +182,67 @@ class Opening:
     feature_layers: tuple[int, ...] = ()  # its verdicts carry the inputs of these target layers (a draft head's)
 
 
+GATHER_SMOOTHING = 0.2  # weight of each new sample in the gather's moving averages
+GATHER_GRACE = 2.0  # a speculative row is waited for until this many times its usual return time
+
+
+@dataclass
+class TreeGather:
+    """When the loop waits for speculative rows' next trees before a forward. A speculating row's tree comes
+    back a hop and a draft after its verdict went out; meanwhile plain rows (and other replicas' trees) are
+    ready, and a loop that ran at once would verify the row only every other forward, while the router prices
+    its step as a forward plus its draft and hop. Waiting w for them costs each row ready w and saves each row
+    out the rest of the forward it would otherwise wait through, F - w; so the loop waits where the trees out
+    are expected within w* = F * out / (ready + out), where the two balance, and then no longer than w* or
+    GATHER_GRACE times their usual return (a tree that late is taken as not coming: its replica is slow, its
+    request ending, or its client gone)."""
+
+    out: dict[str, float] = field(default_factory=dict)  # speculative row -> when its verdict went out
+    return_s: float | None = None  # verdict out -> next tree in, smoothed
+    forward_s: float | None = None  # a forward, smoothed
+
+    def sent(self, rids, now: float) -> None:
+        """Verdicts for these rows went out."""
+        self.out.update(dict.fromkeys(rids, now))
+
+    def arrived(self, rid: str, now: float) -> None:
+        """A row's tree came in: its time since the verdict is a sample of the return time."""
+        if (then := self.out.pop(rid, None)) is not None:
+            self.return_s = _smooth(self.return_s, now - then)
+
+    def forget(self, rids) -> None:
+        for rid in rids:
+            self.out.pop(rid, None)
+
+    def forward(self, seconds: float) -> None:
+        self.forward_s = _smooth(self.forward_s, seconds)
+
+    def awaited(self, now: float, leaving=()) -> int:
+        """Rows whose trees may still come in time (not leaving, within the grace)."""
+        if self.return_s is None:
+            return 0
+        horizon = GATHER_GRACE * self.return_s
+        return sum(1 for rid, then in self.out.items() if now - then < horizon and rid not in leaving)
+
+    def until(self, ready: int, now: float, leaving=()) -> float | None:
+        """The monotonic time to wait until for the trees out, with `ready` rows ready to run; None: run now."""
+        if not ready or self.return_s is None or self.forward_s is None:
+            return None
+        out = self.awaited(now, leaving)
+        if not out:
+            return None
+        last_out = max(then for rid, then in self.out.items() if rid not in leaving)
+        pays = self.forward_s * out / (ready + out)  # w*: a longer wait costs the rows ready more than it saves
+        if last_out + self.return_s - now > pays:
+            return None  # the trees are expected too late to be worth it
+        until = min(now + pays, last_out + GATHER_GRACE * self.return_s)
+        return until if until > now else None
+
+
+def _smooth(old: float | None, new: float) -> float:
+    return new if old is None else old + GATHER_SMOOTHING * (new - old)
+
+
 @dataclass
 class _Plain:
     """A plain request decoded by the loop; `sink(tokens, generation, finished, error)` gets each step."""
@@ -197,12 +259,14 @@ class _Plain:
 class TargetScheduler:
     def __init__(self, worker: TargetWorker, budget: KvBudget = KvBudget(),
                  on_forward: Callable[[float], None] = lambda seconds: None, idle_timeout_s: float | None = 30.0,
-                 max_batched_tokens: int | None = None):
+                 max_batched_tokens: int | None = None, gather_trees: bool = True):
         """idle_timeout_s: None never closes an idle row (in one process every row's caller is alive).
         max_batched_tokens: chunked prefill; each iteration's forward runs every tree and plain row and, in
         the same forward, joining prompts' tokens up to this many less the trees' (at least a quarter of it),
         so a long prompt never stalls the running rows: it makes a few of their steps slower. None: each
-        joining prompt is prefilled whole, in a forward of its own before the step."""
+        joining prompt is prefilled whole, in a forward of its own before the step.
+        gather_trees: wait for speculative rows' next trees before a forward, as TreeGather says (False: a
+        forward runs as soon as any row is ready)."""
         if max_batched_tokens is not None and max_batched_tokens < 1:
             raise ValueError(f"max_batched_tokens must be >= 1 or None, got {max_batched_tokens}")
         self.worker, self.on_forward = worker, on_forward
@@ -235,6 +299,8 @@ class TargetScheduler:
         self._reserved: dict[str, int] = {}  # admitted request -> KV tokens it holds
         self._last_tree: dict[str, float] = {}  # open speculative row -> when its last tree came, oldest first
         self._prompt_features: dict = {}  # opened request -> its prompt's features, until taken (prompt_features)
+        self._gather = TreeGather() if gather_trees else None
+        self.gather_time_s = 0.0  # seconds the loop waited for trees out while rows were ready (TreeGather)
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="target-scheduler", daemon=True)
         self._thread.start()
@@ -316,9 +382,12 @@ class TargetScheduler:
             if self._trees.keys() & trees.keys():
                 raise RequestExists(f"a tree of request {next(iter(self._trees.keys() & trees.keys()))!r} is "
                                     "already waiting for verification")
+            now = time.monotonic()
             for rid, tree in trees.items():
                 self._trees[rid] = (tree, waiter)
                 self._heard_from(rid)
+                if self._gather:
+                    self._gather.arrived(rid, now)
             self._cv.notify()
         outcomes = waiter.wait()
         return unknown | {rid: outcomes[rid] for rid in trees if rid in outcomes}
@@ -339,7 +408,8 @@ class TargetScheduler:
             return TargetStats(
                 forwards=self.forwards, forward_time_s=self.forward_time_s, stall_time_s=self.stall_time_s,
                 committed_tokens=self.committed_tokens, trees_verified=self.trees_verified,
-                tree_loop_time_s=self.tree_loop_time_s, largest_batch=self.largest_batch, open_requests=len(held),
+                tree_loop_time_s=self.tree_loop_time_s, gather_time_s=self.gather_time_s,
+                largest_batch=self.largest_batch, open_requests=len(held),
                 kv_tokens_reserved=self.budget.slots(list(held.values())), kv_used_tokens=prefix.used_tokens,
                 kv_window_used_tokens=prefix.window_used_tokens,
                 waiting=len(self._waiting),
@@ -406,6 +476,7 @@ class TargetScheduler:
                                   or self._prefilling or self._admissible(), timeout=self._until_idle())
                 if self._stopped:
                     break
+                self._gather_trees()
                 leaving, self._leaving = self._leaving + self._idle(), []
                 joining = self._admit()
                 trees, self._trees = self._trees, {}
@@ -431,6 +502,20 @@ class TargetScheduler:
             self.worker.abandon(handle)
             self._fail_joins(joins, stopped)
         self._fail_joins(waiting, stopped)
+
+    def _gather_trees(self) -> None:
+        """Wait (under the lock) for the speculative rows' trees still out, where TreeGather says it pays."""
+        if self._gather is None:
+            return
+        ready = len(self._trees) + len(self._plain) + (1 if self._prefilling or self._admissible() else 0)
+        leaving = set(self._leaving)
+        start = time.monotonic()
+        until = self._gather.until(ready, start, leaving)
+        if until is None:
+            return
+        self._cv.wait_for(lambda: self._stopped or not self._gather.awaited(time.monotonic(), set(self._leaving)),
+                          timeout=until - start)
+        self.gather_time_s += time.monotonic() - start
 
     def _until_idle(self) -> float | None:
         """Seconds until the row heard from longest ago goes idle; None while there is none."""
@@ -488,6 +573,8 @@ class TargetScheduler:
                 self._last_tree.pop(rid, None)
                 self._plain.pop(rid, None)
                 self._prompt_features.pop(rid, None)
+            if self._gather:
+                self._gather.forget(leaving)
 
     def _close_early(self, rid: str) -> None:
         """A close that came before its open: drop it from the admission queue, or refuse it later."""
@@ -665,6 +752,10 @@ class TargetScheduler:
                 self.stall_time_s += max(0.0, elapsed - self.costs.verify(nodes))
             self.trees_verified += len(verified)
             self.tree_loop_time_s += sum(now - waiter.since for waiter in verified)
+            if self._gather:  # their verdicts go out now; their next trees are awaited
+                self._gather.forward(elapsed)
+                self._gather.sent([rid for rid in trees if rid in batch and isinstance(outcomes.get(rid), Verdict)],
+                                  time.monotonic())
             self.largest_batch = max(self.largest_batch, len(batch))
             self._observe(elapsed, len(batch), tokens, committed)  # tokens: the chunks riding in it too
         self.on_forward(elapsed)
