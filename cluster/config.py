@@ -123,7 +123,9 @@ class SpeculationConfig(_Section):
 
     # one drafter kind, or a list of them: every draft replica runs each, and the router chooses per task
     # type among them by measured goodput (routing.*.drafter pins one, routing.*.forbid_drafters rules some out)
-    drafter: list[DrafterKind] = Field([DrafterKind.MODEL_NGRAM], validate_default=True)
+    # (default: suffix decoding and the draft model with prompt lookup, the router starting from suffix; on the
+    # default pair the draft model alone lost served at 1-8 clients: docs/performance.md)
+    drafter: list[DrafterKind] = Field([DrafterKind.SUFFIX, DrafterKind.MODEL_NGRAM], validate_default=True)
     tree_width: int = Field(1, ge=1, le=MAX_TREE_WIDTH)
     # a sampled draft draws from (and ships) its q cut to this many likeliest tokens: bounds a tree's bytes
     proposal_top_k: int = Field(DEFAULT_PROPOSAL_TOP_K, ge=1, le=MAX_PROPOSAL_TOP_K)

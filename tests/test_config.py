@@ -63,7 +63,7 @@ def test_defaults():
     assert (p.tensor_parallel_size, p.draft_replicas, p.gpus_per_actor) == (1, 1, 1.0)
     assert (p.cpus_per_target_rank, p.cpus_per_draft_replica) == (1, 1)
     assert p.logical_gpus is False  # a GPU from Ray means a CUDA device (actors refuse to start without one)
-    assert config.speculation.drafter == ["model+ngram"] and config.speculation.tree_width == 1
+    assert config.speculation.drafter == ["suffix", "model+ngram"] and config.speculation.tree_width == 1
     t = config.routing.default
     assert (t.on_alpha, t.off_alpha, t.min_samples, t.probe_fraction, t.ema, t.max_k, t.draft_cost_ratio) == (
         0.55, 0.35, 20, 0.05, 0.1, 8, 0.15)
@@ -293,7 +293,7 @@ def test_a_drafter_without_a_model_does_not_build_the_default_draft(tmp_path):
     path.write_text(yaml.safe_dump({"speculation": {"drafter": "none"}}))
     assert app_config({"config": str(path)}, default_models).models.draft is None and asked[-1] is False
     assert app_config({"config": str(path), "drafter": "model"}, default_models).models.draft.path == "dd"
-    assert app_config({}, default_models).speculation.drafter == ["model+ngram"] and asked[-1] is True
+    assert app_config({}, default_models).speculation.drafter == ["suffix", "model+ngram"] and asked[-1] is True
 
 
 def test_serve_flags_override_the_file_and_are_checked_again(tmp_path):
