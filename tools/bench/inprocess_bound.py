@@ -13,14 +13,14 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-from specdec.draft_loop import DraftLoop, DraftRequest
+from specdec.draft_loop import DraftLoop
 from specdec.scheduler import TargetScheduler
 from specdec.drafter_factory import make_drafter
 from specdec.kvcache import CachedLM
 from specdec.loading import load_served_model
 from specdec.prompts import load_prompts
-from specdec.sampling import SamplingParams
 from specdec.target import TargetWorker
+from tools.bench.in_process import decode
 
 MODELS, PROMPTS, NEW_TOKENS = "../shared/bench-models", "../shared/prompts/public.jsonl", 64
 
@@ -37,20 +37,7 @@ def run(clients: int, k: int) -> tuple[float, float, dict]:
             if item is None:
                 return
             i, prompt = item
-            done, tokens = threading.Event(), []
-
-            def sink(new, out, finished, error):
-                tokens.extend(new)
-                if finished:
-                    done.set()
-            rid = f"{k}-{clients}-{i}-{time.monotonic_ns()}"
-            if k == 0:
-                scheduler.decode(rid, prompt, SamplingParams(), NEW_TOKENS, set(), sink)
-            else:
-                first = scheduler.open(rid, prompt, SamplingParams(), 0, NEW_TOKENS).first
-                drafts.join(DraftRequest(rid, prompt, SamplingParams(), NEW_TOKENS, set(), k, sink, first=first))
-            done.wait()
-            outputs[i] = tokens
+            outputs[i] = decode(scheduler, drafts, f"{k}-{clients}-{i}-{time.monotonic_ns()}", prompt, k, NEW_TOKENS)
 
     start = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(clients)]

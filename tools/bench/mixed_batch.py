@@ -19,17 +19,16 @@ from itertools import zip_longest
 import torch
 from transformers import AutoTokenizer
 
-from specdec.draft_loop import DraftLoop, DraftRequest
+from specdec.draft_loop import DraftLoop
 from specdec.drafter_factory import make_drafter
 from specdec.kvcache import CachedLM
 from specdec.loading import load_served_model
 from specdec.prompts import load_prompts
-from specdec.sampling import SamplingParams
 from specdec.scheduler import TargetScheduler
 from specdec.target import TargetWorker
+from tools.bench.in_process import decode
 
 MODELS, PROMPTS, NEW_TOKENS = "../shared/bench-models", "../shared/prompts/public.jsonl", 64
-GREEDY = SamplingParams()
 
 
 def arguments() -> argparse.Namespace:
@@ -87,19 +86,9 @@ class Side:
                 if item is None:
                     return
                 kind, i, prompt = item
-                done, out = threading.Event(), []
-
-                def sink(new, generation, finished, error):
-                    out.extend(new)
-                    if finished:
-                        done.set()
-                rid, began = f"{kind}-{i}-{time.monotonic_ns()}", time.perf_counter()
-                if kind == "plain":
-                    self.scheduler.decode(rid, prompt, GREEDY, NEW_TOKENS, set(), sink)
-                else:
-                    first = self.scheduler.open(rid, prompt, GREEDY, 0, NEW_TOKENS).first
-                    self.drafts.join(DraftRequest(rid, prompt, GREEDY, NEW_TOKENS, set(), args.k, sink, first=first))
-                done.wait()
+                began = time.perf_counter()
+                out = decode(self.scheduler, self.drafts, f"{kind}-{i}-{time.monotonic_ns()}", prompt,
+                             args.k if kind == "spec" else 0, NEW_TOKENS)
                 with lock:
                     outputs[(kind, i)] = out
                     per_token[kind].append((time.perf_counter() - began) / len(out))
