@@ -50,6 +50,7 @@ def tree_mask(B, T, L, g: torch.Generator) -> torch.Tensor:
     (4, 9, 3, 8, 90),  # groups of 3 (the default target)
     (1, 4, 4, 100, 0),  # a prefill: several blocks of queries
     (2, 6, 2, 33, 513),  # ragged sizes everywhere
+    (3, 8, 8, 3, 301),  # the bench target's heads: 128-key chunks, keys four at a time and the rest
 ])
 @pytest.mark.parametrize("scattered", [False, True])
 def test_kernel_equals_sdpa_over_gathered_kv(kernel, B, Hq, Hkv, T, S, scattered):

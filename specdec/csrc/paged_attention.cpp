@@ -5,7 +5,9 @@
 // chunk's keys and values for its heads straight from the pool where the slots run on (a row's blocks are
 // mostly taken together) or copies them into a small buffer where they do not, then runs flash attention's
 // online softmax over it (Dao et al., arXiv 2205.14135) with MKL's sgemm, the kernel torch's own CPU
-// attention calls. Every query head of a group shares its key/value head's reads (grouped-query attention).
+// attention calls, or for a few queries a head with dot products four keys at a time. A chunk's keys and values
+// for the task's heads are sized to stay in L2 (fewer keys a chunk the more heads a task reads). Every query head
+// of a group shares its key/value head's reads (grouped-query attention).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -28,7 +30,8 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr float NEG = -std::numeric_limits<float>::infinity();
-constexpr int64_t CHUNK = 256;  // keys a task scores at once: a chunk's keys, values and scores stay in L2
+constexpr int64_t CHUNK = 256;  // keys a task scores at once, at most
+constexpr int64_t CHUNK_FLOATS = 32768;  // a chunk's keys for a task's heads (128 KiB; its values as much): they stay in L2
 constexpr int64_t QUERIES = 64;  // query rows (a group's heads x queries) a task takes at most
 constexpr int64_t DOT_ROWS = 4;  // up to this many query rows a head: dot products and axpys (memory-bound), not sgemm (measured)
 
@@ -87,35 +90,82 @@ float exp_and_sum(float* s, float max, int64_t n) {
   return r;
 }
 
+// the sums of a, b, c and d's lanes -> [sum a, sum b, sum c, sum d]
+inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
 // s [R, C] = scale * q [R, D] . k^T for R = HR x M query rows, row hi * M + m reading head hi's keys (at k + hi * D,
-// a token's heads ld apart): for a few queries (a decode's one), by dot products, a token's heads after one another,
-// where gemms of so few rows run far below the memory's speed and head by head would stride through it
+// a token's heads ld apart): for a few queries (a decode's one), by dot products of each query with four keys at a
+// time (their sums reduced together, stored together), the four tokens' heads after one another, where gemms of so
+// few rows run far below the memory's speed and head by head would stride through it. D a multiple of 8.
 void scores_by_dots(const float* q, int64_t HR, int64_t M, const float* k, int64_t ld, int64_t C, int64_t D,
                     float scale, float* s) {
-  for (int64_t j = 0; j < C; ++j)
+  const __m128 vscale = _mm_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 4 <= C; j += 4)
+    for (int64_t hi = 0; hi < HR; ++hi) {
+      const float* k0 = k + j * ld + hi * D;
+      for (int64_t m = 0; m < M; ++m) {
+        const float* qm = q + (hi * M + m) * D;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 x = _mm256_loadu_ps(qm + d);
+          a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + d), a0);
+          a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + ld + d), a1);
+          a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + 2 * ld + d), a2);
+          a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + 3 * ld + d), a3);
+        }
+        _mm_storeu_ps(s + (hi * M + m) * C + j, _mm_mul_ps(vscale, sum4(a0, a1, a2, a3)));
+      }
+    }
+  for (; j < C; ++j)
     for (int64_t hi = 0; hi < HR; ++hi) {
       const float* kj = k + j * ld + hi * D;
       for (int64_t m = 0; m < M; ++m) {
         const float* qm = q + (hi * M + m) * D;
-        Vec dot(0.f);
-        for (int64_t d = 0; d < D; d += Vec::size()) dot = at::vec::fmadd(Vec::loadu(qm + d), Vec::loadu(kj + d), dot);
-        s[(hi * M + m) * C + j] = scale * at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, dot);
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qm + d), _mm256_loadu_ps(kj + d), a);
+        s[(hi * M + m) * C + j] = scale * _mm_cvtss_f32(sum4(a, a, a, a));
       }
     }
 }
 
-// acc [R, D] += p [R, C] . v, row hi * M + m from head hi's values, a token's heads after one another
+// acc [R, D] += p [R, C] . v, row hi * M + m from head hi's values, four tokens at a time (each accumulator row read
+// and written once per four, the sums in the order one by one would take), their heads after one another. D a
+// multiple of 8.
 void values_by_axpys(const float* p, int64_t HR, int64_t M, const float* v, int64_t ld, int64_t C, int64_t D,
                      float* acc) {
-  for (int64_t j = 0; j < C; ++j)
+  int64_t j = 0;
+  for (; j + 4 <= C; j += 4)
+    for (int64_t hi = 0; hi < HR; ++hi) {
+      const float* v0 = v + j * ld + hi * D;
+      for (int64_t m = 0; m < M; ++m) {
+        const float* pm = p + (hi * M + m) * C + j;
+        float* am = acc + (hi * M + m) * D;
+        if (pm[0] == 0.f && pm[1] == 0.f && pm[2] == 0.f && pm[3] == 0.f) continue;  // masked
+        const __m256 p0 = _mm256_set1_ps(pm[0]), p1 = _mm256_set1_ps(pm[1]), p2 = _mm256_set1_ps(pm[2]),
+                     p3 = _mm256_set1_ps(pm[3]);
+        for (int64_t d = 0; d < D; d += 8) {
+          __m256 x = _mm256_loadu_ps(am + d);
+          x = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + d), x);
+          x = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v0 + ld + d), x);
+          x = _mm256_fmadd_ps(p2, _mm256_loadu_ps(v0 + 2 * ld + d), x);
+          x = _mm256_fmadd_ps(p3, _mm256_loadu_ps(v0 + 3 * ld + d), x);
+          _mm256_storeu_ps(am + d, x);
+        }
+      }
+    }
+  for (; j < C; ++j)
     for (int64_t hi = 0; hi < HR; ++hi) {
       const float* vj = v + j * ld + hi * D;
       for (int64_t m = 0; m < M; ++m) {
         const float pj = p[(hi * M + m) * C + j];
         if (pj == 0.f) continue;  // masked
         float* am = acc + (hi * M + m) * D;
-        for (int64_t d = 0; d < D; d += Vec::size())
-          at::vec::fmadd(Vec(pj), Vec::loadu(vj + d), Vec::loadu(am + d)).store(am + d);
+        for (int64_t d = 0; d < D; d += 8)
+          _mm256_storeu_ps(am + d, _mm256_fmadd_ps(_mm256_set1_ps(pj), _mm256_loadu_ps(vj + d), _mm256_loadu_ps(am + d)));
       }
     }
 }
@@ -170,6 +220,7 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor pool_k, torch::
     do --HR; while (Hkv % HR);
   }
   const int64_t HB = Hkv / HR, MQ = G * TQ, span = (L + KS - 1) / std::max<int64_t>(KS, 1);
+  const int64_t chunk = std::clamp<int64_t>(CHUNK_FLOATS / (HR * D) / 16 * 16, 32, CHUNK);
   auto out = ragged ? torch::zeros({B, T, Hq, D}, query.options()) : torch::empty({B, T, Hq, D}, query.options());
   const float* q = query.data_ptr<float>();
   const float* pk = pool_k.data_ptr<float>();
@@ -187,14 +238,14 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor pool_k, torch::
   };
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     const int mkl_threads = MKL_Set_Num_Threads_Local(1);  // the tasks are the parallelism
-    std::vector<float> kc(CHUNK * HR * D), vc(CHUNK * HR * D), s(rows * CHUNK);
+    std::vector<float> kc(chunk * HR * D), vc(chunk * HR * D), s(rows * chunk);
     std::vector<float> qs(rows * D), acc(rows * D), mx(rows), sum(rows);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (HB * QB * KS), h0 = task / (QB * KS) % HB * HR, t0 = task / KS % QB * TQ;
       const int64_t k0 = task % KS * span, k1 = std::min(L, k0 + span);
       if (t0 >= real(b)) continue;  // padding
       const int64_t tn = std::min(TQ, real(b) - t0), M = G * tn;  // query rows per key/value head: [G, tn]
-      const bool by_dots = M <= DOT_ROWS && D % Vec::size() == 0;
+      const bool by_dots = M <= DOT_ROWS && D % 8 == 0;
       for (int64_t hi = 0; hi < HR; ++hi)
         for (int64_t g = 0; g < G; ++g)
           std::memcpy(qs.data() + (hi * M + g * tn) * D, q + ((b * Hq + (h0 + hi) * G + g) * T + t0) * D,
@@ -204,8 +255,8 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor pool_k, torch::
       std::fill(acc.begin(), acc.begin() + HR * M * D, 0.f);
       std::fill(mx.begin(), mx.begin() + HR * M, NEG);
       std::fill(sum.begin(), sum.begin() + HR * M, 0.f);
-      for (int64_t c0 = k0; c0 < k1; c0 += CHUNK) {
-        const int64_t C = std::min(CHUNK, k1 - c0);
+      for (int64_t c0 = k0; c0 < k1; c0 += chunk) {
+        const int64_t C = std::min(chunk, k1 - c0);
         if (!any_visible(rmask, L, t0, tn, c0, C)) continue;  // causal prefill: later chunks
         bool runs_on = true;
         for (int64_t j = 1; j < C && runs_on; ++j) runs_on = slots[c0 + j] == slots[c0] + j;
