@@ -50,7 +50,6 @@ def tree_mask(B, T, L, g: torch.Generator) -> torch.Tensor:
     (4, 9, 3, 8, 90),  # groups of 3 (the default target)
     (1, 4, 4, 100, 0),  # a prefill: several blocks of queries
     (2, 6, 2, 33, 513),  # ragged sizes everywhere
-    (3, 8, 8, 3, 301),  # the bench target's heads: 128-key chunks, keys four at a time and the rest
 ])
 @pytest.mark.parametrize("scattered", [False, True])
 def test_kernel_equals_sdpa_over_gathered_kv(kernel, B, Hq, Hkv, T, S, scattered):
@@ -61,6 +60,19 @@ def test_kernel_equals_sdpa_over_gathered_kv(kernel, B, Hq, Hkv, T, S, scattered
     mask = tree_mask(B, T, L, g)
     ours = kernel(query, pool_k, pool_v, read, mask, 0.3)  # [B, T, Hq, D]
     theirs = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(ours, theirs.transpose(1, 2), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("T", [1, 3, 8])  # 1 and 3: dot products, four keys at a time and the rest; 8: sgemm
+def test_the_bench_targets_plain_heads_in_64_key_chunks(kernel, T):
+    """8 rows of 8 plain heads of 64: a task reads all 8 heads, so its chunks are 64 keys (kept in L2)."""
+    g = torch.Generator().manual_seed(T)
+    B, H, S, D = 8, 8, 301, 64
+    pool_k, pool_v, read, k, v = pool_of(B, H, S + T, D, True, g)
+    query = torch.randn(B, H, T, D, generator=g)
+    mask = tree_mask(B, T, S + T, g)
+    ours = kernel(query, pool_k, pool_v, read, mask, D**-0.5)
+    theirs = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask)
     torch.testing.assert_close(ours, theirs.transpose(1, 2), atol=2e-6, rtol=1e-5)
 
 
