@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec import paged_kernel
-from specdec.blocks import BLOCK_TOKENS
+from tools.bench.paged_attention import layer_case
 
 # rows, committed keys, queries a row (a chain), query heads, key/value heads; head size 64
 SHAPES = [(8, 300, 8, 8, 8), (8, 1000, 8, 8, 8), (1, 1000, 8, 8, 8), (8, 1000, 1, 8, 8), (16, 1000, 1, 8, 8),
@@ -44,22 +44,6 @@ def build(source: Path, into: Path):
                 build_directory=str(into / name), verbose=False).paged_attention
 
 
-def case(B: int, P: int, T: int, Hq: int, Hkv: int, D: int = 64):
-    """-> query, pool_k, pool_v, read, mask, dense keys and values, scale: B rows of P keys in order in the pool,
-    each row's T queries a causal chain after them."""
-    g, L = torch.Generator().manual_seed(0), P + T
-    blocks = -(-L // BLOCK_TOKENS)
-    read = ((torch.arange(B * blocks).view(B, blocks) + 2)[:, :, None] * BLOCK_TOKENS
-            + torch.arange(BLOCK_TOKENS)).reshape(B, -1)[:, :L].contiguous()  # [B, L]
-    pool_k = torch.randn((B * blocks + 2) * BLOCK_TOKENS, Hkv, D, generator=g)  # [P, Hkv, D]
-    pool_v = torch.randn(pool_k.shape, generator=g)
-    dense_k = pool_k[read.flatten()].view(B, L, Hkv, D).transpose(1, 2).contiguous()  # [B, Hkv, L, D]
-    dense_v = pool_v[read.flatten()].view(B, L, Hkv, D).transpose(1, 2).contiguous()
-    mask = torch.ones(B, 1, T, L, dtype=torch.bool)
-    mask[..., P:] = torch.ones(T, T, dtype=torch.bool).tril()
-    return torch.randn(B, Hq, T, D, generator=g), pool_k, pool_v, read, mask, dense_k, dense_v, D**-0.5
-
-
 def main() -> None:
     args = arguments()
     torch.set_num_threads(args.threads)
@@ -69,7 +53,7 @@ def main() -> None:
         print(f"# one layer's attention, medians of {args.repeats} calls each, every path in turn, {args.threads} "
               f"threads; (x dense), largest difference from dense")
         for B, P, T, Hq, Hkv in shapes:
-            q, pool_k, pool_v, read, mask, k, v, scale = case(B, P, T, Hq, Hkv)
+            q, pool_k, pool_v, read, mask, k, v, scale = layer_case(B, P, T, Hq, Hkv)
             paths = {"dense sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                                           enable_gqa=True)}
             paths |= {name: (lambda f=f: f(q, pool_k, pool_v, read, mask, scale)) for name, f in kernels.items()}

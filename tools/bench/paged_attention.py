@@ -58,6 +58,28 @@ def in_place_paths(args, query, pool_k, pool_v, read, mask, scale) -> dict:
     return paths
 
 
+def layer_case(B: int, P: int, T: int, Hq: int, Hkv: int, D: int = 64, scattered: bool = False,
+               device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32) -> tuple:
+    """One layer's attention inputs, seeded: B rows of P keys in the pool, their blocks in order or (scattered)
+    shuffled, each row's T queries a causal chain after them -> query [B, Hq, T, D], pool_k and pool_v [slots,
+    Hkv, D], read [B, P + T] each row's slots, mask [B, 1, T, P + T] bool, the same keys and values laid out
+    densely [B, Hkv, P + T, D] each, scale."""
+    g = torch.Generator().manual_seed(0)
+    L = P + T
+    blocks = -(-L // BLOCK_TOKENS)
+    order = torch.randperm(B * blocks, generator=g) if scattered else torch.arange(B * blocks)
+    read = ((order.view(B, blocks) + 2)[:, :, None] * BLOCK_TOKENS + torch.arange(BLOCK_TOKENS)).reshape(B, -1)
+    read = read[:, :L].contiguous().to(device)
+    pool_k = torch.randn((B * blocks + 2) * BLOCK_TOKENS, Hkv, D, generator=g).to(device, dtype)
+    pool_v = torch.randn(pool_k.shape, generator=g).to(device, dtype)
+    dense_k = pool_k[read.flatten()].view(B, L, Hkv, D).transpose(1, 2).contiguous()
+    dense_v = pool_v[read.flatten()].view(B, L, Hkv, D).transpose(1, 2).contiguous()
+    query = torch.randn(B, Hq, T, D, generator=g).to(device, dtype)
+    mask = torch.ones(B, 1, T, L, dtype=torch.bool)
+    mask[..., P:] = torch.ones(T, T, dtype=torch.bool).tril()
+    return query, pool_k, pool_v, read, mask.to(device), dense_k, dense_v, D**-0.5
+
+
 def timed(run, device: torch.device) -> float:
     """ms of one call, the device's work included."""
     t0 = time.perf_counter()
@@ -71,22 +93,10 @@ def main() -> None:
     args = arguments()
     torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    g = torch.Generator().manual_seed(0)
     B, T, Hq, Hkv, D = args.rows, args.queries, args.heads, args.kv_heads, args.head_size
     L = args.prompt + T
-    blocks = -(-L // BLOCK_TOKENS)
-    order = torch.randperm(B * blocks, generator=g) if args.scattered else torch.arange(B * blocks)
-    read = ((order.view(B, blocks) + 2)[:, :, None] * BLOCK_TOKENS + torch.arange(BLOCK_TOKENS)).reshape(B, -1)
-    read = read[:, :L].contiguous().to(device)  # [B, L] each row's slots
-    pool_k = torch.randn((B * blocks + 2) * BLOCK_TOKENS, Hkv, D, generator=g).to(device, dtype)  # [P, Hkv, D]
-    pool_v = torch.randn(pool_k.shape, generator=g).to(device, dtype)
-    dense_k = pool_k[read.flatten()].view(B, L, Hkv, D).transpose(1, 2).contiguous()  # [B, Hkv, L, D]
-    dense_v = pool_v[read.flatten()].view(B, L, Hkv, D).transpose(1, 2).contiguous()
-    query = torch.randn(B, Hq, T, D, generator=g).to(device, dtype)
-    mask = torch.ones(B, 1, T, L, dtype=torch.bool)
-    mask[..., args.prompt:] = torch.ones(T, T, dtype=torch.bool).tril()
-    mask = mask.to(device)
-    scale = D**-0.5
+    query, pool_k, pool_v, read, mask, dense_k, dense_v, scale = layer_case(
+        B, args.prompt, T, Hq, Hkv, D, args.scattered, device, dtype)
 
     def dense():
         return F.scaled_dot_product_attention(query, dense_k, dense_v, attn_mask=mask, scale=scale, enable_gqa=True)
