@@ -38,9 +38,11 @@ class FakeSpecDecode(api_grpc.SpecDecodeServicer):
         self.prompt_words = 0  # what its prefix cache "looked up": the prompts' words; half of them "hit"
         self.lock = threading.Lock()
         self.authorizations = []  # each call's authorization metadata
+        self.modes = []  # each call's speculation mode
 
     def GenerateStream(self, request, context):
         self.authorizations.append(dict(context.invocation_metadata()).get("authorization"))
+        self.modes.append(api.Speculation.Name(request.speculation))
         tokens = list(self.outputs[request.prompt][:request.max_new_tokens])
         with self.lock:
             self.prompt_words += 2 * len(request.prompt.split())
@@ -66,6 +68,7 @@ class Served:
     """The fake servicer on a real gRPC server, and GET /v1/stats reporting only part of the timing keys."""
 
     def __init__(self, servicer: FakeSpecDecode):
+        self.servicer = servicer
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         api_grpc.add_SpecDecodeServicer_to_server(servicer, self.grpc)
         self.address = f"127.0.0.1:{self.grpc.add_insecure_port('127.0.0.1:0')}"
@@ -142,7 +145,9 @@ def test_grid_rows_references_and_plot(bench_setup, capsys, tmp_path):
     streamed, final = lines[:-1], lines[-1]
     rows = final["rows"]
     assert streamed == rows  # one JSON line per cell as it finished, then the summary
-    assert [(r["clients"], r["mode"]) for r in rows] == [(c, m) for c in (1, 2) for m in ("off", "on", "auto")]
+    assert [(r["clients"], r["mode"], r["round"]) for r in rows] == [(c, m, 1) for c in (1, 2) for m in ("off", "on", "auto")]
+    assert [(s["clients"], s["mode"], s["rounds"], s["speedup"]) for s in final["summary"]] == [
+        (r["clients"], r["mode"], 1, r["speedup"]) for r in rows]  # one round: the summary is the cells
     for r in rows:
         assert r["requests"] == len(PROMPTS) and r["tokens"] == len(PROMPTS) * NEW_TOKENS
         assert r["tokens_per_s"] > 0 and r["wall_s"] > 0
@@ -341,11 +346,42 @@ def test_multi_turn_needs_the_targets_tokenizer(bench_setup):
         main(["bench-served", "--prompts", prompts, "--workload", "multi-turn"])
 
 
+def test_rounds_reverse_the_order_and_each_ratio_is_over_its_own_rounds_off(bench_setup, capsys):
+    _, prompts, outputs = bench_setup
+    served = Served(FakeSpecDecode(outputs))
+    try:
+        main(argv(served, prompts, "--clients", "1", "--modes", "off", "on", "auto", "--rounds", "3", "--json"))
+    finally:
+        served.close()
+    out = capsys.readouterr().out
+    final = json.loads(out.splitlines()[-1])
+    rows, summary = final["rows"], final["summary"]
+    order = [("off", 1), ("on", 1), ("auto", 1), ("auto", 2), ("on", 2), ("off", 2), ("off", 3), ("on", 3), ("auto", 3)]
+    assert [(r["mode"], r["round"]) for r in rows] == order
+    cells = served.servicer.modes[3:][::len(PROMPTS)]  # after the 3 warm-ups, one call per prompt
+    assert [m.removeprefix("SPECULATION_").lower() for m in cells] == [m for m, _ in order]
+    for r in rows:
+        off = next(o for o in rows if o["mode"] == "off" and o["round"] == r["round"])
+        assert r["speedup"] == round(r["tokens_per_s"] / off["tokens_per_s"], 3)
+        assert r["mode"] == "off" or r["identical_to_off"] is True
+    for s in summary:
+        cells = [r for r in rows if r["mode"] == s["mode"]]
+        ratios = [r["speedup"] for r in cells]
+        assert s["rounds"] == 3 and s["speedup_min"] == min(ratios) and s["speedup_max"] == max(ratios)
+        assert s["speedup"] == pytest.approx((ratios[0] * ratios[1] * ratios[2]) ** (1 / 3), abs=1e-3)
+        assert s["tokens_per_s"] == sorted(r["tokens_per_s"] for r in cells)[1]  # the median of three
+    assert [s["mode"] for s in summary] == ["off", "on", "auto"] and summary[0]["speedup"] == 1.0
+    assert "3 rounds" in out and "geometric mean of the rounds' ratios" in out and "auto2" in out
+
+
 def test_bad_client_count_is_a_one_line_error(bench_setup):
     _, prompts, _ = bench_setup
     with pytest.raises(SystemExit) as e:
         main(["bench-served", "--prompts", prompts, "--clients", "0"])
     assert "--clients must be >= 1" in str(e.value)
+    with pytest.raises(SystemExit) as e:
+        main(["bench-served", "--prompts", prompts, "--rounds", "0"])
+    assert "--rounds must be >= 1" in str(e.value)
 
 
 def test_references_run_on_a_gpu_when_this_process_has_one(monkeypatch):

@@ -58,8 +58,13 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
                     help="before each cell, ask the server's draft replicas to forget earlier outputs (POST "
                          "/v1/admin/forget_outputs; the server needs server.allow_forget_outputs), so suffix drafts "
                          "of a cell never read the answers of a cell before it that sent the same prompts")
+    sb.add_argument("--rounds", type=int, default=1,
+                    help="run each client count's modes this many times, the order reversed every other round, each "
+                         "cell's vs off over its own round's off; a summary gives each mode's median tok/s and the "
+                         "geometric mean of its ratios (default 1)")
     sb.add_argument("--timeout", type=float, default=600, help="deadline per request in seconds (default 600)")
-    sb.add_argument("--json", action="store_true", help='end with one JSON line {"rows": [...], "references": {...}}')
+    sb.add_argument("--json", action="store_true",
+                    help='end with one JSON line {"rows": [...], "summary": [...], "references": {...}}')
     sb.add_argument("--plot", metavar="PNG", help="write tokens/s against clients, one line per mode, "
                                                   "the references as horizontal lines")
 

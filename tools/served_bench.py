@@ -13,6 +13,13 @@ verify than in a one-token step) is held to its agreement with `off` instead (AG
   TTFT          per request, first token's arrival - the call; p50
   vs off        tokens/s over off's at the same client count (off always runs first)
 
+With --rounds N every client count runs its modes N times, the order reversed every other round (off first
+in the first, last in the second), each cell's "vs off" over its own round's off: the host's speed drifts
+between cells (10-30% on a shared 2-core machine), and a ratio of neighbouring cells, taken both ways round,
+cancels most of it. The summary gives each mode's median tokens/s and the geometric mean of its rounds'
+ratios with the smallest and largest. Later rounds re-send the prompts: a server's prefix cache holds them
+by then for every mode, and suffix drafts read the earlier answers unless --forget-outputs.
+
 plus, where the server reports them in GET /v1/stats ("timing"), where a step's time goes: the
 target's forward, a draft replica's verify round trip, its draft time. The server side changes, so a
 key it no longer reports shows as "-".
@@ -125,6 +132,8 @@ def bench_main(args) -> None:
         raise ValueError(f"--clients must be >= 1, got {args.clients}")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     tokenizer = _tokenizer(args.target)
     rows = rows_for(args.workload, load_prompts(args.prompts, args.limit, tokenizer), tokenizer)
     turns = turns_of(args.workload, args.turns)
@@ -146,32 +155,38 @@ def bench_main(args) -> None:
         stats = _StatsReader(args.http, args.api_key)
         for clients in args.clients:
             off = None
-            for mode in modes:
-                if args.forget_outputs:
-                    forget_outputs(args.http, args.api_key)
-                before = stats.read()
-                replies, wall, asked = run_cell(stub, rows, mode, clients, args.max_new_tokens, args.timeout,
-                                                turns, tokenizer)
-                after = stats.read()
-                agree = None
-                if mode == Speculation.OFF:
-                    off = [r.tokens for r in replies]
-                    sent, off_outputs = (sent, off_outputs) if off_outputs else (asked, off)
-                else:
-                    agree = check_identical(off, replies, mode, clients, dtype)
-                results.append(cell_row(clients, mode, wall, replies, before, after, results, agree))
-                print(json.dumps(results[-1]), flush=True)
+            for rnd in range(args.rounds):
+                cells, off_tps = [], None
+                for mode in round_order(modes, rnd):
+                    if args.forget_outputs:
+                        forget_outputs(args.http, args.api_key)
+                    before = stats.read()
+                    replies, wall, asked = run_cell(stub, rows, mode, clients, args.max_new_tokens, args.timeout,
+                                                    turns, tokenizer)
+                    after = stats.read()
+                    agree = None
+                    if mode == Speculation.OFF and off is None:
+                        off = [r.tokens for r in replies]
+                        sent, off_outputs = (sent, off_outputs) if off_outputs else (asked, off)
+                    else:
+                        agree = check_identical(off, replies, mode, clients, dtype)
+                    cells.append(cell_row(clients, mode, wall, replies, before, after, agree, rnd + 1))
+                    off_tps = cells[-1]["tokens_per_s"] if mode == Speculation.OFF else off_tps
+                    while off_tps and cells:  # printed as soon as its round's off cell has run, with its ratio
+                        results.append(with_speedup(cells.pop(0), off_tps))
+                        print(json.dumps(results[-1]), flush=True)
     if args.target and not args.no_references:
         references = measure_references(args.target, sent, args.max_new_tokens, off_outputs, dtype)
     else:
         why = "--no-references" if args.target else "no --target"
         print(f"bench-served: {why}: skipping the transformers reference lines", flush=True)
         references = {name: {"skipped": why} for name in REFERENCES}
-    print(table(results, references, args, len(sent)))
+    summary = summarize(results)
+    print(table(results, references, args, len(sent), summary))
     if args.plot:
-        plot(results, references, args.plot, args)
+        plot(summary, references, args.plot, args)
     if args.json:
-        print(json.dumps({"rows": results, "references": references}))
+        print(json.dumps({"rows": results, "summary": summary, "references": references}))
 
 
 def _tokenizer(target: str | None):
@@ -286,11 +301,40 @@ def percentile(values: list[float], q: float) -> float | None:
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
+def round_order(modes: list[Speculation], rnd: int) -> list[Speculation]:
+    """The modes in round `rnd` (from 0): as given (off first) in even rounds, reversed in odd ones, so over an even
+    number of rounds every mode runs as often early as late, and a drift of the host's speed cancels in the ratios."""
+    return list(modes) if rnd % 2 == 0 else list(reversed(modes))
+
+
+def with_speedup(cell: dict, off_tokens_per_s: float) -> dict:
+    """A cell with its tokens/s over its round's off cell's ("speedup")."""
+    return {**cell, "speedup": round(cell["tokens_per_s"] / off_tokens_per_s, 3)}
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per (clients, mode), over its rounds: the median tokens/s and TPOT p50, and the geometric mean of the
+    rounds' speedups (each over its own round's off) with the smallest and largest."""
+    summary = []
+    for key in dict.fromkeys((r["clients"], r["mode"]) for r in rows):
+        cells = [r for r in rows if (r["clients"], r["mode"]) == key]
+        ratios = [r["speedup"] for r in cells if r["speedup"]]
+        tpot = [r["tpot_p50_ms"] for r in cells if r["tpot_p50_ms"] is not None]
+        summary.append({
+            "clients": key[0], "mode": key[1], "rounds": len(cells),
+            "tokens_per_s": round(percentile([r["tokens_per_s"] for r in cells], 50), 2),
+            "tpot_p50_ms": round(percentile(tpot, 50), 3) if tpot else None,
+            "speedup": round(math.exp(sum(map(math.log, ratios)) / len(ratios)), 3) if ratios else None,
+            "speedup_min": min(ratios, default=None), "speedup_max": max(ratios, default=None),
+        })
+    return summary
+
+
 def cell_row(clients: int, mode: Speculation, wall: float, replies: list[Reply], before: dict, after: dict,
-             earlier: list[dict], agree: float | None = None) -> dict:
+             agree: float | None = None, rnd: int = 1) -> dict:
+    """One cell's measures ("speedup" is filled in by with_speedup once its round's off cell has run)."""
     tokens = sum(len(r.tokens) for r in replies)
     tps = tokens / wall
-    off = next((r["tokens_per_s"] for r in earlier if r["clients"] == clients and r["mode"] == "off"), None)
     ms = lambda s: None if s is None else round(1000 * s, 3)  # noqa: E731
     tpot = [r.tpot_s for r in replies if r.tpot_s is not None]
     accepted, tried = sum(r.accepted for r in replies), sum(r.tried for r in replies)
@@ -300,9 +344,8 @@ def cell_row(clients: int, mode: Speculation, wall: float, replies: list[Reply],
         return round(1000 * delta[key] / delta[count], 3) if key in delta and delta.get(count) else None
 
     return {
-        "clients": clients, "mode": mode.lower(), "requests": len(replies), "tokens": tokens,
-        "wall_s": round(wall, 3), "tokens_per_s": round(tps, 2),
-        "speedup": 1.0 if mode == Speculation.OFF else round(tps / off, 3) if off else None,
+        "clients": clients, "mode": mode.lower(), "round": rnd, "requests": len(replies), "tokens": tokens,
+        "wall_s": round(wall, 3), "tokens_per_s": round(tps, 2), "speedup": None,
         "tpot_p50_ms": ms(percentile(tpot, 50)), "tpot_p95_ms": ms(percentile(tpot, 95)),
         "ttft_p50_ms": ms(percentile([r.ttft_s for r in replies if r.ttft_s is not None], 50)),
         "ttft_p95_ms": ms(percentile([r.ttft_s for r in replies if r.ttft_s is not None], 95)),
@@ -465,22 +508,30 @@ def _generate_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: l
 # --- output -------------------------------------------------------------------------------------------
 
 
-def table(rows: list[dict], references: dict, args, n_prompts: int) -> str:
+def table(rows: list[dict], references: dict, args, n_prompts: int, summary: list[dict] | None = None) -> str:
     fmt = lambda v, spec=".1f": "-" if v is None else format(v, spec)  # noqa: E731
+    rounds = max((r["round"] for r in rows), default=1)
     lines = [f"# specdec bench-served: {args.prompts} ({n_prompts} prompts, workload {args.workload}), "
              f"max_new_tokens={args.max_new_tokens}, "
-             f"greedy, server {args.address}",
+             f"greedy, server {args.address}" + (f", {rounds} rounds (vs off: that round's off)" if rounds > 1 else ""),
              f"{'clients':>7} {'mode':<5} {'tok/s':>7} {'vs off':>7} {'tpot p50':>9} {'tpot p95':>9} {'ttft p50':>9} "
              f"{'ttft p95':>9} {'accepted/drafted':>17} {'alpha':>6} {'steps':>6} {'forward':>8} {'round trip':>10} {'draft':>7}  (ms) "
              f"{'ahead':>6} {'prefix hits':>11}"]
     for r in rows:
         acc = f"{r['accepted']}/{r['drafted']}"
+        mode = f"{r['mode']}{r['round']}" if rounds > 1 else r["mode"]
         lines.append(
-            f"{r['clients']:>7} {r['mode']:<5} {r['tokens_per_s']:>7.1f} {fmt(r['speedup'], '.2f'):>6}x "
+            f"{r['clients']:>7} {mode:<5} {r['tokens_per_s']:>7.1f} {fmt(r['speedup'], '.2f'):>6}x "
             f"{fmt(r['tpot_p50_ms']):>9} {fmt(r['tpot_p95_ms']):>9} {fmt(r['ttft_p50_ms']):>9} "
             f"{fmt(r.get('ttft_p95_ms')):>9} {acc:>17} {fmt(r.get('alpha'), '.3f'):>6} {r['steps']:>6} {fmt(r['target_forward_ms']):>8} "
             f"{fmt(r['step_round_trip_ms']):>10} {fmt(r['draft_ms']):>7}       {fmt(r.get('drafted_ahead'), '.2f'):>6} "
             f"{fmt(r.get('prefix_hit_rate'), '.3f'):>11}")
+    if rounds > 1 and summary:
+        lines.append("over the rounds: median tok/s; vs off: geometric mean of the rounds' ratios [smallest, largest]")
+        for r in summary:
+            lines.append(f"{r['clients']:>7} {r['mode']:<5} {r['tokens_per_s']:>7.1f} {fmt(r['speedup'], '.3f'):>6}x "
+                         f"[{fmt(r['speedup_min'], '.3f')}, {fmt(r['speedup_max'], '.3f')}]  tpot p50 "
+                         f"{fmt(r['tpot_p50_ms'])} ms")
     dtype = args.dtype
     if not rows:
         lines.append("no cells")
@@ -505,6 +556,7 @@ REFERENCE_LABELS = {"generate": "transformers generate(), one request at a time"
 
 
 def plot(rows: list[dict], references: dict, path: str, args) -> None:
+    """tokens/s against clients, one line per mode: `rows` one per (clients, mode), the summary's medians."""
     import matplotlib
 
     matplotlib.use("Agg")
