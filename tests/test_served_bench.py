@@ -374,6 +374,53 @@ def test_rounds_reverse_the_order_and_each_ratio_is_over_its_own_rounds_off(benc
     assert "3 rounds" in out and "geometric mean of the rounds' ratios" in out and "auto2" in out
 
 
+def test_against_runs_every_cell_on_a_second_server_beside_the_first(bench_setup, capsys):
+    _, prompts, outputs = bench_setup
+    a, b = Served(FakeSpecDecode(outputs)), Served(FakeSpecDecode(outputs))
+    try:
+        main(argv(a, prompts, "--clients", "1", "--modes", "off", "on", "--rounds", "2", "--against", b.address,
+                  "--against-http", b.http, "--forget-outputs", "--json", "--plot", "/dev/null"))
+    finally:
+        a.close(), b.close()
+    out = capsys.readouterr().out
+    final = json.loads(out.splitlines()[-1])
+    rows, summary = final["rows"], final["summary"]
+    assert [(r["server"], r["mode"], r["round"]) for r in rows] == [
+        ("a", "off", 1), ("a", "on", 1), ("b", "off", 1), ("b", "on", 1),
+        ("b", "on", 2), ("b", "off", 2), ("a", "on", 2), ("a", "off", 2)]
+    streamed = [json.loads(line) for line in out.splitlines()[:-1] if line.startswith("{")]
+    assert streamed == rows
+    for served in (a, b):  # each server: 2 warm-ups, then its own cells; asked to forget before each of them
+        assert served.servicer.modes[2:][::len(PROMPTS)] == ["SPECULATION_OFF", "SPECULATION_ON", "SPECULATION_ON",
+                                                             "SPECULATION_OFF"]
+        assert served.forgets == ["/v1/admin/forget_outputs"] * 4
+    for r in rows:  # each ratio over the same server's off of the same round
+        off = next(o for o in rows if (o["server"], o["mode"], o["round"]) == (r["server"], "off", r["round"]))
+        assert r["speedup"] == round(r["tokens_per_s"] / off["tokens_per_s"], 3)
+        assert r["target_forward_ms"] == pytest.approx(2.0)  # each server's own /v1/stats
+    b_on = next(s for s in summary if (s["server"], s["mode"]) == ("b", "on"))
+    ratios = [next(r["tokens_per_s"] for r in rows if (r["server"], r["mode"], r["round"]) == (srv, "on", n))
+              for n in (1, 2) for srv in ("b", "a")]
+    assert b_on["vs_a"] == pytest.approx(((ratios[0] / ratios[1]) * (ratios[2] / ratios[3])) ** 0.5, abs=1e-3)
+    assert "vs_a" not in next(s for s in summary if s["server"] == "a")
+    assert "b:on2" in out and "vs a" in out and f"b {b.address}" in out
+
+
+def test_against_holds_the_second_server_to_the_first_servers_output(bench_setup, capsys):
+    _, prompts, outputs = bench_setup
+    a, b = Served(FakeSpecDecode(outputs)), Served(FakeSpecDecode(outputs, wrong_in="SPECULATION_OFF"))
+    try:
+        with pytest.raises(SystemExit) as e:
+            main(argv(a, prompts, "--clients", "1", "--modes", "off", "--against", b.address))
+    finally:
+        a.close(), b.close()
+    assert "server b: mode off at 1 clients changed the greedy output of prompt 0" in str(e.value)
+    with pytest.raises(SystemExit, match="--against-http"):
+        main(["bench-served", "--prompts", prompts, "--against", "h:1", "--forget-outputs"])
+    with pytest.raises(SystemExit, match="is --address itself"):
+        main(["bench-served", "--prompts", prompts, "--address", "h:1", "--against", "h:1"])
+
+
 def test_bad_client_count_is_a_one_line_error(bench_setup):
     _, prompts, _ = bench_setup
     with pytest.raises(SystemExit) as e:

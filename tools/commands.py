@@ -58,6 +58,11 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
                     help="before each cell, ask the server's draft replicas to forget earlier outputs (POST "
                          "/v1/admin/forget_outputs; the server needs server.allow_forget_outputs), so suffix drafts "
                          "of a cell never read the answers of a cell before it that sent the same prompts")
+    sb.add_argument("--against", metavar="HOST:PORT",
+                    help="a second server (b) of the same target, measured cell by cell beside the first (a) in "
+                         "the same run; its outputs must equal a's, the summary gives its tok/s over a's per round")
+    sb.add_argument("--against-http", default="", metavar="URL",
+                    help="the second server's HTTP root, for its /v1/stats and --forget-outputs (default: none)")
     sb.add_argument("--rounds", type=int, default=1,
                     help="run each client count's modes this many times, the order reversed every other round, each "
                          "cell's vs off over its own round's off; a summary gives each mode's median tok/s and the "

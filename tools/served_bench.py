@@ -20,6 +20,13 @@ cancels most of it. The summary gives each mode's median tokens/s and the geomet
 ratios with the smallest and largest. Later rounds re-send the prompts: a server's prefix cache holds them
 by then for every mode, and suffix drafts read the earlier answers unless --forget-outputs.
 
+With --against HOST:PORT a second server ("b", e.g. another config of the same target, started beside the
+first) runs every cell too, its cells beside the first's in each round (the order of all servers' cells
+reversed every other round), every output held to the first server's off; the summary adds b's tokens/s over
+a's in the same round ("vs a"). Two configurations compared this way share the host's drift; compared as
+two runs one after the other, they do not. An idle server beside a running one costs a little of the CPU,
+alike for both.
+
 plus, where the server reports them in GET /v1/stats ("timing"), where a step's time goes: the
 target's forward, a draft replica's verify round trip, its draft time. The server side changes, so a
 key it no longer reports shows as "-".
@@ -127,6 +134,16 @@ class Reply:
     tried: int = 0  # depths tried: the per-depth alpha is accepted / tried, whatever depth each step drafted
 
 
+@dataclass
+class Server:
+    """One server the grid runs on: "a" (--address), and "b" (--against) when two are compared."""
+
+    name: str
+    stub: object
+    http: str
+    stats: "_StatsReader"
+
+
 def bench_main(args) -> None:
     if not args.clients or min(args.clients) < 1:
         raise ValueError(f"--clients must be >= 1, got {args.clients}")
@@ -141,40 +158,24 @@ def bench_main(args) -> None:
         raise ValueError("--workload multi-turn needs --target DIR: its tokenizer reads each answer into the next turn")
     if args.forget_outputs and not args.http:
         raise ValueError("--forget-outputs needs --http: the server's HTTP root answers POST /v1/admin/forget_outputs")
+    if args.forget_outputs and args.against and not args.against_http:
+        raise ValueError("--forget-outputs with --against needs --against-http: the second server's HTTP root")
+    if args.against and args.against == args.address:
+        raise ValueError(f"--against {args.against} is --address itself: name a second server")
     modes = [Speculation.OFF] + [m for m in dict.fromkeys(args.modes) if m != Speculation.OFF]
     if max(args.clients) > len(rows):
         print(f"bench-served: {len(rows)} prompts: cells with more clients than that run at most {len(rows)} "
               f"requests at once", flush=True)
-    results, off_outputs = [], None
-    dtype = args.dtype  # the server's (its models.target.dtype)
-    with api_channel(args.address, args.api_key, args.tls, args.tls_ca) as channel:
-        stub = api_grpc.SpecDecodeStub(channel)
-        for mode in modes:  # warm-up (loads, first-call costs), not timed
-            stream_one(stub, rows[0], mode, min(4, args.max_new_tokens), args.timeout)
-        sent = rows  # the prompts of the first off cell: the references' (every turn's, multi-turn)
-        stats = _StatsReader(args.http, args.api_key)
-        for clients in args.clients:
-            off = None
-            for rnd in range(args.rounds):
-                cells, off_tps = [], None
-                for mode in round_order(modes, rnd):
-                    if args.forget_outputs:
-                        forget_outputs(args.http, args.api_key)
-                    before = stats.read()
-                    replies, wall, asked = run_cell(stub, rows, mode, clients, args.max_new_tokens, args.timeout,
-                                                    turns, tokenizer)
-                    after = stats.read()
-                    agree = None
-                    if mode == Speculation.OFF and off is None:
-                        off = [r.tokens for r in replies]
-                        sent, off_outputs = (sent, off_outputs) if off_outputs else (asked, off)
-                    else:
-                        agree = check_identical(off, replies, mode, clients, dtype)
-                    cells.append(cell_row(clients, mode, wall, replies, before, after, agree, rnd + 1))
-                    off_tps = cells[-1]["tokens_per_s"] if mode == Speculation.OFF else off_tps
-                    while off_tps and cells:  # printed as soon as its round's off cell has run, with its ratio
-                        results.append(with_speedup(cells.pop(0), off_tps))
-                        print(json.dumps(results[-1]), flush=True)
+    channels = [api_channel(address, args.api_key, args.tls, args.tls_ca)
+                for address in [args.address] + ([args.against] if args.against else [])]
+    try:
+        servers = [Server(name, api_grpc.SpecDecodeStub(channel), http, _StatsReader(http, args.api_key))
+                   for name, channel, http in zip("ab", channels, [args.http, args.against_http])]
+        results, sent, off_outputs = run_grid(servers, modes, rows, turns, tokenizer, args)
+    finally:
+        for channel in channels:
+            channel.close()
+    dtype = args.dtype
     if args.target and not args.no_references:
         references = measure_references(args.target, sent, args.max_new_tokens, off_outputs, dtype)
     else:
@@ -187,6 +188,43 @@ def bench_main(args) -> None:
         plot(summary, references, args.plot, args)
     if args.json:
         print(json.dumps({"rows": results, "summary": summary, "references": references}))
+
+
+def run_grid(servers: list[Server], modes: list[Speculation], rows: list[dict], turns: int, tokenizer, args):
+    """Every client count's cells: each (server, mode) once a round, the order reversed every other round; every
+    cell held to the first server's first off cell's outputs. -> (the rows, each printed as a JSON line once its
+    round's off cell on its server has run; the prompts the first off cell sent; its outputs)."""
+    arms = [(server, mode) for server in servers for mode in modes]
+    for server in servers:
+        for mode in modes:  # warm-up (loads, first-call costs), not timed
+            stream_one(server.stub, rows[0], mode, min(4, args.max_new_tokens), args.timeout)
+    results, sent, off_outputs = [], rows, None
+    for clients in args.clients:
+        off = None  # the outputs every cell of this client count must give
+        for rnd in range(args.rounds):
+            pending, offs = [], {}  # cells waiting for their server's off cell of this round
+            for server, mode in round_order(arms, rnd):
+                if args.forget_outputs:
+                    forget_outputs(server.http, args.api_key)
+                before = server.stats.read()
+                replies, wall, asked = run_cell(server.stub, rows, mode, clients, args.max_new_tokens, args.timeout,
+                                                turns, tokenizer)
+                after = server.stats.read()
+                agree = None
+                if off is None:  # arms start with the first server's off
+                    off = [r.tokens for r in replies]
+                    sent, off_outputs = (sent, off_outputs) if off_outputs else (asked, off)
+                else:
+                    agree = check_identical(off, replies, mode, clients, args.dtype,
+                                            f"server {server.name}: " if len(servers) > 1 else "")
+                pending.append(cell_row(clients, mode, wall, replies, before, after, agree, rnd + 1, server.name))
+                if mode == Speculation.OFF:
+                    offs[server.name] = pending[-1]["tokens_per_s"]
+                for cell in [c for c in pending if c["server"] in offs]:
+                    pending.remove(cell)
+                    results.append(with_speedup(cell, offs[cell["server"]]))
+                    print(json.dumps(results[-1]), flush=True)
+    return results, sent, off_outputs
 
 
 def _tokenizer(target: str | None):
@@ -269,7 +307,7 @@ def run_cell(stub, rows: list[dict], mode: Speculation, clients: int, max_new_to
 
 
 def check_identical(off: list[list[int]], replies: list[Reply], mode: Speculation, clients: int,
-                    dtype: str = "float32") -> float:
+                    dtype: str = "float32", where: str = "") -> float:
     """Greedy: every mode must give off's tokens, prompt by prompt (float32), or agree with them by at least
     AGREEMENT_FLOOR (another dtype: see is_exact); SystemExit naming the first prompt that does not, or the
     agreement. -> the agreement with off (1.0 when identical)."""
@@ -277,7 +315,7 @@ def check_identical(off: list[list[int]], replies: list[Reply], mode: Speculatio
     if is_exact(dtype):
         for i, (want, got) in enumerate(zip(off, outputs)):
             if (at := first_divergence(got, want)) is not None:
-                raise SystemExit(f"bench-served: mode {mode.lower()} at {clients} clients changed the greedy output of "
+                raise SystemExit(f"bench-served: {where}mode {mode.lower()} at {clients} clients changed the greedy output of "
                                  f"prompt {i} at token {at} (off: {want[at:at + 8]}, {mode.lower()}: {got[at:at + 8]}, "
                                  f"lengths {len(want)} vs {len(got)})")
         return 1.0
@@ -285,7 +323,7 @@ def check_identical(off: list[list[int]], replies: list[Reply], mode: Speculatio
     if agree is not None and agree < AGREEMENT_FLOOR:
         i, at = next((i, at) for i, (got, want) in enumerate(zip(outputs, off))
                      if (at := first_divergence(got, want)) is not None)
-        raise SystemExit(f"bench-served: mode {mode.lower()} at {clients} clients agrees with off's greedy output "
+        raise SystemExit(f"bench-served: {where}mode {mode.lower()} at {clients} clients agrees with off's greedy output "
                          f"on {agree:.3f} of the tokens before the first divergence, below {AGREEMENT_FLOOR} for a "
                          f"{dtype} server (first: prompt {i} at token {at})")
     return 1.0 if agree is None else round(agree, 3)
@@ -313,25 +351,35 @@ def with_speedup(cell: dict, off_tokens_per_s: float) -> dict:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per (clients, mode), over its rounds: the median tokens/s and TPOT p50, and the geometric mean of the
-    rounds' speedups (each over its own round's off) with the smallest and largest."""
+    """Per (clients, server, mode), over its rounds: the median tokens/s and TPOT p50, the geometric mean of the
+    rounds' speedups (each over its own round's off on that server) with the smallest and largest, and for the
+    second server ("b") the same of its tokens/s over the first's in the same round, client count and mode."""
     summary = []
-    for key in dict.fromkeys((r["clients"], r["mode"]) for r in rows):
-        cells = [r for r in rows if (r["clients"], r["mode"]) == key]
-        ratios = [r["speedup"] for r in cells if r["speedup"]]
+    for key in dict.fromkeys((r["clients"], r["server"], r["mode"]) for r in rows):
+        cells = [r for r in rows if (r["clients"], r["server"], r["mode"]) == key]
         tpot = [r["tpot_p50_ms"] for r in cells if r["tpot_p50_ms"] is not None]
-        summary.append({
-            "clients": key[0], "mode": key[1], "rounds": len(cells),
-            "tokens_per_s": round(percentile([r["tokens_per_s"] for r in cells], 50), 2),
-            "tpot_p50_ms": round(percentile(tpot, 50), 3) if tpot else None,
-            "speedup": round(math.exp(sum(map(math.log, ratios)) / len(ratios)), 3) if ratios else None,
-            "speedup_min": min(ratios, default=None), "speedup_max": max(ratios, default=None),
-        })
+        entry = {"clients": key[0], "server": key[1], "mode": key[2], "rounds": len(cells),
+                 "tokens_per_s": round(percentile([r["tokens_per_s"] for r in cells], 50), 2),
+                 "tpot_p50_ms": round(percentile(tpot, 50), 3) if tpot else None,
+                 **spread("speedup", [r["speedup"] for r in cells])}
+        if key[1] != "a":
+            a = {(r["clients"], r["mode"], r["round"]): r["tokens_per_s"] for r in rows if r["server"] == "a"}
+            entry |= spread("vs_a", [r["tokens_per_s"] / a[(r["clients"], r["mode"], r["round"])] for r in cells
+                                     if a.get((r["clients"], r["mode"], r["round"]))])
+        summary.append(entry)
     return summary
 
 
+def spread(name: str, ratios: list[float]) -> dict:
+    """{name: geometric mean, name_min, name_max} of some ratios (None for none)."""
+    ratios = [x for x in ratios if x]
+    mean = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
+    return {name: None if mean is None else round(mean, 3), f"{name}_min": round(min(ratios), 3) if ratios else None,
+            f"{name}_max": round(max(ratios), 3) if ratios else None}
+
+
 def cell_row(clients: int, mode: Speculation, wall: float, replies: list[Reply], before: dict, after: dict,
-             agree: float | None = None, rnd: int = 1) -> dict:
+             agree: float | None = None, rnd: int = 1, server: str = "a") -> dict:
     """One cell's measures ("speedup" is filled in by with_speedup once its round's off cell has run)."""
     tokens = sum(len(r.tokens) for r in replies)
     tps = tokens / wall
@@ -344,7 +392,7 @@ def cell_row(clients: int, mode: Speculation, wall: float, replies: list[Reply],
         return round(1000 * delta[key] / delta[count], 3) if key in delta and delta.get(count) else None
 
     return {
-        "clients": clients, "mode": mode.lower(), "round": rnd, "requests": len(replies), "tokens": tokens,
+        "clients": clients, "server": server, "mode": mode.lower(), "round": rnd, "requests": len(replies), "tokens": tokens,
         "wall_s": round(wall, 3), "tokens_per_s": round(tps, 2), "speedup": None,
         "tpot_p50_ms": ms(percentile(tpot, 50)), "tpot_p95_ms": ms(percentile(tpot, 95)),
         "ttft_p50_ms": ms(percentile([r.ttft_s for r in replies if r.ttft_s is not None], 50)),
@@ -511,26 +559,32 @@ def _generate_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: l
 def table(rows: list[dict], references: dict, args, n_prompts: int, summary: list[dict] | None = None) -> str:
     fmt = lambda v, spec=".1f": "-" if v is None else format(v, spec)  # noqa: E731
     rounds = max((r["round"] for r in rows), default=1)
+    two = any(r["server"] != "a" for r in rows)
+    label = lambda r, n="": (f"{r['server']}:" if two else "") + r["mode"] + n  # noqa: E731
+    servers = f"servers a {args.address}, b {args.against}" if two else f"server {args.address}"
     lines = [f"# specdec bench-served: {args.prompts} ({n_prompts} prompts, workload {args.workload}), "
-             f"max_new_tokens={args.max_new_tokens}, "
-             f"greedy, server {args.address}" + (f", {rounds} rounds (vs off: that round's off)" if rounds > 1 else ""),
-             f"{'clients':>7} {'mode':<5} {'tok/s':>7} {'vs off':>7} {'tpot p50':>9} {'tpot p95':>9} {'ttft p50':>9} "
+             f"max_new_tokens={args.max_new_tokens}, greedy, {servers}"
+             + (f", {rounds} rounds (vs off: that round's off on the same server)" if rounds > 1 else ""),
+             f"{'clients':>7} {'mode':<7} {'tok/s':>7} {'vs off':>7} {'tpot p50':>9} {'tpot p95':>9} {'ttft p50':>9} "
              f"{'ttft p95':>9} {'accepted/drafted':>17} {'alpha':>6} {'steps':>6} {'forward':>8} {'round trip':>10} {'draft':>7}  (ms) "
              f"{'ahead':>6} {'prefix hits':>11}"]
     for r in rows:
         acc = f"{r['accepted']}/{r['drafted']}"
-        mode = f"{r['mode']}{r['round']}" if rounds > 1 else r["mode"]
         lines.append(
-            f"{r['clients']:>7} {mode:<5} {r['tokens_per_s']:>7.1f} {fmt(r['speedup'], '.2f'):>6}x "
+            f"{r['clients']:>7} {label(r, str(r['round']) if rounds > 1 else ''):<7} {r['tokens_per_s']:>7.1f} "
+            f"{fmt(r['speedup'], '.2f'):>6}x "
             f"{fmt(r['tpot_p50_ms']):>9} {fmt(r['tpot_p95_ms']):>9} {fmt(r['ttft_p50_ms']):>9} "
             f"{fmt(r.get('ttft_p95_ms')):>9} {acc:>17} {fmt(r.get('alpha'), '.3f'):>6} {r['steps']:>6} {fmt(r['target_forward_ms']):>8} "
             f"{fmt(r['step_round_trip_ms']):>10} {fmt(r['draft_ms']):>7}       {fmt(r.get('drafted_ahead'), '.2f'):>6} "
             f"{fmt(r.get('prefix_hit_rate'), '.3f'):>11}")
-    if rounds > 1 and summary:
-        lines.append("over the rounds: median tok/s; vs off: geometric mean of the rounds' ratios [smallest, largest]")
+    if (rounds > 1 or two) and summary:
+        lines.append("over the rounds: median tok/s; vs off" + (" and b vs a" if two else "")
+                     + ": geometric mean of the rounds' ratios [smallest, largest]")
         for r in summary:
-            lines.append(f"{r['clients']:>7} {r['mode']:<5} {r['tokens_per_s']:>7.1f} {fmt(r['speedup'], '.3f'):>6}x "
-                         f"[{fmt(r['speedup_min'], '.3f')}, {fmt(r['speedup_max'], '.3f')}]  tpot p50 "
+            vs_a = f"  vs a {fmt(r['vs_a'], '.3f')}x [{fmt(r['vs_a_min'], '.3f')}, {fmt(r['vs_a_max'], '.3f')}]" \
+                if "vs_a" in r else ""
+            lines.append(f"{r['clients']:>7} {label(r):<7} {r['tokens_per_s']:>7.1f} {fmt(r['speedup'], '.3f'):>6}x "
+                         f"[{fmt(r['speedup_min'], '.3f')}, {fmt(r['speedup_max'], '.3f')}]{vs_a}  tpot p50 "
                          f"{fmt(r['tpot_p50_ms'])} ms")
     dtype = args.dtype
     if not rows:
@@ -556,7 +610,7 @@ REFERENCE_LABELS = {"generate": "transformers generate(), one request at a time"
 
 
 def plot(rows: list[dict], references: dict, path: str, args) -> None:
-    """tokens/s against clients, one line per mode: `rows` one per (clients, mode), the summary's medians."""
+    """tokens/s against clients, one line per server and mode: `rows` the summary's (its medians over rounds)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -564,9 +618,11 @@ def plot(rows: list[dict], references: dict, path: str, args) -> None:
 
     clients = sorted({r["clients"] for r in rows})
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for mode in dict.fromkeys(r["mode"] for r in rows):
-        points = sorted((r["clients"], r["tokens_per_s"]) for r in rows if r["mode"] == mode)
-        ax.plot(*zip(*points), marker="o", label=f"specdec serve, speculation {mode}")
+    two = any(r["server"] != "a" for r in rows)
+    for server, mode in dict.fromkeys((r["server"], r["mode"]) for r in rows):
+        points = sorted((r["clients"], r["tokens_per_s"]) for r in rows if (r["server"], r["mode"]) == (server, mode))
+        where = f" (server {server}: {args.address if server == 'a' else args.against})" if two else ""
+        ax.plot(*zip(*points), marker="o", label=f"specdec serve, speculation {mode}{where}")
     for (name, ref), style in zip(references.items(), ("--", ":")):
         if "tokens_per_s" in ref:
             ax.axhline(ref["tokens_per_s"], color="gray", ls=style,
