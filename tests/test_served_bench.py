@@ -402,6 +402,10 @@ def test_against_runs_every_cell_on_a_second_server_beside_the_first(bench_setup
     ratios = [next(r["tokens_per_s"] for r in rows if (r["server"], r["mode"], r["round"]) == (srv, "on", n))
               for n in (1, 2) for srv in ("b", "a")]
     assert b_on["vs_a"] == pytest.approx(((ratios[0] / ratios[1]) * (ratios[2] / ratios[3])) ** 0.5, abs=1e-3)
+    b_cells = [r for r in rows if (r["server"], r["mode"]) == ("b", "on")]
+    assert b_on["alpha"] == round(sum(r["accepted"] for r in b_cells) / sum(r["tried"] for r in b_cells), 3)
+    assert b_on["ttft_vs_a"] > 0 and b_on["ttft_p50_ms"] == pytest.approx(
+        sum(r["ttft_p50_ms"] for r in b_cells) / 2, abs=1e-3)  # the median of two: their mean
     assert "vs_a" not in next(s for s in summary if s["server"] == "a")
     assert "b:on2" in out and "vs a" in out and f"b {b.address}" in out
 

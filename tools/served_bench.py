@@ -351,23 +351,33 @@ def with_speedup(cell: dict, off_tokens_per_s: float) -> dict:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per (clients, server, mode), over its rounds: the median tokens/s and TPOT p50, the geometric mean of the
-    rounds' speedups (each over its own round's off on that server) with the smallest and largest, and for the
-    second server ("b") the same of its tokens/s over the first's in the same round, client count and mode."""
+    """Per (clients, server, mode), over its rounds: the median tokens/s, TPOT p50 and TTFT p50, alpha pooled over
+    its cells (accepted / tried), the geometric mean of the rounds' speedups (each over its own round's off on that
+    server) with the smallest and largest, and for the second server ("b") the same of its tokens/s and its TTFT
+    p50 over the first's in the same round, client count and mode ("vs_a", "ttft_vs_a")."""
     summary = []
     for key in dict.fromkeys((r["clients"], r["server"], r["mode"]) for r in rows):
         cells = [r for r in rows if (r["clients"], r["server"], r["mode"]) == key]
-        tpot = [r["tpot_p50_ms"] for r in cells if r["tpot_p50_ms"] is not None]
+        median = lambda k: _median([r[k] for r in cells])  # noqa: E731
+        accepted, tried = sum(r["accepted"] for r in cells), sum(r["tried"] for r in cells)
         entry = {"clients": key[0], "server": key[1], "mode": key[2], "rounds": len(cells),
-                 "tokens_per_s": round(percentile([r["tokens_per_s"] for r in cells], 50), 2),
-                 "tpot_p50_ms": round(percentile(tpot, 50), 3) if tpot else None,
+                 "tokens_per_s": median("tokens_per_s"), "tpot_p50_ms": median("tpot_p50_ms"),
+                 "ttft_p50_ms": median("ttft_p50_ms"), "alpha": round(accepted / tried, 3) if tried else None,
                  **spread("speedup", [r["speedup"] for r in cells])}
         if key[1] != "a":
-            a = {(r["clients"], r["mode"], r["round"]): r["tokens_per_s"] for r in rows if r["server"] == "a"}
-            entry |= spread("vs_a", [r["tokens_per_s"] / a[(r["clients"], r["mode"], r["round"])] for r in cells
-                                     if a.get((r["clients"], r["mode"], r["round"]))])
+            first = {(r["clients"], r["mode"], r["round"]): r for r in rows if r["server"] == "a"}
+            pairs = [(r, first[(r["clients"], r["mode"], r["round"])]) for r in cells
+                     if (r["clients"], r["mode"], r["round"]) in first]
+            entry |= spread("vs_a", [b["tokens_per_s"] / a["tokens_per_s"] for b, a in pairs])
+            entry |= spread("ttft_vs_a", [b["ttft_p50_ms"] / a["ttft_p50_ms"] for b, a in pairs
+                                          if b["ttft_p50_ms"] and a["ttft_p50_ms"]])
         summary.append(entry)
     return summary
+
+
+def _median(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(percentile(values, 50), 3) if values else None
 
 
 def spread(name: str, ratios: list[float]) -> dict:
@@ -581,11 +591,11 @@ def table(rows: list[dict], references: dict, args, n_prompts: int, summary: lis
         lines.append("over the rounds: median tok/s; vs off" + (" and b vs a" if two else "")
                      + ": geometric mean of the rounds' ratios [smallest, largest]")
         for r in summary:
-            vs_a = f"  vs a {fmt(r['vs_a'], '.3f')}x [{fmt(r['vs_a_min'], '.3f')}, {fmt(r['vs_a_max'], '.3f')}]" \
-                if "vs_a" in r else ""
+            vs_a = f"  vs a {fmt(r['vs_a'], '.3f')}x [{fmt(r['vs_a_min'], '.3f')}, {fmt(r['vs_a_max'], '.3f')}], " \
+                f"ttft vs a {fmt(r['ttft_vs_a'], '.3f')}x" if "vs_a" in r else ""
             lines.append(f"{r['clients']:>7} {label(r):<7} {r['tokens_per_s']:>7.1f} {fmt(r['speedup'], '.3f'):>6}x "
                          f"[{fmt(r['speedup_min'], '.3f')}, {fmt(r['speedup_max'], '.3f')}]{vs_a}  tpot p50 "
-                         f"{fmt(r['tpot_p50_ms'])} ms")
+                         f"{fmt(r['tpot_p50_ms'])} ms, ttft p50 {fmt(r['ttft_p50_ms'])} ms, alpha {fmt(r['alpha'], '.3f')}")
     dtype = args.dtype
     if not rows:
         lines.append("no cells")
