@@ -39,6 +39,7 @@ class FakeSpecDecode(api_grpc.SpecDecodeServicer):
         self.lock = threading.Lock()
         self.authorizations = []  # each call's authorization metadata
         self.modes = []  # each call's speculation mode
+        self.reports = 0  # the speculative requests streamed: what its router "measured"
 
     def GenerateStream(self, request, context):
         self.authorizations.append(dict(context.invocation_metadata()).get("authorization"))
@@ -51,6 +52,8 @@ class FakeSpecDecode(api_grpc.SpecDecodeServicer):
             at = self.wrong_from % len(tokens)
             tokens[at:] = [(t + 1) % 64 for t in tokens[at:]]
         size = 1 if mode == "SPECULATION_OFF" else 3
+        with self.lock:
+            self.reports += size > 1
         chunks = [tokens[i:i + size] for i in range(0, len(tokens), size)]
         for n, chunk in enumerate(chunks):
             time.sleep(0.002)  # a step
@@ -82,7 +85,9 @@ class Served:
                 seen.append(self.headers.get("Authorization"))
                 body = json.dumps({"timing": {"forwards": servicer.forwards, "forward_s": 0.002 * servicer.forwards},
                                    "target": {"prefix_prompt_tokens": servicer.prompt_words,
-                                              "prefix_hit_tokens": servicer.prompt_words // 2}})
+                                              "prefix_hit_tokens": servicer.prompt_words // 2},
+                                   "task_types": {"code": {"decision": "on", "drafter": "suffix", "k": 4,
+                                                           "drafters": {"suffix": {"samples": servicer.reports}}}}})
                 self.send_response(200 if self.path == "/v1/stats" else 404)
                 self.send_header("Content-Type", "application/json")
                 self.end_headers()
@@ -156,6 +161,8 @@ def test_grid_rows_references_and_plot(bench_setup, capsys, tmp_path):
         assert r["agreement_with_off"] == (None if r["mode"] == "off" else 1.0)
         assert r["target_forward_ms"] == pytest.approx(2.0)  # reported by the fake /v1/stats
         assert r["step_round_trip_ms"] is None and r["draft_ms"] is None  # keys the server does not report
+        assert r["router"] == {"code": {"decision": "on", "drafter": "suffix", "k": 4}}  # at the cell's end
+        assert r["drafted_by"] == ({} if r["mode"] == "off" else {"code/suffix": len(PROMPTS)})  # reports in the cell
     on = next(r for r in rows if r["mode"] == "on")
     assert on["steps"] == len(PROMPTS) * 2 and on["accepted"] == len(PROMPTS) * (NEW_TOKENS - 2)
     assert on["tried"] == len(PROMPTS) * (NEW_TOKENS - 1)  # pooled over the requests: accepted / tried depths

@@ -422,6 +422,10 @@ def cell_row(clients: int, mode: Speculation, wall: float, replies: list[Reply],
         "draft_ms": per("draft_s", "steps"),
         "drafted_ahead": round(delta["drafted_ahead"] / delta["steps"], 3)  # share of steps whose tree was ready
         if "drafted_ahead" in delta and delta.get("steps") else None,
+        # the router at the cell's end, and the speculative requests each drafter drafted in the cell (its reports)
+        "router": after.get("router"),
+        "drafted_by": {key: n - before.get("reports", {}).get(key, 0) for key, n in after.get("reports", {}).items()
+                       if n > before.get("reports", {}).get(key, 0)} if "reports" in after else None,
     }
 
 
@@ -470,13 +474,30 @@ class _StatsReader:
         if not isinstance(timing, dict):
             return self._note(f"GET {self.http}/v1/stats has no 'timing'")
         target = body.get("target") if isinstance(body.get("target"), dict) else {}
-        return {k: v for k, v in (timing | target).items() if k in TIMING_KEYS + PREFIX_KEYS and isinstance(v, int | float)}
+        read = {k: v for k, v in (timing | target).items() if k in TIMING_KEYS + PREFIX_KEYS and isinstance(v, int | float)}
+        return read | _router_view(body.get("task_types"))
 
     def _note(self, msg: str) -> dict:
         if not self.noted:
             print(f"bench-served: {msg}: server step timing shown as '-'", flush=True)
             self.noted = True
         return {}
+
+
+def _router_view(task_types) -> dict:
+    """What GET /v1/stats says the router chose per task type ("router": decision, drafter and K for AUTO
+    requests) and each drafter's reports so far ("reports": {"task/drafter": count}); {} where it says nothing."""
+    if not isinstance(task_types, dict):
+        return {}
+    router, reports = {}, {}
+    for task, stats in task_types.items():
+        if not isinstance(stats, dict):
+            continue
+        router[task] = {key: stats.get(key) for key in ("decision", "drafter", "k")}
+        for drafter, measured in (stats.get("drafters") or {}).items():
+            if isinstance(measured, dict) and isinstance(measured.get("samples"), int):
+                reports[f"{task}/{drafter}"] = measured["samples"]
+    return {"router": router, "reports": reports}
 
 
 # --- the reference lines --------------------------------------------------------------------------------
