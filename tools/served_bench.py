@@ -339,10 +339,11 @@ def percentile(values: list[float], q: float) -> float | None:
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
-def round_order(modes: list[Speculation], rnd: int) -> list[Speculation]:
-    """The modes in round `rnd` (from 0): as given (off first) in even rounds, reversed in odd ones, so over an even
-    number of rounds every mode runs as often early as late, and a drift of the host's speed cancels in the ratios."""
-    return list(modes) if rnd % 2 == 0 else list(reversed(modes))
+def round_order(arms: list, rnd: int) -> list:
+    """The cells of round `rnd` (from 0), each a (server, mode): as given (the first server's off first) in even
+    rounds, reversed in odd ones, so over an even number of rounds every cell runs as often early as late, and a
+    drift of the host's speed cancels in the ratios."""
+    return list(arms) if rnd % 2 == 0 else list(reversed(arms))
 
 
 def with_speedup(cell: dict, off_tokens_per_s: float) -> dict:
