@@ -357,6 +357,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     server) with the smallest and largest, and for the second server ("b") the same of its tokens/s and its TTFT
     p50 over the first's in the same round, client count and mode ("vs_a", "ttft_vs_a")."""
     summary = []
+    first = {(r["clients"], r["mode"], r["round"]): r for r in rows if r["server"] == "a"}
     for key in dict.fromkeys((r["clients"], r["server"], r["mode"]) for r in rows):
         cells = [r for r in rows if (r["clients"], r["server"], r["mode"]) == key]
         median = lambda k: _median([r[k] for r in cells])  # noqa: E731
@@ -366,7 +367,6 @@ def summarize(rows: list[dict]) -> list[dict]:
                  "ttft_p50_ms": median("ttft_p50_ms"), "alpha": round(accepted / tried, 3) if tried else None,
                  **spread("speedup", [r["speedup"] for r in cells])}
         if key[1] != "a":
-            first = {(r["clients"], r["mode"], r["round"]): r for r in rows if r["server"] == "a"}
             pairs = [(r, first[(r["clients"], r["mode"], r["round"])]) for r in cells
                      if (r["clients"], r["mode"], r["round"]) in first]
             entry |= spread("vs_a", [b["tokens_per_s"] / a["tokens_per_s"] for b, a in pairs])
@@ -425,9 +425,13 @@ def cell_row(clients: int, mode: Speculation, wall: float, replies: list[Reply],
         if "drafted_ahead" in delta and delta.get("steps") else None,
         # the router at the cell's end, and the speculative requests each drafter drafted in the cell (its reports)
         "router": after.get("router"),
-        "drafted_by": {key: n - before.get("reports", {}).get(key, 0) for key, n in after.get("reports", {}).items()
-                       if n > before.get("reports", {}).get(key, 0)} if "reports" in after else None,
+        "drafted_by": drafted_between(before.get("reports", {}), after["reports"]) if "reports" in after else None,
     }
+
+
+def drafted_between(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The reports each "task/drafter" gained between two reads of /v1/stats (those that gained none left out)."""
+    return {key: n - before.get(key, 0) for key, n in after.items() if n > before.get(key, 0)}
 
 
 def forget_outputs(http: str, api_key: str | None) -> int:
