@@ -12,13 +12,17 @@ expected_tokens(alpha, K) / (1 + K * draft_cost_ratio). While off, a `probe_frac
 speculates so that alpha stays live. A task type's `speculation: on | off` forces the decision.
 
 Where the draft replicas run several drafter kinds (speculation.drafter a list), alpha is kept per task
-type and drafter, and the router also chooses the drafter: each is tried until it has min_samples
-reports, then the one of the highest goodput at its best K drafts, and another takes over only once it
-beats it by switch_margin; a probe_fraction of speculative requests tries the others that may still beat
-it, so their alphas stay live. Measuring stops early for a drafter that cannot win (successive elimination): once even the top
-of its alpha's confidence interval commits less than another's bottom, it is only probed, so a drafter
-that costs far more than another is not tried min_samples times at a loss. A drafter that runs no model costs no draft forwards; one that does costs what the replicas
-measure. routing.*.drafter pins one; routing.*.forbid_drafters rules some out."""
+type and drafter, and the router also chooses the drafter. Each drafter's reports give its mean alpha and a
+confidence interval, and a drafter's goodput at the top of its interval is the most it could commit
+(optimism under uncertainty, as UCB bandits do): while the drafter that could commit the most has fewer than
+min_samples reports, requests go to it; then the one of the highest goodput at its moving average alpha, of
+those with min_samples reports, drafts, and another takes over only once it beats it by switch_margin. A
+drafter is thus measured only while it could be the best: a free lookup is tried before a draft model (at an
+alpha of 1 it commits more), and a draft model that costs more than the lookup's alpha can repay stops being
+tried after a few reports, not min_samples. A probe_fraction of speculative requests tries the others that
+may still beat the one chosen, so their alphas stay live; one whose interval's top commits less than
+another's bottom is ruled out (successive elimination) and only probed. A drafter that runs no model costs
+no draft forwards; one that does costs what the replicas measure. routing.*.drafter pins one; routing.*.forbid_drafters rules some out."""
 
 import math
 import threading
@@ -232,7 +236,7 @@ class Router:
             measured.add(acceptance_rate(accepted, tried), thresholds.ema)
             state.reports += 1
             measured.last_report = state.reports
-            _decide(state, thresholds, self._contenders(state, thresholds))
+            _decide(state, thresholds, self._contenders(state, thresholds), self._measuring(state, thresholds))
 
     def update_routing(self, routing: RoutingConfig) -> None:
         """New thresholds apply at once, to decisions too; learned alphas and counts are kept. ValueError
@@ -242,7 +246,7 @@ class Router:
             self._routing = routing
             for task_type, state in self._tasks.items():
                 thresholds = routing.thresholds(task_type)
-                _decide(state, thresholds, self._contenders(state, thresholds))
+                _decide(state, thresholds, self._contenders(state, thresholds), self._measuring(state, thresholds))
 
     def stats(self) -> dict[str, TaskTypeStats]:
         """Per task type: alpha, decision ("on"/"off") and k for AUTO requests, the reason, the goodput
@@ -267,9 +271,11 @@ class Router:
         return [kind for kind in self.shapes if kind not in thresholds.forbid_drafters]
 
     def _choose(self, state: _TaskState, thresholds: Thresholds) -> tuple[DrafterKind, str]:
-        """The drafter AUTO requests speculate with, and why: pinned; or, while one allowed and not ruled out
-        has fewer than min_samples reports, the least tried of those; else the highest goodput, switching
-        only when it beats the one chosen by switch_margin."""
+        """The drafter AUTO requests speculate with, and why: pinned; or, while the allowed drafter not ruled out
+        whose goodput could be the highest (at the top of its alpha's interval: optimism under uncertainty, UCB)
+        has fewer than min_samples reports, that one (ties: the least tried); else, of those with min_samples
+        reports, the highest goodput, switching only when it beats the one chosen by switch_margin. A drafter
+        that stops leading before it has min_samples reports is only probed (_try_another) while it may win."""
         allowed = self._allowed(thresholds)
         if len(self.shapes) == 1:
             return allowed[0], ""  # the one served: nothing to choose
@@ -279,19 +285,32 @@ class Router:
         why_out = {kind: self._ruled_out(state, thresholds, kind) for kind in allowed}
         contenders = [kind for kind in allowed if not why_out[kind]]
         out = "".join(f"; {why}" for why in why_out.values() if why)
-        unmeasured = [kind for kind in contenders if state.drafters[kind].samples < thresholds.min_samples]
-        if unmeasured:
-            kind = min(unmeasured, key=lambda k: state.drafters[k].routed)
-            return kind, (f"drafter {kind}: measuring it ({state.drafters[kind].samples} of min_samples "
-                          f"{thresholds.min_samples} reports){out}")
-        value = {kind: self._value(state.drafters[kind], thresholds, kind) for kind in contenders}
-        best = max(contenders, key=value.get)
-        held = state.chosen if state.chosen in contenders else best
+        leader, ceiling = self._leader(state, thresholds, contenders)
+        if state.drafters[leader].samples < thresholds.min_samples:
+            others = "".join(f", {kind} {ceiling[kind]:.1f}" for kind in contenders if kind != leader)
+            return leader, (f"drafter {leader}: measuring it ({state.drafters[leader].samples} of min_samples "
+                            f"{thresholds.min_samples} reports; at most {ceiling[leader]:.1f} tokens/s{others}){out}")
+        measured = [kind for kind in contenders if state.drafters[kind].samples >= thresholds.min_samples]
+        value = {kind: self._value(state.drafters[kind], thresholds, kind) for kind in measured}
+        best = max(measured, key=value.get)
+        held = state.chosen if state.chosen in measured else best
         if value[best] > value[held] * (1 + thresholds.switch_margin):
             held = best
         state.chosen = held
-        others = ", ".join(f"{kind} {value[kind]:.1f}" for kind in contenders if kind != held)
+        others = ", ".join(f"{kind} {value[kind]:.1f}" for kind in measured if kind != held)
         return held, f"drafter {held} ({value[held]:.1f}{f' vs {others}' if others else ''} tokens/s){out}"
+
+    def _leader(self, state: _TaskState, thresholds: Thresholds,
+                contenders: list[DrafterKind]) -> tuple[DrafterKind, dict[DrafterKind, float]]:
+        """The contender whose goodput could be the highest (at the top of its alpha's interval; ties: the least
+        tried), and every contender's goodput there."""
+        ceiling = {kind: self._worth(state.drafters[kind].bounds()[1], thresholds, kind) for kind in contenders}
+        return max(contenders, key=lambda kind: (ceiling[kind], -state.drafters[kind].routed)), ceiling
+
+    def _measuring(self, state: _TaskState, thresholds: Thresholds) -> bool:
+        """Whether the contender that could be the best still has fewer than min_samples reports."""
+        contenders = self._contenders(state, thresholds)
+        return state.drafters[self._leader(state, thresholds, contenders)[0]].samples < thresholds.min_samples
 
     def _contenders(self, state: _TaskState, thresholds: Thresholds) -> list[DrafterKind]:
         """The allowed drafters that may still be the best: all but those _ruled_out (never all: the one whose
@@ -440,14 +459,14 @@ def _choose_mode(state: _TaskState, thresholds: Thresholds, requested: Speculati
     return "plain"
 
 
-def _decide(state: _TaskState, thresholds: Thresholds, contenders: list[DrafterKind]) -> None:
-    """Switch off once every contending drafter with enough reports is below off_alpha (and none lacks them),
-    on once one reaches on_alpha; else keep."""
-    measured = [state.drafters[kind] for kind in contenders if kind in state.drafters]
-    ready = [m.alpha for m in measured if m.samples >= thresholds.min_samples]
+def _decide(state: _TaskState, thresholds: Thresholds, contenders: list[DrafterKind], measuring: bool) -> None:
+    """Switch on once a contending drafter with min_samples reports reaches on_alpha; off once every one with
+    them is below off_alpha and none still measuring could be the best (Router._leader); else keep."""
+    ready = [state.drafters[kind].alpha for kind in contenders
+             if kind in state.drafters and state.drafters[kind].samples >= thresholds.min_samples]
     if not ready:
         return
     if max(ready) >= thresholds.on_alpha:
         state.speculating = True
-    elif len(ready) == len(measured) and max(ready) < thresholds.off_alpha:
+    elif not measuring and max(ready) < thresholds.off_alpha:
         state.speculating = False

@@ -1,5 +1,5 @@
 """Several drafter kinds served at once (speculation.drafter a list): every draft replica runs each, the
-router measures each per task type and chooses, a pinned task type drafts with its drafter only, a task
+router measures them per task type and chooses, a pinned task type drafts with its drafter only, a task
 type with a corpus drafts from it (REST), and every answer stays the target's greedy output. Through gRPC into Ray Serve's ingress, the router, a draft
 replica and the target, in Ray actors."""
 
@@ -56,7 +56,7 @@ def stats_of(stub, task_type: str) -> api.TaskTypeStats:
     return next(t for t in stub.GetStats(api.GetStatsRequest()).task_types if t.task_type == task_type)
 
 
-def test_each_drafter_is_measured_and_one_chosen_with_greedy_output_unchanged(served, target):
+def test_the_drafters_are_measured_and_one_chosen_with_greedy_output_unchanged(served, target):
     stub, tokenizer, _ = served
     for i in range(4 * MIN_SAMPLES):
         prompt = PROMPTS[i % len(PROMPTS)]
@@ -65,8 +65,9 @@ def test_each_drafter_is_measured_and_one_chosen_with_greedy_output_unchanged(se
         assert list(reply.token_ids) == hf_greedy(target, tokenizer(prompt)["input_ids"], 24), prompt
     stats = stats_of(stub, "code")
     assert set(stats.drafters) == {"ngram", "suffix"}
-    assert all(d.samples >= MIN_SAMPLES for d in stats.drafters.values()), stats  # both measured...
-    assert stats.drafter in ("ngram", "suffix") and f"drafter {stats.drafter}" in stats.reason  # ...one chosen
+    assert all(d.samples >= 1 for d in stats.drafters.values()), stats  # both tried...
+    assert stats.drafter in ("ngram", "suffix") and f"drafter {stats.drafter}" in stats.reason  # ...one chosen,
+    assert stats.drafters[stats.drafter].samples >= MIN_SAMPLES, stats  # once measured
 
 
 def test_a_pinned_task_type_drafts_with_its_drafter_only(served, target):
