@@ -40,10 +40,12 @@ class FakeSpecDecode(api_grpc.SpecDecodeServicer):
         self.authorizations = []  # each call's authorization metadata
         self.modes = []  # each call's speculation mode
         self.reports = 0  # the speculative requests streamed: what its router "measured"
+        self.prompts = []  # each call's prompt
 
     def GenerateStream(self, request, context):
         self.authorizations.append(dict(context.invocation_metadata()).get("authorization"))
         self.modes.append(api.Speculation.Name(request.speculation))
+        self.prompts.append(request.prompt)
         tokens = list(self.outputs[request.prompt][:request.max_new_tokens])
         with self.lock:
             self.prompt_words += 2 * len(request.prompt.split())
@@ -379,6 +381,29 @@ def test_rounds_reverse_the_order_and_each_ratio_is_over_its_own_rounds_off(benc
         assert s["tokens_per_s"] == sorted(r["tokens_per_s"] for r in cells)[1]  # the median of three
     assert [s["mode"] for s in summary] == ["off", "on", "auto"] and summary[0]["speedup"] == 1.0
     assert "3 rounds" in out and "geometric mean of the rounds' ratios" in out and "auto2" in out
+
+
+def test_fresh_prompts_give_each_round_prompts_no_cell_sent_before(bench_setup, capsys):
+    """--fresh-prompts: the last prompt warms up, and each (client count, round) sends its own share of the rest,
+    each cell held to its own round's off; the references cover every share."""
+    target, prompts, outputs = bench_setup
+    served = Served(FakeSpecDecode(outputs))
+    try:
+        main(argv(served, prompts, "--clients", "1", "--modes", "off", "on", "--rounds", "2", "--fresh-prompts",
+                  "--target", target, "--json"))
+    finally:
+        served.close()
+    out = capsys.readouterr().out
+    final = json.loads(out.splitlines()[-1])
+    sent = [PROMPTS[0]["prompt"]] * 2 + [PROMPTS[1]["prompt"]] * 2
+    assert served.servicer.prompts == [PROMPTS[2]["prompt"]] * 2 + sent  # warm-ups, then round 1 and round 2
+    assert [(r["mode"], r["round"], r["requests"]) for r in final["rows"]] == [
+        ("off", 1, 1), ("on", 1, 1), ("on", 2, 1), ("off", 2, 1)]
+    assert all(r["identical_to_off"] is True for r in final["rows"] if r["mode"] == "on")
+    assert all(ref["identical_to_off"] == "2/2" for ref in final["references"].values())
+    assert "fresh prompts" in out
+    with pytest.raises(SystemExit, match=r"--fresh-prompts: 3 prompts cannot give each of 2 client counts x 2 rounds"):
+        main(argv(served, prompts, "--rounds", "2", "--fresh-prompts"))
 
 
 def test_against_runs_every_cell_on_a_second_server_beside_the_first(bench_setup, capsys):

@@ -67,6 +67,10 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
                     help="run each client count's modes this many times, the order reversed every other round, each "
                          "cell's vs off over its own round's off; a summary gives each mode's median tok/s and the "
                          "geometric mean of its ratios (default 1)")
+    sb.add_argument("--fresh-prompts", action="store_true",
+                    help="each client count's every round sends its own share of the prompts (of n such groups the "
+                         "k-th sends prompts k, k+n, ...; the last prompt only warms up), so a server's first cell of "
+                         "a group sends prompts no earlier cell sent: a prefix cache measured on first sendings")
     sb.add_argument("--timeout", type=float, default=600, help="deadline per request in seconds (default 600)")
     sb.add_argument("--json", action="store_true",
                     help='end with one JSON line {"rows": [...], "summary": [...], "references": {...}}')

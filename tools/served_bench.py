@@ -18,7 +18,9 @@ in the first, last in the second), each cell's "vs off" over its own round's off
 between cells (10-30% on a shared 2-core machine), and a ratio of neighbouring cells, taken both ways round,
 cancels most of it. The summary gives each mode's median tokens/s and the geometric mean of its rounds'
 ratios with the smallest and largest. Later rounds re-send the prompts: a server's prefix cache holds them
-by then for every mode, and suffix drafts read the earlier answers unless --forget-outputs.
+by then for every mode, and suffix drafts read the earlier answers unless --forget-outputs; with
+--fresh-prompts each (client count, round) sends its own share of the prompts instead, so a server's first
+cell of each sends prompts it has never seen (the cells after it, the other modes, re-send them).
 
 With --against HOST:PORT a second server ("b", e.g. another config of the same target, started beside the
 first) runs every cell too, its cells beside the first's in each round (the order of all servers' cells
@@ -162,6 +164,11 @@ def bench_main(args) -> None:
         raise ValueError("--forget-outputs with --against needs --against-http: the second server's HTTP root")
     if args.against and args.against == args.address:
         raise ValueError(f"--against {args.against} is --address itself: name a second server")
+    groups = len(args.clients) * args.rounds
+    if args.fresh_prompts and len(rows) - 1 < groups:
+        raise ValueError(f"--fresh-prompts: {len(rows)} prompts cannot give each of {len(args.clients)} client counts x "
+                         f"{args.rounds} rounds = {groups} groups a prompt of its own (one more warms up): raise "
+                         f"--limit or lower --clients/--rounds")
     modes = [Speculation.OFF] + [m for m in dict.fromkeys(args.modes) if m != Speculation.OFF]
     if max(args.clients) > len(rows):
         print(f"bench-served: {len(rows)} prompts: cells with more clients than that run at most {len(rows)} "
@@ -190,39 +197,59 @@ def bench_main(args) -> None:
         print(json.dumps({"rows": results, "summary": summary, "references": references}))
 
 
+def prompt_groups(rows: list[dict], groups: int, fresh: bool) -> tuple[dict, list[list[dict]]]:
+    """-> (the warm-up's row, each (client count, round) group's rows in order): all of them for every group, or
+    with `fresh` a share each (the k-th of n: rows k, k+n, ...) of all but the last, which warms up."""
+    if not fresh:
+        return rows[0], [rows] * groups
+    return rows[-1], [rows[:-1][k::groups] for k in range(groups)]
+
+
 def run_grid(servers: list[Server], modes: list[Speculation], rows: list[dict], turns: int, tokenizer, args):
     """Every client count's cells: each (server, mode) once a round, the order reversed every other round; every
-    cell held to the first server's first off cell's outputs. -> (the rows, each printed as a JSON line once its
-    round's off cell on its server has run; the prompts the first off cell sent; its outputs)."""
+    cell held to the first server's first off cell's outputs of its client count (--fresh-prompts: of its round).
+    -> (the rows, each printed as a JSON line once its round's off cell on its server has run; the prompts the
+    first off cells sent (the first client count's, or with --fresh-prompts every group's); their outputs)."""
     arms = [(server, mode) for server in servers for mode in modes]
+    warm, shares = prompt_groups(rows, len(args.clients) * args.rounds, args.fresh_prompts)
     for server in servers:
         for mode in modes:  # warm-up (loads, first-call costs), not timed
-            stream_one(server.stub, rows[0], mode, min(4, args.max_new_tokens), args.timeout)
-    results, sent, off_outputs = [], rows, None
-    for clients in args.clients:
-        off = None  # the outputs every cell of this client count must give
+            stream_one(server.stub, warm, mode, min(4, args.max_new_tokens), args.timeout)
+    results, sent, off_outputs = [], [], []
+    for c, clients in enumerate(args.clients):
+        off = None  # the outputs every cell of this client count (--fresh-prompts: round) must give
         for rnd in range(args.rounds):
             pending, offs = [], {}  # cells waiting for their server's off cell of this round
+            unchecked = []  # (cell, replies, mode, server) not yet held to `off` (before it, in reversed rounds)
+            cell_rows = shares[c * args.rounds + rnd]
+            off = None if args.fresh_prompts else off
             for server, mode in round_order(arms, rnd):
                 if args.forget_outputs:
                     forget_outputs(server.http, args.api_key)
                 before = server.stats.read()
-                replies, wall, asked = run_cell(server.stub, rows, mode, clients, args.max_new_tokens, args.timeout,
-                                                turns, tokenizer)
+                replies, wall, asked = run_cell(server.stub, cell_rows, mode, clients, args.max_new_tokens,
+                                                args.timeout, turns, tokenizer)
                 after = server.stats.read()
-                agree = None
-                if off is None:  # arms start with the first server's off
+                cell = cell_row(clients, mode, wall, replies, before, after, None, rnd + 1, server.name)
+                if off is None and server is servers[0] and mode == Speculation.OFF:
                     off = [r.tokens for r in replies]
-                    sent, off_outputs = (sent, off_outputs) if off_outputs else (asked, off)
+                    if args.fresh_prompts or not sent:
+                        sent, off_outputs = sent + asked, off_outputs + off
                 else:
-                    agree = check_identical(off, replies, mode, clients, args.dtype,
-                                            f"server {server.name}: " if len(servers) > 1 else "")
-                pending.append(cell_row(clients, mode, wall, replies, before, after, agree, rnd + 1, server.name))
+                    unchecked.append((cell, replies, mode, server.name))
+                if off is not None:
+                    for done, got, done_mode, name in unchecked:
+                        where = f"server {name}: " if len(servers) > 1 else ""
+                        with_agreement(done, check_identical(off, got, done_mode, clients, args.dtype, where))
+                    unchecked = []
+                pending.append(cell)
                 if mode == Speculation.OFF:
-                    offs[server.name] = pending[-1]["tokens_per_s"]
-                for cell in [c for c in pending if c["server"] in offs]:
-                    pending.remove(cell)
-                    results.append(with_speedup(cell, offs[cell["server"]]))
+                    offs[server.name] = cell["tokens_per_s"]
+                if off is None:
+                    continue  # no cell is final before its outputs are checked
+                for ready in [cell for cell in pending if cell["server"] in offs]:
+                    pending.remove(ready)
+                    results.append(with_speedup(ready, offs[ready["server"]]))
                     print(json.dumps(results[-1]), flush=True)
     return results, sent, off_outputs
 
@@ -387,6 +414,13 @@ def spread(name: str, ratios: list[float]) -> dict:
     mean = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
     return {name: None if mean is None else round(mean, 3), f"{name}_min": round(min(ratios), 3) if ratios else None,
             f"{name}_max": round(max(ratios), 3) if ratios else None}
+
+
+def with_agreement(cell: dict, agree: float) -> dict:
+    """A cell's outputs against off's, once checked (check_identical); off's own cell is its reference."""
+    if cell["mode"] != Speculation.OFF.lower():
+        cell["identical_to_off"], cell["agreement_with_off"] = agree == 1.0, agree
+    return cell
 
 
 def cell_row(clients: int, mode: Speculation, wall: float, replies: list[Reply], before: dict, after: dict,
@@ -600,7 +634,8 @@ def table(rows: list[dict], references: dict, args, n_prompts: int, summary: lis
     servers = f"servers a {args.address}, b {args.against}" if two else f"server {args.address}"
     lines = [f"# specdec bench-served: {args.prompts} ({n_prompts} prompts, workload {args.workload}), "
              f"max_new_tokens={args.max_new_tokens}, greedy, {servers}"
-             + (f", {rounds} rounds (vs off: that round's off on the same server)" if rounds > 1 else ""),
+             + (f", {rounds} rounds (vs off: that round's off on the same server)" if rounds > 1 else "")
+             + (", fresh prompts for each client count's every round" if getattr(args, "fresh_prompts", False) else ""),
              f"{'clients':>7} {'mode':<7} {'tok/s':>7} {'vs off':>7} {'tpot p50':>9} {'tpot p95':>9} {'ttft p50':>9} "
              f"{'ttft p95':>9} {'accepted/drafted':>17} {'alpha':>6} {'steps':>6} {'forward':>8} {'round trip':>10} {'draft':>7}  (ms) "
              f"{'ahead':>6} {'prefix hits':>11}"]
