@@ -16,6 +16,15 @@ from dataclasses import dataclass, field
 import torch
 
 
+EXACT_SIZES = 256  # forwards of up to this many tokens are priced by their own size (Costs)
+SIZE_GRID = 32  # larger ones on this grid of sizes
+
+
+def _size_class(tokens: int) -> int:
+    """The sizes that warm up together: each size up to EXACT_SIZES alone, larger ones by power of two."""
+    return tokens if tokens <= EXACT_SIZES else 1 << (tokens - 1).bit_length()
+
+
 @dataclass
 class Costs:
     """Measured step costs in seconds: a draft forward (smoothed), and verify(n tokens) as a table.
@@ -29,7 +38,11 @@ class Costs:
     taken whole, a size seen rarely would keep it for dozens of forwards (smoothing 0.2 leaves 0.8^n of
     it), and the router, reading speculation's larger forwards as dear, would keep speculation off.
     Until a size is warm the table interpolates it from its neighbours. Entries given at construction
-    (calibrate's, measured after a warm-up forward; the router's copy of the target's table) are warm.
+    (the router's copy of the target's table) are warm. Sizes up to EXACT_SIZES (the steps the router
+    prices) are kept by their own size; larger ones, prompts' chunks whose lengths the traffic decides and
+    seldom repeats, warm up once per power of two and are kept on a SIZE_GRID: else a chunk's cost would
+    never be read (each length left out as the first of its size), and the scheduler, which sizes chunks
+    from it (fixed_tokens), would pack a burst of prompts into one long forward for as long as it ran.
     Measuring the router's sizes at start instead cannot cover them: it consults every batch size up
     to max_running_requests x (max_k + 1), in shapes (rows x tree length) the traffic decides.
 
@@ -43,8 +56,12 @@ class Costs:
     verify_table: dict[int, float] = field(default_factory=dict)  # tokens -> seconds (warm sizes only)
     smoothing: float = 0.2
     warmup: int = 1  # observations of a size left out before its entry starts
-    cold: dict[int, int] = field(default_factory=dict)  # sizes not yet warm -> observations left out so far
+    cold: dict[int, int] = field(default_factory=dict)  # size classes not yet warm -> observations left out
+    warm: set[int] = field(default_factory=set)  # size classes (_size_class) whose observations are kept
     _fit: tuple[list[int], list[float]] | None = field(default=None, init=False, repr=False, compare=False)  # _fitted()
+
+    def __post_init__(self) -> None:
+        self.warm |= {_size_class(tokens) for tokens in self.verify_table}
 
     @classmethod
     def linear(cls, draft: float, base: float, per_token: float, up_to: int = 64) -> "Costs":
@@ -57,12 +74,16 @@ class Costs:
             self.draft = per if not self.draft else self.draft + self.smoothing * (per - self.draft)
 
     def observe_verify(self, seconds: float, tokens: int) -> None:
-        if tokens not in self.verify_table and self.cold.get(tokens, 0) < self.warmup:
-            self.cold[tokens] = self.cold.get(tokens, 0) + 1  # a cold forward of this size: left out
-            return
-        self.cold.pop(tokens, None)
-        old = self.verify_table.get(tokens)
-        self.verify_table[tokens] = seconds if old is None else old + self.smoothing * (seconds - old)
+        size_class = _size_class(tokens)
+        if size_class not in self.warm:
+            if self.cold.get(size_class, 0) < self.warmup:
+                self.cold[size_class] = self.cold.get(size_class, 0) + 1  # a cold forward of this size: left out
+                return
+            self.cold.pop(size_class, None)
+            self.warm.add(size_class)
+        key = tokens if tokens <= EXACT_SIZES else max(EXACT_SIZES + 1, SIZE_GRID * round(tokens / SIZE_GRID))
+        old = self.verify_table.get(key)
+        self.verify_table[key] = seconds if old is None else old + self.smoothing * (seconds - old)
         self._fit = None
 
     def fixed_tokens(self) -> int | None:

@@ -183,6 +183,10 @@ class Opening:
 
 
 GATHER_SMOOTHING = 0.2  # weight of each new sample in the gather's moving averages
+# a forward's fixed part in tokens (Costs.fixed_tokens) before the target has measured it, by device type: a
+# CPU's forward costs about its tokens (47-48 tokens' worth of fixed part, measured for the bench target), so
+# a burst of prompts on a fresh server is prefilled one a forward; a GPU (absent: pack) runs thousands in that time
+UNMEASURED_FIXED_TOKENS = {"cpu": 0}
 GATHER_GRACE = 2.0  # a speculative row is waited for until this many times its usual return time
 
 
@@ -621,9 +625,12 @@ class TargetScheduler:
         (Costs.fixed_tokens). A later prompt's chunk delays the oldest's first token by its cost; it rides along
         only while running it in a forward of its own would cost more. On a GPU that packs as before; on a CPU,
         whose forward costs about its tokens, prompts that arrive together get their first tokens one by one
-        instead of all at the end of one long forward."""
+        instead of all at the end of one long forward. Until two sizes far apart are measured, a CPU's forward is
+        taken to cost its tokens (UNMEASURED_FIXED_TOKENS) and a GPU's to pack."""
         room = max(self.max_batched_tokens - forward_tokens, self.max_batched_tokens // 4, 1)
         fixed = self.costs.fixed_tokens()
+        if fixed is None:
+            fixed = UNMEASURED_FIXED_TOKENS.get(self.device.type)
         if fixed is None:
             return room
         return min(room, self.worker.remaining(self._prefilling[0][0]) + fixed)

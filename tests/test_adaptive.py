@@ -154,3 +154,23 @@ def test_a_fixed_k_is_kept(target, draft):
     engine = SpeculativeEngine(CachedLM(target), make_drafter("model", CachedLM(draft), 1), SpecConfig(depth=3))
     (out,) = engine.generate([[1, 2, 3, 4]], 12)
     assert engine.k_for(1) == 3 and out.stats.draft_depths <= 3 * out.stats.steps
+
+
+def test_prompt_chunks_of_lengths_never_repeated_are_priced_after_one_cold_forward_per_power_of_two():
+    """Prompts' chunks come in lengths the traffic decides: the first of each power of two is left out as cold,
+    the next (of another length) is kept, on a grid of SIZE_GRID tokens, so the forward's fixed part in tokens is
+    read from the second long forward, as a CPU's scheduler needs to stop packing a burst of prompts into one."""
+    from specdec.adaptive import EXACT_SIZES, SIZE_GRID
+
+    c = Costs(verify_table={1: 0.02})
+    c.observe_verify(1.5, 1800)  # cold: the first forward of 1025-2048 tokens
+    assert c.fixed_tokens() is None and max(c.verify_table) == 1
+    c.observe_verify(0.6, 1500)
+    assert c.verify_table[1504] == 0.6 and c.fixed_tokens() == round(0.02 / ((0.6 - 0.02) / 1503) - 1)
+    c.observe_verify(0.4, 1000)  # 513-1024: cold again
+    assert 992 not in c.verify_table and 1000 not in c.verify_table
+    c.observe_verify(0.7, 1510)  # the same grid point as 1500: smoothed into it
+    assert c.verify_table[1504] == pytest.approx(0.6 + 0.2 * 0.1)
+    c.observe_verify(0.1, EXACT_SIZES + 3)  # just past the exact sizes: never below them on the grid
+    c.observe_verify(0.1, EXACT_SIZES + 4)
+    assert EXACT_SIZES + 1 in c.verify_table and len(c.verify_table) == 3

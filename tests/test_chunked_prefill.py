@@ -113,9 +113,11 @@ def test_chunks_alone_with_every_prompt_in_already_run_no_forward(target):
 
 
 def test_a_burst_on_an_idle_batch_is_prefilled_in_one_forward(target, caplog):
-    """Requests begin one by one, but with no row stepping their prompts' chunks still run together: one
-    forward for four prompts that fit the budget, none apart (worker.advance), and each decodes as alone."""
+    """Requests begin one by one, but with no row stepping their prompts' chunks still run together where a
+    forward's fixed part pays for it (a GPU's costs): one forward for four prompts that fit the budget, none
+    apart (worker.advance), and each decodes as alone."""
     scheduler = TargetScheduler(TargetWorker(CachedLM(target)), KvBudget(), max_batched_tokens=64)
+    scheduler.costs = Costs(verify_table={1: 0.010, 512: 0.011})
     worker, calls = scheduler.worker, {"advance": 0, "forward": 0}
     advance, forward = worker.advance, worker.lm.forward
 
@@ -144,6 +146,7 @@ def test_a_burst_on_an_idle_batch_is_prefilled_in_one_forward(target, caplog):
 @pytest.mark.parametrize("costs, forwards", [
     ({1: 0.010, 512: 0.011}, 1),  # a GPU's: 512 tokens cost about what one does (fixed part ~5000 tokens)
     ({1: 0.001, 512: 0.512}, 4),  # a CPU's: a forward costs its tokens (fixed part ~0): one prompt a forward
+    ({}, 4),  # nothing measured yet, on a CPU: taken to cost its tokens (UNMEASURED_FIXED_TOKENS)
 ])
 def test_a_burst_packs_prompts_only_where_a_forwards_fixed_cost_pays_for_it(target, costs, forwards):
     """Prompts arriving together on an idle batch: where a forward's fixed part costs as much as many tokens, one
