@@ -183,11 +183,12 @@ class Opening:
 
 
 GATHER_SMOOTHING = 0.2  # weight of each new sample in the gather's moving averages
+GATHER_GRACE = 2.0  # a speculative row is waited for until this many times its usual return time
+
 # a forward's fixed part in tokens (Costs.fixed_tokens) before the target has measured it, by device type: a
 # CPU's forward costs about its tokens (47-48 tokens' worth of fixed part, measured for the bench target), so
 # a burst of prompts on a fresh server is prefilled one a forward; a GPU (absent: pack) runs thousands in that time
 UNMEASURED_FIXED_TOKENS = {"cpu": 0}
-GATHER_GRACE = 2.0  # a speculative row is waited for until this many times its usual return time
 
 
 @dataclass
