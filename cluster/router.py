@@ -236,7 +236,8 @@ class Router:
             measured.add(acceptance_rate(accepted, tried), thresholds.ema)
             state.reports += 1
             measured.last_report = state.reports
-            _decide(state, thresholds, self._contenders(state, thresholds), self._measuring(state, thresholds))
+            contenders = self._contenders(state, thresholds)
+            _decide(state, thresholds, contenders, self._measuring(state, thresholds, contenders))
 
     def update_routing(self, routing: RoutingConfig) -> None:
         """New thresholds apply at once, to decisions too; learned alphas and counts are kept. ValueError
@@ -246,7 +247,8 @@ class Router:
             self._routing = routing
             for task_type, state in self._tasks.items():
                 thresholds = routing.thresholds(task_type)
-                _decide(state, thresholds, self._contenders(state, thresholds), self._measuring(state, thresholds))
+                contenders = self._contenders(state, thresholds)
+                _decide(state, thresholds, contenders, self._measuring(state, thresholds, contenders))
 
     def stats(self) -> dict[str, TaskTypeStats]:
         """Per task type: alpha, decision ("on"/"off") and k for AUTO requests, the reason, the goodput
@@ -307,9 +309,8 @@ class Router:
         ceiling = {kind: self._worth(state.drafters[kind].bounds()[1], thresholds, kind) for kind in contenders}
         return max(contenders, key=lambda kind: (ceiling[kind], -state.drafters[kind].routed)), ceiling
 
-    def _measuring(self, state: _TaskState, thresholds: Thresholds) -> bool:
+    def _measuring(self, state: _TaskState, thresholds: Thresholds, contenders: list[DrafterKind]) -> bool:
         """Whether the contender that could be the best still has fewer than min_samples reports."""
-        contenders = self._contenders(state, thresholds)
         return state.drafters[self._leader(state, thresholds, contenders)[0]].samples < thresholds.min_samples
 
     def _contenders(self, state: _TaskState, thresholds: Thresholds) -> list[DrafterKind]:

@@ -230,7 +230,7 @@ def run_grid(servers: list[Server], modes: list[Speculation], rows: list[dict], 
                 replies, wall, asked = run_cell(server.stub, cell_rows, mode, clients, args.max_new_tokens,
                                                 args.timeout, turns, tokenizer)
                 after = server.stats.read()
-                cell = cell_row(clients, mode, wall, replies, before, after, None, rnd + 1, server.name)
+                cell = cell_row(clients, mode, wall, replies, before, after, rnd + 1, server.name)
                 if off is None and server is servers[0] and mode == Speculation.OFF:
                     off = [r.tokens for r in replies]
                     if args.fresh_prompts or not sent:
@@ -416,16 +416,16 @@ def spread(name: str, ratios: list[float]) -> dict:
             f"{name}_max": round(max(ratios), 3) if ratios else None}
 
 
-def with_agreement(cell: dict, agree: float) -> dict:
+def with_agreement(cell: dict, agree: float) -> None:
     """A cell's outputs against off's, once checked (check_identical); off's own cell is its reference."""
     if cell["mode"] != Speculation.OFF.lower():
         cell["identical_to_off"], cell["agreement_with_off"] = agree == 1.0, agree
-    return cell
 
 
 def cell_row(clients: int, mode: Speculation, wall: float, replies: list[Reply], before: dict, after: dict,
-             agree: float | None = None, rnd: int = 1, server: str = "a") -> dict:
-    """One cell's measures ("speedup" is filled in by with_speedup once its round's off cell has run)."""
+             rnd: int = 1, server: str = "a") -> dict:
+    """One cell's measures ("speedup" is filled in by with_speedup once its round's off cell has run, the
+    agreement with off by with_agreement once its outputs are checked)."""
     tokens = sum(len(r.tokens) for r in replies)
     tps = tokens / wall
     ms = lambda s: None if s is None else round(1000 * s, 3)  # noqa: E731
@@ -450,8 +450,8 @@ def cell_row(clients: int, mode: Speculation, wall: float, replies: list[Reply],
         # moves accepted / drafted (a deeper tree drafts more tokens that are never tried)
         "tried": tried, "alpha": round(accepted / tried, 3) if tried else None,
         # float32: a mismatch stops the run; another dtype: agreement with off (below AGREEMENT_FLOOR stops it)
-        "identical_to_off": None if mode == Speculation.OFF else agree == 1.0,
-        "agreement_with_off": None if mode == Speculation.OFF else agree,
+        "identical_to_off": None,
+        "agreement_with_off": None,
         "target_forward_ms": per("forward_s", "forwards"),
         "step_round_trip_ms": per("step_round_trip_s", "steps"),
         "draft_ms": per("draft_s", "steps"),
@@ -635,7 +635,7 @@ def table(rows: list[dict], references: dict, args, n_prompts: int, summary: lis
     lines = [f"# specdec bench-served: {args.prompts} ({n_prompts} prompts, workload {args.workload}), "
              f"max_new_tokens={args.max_new_tokens}, greedy, {servers}"
              + (f", {rounds} rounds (vs off: that round's off on the same server)" if rounds > 1 else "")
-             + (", fresh prompts for each client count's every round" if getattr(args, "fresh_prompts", False) else ""),
+             + (", fresh prompts for each client count's every round" if args.fresh_prompts else ""),
              f"{'clients':>7} {'mode':<7} {'tok/s':>7} {'vs off':>7} {'tpot p50':>9} {'tpot p95':>9} {'ttft p50':>9} "
              f"{'ttft p95':>9} {'accepted/drafted':>17} {'alpha':>6} {'steps':>6} {'forward':>8} {'round trip':>10} {'draft':>7}  (ms) "
              f"{'ahead':>6} {'prefix hits':>11}"]
