@@ -1,6 +1,7 @@
 """The `specdec` command, run in-process on tiny models saved with a word-level tokenizer."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -204,6 +205,28 @@ def test_step_profile_splits_steps_into_the_models_forwards(dirs, capsys, tmp_pa
         assert m["forwards"]["target"]["calls"] + 2 == m["steps"], m
     assert "draft" not in by["ngram-k8"]["forwards"]
     assert by["chain-k4"]["forwards"]["draft"]["calls"] >= by["chain-k4"]["steps"]  # up to K=4 depths a step
+
+
+@pytest.mark.parametrize("cached", [0, 32])
+def test_riding_chunk_times_a_prompt_whose_opening_the_prefix_cache_holds(dirs, capsys, cached):
+    """tools.bench.riding_chunk --cached N: every timed prompt opens with the same N tokens, found in the prefix
+    cache (whole blocks of them), so only the rest runs; without it the pool has no prefix index (a server's
+    prefix_cache_tokens: 0) and nothing is looked up."""
+    from tools.bench import riding_chunk
+
+    riding_chunk.main(["--target", dirs["target"], "--rows", "2", "--context", "16", "--prompt", "48",
+                       "--cached", str(cached), "--tries", "2"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    hit, looked_up = map(int, re.search(r"prefix cache hits (\d+) of (\d+) tokens", last).groups())
+    assert looked_up == (4 * 48 if cached else 0)  # two whole prefills, two riding: 49 tokens but the root each
+    assert hit == 4 * cached  # the shared opening is two whole blocks of 16; the random rest never repeats
+
+
+def test_riding_chunk_refuses_a_cached_part_past_its_prompt(dirs):
+    from tools.bench import riding_chunk
+
+    with pytest.raises(SystemExit, match="--cached must be in"):
+        riding_chunk.main(["--target", dirs["target"], "--prompt", "48", "--cached", "48"])
 
 
 @pytest.mark.parametrize("modes, named", [
