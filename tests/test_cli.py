@@ -3,6 +3,7 @@
 import json
 import re
 import shutil
+import time
 
 import pytest
 import torch
@@ -292,3 +293,22 @@ def test_speculation_defaults(flags, depth, width):
     args = build_parser()[0].parse_args(["generate", "--prompt", "x", "--max-new-tokens", "1", *flags])
     cfg, tree_width = spec_config(args)
     assert (cfg.depth, tree_width) == (depth, width)
+
+
+def test_serving_cpu_reads_each_process_kinds_cpu_time():
+    """tools.bench.serving_cpu: processes found by what their titles hold, and their CPU seconds as they use it."""
+    import os
+
+    from tools.bench import serving_cpu
+
+    with open(f"/proc/{os.getpid()}/cmdline", "rb") as f:
+        own = f.read().split(b"\0")[0].decode()  # this process's executable, as its title holds it
+    pids = serving_cpu.by_role({"me": own, "nothing": "no process is titled this 7f3a9c"})
+    assert os.getpid() in pids["me"] and pids["nothing"] == []
+    before = serving_cpu.role_cpu({"me": [os.getpid()]})["me"]
+    t0 = time.process_time()
+    while time.process_time() - t0 < 0.3:  # burn 0.3 CPU seconds here
+        sum(range(10_000))
+    used = serving_cpu.role_cpu({"me": [os.getpid()]})["me"] - before
+    assert 0.25 <= used <= 5.0  # this process's other threads may add a little
+    assert serving_cpu.cpu_seconds(2 ** 22 + 12345) == 0.0  # no such process: nothing, not an error
