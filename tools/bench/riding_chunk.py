@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not 0 <= args.cached < args.prompt:
         raise SystemExit(f"--cached must be in [0, --prompt): got {args.cached} of {args.prompt}")
+    if args.threads < 1:
+        raise SystemExit(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
     model = load_served_model(args.target)
     rng, vocab, ids = random.Random(0), model.config.vocab_size, itertools.count()
