@@ -11,13 +11,11 @@ the target -> ingress -> proxy -> client hops), which a CPU host's models compet
 
 import argparse
 import os
-import threading
-import time
 
 from cluster.auth import api_channel
 from cluster.speculation import Speculation
 from protos import specdec_api_pb2_grpc as api_grpc
-from tools.served_bench import stream_one
+from tools.served_bench import run_cell, stream_one
 
 # process kind -> what its title holds (Ray names an actor's process after its class: "ray::TargetRank")
 ROLES = {
@@ -66,23 +64,11 @@ def role_cpu(pids: dict[str, list[int]]) -> dict[str, float]:
 def measure(stub, clients: int, max_new_tokens: int, requests: int, mode: Speculation, pids: dict[str, list[int]],
             timeout: float = 600.0) -> dict:
     """`clients` threads stream `requests` requests each -> tokens, wall seconds and each kind's CPU seconds."""
-    tokens: list[int] = []
     before = role_cpu(pids)
-    t0 = time.perf_counter()
-
-    def client():
-        for _ in range(requests):
-            tokens.append(len(stream_one(stub, PROMPT, mode, max_new_tokens, timeout).tokens))
-
-    threads = [threading.Thread(target=client, name=f"serving-cpu-{n}", daemon=True) for n in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    replies, wall, _ = run_cell(stub, [PROMPT] * (clients * requests), mode, clients, max_new_tokens, timeout)
     after = role_cpu(pids)
-    return {"clients": clients, "requests": len(tokens), "tokens": sum(tokens), "wall_s": wall,
-            "cpu_s": {role: after[role] - before[role] for role in pids}}
+    return {"clients": clients, "requests": len(replies), "tokens": sum(len(r.tokens) for r in replies),
+            "wall_s": wall, "cpu_s": {role: after[role] - before[role] for role in pids}}
 
 
 def report(cell: dict) -> str:
