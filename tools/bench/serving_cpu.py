@@ -1,8 +1,9 @@
 """CPU time each served process spends per streamed token: a local `specdec serve` (its Ray processes on this
-machine, found by their titles) while `--clients` threads of this tool stream requests of `--max-new-tokens` tokens,
-`--requests` each, one line per process kind (and this tool's own, the client): CPU seconds, milliseconds per token and per request. The target's share is its
-forwards and loop; the ingress's and the proxy's is the serving around them (admission, each token's chunk across
-the target -> ingress -> proxy -> client hops), which a CPU host's models compete with.
+machine, found by their titles) while `--clients` threads of this tool stream requests of `--max-new-tokens`
+tokens, `--requests` each; one line per process kind (and this tool's own, the client): CPU seconds, milliseconds
+a token and a request. The target's share is its forwards and loop; the ingress's and the proxy's is the serving
+around them (admission, each token's chunk across the target -> ingress -> proxy -> client hops), which a CPU
+host's models compete with.
 
     specdec serve --config tools/bench/shared-pair.yaml &
     python -m tools.bench.serving_cpu [--address localhost:9000] [--clients 1 8] [--max-new-tokens 128] \\
