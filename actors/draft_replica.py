@@ -2,6 +2,7 @@
 requests it is given, sending all their token trees to the target group in one message per step."""
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import ray
 
@@ -22,7 +23,8 @@ from specdec.draft_loop import DraftLoop, DraftRequest
 from .grpc_target import GrpcTarget
 from .metrics import StepTimer
 from .security import LinkSecurity, SharedSecurity, resolve, target_channel
-from .streams import StepStream
+from .records import StepUpdate
+from .streams import FeedBatch, RequestSink, StepFeeds
 from .target_rank import device_for_actor, use_assigned_cpus
 
 
@@ -74,6 +76,7 @@ class DraftReplica:
         # the rest) and drafter kind
         self.running: dict[str, DraftLoop] = {}  # request id -> its loop
         self.cancelled_early = RecentlyClosed()  # cancelled before their generate call began here
+        self.feeds = StepFeeds()  # each ingress's steps (actors.streams)
 
     def ready(self) -> bool:
         return True
@@ -90,20 +93,28 @@ class DraftReplica:
     def gpu_ids(self) -> list:
         return ray.get_gpu_ids()
 
+    async def feed(self, subscriber: str) -> AsyncIterator[FeedBatch]:
+        """The steps of the subscriber's requests (all but each one's last), as they come (actors.streams)."""
+        async for batch in self.feeds.stream(subscriber):
+            yield batch
+
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, max_new_tokens: int,
                        eos: list[int] = (), depth: int = 4, task_type: str = "", stream: int = 0,
-                       target_address: str | None = None, drafter: str | None = None):
+                       target_address: str | None = None, drafter: str | None = None,
+                       feed: str | None = None) -> StepUpdate | None:
         """One request, K = depth, drafted by `drafter` (a kind this replica runs; None: its first): opened on
         the target (it may wait there for room), then stepped with the replica's other requests of that
-        drafter. Yields each step's tokens; the last item has the finish reason.
+        drafter. Each step but the last goes to the `feed` subscriber's feed (None: to none); -> the last,
+        with the finish reason and every token (None: cancelled).
         `stream` separates the random streams of samples that share a seed. `target_address`: the
         target group's TargetService as the caller knows it (None: the one this replica has); a new one
         (the group was rebuilt) is connected to first."""
         if self.cancelled_early.take(request_id):  # its caller gave up before it started: never open it
-            return
+            return None
         if target_address is not None and target_address != self.target_address:
             self._connect(target_address)
         loop = self.running[request_id] = self._loop_for(task_type, drafter)  # from here on it can be cancelled
+        sink = RequestSink(request_id, self.feeds.of(feed))
         try:
             # the draft runs the prompt while the target does (each on its own device); a head's prompt runs
             # with the target's features, which come with the open
@@ -112,11 +123,9 @@ class DraftReplica:
             opened, prefilled = await asyncio.gather(
                 self.target.open_async(request_id, prompt, params, stream, max_new_tokens, layers),
                 asyncio.to_thread(loop.prefill, prompt))
-            steps = StepStream()
-            loop.join(DraftRequest(request_id, prompt, params, max_new_tokens, set(eos), depth, steps, stream,
+            loop.join(DraftRequest(request_id, prompt, params, max_new_tokens, set(eos), depth, sink, stream,
                                    draft_prefill=prefilled, features=opened.features, first=opened.first))
-            async for item in steps.items():
-                yield item
+            return await sink.result()
         finally:  # an open refused (the target full or gone) leaves nothing behind either
             self.running.pop(request_id, None)
 

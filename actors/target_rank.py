@@ -6,6 +6,7 @@ draft replicas send over gRPC (specdec.v1.TargetService); ranks > 0 mirror rank 
 import asyncio
 import os
 import threading
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import ray
@@ -25,7 +26,8 @@ from .lockstep import LockstepWorker, follow
 from specdec.scheduler import TargetStats
 from specdec.scheduler import KvBudget, TargetScheduler
 from .security import RPC_HEADROOM, LinkSecurity, SharedSecurity, host_port, resolve, serve_target
-from .streams import StepStream
+from .records import StepUpdate
+from .streams import FeedBatch, RequestSink, StepFeeds
 from .target_service import TargetService
 
 
@@ -89,7 +91,8 @@ class TargetRank:
         use_assigned_cpus()
         device = device_for_actor(logical_gpus)  # before anything loads: a wrong image fails here
         self.rank, self.scheduler = rank, None
-        self.streams: dict[str, StepStream] = {}
+        self.sinks: dict[str, RequestSink] = {}  # plain requests, by id
+        self.feeds = StepFeeds()  # each ingress's steps (actors.streams)
         if world_size == 1:
             model = load_served_model(model_path, parse_dtype(dtype), device)
         else:
@@ -129,23 +132,28 @@ class TargetRank:
     def gpu_ids(self) -> list:
         return ray.get_gpu_ids()
 
+    async def feed(self, subscriber: str) -> AsyncIterator[FeedBatch]:
+        """The steps of the subscriber's plain requests (all but each one's last), as they come (actors.streams)."""
+        async for batch in self.feeds.stream(subscriber):
+            yield batch
+
     async def decode(self, request_id: str, prompt: list[int], params: SamplingParams, max_new_tokens: int,
-                     eos: list[int], stream: int = 0):
-        """A plain request, decoded by the scheduler's loop with every other row: yields each step's
-        tokens; the last item has the finish reason. `stream` as in DraftReplica.generate."""
-        steps = self.streams[request_id] = StepStream()
+                     eos: list[int], stream: int = 0, feed: str | None = None) -> StepUpdate | None:
+        """A plain request, decoded by the scheduler's loop with every other row. Each step but the last goes
+        to the `feed` subscriber's feed (None: to none); -> the last, with the finish reason and every token
+        (None: cancelled). `stream` as in DraftReplica.generate."""
+        sink = self.sinks[request_id] = RequestSink(request_id, self.feeds.of(feed))
         try:
-            self.scheduler.decode(request_id, prompt, params, max_new_tokens, set(eos), steps, stream)
-            async for item in steps.items():
-                yield item
+            self.scheduler.decode(request_id, prompt, params, max_new_tokens, set(eos), sink, stream)
+            return await sink.result()
         finally:
-            self.streams.pop(request_id, None)
+            self.sinks.pop(request_id, None)
 
     def cancel(self, request_id: str) -> None:
         """Stop a plain request (its client went away or its deadline passed)."""
         self.scheduler.close([request_id])
-        if stream := self.streams.get(request_id):
-            stream.cancel()
+        if sink := self.sinks.get(request_id):
+            sink.cancel()
 
     def stats(self) -> TargetStats:
         if self.scheduler is None:  # a rank > 0

@@ -6,6 +6,7 @@ the target (the fallback). Plain: on the target group directly."""
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import asdict, dataclass, field, replace
 
 import ray
@@ -21,6 +22,7 @@ from . import metrics
 from .admission import Admitted, Request
 from .affinity import ReplicaChooser
 from .detokenizer import Detokenizer, TextOptions
+from .feeds import Feeds
 from .placement import Topology
 from .router import Decision, Router
 from .supervisor import TargetSupervisor
@@ -100,6 +102,7 @@ class Relay:
         self.tokenizer, self.timing = tokenizer, timing
         self.served = Served()
         self.replicas = ReplicaChooser()  # the replica of a conversation's last turn, else round robin
+        self.feeds = Feeds()  # each request's steps from the actor that runs it
 
     async def run(self, job: Admitted, meter: metrics.RequestMeter, sample: int) -> AsyncIterator[Chunk]:
         """Sample `sample` of the request: speculative when the router says so and a replica is there, with
@@ -122,9 +125,11 @@ class Relay:
                 return
         self.served.plain += 1
         rid = f"{rid}-plain"
-        stream = self.topology.target.decode.options(num_returns="streaming").remote(
-            rid, job.prompt_ids + done, after(job.params, len(done)), req.max_new_tokens - len(done), ends, stream=sample)
-        async for chunk in self._relay(self.topology.target, rid, stream, text, done, progress, before=replace(progress)):
+        target = self.topology.target
+        steps = self.feeds.steps(target, rid, lambda feed: target.decode.remote(
+            rid, job.prompt_ids + done, after(job.params, len(done)), req.max_new_tokens - len(done), ends, stream=sample,
+            feed=feed))
+        async for chunk in self._relay(target, rid, steps, text, done, progress, before=replace(progress)):
             yield chunk
 
     async def _speculative(self, job: Admitted, rid: str, decision: Decision, sample: int, text: Detokenizer,
@@ -135,12 +140,12 @@ class Relay:
         index = self.replicas.choose(job.prompt_ids, len(drafts))
         self.served.followed_conversation = self.replicas.followed
         replica = drafts[index]
-        stream = replica.generate.options(num_returns="streaming").remote(
+        steps = self.feeds.steps(replica, rid, lambda feed: replica.generate.remote(
             rid, job.prompt_ids, job.params, job.request.max_new_tokens, list(job.params.end_ids), decision.k,
             job.task_type, stream=sample, target_address=self.topology.target_address,
-            drafter=decision.drafter.value if decision.drafter is not None else None)
+            drafter=decision.drafter.value if decision.drafter is not None else None, feed=feed))
         try:
-            async for chunk in self._relay(replica, rid, stream, text, done, progress):
+            async for chunk in self._relay(replica, rid, steps, text, done, progress):
                 yield chunk
             if progress.tried_depths:
                 self.router.report(meter.task_type, progress.accepted, progress.tried_depths, decision.drafter)
@@ -155,30 +160,30 @@ class Relay:
             meter.drafts(progress.drafted, progress.accepted)
             self.replicas.done(index, job.prompt_ids + done)
 
-    async def _relay(self, actor, rid: str, stream, text: Detokenizer, done: list[int], progress: Progress,
-                     before: Progress | None = None) -> AsyncIterator[Chunk]:
-        """Chunks from an actor stream; cancels the request on the actor if the consumer stops early
-        or a stop string ends it. `before`: the counts of the leg before this one (a fallback)."""
+    async def _relay(self, actor, rid: str, steps: AsyncIterator[StepUpdate], text: Detokenizer, done: list[int],
+                     progress: Progress, before: Progress | None = None) -> AsyncIterator[Chunk]:
+        """Chunks from a request's steps on an actor; cancels the request on the actor if the consumer stops
+        early or a stop string ends it. `before`: the counts of the leg before this one (a fallback)."""
         finished = lost = False
         try:
-            async for ref in stream:
-                step: StepUpdate = await ref
-                done += step.tokens
-                progress.saw(step.stats, before)
-                if step.finished:
-                    finished = True
-                    if before is None:  # the first leg of a speculative sample: a draft replica's round trips
-                        self.timing.add(step.stats)
-                    chunk = _chunk(step.tokens, step.logprobs, text, final=True)  # its tokens may end a stop string
-                    reason = FinishReason.STOP if text.stopped else step.finish_reason
-                    yield replace(chunk, finish_reason=reason, stats=progress.summary())
-                elif step.tokens:
-                    chunk = _chunk(step.tokens, step.logprobs, text)
-                    if not text.stopped:
-                        yield chunk
-                        continue
-                    yield replace(chunk, finish_reason=FinishReason.STOP, stats=progress.summary())
-                    return  # a stop string ended the request: it is stopped on the actor below
+            async with aclosing(steps):  # its end on this side at once, not when it is collected
+                async for step in steps:
+                    done += step.tokens
+                    progress.saw(step.stats, before)
+                    if step.finished:
+                        finished = True
+                        if before is None:  # the first leg of a speculative sample: a draft replica's round trips
+                            self.timing.add(step.stats)
+                        chunk = _chunk(step.tokens, step.logprobs, text, final=True)  # its tokens may end a stop string
+                        reason = FinishReason.STOP if text.stopped else step.finish_reason
+                        yield replace(chunk, finish_reason=reason, stats=progress.summary())
+                    elif step.tokens:
+                        chunk = _chunk(step.tokens, step.logprobs, text)
+                        if not text.stopped:
+                            yield chunk
+                            continue
+                        yield replace(chunk, finish_reason=FinishReason.STOP, stats=progress.summary())
+                        return  # a stop string ended the request: it is stopped on the actor below
         except ACTOR_GONE:
             lost = True
             raise

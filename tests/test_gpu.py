@@ -222,11 +222,11 @@ def test_tensor_parallel_over_nccl_equals_plain_decoding(model_dirs, reference, 
         try:
             prompts = reference.prompts[:4]
             if replicas:
-                runs = [topo.drafts[0].generate.options(num_returns="streaming").remote(f"r{i}", p, GREEDY, NEW_TOKENS,
+                runs = [topo.drafts[0].generate.remote(f"r{i}", p, GREEDY, NEW_TOKENS,
                                                                                        depth=3)
                         for i, p in enumerate(prompts)]
             else:
-                runs = [topo.target.decode.options(num_returns="streaming").remote(f"r{i}", p, GREEDY, NEW_TOKENS, [])
+                runs = [topo.target.decode.remote(f"r{i}", p, GREEDY, NEW_TOKENS, [])
                         for i, p in enumerate(prompts)]
             target = load_model(model_dirs.target, device=CUDA)
             assert [collect(run)["token_ids"] for run in runs] == [hf_greedy(target, p, NEW_TOKENS) for p in prompts]

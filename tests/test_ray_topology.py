@@ -51,7 +51,7 @@ def test_every_actor_gets_its_own_gpu_and_requests_equal_plain_decoding(cluster,
         assert len(set(flat)) == len(flat)  # nobody shares a GPU: drafts never sit on the target's
 
         prompts = reference.prompts[:6]
-        runs = [topo.drafts[i % len(topo.drafts)].generate.options(num_returns="streaming")
+        runs = [topo.drafts[i % len(topo.drafts)].generate
                 .remote(f"r{i}", p, GREEDY, NEW_TOKENS, depth=3) for i, p in enumerate(prompts)]
         outs = [collect(run) for run in runs]
         assert [o["token_ids"] for o in outs] == reference.continuations[:6]
@@ -94,10 +94,10 @@ def test_tensor_parallel_target_equals_plain_decoding(cluster, model_dirs, targe
     try:
         prompts = reference.prompts[:4]
         if replicas:
-            runs = [topo.drafts[0].generate.options(num_returns="streaming").remote(f"r{i}", p, GREEDY, NEW_TOKENS, depth=3)
+            runs = [topo.drafts[0].generate.remote(f"r{i}", p, GREEDY, NEW_TOKENS, depth=3)
                     for i, p in enumerate(prompts)]
         else:
-            runs = [topo.target.decode.options(num_returns="streaming").remote(f"r{i}", p, GREEDY, NEW_TOKENS, [])
+            runs = [topo.target.decode.remote(f"r{i}", p, GREEDY, NEW_TOKENS, [])
                     for i, p in enumerate(prompts)]
         outs = [collect(run) for run in runs]
         assert [o["token_ids"] for o in outs] == reference.continuations[:4]
@@ -205,10 +205,8 @@ async def complete(frontend: Frontend, prompt: str, max_new_tokens: int) -> list
     return [token async for chunk in frontend.generate(job) for token in chunk.token_ids]
 
 
-def collect(stream) -> dict:
-    """A request's actor stream (StepUpdates) -> {"token_ids", "finish_reason", "stats"}."""
-    tokens, last = [], None
-    for ref in stream:
-        last = ray.get(ref, timeout=120)
-        tokens += last.tokens
-    return {"token_ids": tokens, "finish_reason": last.finish_reason, "stats": last.stats}
+def collect(call) -> dict:
+    """A request's actor call (its result: the last StepUpdate, with every token; the steps before it go
+    to no feed) -> {"token_ids", "finish_reason", "stats"}."""
+    last = ray.get(call, timeout=120)
+    return {"token_ids": last.tokens, "finish_reason": last.finish_reason, "stats": last.stats}
