@@ -82,7 +82,8 @@ class StepFeeds:
         try:
             async for batch in feed.batches():
                 yield batch
-        finally:  # its ingress went away: requests still running put into a feed nobody holds
+        finally:  # ended by its reader's side (Ray does not end it when its caller dies, but the actors
+            # are their ingress's own and die with it): a later request of that ingress makes the feed anew
             if self._feeds.get(subscriber) is feed and not feed.read:
                 del self._feeds[subscriber]
 

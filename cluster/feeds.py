@@ -25,6 +25,8 @@ class _Ended:
 
 
 class Feeds:
+    """An ingress's feeds: its name to the actors, a reader per actor, a queue per request in flight."""
+
     def __init__(self):
         self.subscriber = uuid.uuid4().hex  # this ingress, to the actors
         self._requests: dict[str, asyncio.Queue] = {}  # request id -> its steps and then its end
@@ -37,11 +39,11 @@ class Feeds:
         error (ray's, for an actor lost)."""
         self._read(actor)
         queue = self._requests[rid] = asyncio.Queue()
-        ending = asyncio.create_task(_end_of(call(self.subscriber), queue))
-        self._calls.add(ending)
-        ending.add_done_callback(self._calls.discard)
         seen = 0  # tokens the feed brought
         try:
+            ending = asyncio.create_task(_end_of(call(self.subscriber), queue))
+            self._calls.add(ending)
+            ending.add_done_callback(self._calls.discard)
             while not isinstance(item := await queue.get(), _Ended):
                 seen += len(item.tokens)
                 yield item

@@ -203,3 +203,18 @@ def test_a_feed_read_anew_goes_to_the_new_stream_and_the_old_one_ends():
         assert feeds.of("ingress").read  # the new stream's: kept
 
     run(main())
+
+
+def test_a_call_that_fails_to_start_raises_and_leaves_nothing_registered():
+    async def main():
+        feeds = Feeds()
+
+        def refused(feed):
+            raise TypeError("cannot send the arguments")
+
+        with pytest.raises(TypeError, match="cannot send"):
+            async for _ in feeds.steps(FakeActor(), "r", refused):
+                pass
+        assert not feeds._requests
+
+    run(main())
