@@ -120,9 +120,9 @@ class DraftReplica:
             # with the target's features, which come with the open
             # the open awaits admission holding no thread (the target may keep it waiting for room)
             layers = loop.drafter.feature_layers if loop.drafter is not None else ()
-            opened, prefilled = await asyncio.gather(
+            opened, (prefilled,) = await asyncio.gather(
                 self.target.open_async(request_id, prompt, params, stream, max_new_tokens, layers),
-                asyncio.to_thread(loop.prefill, prompt))
+                asyncio.to_thread(loop.prefill, [prompt]))
             loop.join(DraftRequest(request_id, prompt, params, max_new_tokens, set(eos), depth, sink, stream,
                                    draft_prefill=prefilled, features=opened.features, first=opened.first))
             return await sink.result()

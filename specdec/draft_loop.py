@@ -102,11 +102,12 @@ class DraftLoop:
         if self._verifier is not None:
             self._verifier.shutdown()
 
-    def prefill(self, prompt: list[int]) -> Prefilled | None:
-        """The prompt run through the draft model off the loop (any thread; the running requests go on
-        stepping), to join with its request: done while the target opens the request, the draft's
-        prefill leaves the first step and no longer adds to the time to first token."""
-        return self.drafter.prefill_alone([prompt]) if self.drafter is not None else None
+    def prefill(self, prompts: list[list[int]]) -> list[Prefilled | None]:
+        """The prompts run through the draft model off the loop (any thread; the running requests go on
+        stepping), in one forward, each to join with its request: done while the target opens the requests,
+        the draft's prefill leaves the first step and no longer adds to the time to first token."""
+        prefilled = self.drafter.prefill_alone(prompts) if self.drafter is not None else None
+        return prefilled.split() if prefilled is not None else [None] * len(prompts)
 
     def join(self, request: DraftRequest) -> None:
         """A request already opened on the target joins at the next step."""

@@ -29,6 +29,7 @@ from .target import TargetWorker
 PRIOR_ALPHA = 0.55  # alpha assumed before any request has reported (the router's default on_alpha)
 ALPHA_EMA = 0.1  # weight of a request's alpha in the moving average (the router's default ema)
 DRAFT_COST_RATIO = 0.15  # a drafted token's cost against a target step until measured (the router's default)
+PREFILL_GROUP_TOKENS = 16384  # padded tokens (rows x the longest) of one draft prefill forward in generate()
 
 
 @dataclass(frozen=True)
@@ -143,10 +144,12 @@ class SpeculativeEngine:
             scheduler.decode_many(openings, self.eos, sinks)
         else:
             opened = scheduler.open_many(openings)
-            # the draft runs each prompt before it joins, as a replica does: from its prefix cache, where it holds one
+            # the draft runs the prompts before they join, as a replica does (from its prefix cache, where it holds
+            # one), a group of them a forward
+            drafted = [p for group in prefill_groups(prompts) for p in loop.prefill(group)]
             loop.join_all([DraftRequest(o.rid, o.prompt, o.params, max_new_tokens, self.eos, k, sink, o.stream,
-                                        features=f.features, first=f.first, draft_prefill=loop.prefill(o.prompt))
-                           for o, sink, f in zip(openings, sinks, opened)])
+                                        features=f.features, first=f.first, draft_prefill=d)
+                           for o, sink, f, d in zip(openings, sinks, opened, drafted)])
         for sink in sinks:
             sink.done.wait()
         return sinks
@@ -203,3 +206,18 @@ class SpeculativeEngine:
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         if len(streams) != len(prompts):
             raise ValueError(f"{len(streams)} random streams for {len(prompts)} prompts: give one per prompt")
+
+
+def prefill_groups(prompts: list[list[int]]) -> list[list[list[int]]]:
+    """The prompts in order, in groups of at most PREFILL_GROUP_TOKENS padded tokens each (a longer prompt alone):
+    a forward's mask grows with rows x the longest squared."""
+    groups: list[list[list[int]]] = []
+    longest = 0
+    for prompt in prompts:
+        if groups and (len(groups[-1]) + 1) * max(longest, len(prompt)) <= PREFILL_GROUP_TOKENS:
+            groups[-1].append(prompt)
+            longest = max(longest, len(prompt))
+        else:
+            groups.append([prompt])
+            longest = len(prompt)
+    return groups

@@ -6,6 +6,7 @@ a prompt without its padding) to the end of that row's committed region and crop
 needs. Slots past a row's length are never seen by it, so rolling back is just not committing."""
 
 import contextlib
+import copy
 import contextvars
 import functools
 import itertools
@@ -149,6 +150,18 @@ class Prefilled:
             take.append(chunk[n : n + k])
             left -= k
         return take
+
+    def split(self) -> list["Prefilled"]:
+        """Each sequence on its own, to join a batch apart from the others (a batch prefilled in one forward,
+        whose requests join one by one): their blocks move, nothing is copied or run again."""
+        if self.remaining:
+            raise ValueError(f"{self.remaining} tokens of these sequences are not prefilled yet (Prefilled.advance)")
+        if self.hidden:
+            raise ValueError("sequences prefilled with their hidden states join together: those are packed row after row")
+        return [Prefilled([chunk], lm, wants_last=[last] if self.wants_last else [],
+                          last={0: self.last[b]} if b in self.last else {})
+                for b, (chunk, lm, last) in enumerate(zip(self.chunks, self.lm.split(),
+                                                          self.wants_last or [False] * len(self.chunks)))]
 
     def ran(self) -> None:
         """Some of the chunks ran (advance, or riding in a batch's forward: CachedLM.carrying); once all have,
@@ -889,6 +902,20 @@ class CachedLM:
             self._trim()
 
     @torch.inference_mode()
+    def split(self) -> list["CachedLM"]:
+        """Each row as a batch of its own, holding its blocks (moved, not copied); this batch is left empty."""
+        rows = []
+        for table, length, window_from in zip(self.tables, self.lengths, self.window_from):
+            one = copy.copy(self)
+            one._slots = _Slots(self.pool)
+            one.kv = Cache(layer_class_to_replicate=one._slots.new_layer)
+            one.tables, one.lengths, one.window_from = [table], [length], [window_from]
+            one._slots.n = min(self.size, max(length, self.held))
+            rows.append(one)
+        self.tables, self.lengths, self.window_from = [], [], []  # theirs now
+        self._trim()
+        return rows
+
     def select(self, rows: list[int]) -> None:
         """Keep only these rows of the batch (the others finished): their tables, nothing copied."""
         if rows == list(range(len(self.lengths))):

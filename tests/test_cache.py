@@ -238,6 +238,43 @@ def test_rows_prefilled_off_the_batch_join_as_if_prefilled_in_it(target, draft, 
     assert trees[True] == trees[False]
 
 
+def test_prompts_prefilled_in_one_forward_join_one_by_one_each_with_its_own_blocks(draft, reference):
+    """The in-process engine prefills its batch's prompts in one draft forward and splits it, so each request
+    joins on its own: a row joined from the split holds exactly a fresh prefill of its prompt, and the blocks
+    of a split-off row that never joins (its request ended at its first token) go back to the pool."""
+    from specdec.kvcache import Prefilled
+
+    prompts = [list(p) for p in reference.prompts[:5]]
+    lm = CachedLM(draft)
+    lm.reset(0)
+    before = lm.pool.stats().used_tokens
+    parts = lm.prefill_alone(prompts).split()
+    assert [p.chunks for p in parts] == [[p] for p in prompts]
+    assert all(isinstance(p, Prefilled) and p.lm.lengths == [len(c)] for p, c in zip(parts, prompts))
+    held = lm.pool.stats().used_tokens
+    assert held - before == sum(-(-len(p) // lm.pool.block_tokens) for p in prompts) * lm.pool.block_tokens
+    dropped = parts.pop(2)
+    dropped_blocks = len(dropped.lm.tables[0])
+    del dropped
+    assert lm.pool.stats().used_tokens == held - dropped_blocks * lm.pool.block_tokens
+    for part in reversed(parts):  # in another order than prefilled
+        lm.join(part)
+    joined = prompts[:2] + prompts[3:]
+    check_cache(lm, draft, joined[::-1], len, "rows split from one prefill")
+    lm.select([])
+    assert lm.pool.stats().used_tokens == before
+
+
+def test_the_engine_prefills_its_prompts_in_groups_of_bounded_padded_tokens():
+    from specdec.engine import PREFILL_GROUP_TOKENS, prefill_groups
+
+    prompts = [[1] * n for n in (3, 5, 2, PREFILL_GROUP_TOKENS + 1, 4)] + [[2] * 100] * 400
+    groups = prefill_groups(prompts)
+    assert [p for group in groups for p in group] == prompts
+    assert all(len(g) == 1 or len(g) * max(map(len, g)) <= PREFILL_GROUP_TOKENS for g in groups)
+    assert [len(g) for g in groups] == [3, 1, 163, 163, 75]  # full groups: the next prompt would not fit
+
+
 def test_a_forward_that_fails_midway_leaves_the_cache_as_it_was(target, reference, monkeypatch):
     """Out of memory in the second layer, after the first appended its slots: every layer drops the
     block, so the rows' next forward gives exactly the logits of a cache that never saw the failure."""

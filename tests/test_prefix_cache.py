@@ -195,7 +195,7 @@ def test_a_draft_replica_keeps_what_its_rows_ran_and_prefills_the_next_turn_from
     for turn, rid in enumerate(("t1", "t2")):
         sink = Collect()
         (opened,) = scheduler.open_many([Opening(rid, prompt, SamplingParams(), 0, NEW_TOKENS)])
-        prefilled = loop.prefill(prompt)
+        (prefilled,) = loop.prefill([prompt])
         if turn:  # the first turn's prompt and answer were kept: all whole blocks of it
             kept = (len(turns[0]) - 1) // 16 * 16
             assert prefix.stats().hit_tokens >= kept >= 48
