@@ -167,11 +167,12 @@ class DraftLoop:
             if self.drafter is not None:
                 # the draft model's draws run where its logits are: a CPU generator cannot draw from CUDA probabilities
                 device = self.drafter.device
-                # rows prefilled off the loop join one by one; the others join at once, as one batch of empty rows
+                # rows prefilled off the loop join at once, then the others, as one batch of empty rows
                 prefilled = [r for r in joining if r.draft_prefill is not None]
                 joining = prefilled + [r for r in joining if r.draft_prefill is None]
+                if prefilled:
+                    self.drafter.add_rows(len(prefilled), Prefilled.together([r.draft_prefill for r in prefilled]))
                 for r in prefilled:
-                    self.drafter.add_rows(1, r.draft_prefill)
                     r.draft_prefill = None  # the batch holds it now
                 if len(prefilled) < len(joining):
                     fresh = joining[len(prefilled):]

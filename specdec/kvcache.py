@@ -163,6 +163,24 @@ class Prefilled:
                 for b, (chunk, lm, last) in enumerate(zip(self.chunks, self.lm.split(),
                                                           self.wants_last or [False] * len(self.chunks)))]
 
+    @staticmethod
+    def together(parts: list["Prefilled"]) -> "Prefilled":
+        """Sequences prefilled apart (split, or one by one) as one Prefilled, to join a batch at once and in this
+        order: their blocks move into the first's, nothing is copied (the parts are used up)."""
+        if remaining := sum(p.remaining for p in parts):
+            raise ValueError(f"{remaining} tokens of these sequences are not prefilled yet (Prefilled.advance)")
+        if any(p.hidden for p in parts):
+            raise ValueError("sequences prefilled with their hidden states join as they were prefilled")
+        lm = parts[0].lm
+        chunks, wants_last, last = [], [], {}
+        for p in parts:
+            if p.lm is not lm:
+                lm.take_rows(p.lm)
+            last |= {len(chunks) + b: logits for b, logits in p.last.items()}
+            wants_last += p.wants_last or [False] * len(p.chunks)
+            chunks += p.chunks
+        return Prefilled(chunks, lm, wants_last=wants_last if any(wants_last) else [], last=last)
+
     def ran(self) -> None:
         """Some of the chunks ran (advance, or riding in a batch's forward: CachedLM.carrying); once all have,
         their blocks go to the prefix cache."""
@@ -861,15 +879,18 @@ class CachedLM:
         if not any(chunks):
             self.add_rows(len(chunks))
             return
-        fresh = rows.lm if isinstance(rows, Prefilled) else self.prefill_alone(chunks).lm
-        if fresh.pool is not self.pool:
-            raise ValueError("these sequences were prefilled in another block pool than this batch's")
-        self.tables += fresh.tables
-        self.lengths += fresh.lengths
-        self.window_from += fresh.window_from
-        fresh.tables, fresh.lengths, fresh.window_from = [], [], []  # theirs now
-        self._slots.n = max(self.size, fresh.size)
+        self.take_rows(rows.lm if isinstance(rows, Prefilled) else self.prefill_alone(chunks).lm)
         self._trim()
+
+    def take_rows(self, other: "CachedLM") -> None:
+        """Another batch's rows (of this pool) join this one, after its own: their blocks move, nothing is copied."""
+        if other.pool is not self.pool:
+            raise ValueError("these sequences were prefilled in another block pool than this batch's")
+        self.tables += other.tables
+        self.lengths += other.lengths
+        self.window_from += other.window_from
+        other.tables, other.lengths, other.window_from = [], [], []  # theirs now
+        self._slots.n = max(self.size, other.size)
 
     @contextlib.contextmanager
     def carrying(self, riders: "list[Prefilled]"):

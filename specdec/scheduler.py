@@ -548,18 +548,22 @@ class TargetScheduler:
         self.idle_rows_closed += len(idle)
         return idle
 
-    def _admissible(self) -> bool:
+    def _admissible(self, reserved_slots: int | None = None) -> bool:
+        """Whether the first waiting request fits beside those admitted (reserved_slots: their slots, if known)."""
         if not self._waiting:
             return False
-        head = self._waiting[0]
+        if reserved_slots is None:
+            reserved_slots = self.budget.slots(list(self._reserved.values()))
         return (len(self._reserved) < self.budget.max_rows
-                and self.budget.slots([*self._reserved.values(), head.tokens]) <= self.budget.max_tokens)
+                and reserved_slots + self.budget.slots([self._waiting[0].tokens]) <= self.budget.max_tokens)
 
     def _admit(self) -> list[_Join]:
         """The waiting requests that fit, in arrival order (the first that does not fit blocks the rest)."""
         joining = []
-        while self._admissible():
+        reserved_slots = self.budget.slots(list(self._reserved.values()))  # a sum: each admission adds its own
+        while self._admissible(reserved_slots):
             join = self._waiting.popleft()
+            reserved_slots += self.budget.slots([join.tokens])
             self._reserved[join.rid] = join.tokens
             if join.plain is None:
                 self._heard_from(join.rid)

@@ -240,7 +240,7 @@ def test_rows_prefilled_off_the_batch_join_as_if_prefilled_in_it(target, draft, 
 
 def test_prompts_prefilled_in_one_forward_join_one_by_one_each_with_its_own_blocks(draft, reference):
     """The in-process engine prefills its batch's prompts in one draft forward and splits it, so each request
-    joins on its own: a row joined from the split holds exactly a fresh prefill of its prompt, and the blocks
+    joins on its own (or with those joining at the same step): a row joined from the split holds exactly a fresh prefill of its prompt, and the blocks
     of a split-off row that never joins (its request ended at its first token) go back to the pool."""
     from specdec.kvcache import Prefilled
 
@@ -257,8 +257,10 @@ def test_prompts_prefilled_in_one_forward_join_one_by_one_each_with_its_own_bloc
     dropped_blocks = len(dropped.lm.tables[0])
     del dropped
     assert lm.pool.stats().used_tokens == held - dropped_blocks * lm.pool.block_tokens
-    for part in reversed(parts):  # in another order than prefilled
+    parts.reverse()  # joining in another order than prefilled: two one by one, two together
+    for part in parts[:2]:
         lm.join(part)
+    lm.join(Prefilled.together(parts[2:]))
     joined = prompts[:2] + prompts[3:]
     check_cache(lm, draft, joined[::-1], len, "rows split from one prefill")
     lm.select([])
