@@ -11,14 +11,15 @@ p <- norm(max(0, p - q_i)) and the next child is tried. When every child is reje
 a leaf) one token is drawn from the current p. A deterministic guess (n-gram) has q_i = a point mass.
 Whatever the tree, the token emitted at each position is distributed exactly as the target's p."""
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 
-from .device import to_host
+from .device import HOST, host_tensor, to_device, to_host
 from .logprobs import TokenLogprob
 from .sampling import SamplingParams, warp
-from .tree import DELTA, TokenTree, dense_proposals
+from .tree import DELTA, TokenTree
 
 
 def acceptance_rate(accepted: float, tried: float) -> float | None:
@@ -41,6 +42,9 @@ class Verdict:
         return len(self.path) - 1
 
 
+DRAW_BLOCK = 256  # tokens a block of the bonus draw's (draw)
+
+
 def accept_greedy(tree: TokenTree, argmax: list[int]) -> Verdict:
     """argmax[i]: the target's argmax token after node i (i < len(tree))."""
     kids = tree.children()
@@ -60,29 +64,46 @@ def accept_sampling(
     sampling (see module doc), decided on the device for every node at once and read back in one
     transfer, however large the tree: each child's test assumes its elder siblings were rejected (the
     only case in which it is tried), and each node's bonus is drawn from its distribution once all its
-    children are rejected; the host then walks from the root to the first accepted child, level by level."""
+    children are rejected; the host then walks from the root to the first accepted child, level by level.
+    A child's q is sparse (its proposal's entries, at most MAX_PROPOSAL_TOP_K; a guess's one), and so is
+    what its rejection changes: max(0, r - q) differs from r only there. So each node's distribution is
+    kept unnormalised, as w with its sum z (r = w / z), and the children are tried a rank at a time (every
+    node's first child, then every second...), each rank in a few operations on its children's entries:
+    a tree costs its widest node's width in steps, and no step costs the vocabulary."""
     assert logits.shape[0] >= len(tree), (logits.shape, len(tree))
     N, kids = len(tree), tree.children()
     p = warp(logits[:N], params)  # [N, V] the target's distribution after each node
-    qs = _proposals(tree, p.shape[-1], p.device)  # [P, V] on the device, in one copy
-    u = torch.rand(N, generator=generator, device=p.device)  # [N] each node's uniform, for its test as a child
-    passes = torch.zeros(N, dtype=torch.bool, device=p.device)  # [N] passes[c]: c is accepted if it is tried
-    final = p.clone()  # [N, V] final[n]: the distribution at n once every child of n is rejected
-    for node in range(N):
-        r = p[node]  # [V]
-        for child in kids[node]:
-            x = tree.tokens[child]
-            q = _proposal(tree, child, qs, r)  # [V]
-            passes[child] = u[child] * q[x] < r[x]  # u < p(x)/q(x)
-            residual = (r - q).clamp_min(0)
-            total = residual.sum()
-            r = torch.where(total > 0, residual / total, r)  # total 0: p == q, and the test passed surely
-        final[node] = r
-    # a row that is no distribution (NaN logits) is swapped for a uniform one, so the draw cannot fail on
-    # the device (on a GPU an invalid multinomial is a device-side assert, fatal to every request)
-    sound = torch.isfinite(final).all(-1) & (final >= 0).all(-1) & (final.sum(-1) > 0)  # [N]
-    final = torch.where(sound[:, None], final, torch.full_like(final, 1.0 / final.shape[-1]))
-    bonus = torch.multinomial(final, 1, generator=generator).view(N)  # [N]
+    V, device = p.shape[-1], p.device
+    u = torch.rand(N, generator=generator, device=device)  # [N] each node's uniform, for its test as a child
+    passes = torch.zeros(N, dtype=torch.bool, device=device)  # [N] passes[c]: c is accepted if it is tried
+    # w[n]: the distribution at n once every child of n is rejected, unnormalised; the columns past V are
+    # spare, 0 throughout: the ids a draft's padded vocabulary has past the target's go to column V, and the
+    # rest pads the row to whole blocks of the draw's
+    w = p.new_zeros(N, -(-(V + 1) // DRAW_BLOCK) * DRAW_BLOCK)  # [N, V'] V' > V
+    w[:, :V] = p
+    z = p.sum(-1)  # [N] each row's sum
+    entries = _Entries.of(tree, V, device) if N > 1 else None
+    for rank in range(max(map(len, kids))):
+        nodes = [n for n in range(N) if len(kids[n]) > rank]
+        children = [kids[n][rank] for n in nodes]
+        at, tried = host_tensor(nodes, torch.long, device), host_tensor(children, torch.long, device)  # [n]
+        x = host_tensor([tree.tokens[c] for c in children], torch.long, device)  # [n]
+        S, q = entries.of_nodes(children)  # [n, m] each child's q: its ids (distinct but the spare), q(ids)
+        rows = at.unsqueeze(1).expand_as(S)  # [n, m]
+        wS, zn = w[rows, S], z[at]  # [n, m], [n]
+        qx = (q * (S == x.unsqueeze(1))).sum(-1)  # [n] q(x)
+        passes[tried] = u[tried] * qx * zn < w[at, x]  # u < r(x) / q(x)
+        residual = (wS - zn.unsqueeze(1) * q).clamp_min(0)  # [n, m] z * max(0, r - q) on S; off S, r is as it was
+        total = zn - wS.sum(-1) + residual.sum(-1)  # [n] the new z; 0: r == q, and the test passed surely
+        kept = total > 0
+        w[rows, S] = torch.where(kept.unsqueeze(1), residual, wS)
+        z[at] = torch.where(kept, total, zn)
+    # a row that is no distribution (NaN logits) draws uniformly instead, so the draw cannot go wrong on the
+    # device (on a GPU an invalid draw would be a device-side assert, fatal to every request)
+    sums = w.sum(-1)  # [N] not finite if any weight is not
+    sound = torch.isfinite(sums) & (sums > 0) & (w.amin(-1) >= 0)  # [N]
+    uniform = (torch.rand(N, generator=generator, device=device) * V).long().clamp_max(V - 1)  # [N]
+    bonus = torch.where(sound, draw(w, generator), uniform)  # [N]
     accepted, bonuses, sounds = to_host(passes, bonus, sound)  # this row's one wait for the device
     path = [0]
     while (nxt := next((c for c in kids[path[-1]] if accepted[c]), None)) is not None:
@@ -92,18 +113,64 @@ def accept_sampling(
     return Verdict(path, [tree.tokens[n] for n in path[1:]] + [bonuses[path[-1]]])
 
 
-def _proposals(tree: TokenTree, V: int, device: torch.device) -> torch.Tensor | None:
-    """The tree's proposals as dense q [P, V] over the target's vocabulary of V, on `device`: a draft with
-    a larger (padded) vocabulary gives the ids past V no mass the target keeps (the target refuses a
-    proposal that puts more than rounding there, specdec.target)."""
-    return dense_proposals(tree.proposals, V, device) if tree.proposals else None
+def draw(w: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token a row from w [N, V] (each row's weights, unnormalised, their sum > 0; V a multiple of
+    DRAW_BLOCK) -> [N]: where a uniform point falls in the row's cumulative sum, in float64, found a block at a
+    time: the block by the blocks' sums, then the token by that block's cumulative sum. A uniform a row and
+    one pass over w, where torch.multinomial draws V exponentials a row (most of a sampled verify on a CPU
+    with a vocabulary of 152k). A token of weight 0 is never drawn: its step in the sum is empty."""
+    N, V = w.shape
+    point = torch.rand(N, 1, generator=generator, device=w.device).double()  # [N, 1] in [0, 1)
+    if V == DRAW_BLOCK:  # one block: its cumulative sum alone (the point lies below its end: no rounding apart)
+        ends = w.double().cumsum(-1)  # [N, V]
+        return torch.searchsorted(ends, point * ends[:, -1:], right=True).clamp_max(V - 1).view(N)
+    blocks = w.view(N, V // DRAW_BLOCK, DRAW_BLOCK)  # [N, b, B]
+    sums = blocks.sum(-1, dtype=torch.float64)  # [N, b]
+    ends = sums.cumsum(-1)  # [N, b] where each block's span ends
+    point = point * ends[:, -1:]  # [N, 1] below the end
+    # [N, 1] the first block ending past the point (its sum > 0); the clamp only keeps a row that is no
+    # distribution (NaN) in range: its draw is thrown away
+    block = torch.searchsorted(ends, point, right=True).clamp_max(V // DRAW_BLOCK - 1)
+    begins = torch.where(block > 0, ends.gather(1, (block - 1).clamp_min(0)), 0.0)  # [N, 1]
+    inner = blocks.gather(1, block.unsqueeze(2).expand(N, 1, DRAW_BLOCK)).squeeze(1)  # [N, B] the block's weights
+    token = torch.searchsorted(inner.double().cumsum(-1), point - begins, right=True)  # [N, 1]
+    # summed in another order, the block's own cumulative sum may end a rounding short of its sum: then the
+    # point lies past it, and its last token of weight > 0 is the one
+    last = torch.where(inner > 0, torch.arange(DRAW_BLOCK, device=w.device), 0).amax(-1, keepdim=True)  # [N, 1]
+    return (block * DRAW_BLOCK + torch.minimum(token, last)).view(N)
 
 
-def _proposal(tree: TokenTree, node: int, qs: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """q [V] that `node` was drawn from, as a distribution over the target's vocabulary."""
-    pid = tree.proposal_ids[node]
-    if pid == DELTA:
-        q = torch.zeros_like(like)
-        q[tree.tokens[node]] = 1.0
-        return q
-    return qs[pid]
+@dataclass
+class _Entries:
+    """A tree's proposals as one list of entries on the device (ids [E + 1], q [E + 1]; the last an empty
+    one: the spare id, q 0), each node's a range of it: a drafted node's, its proposal's entries (ids past
+    the target's vocabulary go to the spare); a guess's, its token with q 1."""
+
+    ids: torch.Tensor  # [E + 1]
+    q: torch.Tensor  # [E + 1]
+    start: list[int]  # per node, its first entry
+    size: list[int]  # per node, its entries (the root: none)
+
+    @classmethod
+    def of(cls, tree: TokenTree, V: int, device: torch.device) -> "_Entries":
+        guesses = [n for n in range(1, len(tree)) if tree.proposal_ids[n] == DELTA]
+        ids = torch.cat([q.ids.to(device, torch.long, non_blocking=True) for q in tree.proposals]
+                        + [host_tensor([tree.tokens[n] for n in guesses] + [V], torch.long, device)])
+        q = torch.cat([q.probs.to(device, torch.float32, non_blocking=True) for q in tree.proposals]
+                      + [host_tensor([1.0] * len(guesses) + [0.0], torch.float32, device)])
+        starts = [0, *itertools.accumulate(len(q) for q in tree.proposals)]
+        guess = {n: starts[-1] + i for i, n in enumerate(guesses)}
+        start, size = [0] * len(tree), [0] * len(tree)
+        for n in range(1, len(tree)):
+            pid = tree.proposal_ids[n]
+            start[n], size[n] = (guess[n], 1) if pid == DELTA else (starts[pid], starts[pid + 1] - starts[pid])
+        return cls(torch.where(ids < V, ids, V), q, start, size)
+
+    def of_nodes(self, nodes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """These nodes' entries, padded with the empty one -> (ids [n, m], q [n, m])."""
+        m = max(self.size[n] for n in nodes)
+        offsets = torch.arange(m, device=HOST)  # [m]
+        start = torch.tensor([self.start[n] for n in nodes], device=HOST).unsqueeze(1)  # [n, 1]
+        size = torch.tensor([self.size[n] for n in nodes], device=HOST).unsqueeze(1)  # [n, 1]
+        at = to_device(torch.where(offsets < size, start + offsets, len(self.ids) - 1), self.ids.device)  # [n, m]
+        return self.ids[at], self.q[at]

@@ -312,6 +312,28 @@ def test_self_draft_sampling_accepts_every_drafted_token(small_target, width):
         assert out.stats.steps == 4  # 1 (the prompt's forward) + 4 + 4 + 3 tokens
 
 
+def test_the_bonus_draw_follows_the_weights_across_its_blocks_and_never_draws_a_weight_of_zero():
+    """draw (the bonus token's, from unnormalised weights) finds the block, then the token: weights that
+    end a block, begin the next, sit in the last and lie between zeros are drawn as often as they weigh,
+    a weight of 0 never; a row that is no distribution still gives an id in range (its draw is discarded)."""
+    from specdec.acceptance import DRAW_BLOCK, draw
+
+    V = 3 * DRAW_BLOCK
+    weights = {3: 0.5, DRAW_BLOCK - 1: 1.0, DRAW_BLOCK: 1.5, 2 * DRAW_BLOCK + 7: 2.0, V - 1: 5.0}  # sum 10
+    w = torch.zeros(3, V)
+    for token, weight in weights.items():
+        w[0, token] = weight
+    w[1] = float("nan")
+    w[2, 5] = -1.0
+    g = torch.Generator().manual_seed(3)
+    m, counts = 20000, Counter()
+    for _ in range(m // 100):
+        drawn = torch.stack([draw(w, g) for _ in range(100)])  # [100, 3]
+        counts.update(drawn[:, 0].tolist())
+        assert ((drawn >= 0) & (drawn < V)).all()
+    assert chi_square_pvalue(counts, {t: weight / 10 for t, weight in weights.items()}, m) > P_MIN
+
+
 # ------------------------------------------------------------------ accept_sampling by hand
 
 P4 = torch.tensor([0.1, 0.2, 0.3, 0.4])
