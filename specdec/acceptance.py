@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .device import HOST, host_tensor, to_device, to_host
+from .device import host_tensor, to_host
 from .logprobs import TokenLogprob
 from .sampling import SamplingParams, warp
 from .tree import DELTA, TokenTree
@@ -84,20 +84,17 @@ def accept_sampling(
     z = p.sum(-1)  # [N] each row's sum
     entries = _Entries.of(tree, V, device) if N > 1 else None
     for rank in range(max(map(len, kids))):
-        nodes = [n for n in range(N) if len(kids[n]) > rank]
-        children = [kids[n][rank] for n in nodes]
-        at, tried = host_tensor(nodes, torch.long, device), host_tensor(children, torch.long, device)  # [n]
-        x = host_tensor([tree.tokens[c] for c in children], torch.long, device)  # [n]
-        S, q = entries.of_nodes(children)  # [n, m] each child's q: its ids (distinct but the spare), q(ids)
-        rows = at.unsqueeze(1).expand_as(S)  # [n, m]
-        wS, zn = w[rows, S], z[at]  # [n, m], [n]
+        at, tried, x, S, q = entries.rank(kids, rank)  # [n] nodes, their children, their tokens; [n, m] q's
+        on_S = at.unsqueeze(1) * w.shape[1] + S  # [n, m] where S lies in w, flat
+        wS, zn = torch.take(w, on_S), z.index_select(0, at)  # [n, m], [n]
         qx = (q * (S == x.unsqueeze(1))).sum(-1)  # [n] q(x)
-        passes[tried] = u[tried] * qx * zn < w[at, x]  # u < r(x) / q(x)
+        # u < r(x) / q(x)
+        passes.index_put_((tried,), u.index_select(0, tried) * qx * zn < torch.take(w, at * w.shape[1] + x))
         residual = (wS - zn.unsqueeze(1) * q).clamp_min(0)  # [n, m] z * max(0, r - q) on S; off S, r is as it was
         total = zn - wS.sum(-1) + residual.sum(-1)  # [n] the new z; 0: r == q, and the test passed surely
         kept = total > 0
-        w[rows, S] = torch.where(kept.unsqueeze(1), residual, wS)
-        z[at] = torch.where(kept, total, zn)
+        w.view(-1).index_put_((on_S.view(-1),), torch.where(kept.unsqueeze(1), residual, wS).view(-1))
+        z.index_put_((at,), torch.where(kept, total, zn))
     # a row that is no distribution (NaN logits) draws uniformly instead, so the draw cannot go wrong on the
     # device (on a GPU an invalid draw would be a device-side assert, fatal to every request)
     sums = w.sum(-1)  # [N] not finite if any weight is not
@@ -150,6 +147,7 @@ class _Entries:
     q: torch.Tensor  # [E + 1]
     start: list[int]  # per node, its first entry
     size: list[int]  # per node, its entries (the root: none)
+    tokens: list[int]  # per node, its token
 
     @classmethod
     def of(cls, tree: TokenTree, V: int, device: torch.device) -> "_Entries":
@@ -164,13 +162,16 @@ class _Entries:
         for n in range(1, len(tree)):
             pid = tree.proposal_ids[n]
             start[n], size[n] = (guess[n], 1) if pid == DELTA else (starts[pid], starts[pid + 1] - starts[pid])
-        return cls(torch.where(ids < V, ids, V), q, start, size)
+        return cls(torch.where(ids < V, ids, V), q, start, size, tree.tokens)
 
-    def of_nodes(self, nodes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """These nodes' entries, padded with the empty one -> (ids [n, m], q [n, m])."""
-        m = max(self.size[n] for n in nodes)
-        offsets = torch.arange(m, device=HOST)  # [m]
-        start = torch.tensor([self.start[n] for n in nodes], device=HOST).unsqueeze(1)  # [n, 1]
-        size = torch.tensor([self.size[n] for n in nodes], device=HOST).unsqueeze(1)  # [n, 1]
-        at = to_device(torch.where(offsets < size, start + offsets, len(self.ids) - 1), self.ids.device)  # [n, m]
-        return self.ids[at], self.q[at]
+    def rank(self, kids: list[list[int]], rank: int) -> tuple[torch.Tensor, ...]:
+        """The nodes with a child of this rank (at [n]), those children (tried [n]), their tokens (x [n]) and
+        their q's entries, padded with the empty one (ids S [n, m], q [n, m]), on the device in one copy."""
+        nodes = [n for n, k in enumerate(kids) if len(k) > rank]
+        children = [kids[n][rank] for n in nodes]
+        m, empty = max(self.size[c] for c in children), len(self.ids) - 1
+        table = [[n, c, self.tokens[c], *range(self.start[c], self.start[c] + self.size[c]),
+                  *[empty] * (m - self.size[c])] for n, c in zip(nodes, children)]
+        table = host_tensor(table, torch.long, self.ids.device)  # [n, 3 + m]
+        entries = table[:, 3:]  # [n, m]
+        return table[:, 0], table[:, 1], table[:, 2], self.ids[entries], self.q[entries]
