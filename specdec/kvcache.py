@@ -151,11 +151,15 @@ class Prefilled:
             left -= k
         return take
 
+    def check_ran(self) -> None:
+        """ValueError unless every token of the sequences has run (they may join a batch)."""
+        if self.remaining:
+            raise ValueError(f"{self.remaining} tokens of these sequences are not prefilled yet (Prefilled.advance)")
+
     def split(self) -> list["Prefilled"]:
         """Each sequence on its own, to join a batch apart from the others (a batch prefilled in one forward,
         whose requests join one by one): their blocks move, nothing is copied or run again."""
-        if self.remaining:
-            raise ValueError(f"{self.remaining} tokens of these sequences are not prefilled yet (Prefilled.advance)")
+        self.check_ran()
         if self.hidden:
             raise ValueError("sequences prefilled with their hidden states join together: those are packed row after row")
         return [Prefilled([chunk], lm, wants_last=[last] if self.wants_last else [],
@@ -167,8 +171,8 @@ class Prefilled:
     def together(parts: list["Prefilled"]) -> "Prefilled":
         """Sequences prefilled apart (split, or one by one) as one Prefilled, to join a batch at once and in this
         order: their blocks move into the first's, nothing is copied (the parts are used up)."""
-        if remaining := sum(p.remaining for p in parts):
-            raise ValueError(f"{remaining} tokens of these sequences are not prefilled yet (Prefilled.advance)")
+        for p in parts:
+            p.check_ran()
         if any(p.hidden for p in parts):
             raise ValueError("sequences prefilled with their hidden states join as they were prefilled")
         lm = parts[0].lm
@@ -874,8 +878,8 @@ class CachedLM:
         """New sequences join the batch with these tokens committed, prefilled on their own (now, or
         before by prefill_alone): their blocks join the batch's tables, nothing is copied."""
         chunks = rows.chunks if isinstance(rows, Prefilled) else rows
-        if isinstance(rows, Prefilled) and rows.remaining:
-            raise ValueError(f"{rows.remaining} tokens of these sequences are not prefilled yet (Prefilled.advance)")
+        if isinstance(rows, Prefilled):
+            rows.check_ran()
         if not any(chunks):
             self.add_rows(len(chunks))
             return
