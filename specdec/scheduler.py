@@ -136,6 +136,9 @@ class _Waiter:
     error: Exception | None = None
 
     def finish(self, result=None, error: Exception | None = None) -> None:
+        """The caller is served; only the first call counts (a loop that failed fails every waiter it holds)."""
+        if self.done.is_set():
+            return
         self.result, self.error = result, error
         self.done.set()
 
@@ -153,6 +156,8 @@ class _CallbackWaiter(_Waiter):
     done_callback: Callable[[Opened | Exception], None] = lambda outcome: None
 
     def finish(self, result=None, error: Exception | None = None) -> None:
+        if self.done.is_set():
+            return
         super().finish(result, error)
         self.done_callback(result if error is None else error)
 
@@ -298,6 +303,8 @@ class TargetScheduler:
         self._waiting: collections.deque[_Join] = collections.deque()  # admission queue, in arrival order
         self._closed_early = RecentlyClosed()  # closed before they were opened: a later open is refused
         self._closed = RecentlyClosed()  # closed after they were opened: their late trees get no verdict
+        self._dropped = RecentlyClosed()  # ended when the loop failed (_drop_everything): their late trees hear why
+        self._drop_error: Exception | None = None
         self._leaving: list[str] = []
         self._trees: dict[str, tuple[TokenTree, _Waiter]] = {}  # sent by replicas for the next forward
         self._plain: dict[str, _Plain] = {}
@@ -377,8 +384,7 @@ class TargetScheduler:
         forward gets its typed error instead, and only that request is affected."""
         with self._cv:
             trees = {rid: t for rid, t in trees.items() if rid not in self._closed and rid not in self._leaving}
-            unknown = {rid: UnknownRequest(f"request {rid!r} is not in the batch")
-                       for rid in trees if rid not in self._reserved}
+            unknown = {rid: self._unknown(rid) for rid in trees if rid not in self._reserved}
         trees = {rid: t for rid, t in trees.items() if rid not in unknown}
         if not trees:
             return unknown
@@ -396,6 +402,13 @@ class TargetScheduler:
             self._cv.notify()
         outcomes = waiter.wait()
         return unknown | {rid: outcomes[rid] for rid in trees if rid in outcomes}
+
+    def _unknown(self, rid: str) -> Exception:
+        """Why a tree of a request not in the batch gets no verdict (under the lock)."""
+        if rid in self._dropped:
+            return Unavailable(f"request {rid!r} was dropped when the target's loop failed ({self._drop_error!r}); "
+                               "retry it")
+        return UnknownRequest(f"request {rid!r} is not in the batch")
 
     def close(self, rids: list[str]) -> None:
         """These requests leave (finished, cancelled, or their client gone) before the next forward;
@@ -485,14 +498,52 @@ class TargetScheduler:
                 leaving, self._leaving = self._leaving + self._idle(), []
                 joining = self._admit()
                 trees, self._trees = self._trees, {}
-            stalled = bool(leaving or joining)
-            t0 = self._clock() if stalled else 0.0
-            self._remove(leaving)
-            self._add(joining)
-            if stalled:  # the prefill reads nothing back: on a GPU only the clock's synchronize waits for it
-                self.stall_time_s += self._clock() - t0
-            self._step(trees)
+            try:
+                self._iterate(leaving, joining, trees)
+            except Exception as e:  # noqa: BLE001 - a bug, or the device failed outside a forward: nobody waits forever
+                log.exception("the target's loop failed outside a forward; every request in its batch ends")
+                self._drop_everything(e, joining, trees)
         self._release_all()
+
+    def _iterate(self, leaving: list[str], joining: list[_Join], trees: dict[str, tuple[TokenTree, _Waiter]]) -> None:
+        stalled = bool(leaving or joining)
+        t0 = self._clock() if stalled else 0.0
+        self._remove(leaving)
+        self._add(joining)
+        if stalled:  # the prefill reads nothing back: on a GPU only the clock's synchronize waits for it
+            self.stall_time_s += self._clock() - t0
+        self._step(trees)
+
+    def _drop_everything(self, error: Exception, joining: list[_Join], trees: dict[str, tuple[TokenTree, _Waiter]]) -> None:
+        """An iteration failed where no request can be blamed (_remove, _add, a cache's select: a bug, or the
+        device): the batch's state is unknown, so every request in it ends with the error, every caller
+        waiting on the loop hears it, and the loop goes on with an empty batch. Requests still in the admission
+        queue stay there: they were accepted and lost nothing. A replica's later tree for a dropped request
+        is told why (verify)."""
+        with self._cv:
+            prefilling = [join for _, joins in self._prefilling for join in joins]
+            plain, self._plain, self._prefilling = self._plain, {}, collections.deque()
+            dropped = [rid for rid in self._reserved if rid not in plain]
+            self._reserved, self._last_tree, self._prompt_features = {}, {}, {}
+            for rid in dropped:
+                self._dropped.add(rid)
+            self._drop_error = error
+            if self._gather:
+                self._gather.forget([*dropped, *plain])
+        try:
+            self.worker.drop_all()
+        except Exception:  # noqa: BLE001 - the next iteration meets whatever is wrong again, and says so
+            log.exception("the target's batch could not be emptied after its loop failed")
+        for _, waiter in trees.values():
+            waiter.finish(error=error)
+        for join in joining + prefilling:
+            if join.waiter.done.is_set():  # joined (a plain row is in `plain`) or failed already: told once
+                continue
+            join.waiter.finish(error=error)
+            if join.plain:
+                tell(join.rid, join.plain.sink, [], join.plain.out, True, error)
+        for rid, row in plain.items():
+            tell(rid, row.sink, [], row.out, True, error)
 
     def _release_all(self) -> None:
         """The loop ends: the rows closed before it did, and every other row and joining prompt, give their blocks
@@ -709,6 +760,7 @@ class TargetScheduler:
                     tell(j.rid, j.plain.sink, [], j.plain.out, True, error)
             elif j.plain:
                 self._plain[j.rid] = j.plain
+                j.waiter.finish()  # nobody waits on it: the loop owns the row now (_drop_everything reads this)
                 if not isinstance(first, Verdict):
                     ending[j.rid] = first
                 elif not self._advance_plain(j.rid, j.plain, TokenTree.root(j.prompt[-1]), first, 0.0):

@@ -212,6 +212,8 @@ class TargetWorker:
 
     def remove(self, leaving: list[Hashable]) -> None:
         gone = set(leaving)
+        if not gone:
+            return
         ending = [row for row, rid in enumerate(self.rows) if rid in gone]
         keep = compacting(len(self.rows), ending)
         # what they ran stays for prompts that begin the same way (a conversation's next turn)
@@ -220,6 +222,12 @@ class TargetWorker:
         self.rows = [self.rows[row] for row in keep]
         for rid in gone:
             del self.requests[rid]
+
+    def drop_all(self) -> None:
+        """Every request leaves, begun or joined, and every row gives its blocks back, their KV forgotten: a
+        failure outside a forward left the batch in a state nobody knows (the scheduler's loop recovers so)."""
+        self.requests, self.rows, self._joining = {}, [], {}
+        self.lm.reset(0)
 
     def prefix_stats(self) -> PrefixStats:
         """The block pool's counts: its prefix index's (all 0 when off) and the blocks used."""

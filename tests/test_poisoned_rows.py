@@ -14,12 +14,13 @@ from specdec.draft_loop import DraftLoop, DraftRequest
 from conftest import NEW_TOKENS, VOCAB
 from specdec.drafters import Plan
 from specdec.drafter_factory import make_drafter
-from specdec.errors import InvalidArgument, RequestFailed
+from specdec.errors import InvalidArgument, RequestFailed, Unavailable
 from specdec.kvcache import CachedLM
 from specdec.sampling import MIN_TEMPERATURE, SamplingParams, make_generator, warp
+from specdec.scheduler import KvBudget, TargetScheduler
 from specdec.target import TargetWorker
 from specdec.tree import Proposal, TokenTree
-from scheduling import Collect, scheduler_for, wait_until_empty
+from scheduling import Collect, scheduler_for, wait_for, wait_until_empty
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.8, seed=7)
@@ -246,3 +247,55 @@ def test_a_row_whose_logits_are_not_finite_fails_alone(target, reference):
     clean, poisoned = run(False), run(True)
     assert isinstance(poisoned["c"], RequestFailed) and not isinstance(clean["c"], Exception)
     assert poisoned["a"] == clean["a"] and poisoned["b"] == clean["b"]
+
+
+def _plain_reference(target, prompt: list[int], n: int) -> list[int]:
+    alone = TargetWorker(CachedLM(target))
+    alone.add([("ref", prompt, GREEDY, 0)])
+    for _ in range(n):
+        alone.verify({"ref": TokenTree.root(alone.last_token("ref"))})
+    return alone.requests["ref"].seq[len(prompt):]
+
+
+def test_a_loop_failure_outside_a_forward_ends_the_batch_and_the_loop_goes_on(target, monkeypatch):
+    """A row's leaving fails (a bug in the cache's select, the device): the batch's state is unknown, so its
+    requests end with the error, a replica's later tree is told why, and nobody waits forever; the request
+    waiting for room stays queued and is then served, its tokens those of plain decoding. Under tensor
+    parallelism the other ranks empty their batches too (the calls rank 0 broadcasts, made again)."""
+    from actors import lockstep
+
+    sent = []
+    monkeypatch.setattr(lockstep.dist, "broadcast_object_list", lambda box, src, group: sent.append(box[0]))
+    scheduler = TargetScheduler(lockstep.LockstepWorker(TargetWorker(CachedLM(target)), group=None),
+                                KvBudget(max_rows=3))
+    lm, select = scheduler.worker.lm, scheduler.worker.lm.select
+    failures = []
+
+    def select_once(keep):
+        if not failures and len(keep) < len(lm.tables):  # the first row to leave
+            failures.append(keep)
+            raise RuntimeError("the cache's select failed")
+        return select(keep)
+
+    running, short, late = Collect(), Collect(), Collect()
+    scheduler.decode("running", [3, 4, 5], GREEDY, 200, set(), running)
+    scheduler.open("spec", [6, 7, 8], GREEDY, 0, 16)
+    wait_for(lambda: running.tokens, lambda: running.steps)
+    lm.select = select_once
+    scheduler.decode("short", [9, 10], GREEDY, 2, set(), short)  # its leaving fails
+    scheduler.decode("late", [11, 12, 13], GREEDY, 6, set(), late)  # no room: it waits in the queue
+    assert short.wait(30)[2] is None  # its tokens went out before its row left
+    assert isinstance(running.wait(30)[2], RuntimeError), running.error
+    outcome = scheduler.verify({"spec": TokenTree.root(scheduler.worker.last_token("spec")
+                                                       if "spec" in scheduler.worker.requests else 8)})["spec"]
+    assert isinstance(outcome, Unavailable) and "loop failed" in str(outcome), outcome
+    tokens, _, error = late.wait(30)
+    assert failures and error is None and tokens == _plain_reference(target, [11, 12, 13], 6)
+    wait_until_empty(scheduler)
+    assert not scheduler.worker.requests and lm.pool.stats().used_tokens == 0
+    scheduler.stop()
+    follower = TargetWorker(CachedLM(target))
+    for name, args in sent:
+        getattr(follower, name)(*args)
+    assert "drop_all" in [name for name, _ in sent]
+    assert not follower.requests and follower.lm.pool.stats().used_tokens == 0
