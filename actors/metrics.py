@@ -5,11 +5,14 @@ suffix): docs/metrics.md lists them. A Ray metric belongs to the process that ma
 made on first use, in the process that uses it (LazyMetric)."""
 
 import functools
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ray.util.metrics import Counter, Gauge, Histogram
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # a type only: this module stays light (no torch) for whoever imports it
     from specdec.scheduler import TargetStats
@@ -95,18 +98,24 @@ def publish_target(stats: Callable[[], "TargetStats"]) -> None:
     lives (rank 0 runs it on a thread of its own)."""
     counted = dict.fromkeys(COUNTERS, 0)  # what the counters have been given so far
     while True:
-        now = stats()
-        target_open_requests().set(now.open_requests)
-        target_waiting_requests().set(now.waiting)
-        target_kv_tokens_reserved().set(now.kv_tokens_reserved)
-        target_prefix_cached_tokens().set(now.prefix_cached_tokens)
-        target_kv_used_tokens().set(now.kv_used_tokens)
-        target_kv_window_used_tokens().set(now.kv_window_used_tokens)
-        for name, counter in COUNTERS.items():
-            if (total := getattr(now, name)) > counted[name]:
-                counter().inc(total - counted[name])
-                counted[name] = total
+        try:
+            _publish_target(stats(), counted)
+        except Exception:  # noqa: BLE001 - one failed poll must not stop the gauges for the process's life
+            log.exception("the target's gauges failed this poll; they are polled again in %s s", GAUGES_EVERY_S)
         time.sleep(GAUGES_EVERY_S)
+
+
+def _publish_target(now: "TargetStats", counted: dict[str, int]) -> None:
+    target_open_requests().set(now.open_requests)
+    target_waiting_requests().set(now.waiting)
+    target_kv_tokens_reserved().set(now.kv_tokens_reserved)
+    target_prefix_cached_tokens().set(now.prefix_cached_tokens)
+    target_kv_used_tokens().set(now.kv_used_tokens)
+    target_kv_window_used_tokens().set(now.kv_window_used_tokens)
+    for name, counter in COUNTERS.items():
+        if (total := getattr(now, name)) > counted[name]:
+            counter().inc(total - counted[name])
+            counted[name] = total
 
 
 # the scheduler's cumulative counts that are Prometheus counters, by TargetStats field

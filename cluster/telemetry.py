@@ -3,6 +3,7 @@ group reports of its forwards (specdec.scheduler.TargetStats), and the thread th
 GAUGES_EVERY_S, hands the router what a step costs now (RecentSteps) and publishes the gauges."""
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -19,6 +20,7 @@ from .placement import Topology
 from .router import Router, TargetView
 from .supervisor import TargetSupervisor
 
+log = logging.getLogger(__name__)
 TARGET_STATS_TIMEOUT_S = 5.0
 STEP_SMOOTHING = 0.3  # weight of each poll's step measurements in RecentSteps (polled every GAUGES_EVERY_S)
 _ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
@@ -132,8 +134,11 @@ class RouterTelemetry:
 
     def _poll(self) -> None:
         while not self._stopped.wait(GAUGES_EVERY_S):
-            self._observe_target()
-            metrics.publish_gauges(self.in_flight(), self.router.stats(), self.supervisor.outage is None)
+            try:
+                self._observe_target()
+                metrics.publish_gauges(self.in_flight(), self.router.stats(), self.supervisor.outage is None)
+            except Exception:  # noqa: BLE001 - a bug here must not leave the router deciding on stale costs for good
+                log.exception("the router's telemetry failed this poll; it polls again in %s s", GAUGES_EVERY_S)
 
     def _observe_target(self) -> None:
         if self.supervisor.outage is not None:

@@ -150,3 +150,25 @@ def test_the_dashboard_asks_for_series_the_server_exports(cluster):
     wanted = {name.removeprefix("ray_specdec_").removesuffix("_bucket") + ("_count" if name.endswith("_bucket") else "")
               for query in queries() for name in metric_names(query)}
     assert wanted - scraped.keys() == set()
+
+
+def test_a_failed_poll_of_the_targets_gauges_leaves_the_next_polls_running(monkeypatch):
+    """publish_target runs for the rank's life on a thread of its own: one failing poll is logged, not fatal."""
+    import threading
+
+    from actors import metrics
+
+    calls, published = [], threading.Event()
+
+    def stats():
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            raise RuntimeError("the scheduler's stats failed once")
+        if len(calls) > 2:  # the test is over: the thread parks for the rest of the session
+            threading.Event().wait()
+        return "stats"
+
+    monkeypatch.setattr(metrics, "GAUGES_EVERY_S", 0.001)
+    monkeypatch.setattr(metrics, "_publish_target", lambda now, counted: published.set())
+    threading.Thread(target=metrics.publish_target, args=(stats,), daemon=True).start()
+    assert published.wait(10) and len(calls) >= 2
