@@ -57,6 +57,7 @@ class Request:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     response_format: ResponseFormat = ResponseFormat()  # the output is held to it (specdec/grammar.py)
+    drafter: str = ""  # with speculation ON: the drafter kind to speculate with (one served); "": the router's
 
     def sampling(self, eos: list[int] = ()) -> SamplingParams:
         """Its sampling settings, with `eos` the model's end tokens (InvalidArgument naming the first bad field)."""
@@ -145,7 +146,24 @@ class Admission:
             raise InvalidArgument("min_tokens", f"must be at most max_new_tokens ({req.max_new_tokens}), got {req.min_tokens}")
         self._check_logit_bias(req.logit_bias)
         self._check_response_format(req)
+        self._check_drafter(req)
         req.sampling(self.eos)  # InvalidArgument naming the field (speculation is parsed by the converters)
+
+    def _check_drafter(self, req: Request) -> None:
+        """A drafter asked for is one the draft replicas run, and comes with speculation ON."""
+        if not req.drafter:
+            return
+        served, allowed = [str(kind) for kind in self.router.shapes], self.router.drafters_for(req.task_type)
+        if req.drafter not in served:
+            named = repr(req.drafter) if len(req.drafter) <= 40 else f"a name of {len(req.drafter)} characters"
+            raise InvalidArgument("drafter", f"{named} is not served here; the draft replicas run "
+                                             f"{', '.join(served) if served else 'none (this server does not speculate)'}")
+        if req.drafter not in allowed:
+            raise InvalidArgument("drafter", f"{req.drafter!r} is not allowed for task type {req.task_type!r} by the "
+                                             f"server's routing; allowed: {', '.join(map(str, allowed))}")
+        if req.speculation != Speculation.ON:
+            raise InvalidArgument("drafter", f"needs speculation ON (got {req.speculation}): AUTO requests speculate "
+                                             "with the router's choice, OFF ones not at all")
 
     def _check_logit_bias(self, bias: tuple[tuple[int, float], ...]) -> None:
         if any(not 0 <= t < len(self.tokenizer) for t, _ in bias):

@@ -53,6 +53,8 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--seed", type=int)
     c.add_argument("--speculation", type=Speculation.parse, choices=list(Speculation), default=Speculation.AUTO,
                    metavar="{auto,on,off}")
+    c.add_argument("--drafter", default="", help="with --speculation on: the drafter kind to speculate with, one the "
+                                                 "server runs (--stats lists them); default: the router's choice")
     c.add_argument("--stop", action="append", default=[], metavar="TEXT", type=unescaped,
                    help="end the text where it first contains TEXT (repeat for up to 4; \\n is a newline)")
     c.add_argument("-n", "--n", type=int, default=1, help="independent samples of the prompt")
@@ -162,7 +164,7 @@ def generate_request(args) -> api.GenerateRequest:
     return api.GenerateRequest(
         prompt=args.prompt, task_type=args.task_type, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-        speculation=api.Speculation.Value(args.speculation.proto_name), stop=args.stop, n=args.n,
+        speculation=api.Speculation.Value(args.speculation.proto_name), drafter=args.drafter, stop=args.stop, n=args.n,
         logprobs=args.logprobs)
 
 

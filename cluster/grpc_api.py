@@ -30,7 +30,8 @@ def request_from_proto(msg: api.GenerateRequest) -> Request:
                    speculation=speculation, stop=tuple(msg.stop), n=msg.n or 1, ignore_eos=msg.ignore_eos,
                    stop_token_ids=tuple(msg.stop_token_ids), include_stop_str_in_output=msg.include_stop_str_in_output,
                    skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
-                   response_format=response_format_from_proto(msg.response_format), **wire.sampling_fields(msg))
+                   response_format=response_format_from_proto(msg.response_format), drafter=msg.drafter,
+                   **wire.sampling_fields(msg))
 
 
 def response_format_from_proto(msg: api.ResponseFormat) -> ResponseFormat:

@@ -155,6 +155,7 @@ class _Body(BaseModel):
     user: str | None = None  # accepted and ignored
     task_type: str = ""
     speculation: Annotated[Speculation, BeforeValidator(Speculation.parse)] = Speculation.AUTO
+    drafter: str = ""  # with speculation ON: the drafter kind to speculate with (specdec's, as task_type)
     max_completion_tokens: Int64 | None = None  # OpenAI's newer name for max_tokens; wins when both are set
     # vLLM's extra fields (its SamplingParams' names and meanings)
     min_p: float = 0.0
@@ -191,7 +192,7 @@ class _Body(BaseModel):
         max_new_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return Request(prompt=prompt, task_type=self.task_type, max_new_tokens=max_new_tokens,
                        temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
-                       speculation=self.speculation, stop=stop, n=self.n, logprobs=logprobs, min_p=self.min_p,
+                       speculation=self.speculation, drafter=self.drafter, stop=stop, n=self.n, logprobs=logprobs, min_p=self.min_p,
                        min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                        stop_token_ids=tuple(self.stop_token_ids or ()),
                        include_stop_str_in_output=self.include_stop_str_in_output,

@@ -13,6 +13,7 @@ import ray
 
 from actors.records import StepUpdate
 from specdec.acceptance import acceptance_rate
+from specdec.drafter_kinds import DrafterKind
 from specdec.generation import FinishReason, RequestStats
 from specdec.logprobs import TokenLogprob
 from specdec.sampling import SamplingParams
@@ -110,7 +111,7 @@ class Relay:
         req, rid = job.request, uuid.uuid4().hex
         text = Detokenizer(self.tokenizer, req.stop, text_options(req, job.params.end_ids))
         ends = list(job.params.end_ids)  # the tokens that end this request (eos unless ignored, stop_token_ids)
-        decision = self.router.route(meter.task_type, req.speculation)
+        decision = self.router.route(meter.task_type, req.speculation, DrafterKind(req.drafter) if req.drafter else None)
         progress = Progress(bool(decision.speculative and self.topology.drafts))
         meter.start(("probe" if decision.probe else "speculative") if progress.speculative else "plain")
         done: list[int] = []  # the tokens streamed so far

@@ -204,9 +204,16 @@ class Router:
         with self._lock:
             self._target = view
 
-    def route(self, task_type: str, requested: Speculation = Speculation.AUTO) -> Decision:
+    def route(self, task_type: str, requested: Speculation = Speculation.AUTO,
+              drafter: DrafterKind | None = None) -> Decision:
+        """How a request of this task type decodes: as `requested` says, AUTO as the router decides. `drafter`: the
+        one an ON request asked for (one of drafters_for(task_type): the edge checks it), at the K the router gives
+        it (its plan's where it is the task type's drafter, else its alpha's)."""
         if requested not in Speculation.__members__:
             raise ValueError(f"requested must be one of {', '.join(Speculation.__members__)}, got {requested!r}")
+        if drafter is not None and (requested != Speculation.ON or drafter not in self.drafters_for(task_type)):
+            raise ValueError(f"drafter {drafter!r} asked for with speculation {requested}: needs ON and one of "
+                             f"{', '.join(map(str, self.drafters_for(task_type)))}")
         with self._lock:
             state, thresholds = self._state(task_type), self._routing.thresholds(task_type)
             plan = self._plan(state, thresholds)
@@ -214,12 +221,18 @@ class Router:
             state.requests[mode] += 1
             if mode == "plain":
                 return Decision(speculative=False, probe=False, k=0)
-            drafter, probe = plan.drafter or state.chosen, mode == "probe"
+            drafter, probe = drafter or plan.drafter or state.chosen, mode == "probe"
             if requested == Speculation.AUTO and mode == "speculative":
                 drafter, probe = self._try_another(state, thresholds, drafter)
             state.drafters[drafter].routed += 1
             k = plan.k if plan.speculative and drafter == plan.drafter else self._k_from_alpha(state, thresholds, drafter)
             return Decision(speculative=True, probe=probe, k=k, drafter=drafter)
+
+    def drafters_for(self, task_type: str) -> list[DrafterKind]:
+        """The drafters requests of this task type may speculate with: those served that routing neither forbids
+        nor pins another over."""
+        with self._lock:
+            return self._allowed(self._routing.thresholds(task_type)) if self.shapes else []
 
     def report(self, task_type: str, accepted: int, tried: int, drafter: DrafterKind | None = None) -> None:
         """One finished speculative request's acceptance, with the drafter it ran (None: the first served);

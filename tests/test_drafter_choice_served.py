@@ -81,6 +81,35 @@ def test_a_pinned_task_type_drafts_with_its_drafter_only(served, target):
     assert stats.drafters["suffix"].samples >= 1 and stats.drafters["ngram"].samples == 0
 
 
+def test_a_request_that_names_its_drafter_drafts_with_it(served, target):
+    """speculation ON with a drafter (gRPC and HTTP): that drafter drafts, the output is the target's greedy one, and
+    its acceptance is measured for the task type as any request's; a drafter not served is a 400 naming it."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    stub, tokenizer, http = served
+    for prompt in PROMPTS[:3]:
+        reply = stub.Generate(api.GenerateRequest(prompt=prompt, task_type="asked", max_new_tokens=16,
+                                                  speculation=api.SPECULATION_ON, drafter="ngram"), timeout=120)
+        assert list(reply.token_ids) == hf_greedy(target, tokenizer(prompt)["input_ids"], 16), prompt
+    body = {"prompt": PROMPTS[3], "task_type": "asked", "max_tokens": 16, "temperature": 0, "speculation": "on",
+            "drafter": "ngram"}
+    request = urllib.request.Request(f"{http}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as r:
+        assert json.load(r)["choices"][0]["text"] == tokenizer.decode(
+            hf_greedy(target, tokenizer(PROMPTS[3])["input_ids"], 16), skip_special_tokens=True)
+    stats = stats_of(stub, "asked")
+    assert stats.drafters["ngram"].samples >= 3 and stats.drafters["suffix"].samples == 0, stats
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Generate(api.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=4, speculation=api.SPECULATION_ON,
+                                          drafter="model"),
+                      timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "drafter: 'model' is not served here" in refused.value.details()
+
+
 def test_a_task_types_corpus_is_drafted_from_on_its_first_request(served, target):
     stub, tokenizer, _ = served
     reply = stub.Generate(api.GenerateRequest(prompt=REST_PROMPT, task_type="rest", max_new_tokens=REST_TOKENS,

@@ -434,7 +434,8 @@ class Edge:
     tokenized_on: list  # the threads the tokenizer ran in
 
 
-def edge(tmp_path, monkeypatch, server: dict | None = None, routing: dict | None = None) -> Edge:
+def edge(tmp_path, monkeypatch, server: dict | None = None, routing: dict | None = None,
+         drafter: str | list[str] = "ngram") -> Edge:
     """OpenAIServer over a Frontend whose actors are faked (no Ray): admission as served."""
     from cluster import metrics
     from cluster.admission import Admission
@@ -445,7 +446,7 @@ def edge(tmp_path, monkeypatch, server: dict | None = None, routing: dict | None
     from conftest import CHAT_TEMPLATE
 
     cfg = ServeConfig.model_validate({"models": {"target": {"path": str(tmp_path)}},
-                                      "speculation": {"drafter": "ngram"}, "server": server or {},
+                                      "speculation": {"drafter": drafter}, "server": server or {},
                                       "routing": routing or {}})
     tokenizer = load_tokenizer(save_tokenizer(tmp_path, SERVED_WORDS, CHAT_TEMPLATE))
     tokenized_on = []
@@ -813,3 +814,31 @@ def test_guidellm_requests_replayed_as_it_sends_them(server):
                   if line.startswith("data: ") and line != "data: [DONE]"]
         assert all(e["usage"] is not None for e in events)
         assert [e["usage"]["completion_tokens"] for e in events if e["choices"]][-1] == most == events[-1]["usage"]["completion_tokens"]
+
+
+def test_a_drafter_asked_for_is_one_served_and_allowed_and_comes_with_speculation_on(tmp_path, monkeypatch):
+    """A request may name the drafter it speculates with (speculation ON): one the replicas run that routing allows
+    for its task type; anything else is a 400 naming the field and what is served."""
+    from cluster.admission import Request
+    from cluster.router import Speculation
+    from specdec.drafter_kinds import DrafterKind
+
+    e = edge(tmp_path, monkeypatch, drafter=["ngram", "suffix"],
+             routing={"task_types": {"code": {"forbid_drafters": ["suffix"]}}})
+    refused = [({"drafter": "model", "speculation": "on"}, "'model' is not served here; the draft replicas run ngram, suffix"),
+               ({"drafter": "x" * 100_000, "speculation": "on"}, "a name of 100000 characters is not served here"),
+               ({"drafter": "suffix"}, "needs speculation ON (got AUTO)"),
+               ({"drafter": "suffix", "speculation": "off"}, "needs speculation ON (got OFF)"),
+               ({"drafter": "suffix", "speculation": "on", "task_type": "code"},
+                "'suffix' is not allowed for task type 'code' by the server's routing; allowed: ngram")]
+    for fields, message in refused:
+        status, reply = post(e, {"prompt": "w1", **fields})
+        assert status == 400 and reply["error"]["param"] == "drafter", reply
+        assert reply["error"]["message"].startswith(f"drafter: {message}"), reply
+    admitted = e.frontend.admission.admit(Request("w1 w2", task_type="chat", speculation=Speculation.ON, drafter="suffix"))
+    assert admitted.request.drafter == "suffix"
+    decisions = [e.frontend.router.route("chat", Speculation.ON, DrafterKind(d)) for d in ("suffix", "ngram", "suffix")]
+    assert [d.drafter for d in decisions] == [DrafterKind.SUFFIX, DrafterKind.NGRAM, DrafterKind.SUFFIX]
+    assert all(d.speculative and not d.probe and d.k >= 1 for d in decisions)
+    with pytest.raises(ValueError, match="needs ON"):
+        e.frontend.router.route("chat", Speculation.AUTO, DrafterKind.SUFFIX)
