@@ -39,12 +39,14 @@ class FakeSpecDecode(api_grpc.SpecDecodeServicer):
         self.lock = threading.Lock()
         self.authorizations = []  # each call's authorization metadata
         self.modes = []  # each call's speculation mode
+        self.drafters = []  # and the drafter it named ("": none)
         self.reports = 0  # the speculative requests streamed: what its router "measured"
         self.prompts = []  # each call's prompt
 
     def GenerateStream(self, request, context):
         self.authorizations.append(dict(context.invocation_metadata()).get("authorization"))
         self.modes.append(api.Speculation.Name(request.speculation))
+        self.drafters.append(request.drafter)
         self.prompts.append(request.prompt)
         tokens = list(self.outputs[request.prompt][:request.max_new_tokens])
         with self.lock:
@@ -481,3 +483,25 @@ def test_percentile():
     assert percentile([7.0], 95) == 7.0
     assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
     assert percentile(list(map(float, range(101))), 95) == 95.0
+
+
+def test_a_mode_can_name_the_drafter_its_requests_ask_for(bench_setup, capsys):
+    """on:DRAFTER cells send speculation ON with that drafter (one server, each drafter alone beside AUTO); a
+    drafter with another mode, or an empty one, is refused before anything is sent."""
+    from tools.served_bench import Mode
+
+    _, prompts, outputs = bench_setup
+    served = Served(FakeSpecDecode(outputs))
+    try:
+        main(argv(served, prompts, "--clients", "1", "--modes", "off", "on:suffix", "on:model+ngram", "auto", "--json"))
+    finally:
+        served.close()
+    rows = json.loads(capsys.readouterr().out.splitlines()[-1])["rows"]
+    assert [r["mode"] for r in rows] == ["off", "on:suffix", "on:model+ngram", "auto"]
+    assert all(r["mode"] == "off" or r["identical_to_off"] is True for r in rows)
+    sent = list(zip(served.servicer.modes, served.servicer.drafters))[4:][::len(PROMPTS)]  # after the warm-ups
+    assert sent == [("SPECULATION_OFF", ""), ("SPECULATION_ON", "suffix"), ("SPECULATION_ON", "model+ngram"),
+                    ("SPECULATION_AUTO", "")]
+    for bad in ("auto:suffix", "off:suffix", "on:", "maybe"):
+        with pytest.raises(ValueError, match="a mode"):
+            Mode.parse(bad)

@@ -8,11 +8,10 @@ from typing import get_args
 
 from cluster import commands as serving
 from cluster.config import Dtype
-from cluster.speculation import Speculation
 from specdec import cli
 from specdec.workload import DEFAULT_TURNS, Workload
 
-from .served_bench import bench_main
+from .served_bench import Mode, bench_main
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,9 +32,10 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
                         "(rendered by the target's chat template)")
     sb.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16],
                     help="concurrent clients, one grid row each (default 1 2 4 8 16)")
-    sb.add_argument("--modes", nargs="+", type=Speculation.parse, choices=list(Speculation),
-                    default=[Speculation.OFF, Speculation.ON, Speculation.AUTO], metavar="{off,on,auto}",
-                    help="default off on auto; off always runs first (every other mode must equal it)")
+    sb.add_argument("--modes", nargs="+", type=Mode.parse, default=[Mode.parse(m) for m in ("off", "on", "auto")],
+                    metavar="{off,on,auto,on:DRAFTER}",
+                    help="default off on auto; off always runs first (every other mode must equal it); on:DRAFTER "
+                         "asks for that drafter (one the server runs: on:suffix, on:model+ngram)")
     sb.add_argument("--max-new-tokens", type=int, default=64)
     sb.add_argument("--limit", type=int, help="use only the first N prompts of each task type")
     sb.add_argument("--workload", choices=[w.value for w in Workload], default=Workload.SINGLE.value,

@@ -123,6 +123,33 @@ def reference_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@dataclass(frozen=True)
+class Mode:
+    """A cell's speculation as its requests ask for it: off, on or auto, and with on the drafter they name
+    ("on:suffix": GenerateRequest.drafter), so that one server serving several drafters runs each alone beside
+    AUTO choosing among them, in one run."""
+
+    speculation: Speculation
+    drafter: str = ""
+
+    @classmethod
+    def parse(cls, value: str) -> "Mode":
+        """off, on, auto (either case) or on:DRAFTER; ValueError saying what is wrong (argparse reports it)."""
+        name, colon, drafter = value.partition(":")
+        speculation = Speculation.parse(name, "a mode")
+        if colon and (not drafter or speculation != Speculation.ON):
+            raise ValueError(f"a mode with a drafter is on:DRAFTER (on:suffix, say), got {value!r}")
+        return cls(speculation, drafter)
+
+    @property
+    def label(self) -> str:
+        """How cells, the summary and the table name it: off, on, auto, on:suffix."""
+        return self.speculation.lower() + (f":{self.drafter}" if self.drafter else "")
+
+
+OFF = Mode(Speculation.OFF)
+
+
 @dataclass
 class Reply:
     """One streamed request, as the client saw it."""
@@ -169,7 +196,7 @@ def bench_main(args) -> None:
         raise ValueError(f"--fresh-prompts: {len(rows)} prompts cannot give each of {len(args.clients)} client counts x "
                          f"{args.rounds} rounds = {groups} groups a prompt of its own (one more warms up): raise "
                          f"--limit or lower --clients/--rounds")
-    modes = [Speculation.OFF] + [m for m in dict.fromkeys(args.modes) if m != Speculation.OFF]
+    modes = [OFF] + [m for m in dict.fromkeys(args.modes) if m != OFF]
     if max(args.clients) > len(rows):
         print(f"bench-served: {len(rows)} prompts: cells with more clients than that run at most {len(rows)} "
               f"requests at once", flush=True)
@@ -205,7 +232,7 @@ def prompt_groups(rows: list[dict], groups: int, fresh: bool) -> tuple[dict, lis
     return rows[-1], [rows[:-1][k::groups] for k in range(groups)]
 
 
-def run_grid(servers: list[Server], modes: list[Speculation], rows: list[dict], turns: int, tokenizer, args):
+def run_grid(servers: list[Server], modes: list[Mode], rows: list[dict], turns: int, tokenizer, args):
     """Every client count's cells: each (server, mode) once a round, the order reversed every other round; every
     cell held to the first server's first off cell's outputs of its client count (--fresh-prompts: of its round).
     -> (the rows, each printed as a JSON line once its round's off cell on its server has run; the prompts the
@@ -231,7 +258,7 @@ def run_grid(servers: list[Server], modes: list[Speculation], rows: list[dict], 
                                                 args.timeout, turns, tokenizer)
                 after = server.stats.read()
                 cell = cell_row(clients, mode, wall, replies, before, after, rnd + 1, server.name)
-                if off is None and server is servers[0] and mode == Speculation.OFF:
+                if off is None and server is servers[0] and mode == OFF:
                     off = [r.tokens for r in replies]
                     if args.fresh_prompts or not sent:
                         sent, off_outputs = sent + asked, off_outputs + off
@@ -243,7 +270,7 @@ def run_grid(servers: list[Server], modes: list[Speculation], rows: list[dict], 
                         with_agreement(done, check_identical(off, got, done_mode, clients, args.dtype, where))
                     unchecked = []
                 pending.append(cell)
-                if mode == Speculation.OFF:
+                if mode == OFF:
                     offs[server.name] = cell["tokens_per_s"]
                 if off is None:
                     continue  # no cell is final before its outputs are checked
@@ -266,10 +293,10 @@ def _tokenizer(target: str | None):
 # --- the grid -----------------------------------------------------------------------------------------
 
 
-def stream_one(stub, row: dict, mode: Speculation, max_new_tokens: int, timeout: float) -> Reply:
+def stream_one(stub, row: dict, mode: Mode, max_new_tokens: int, timeout: float) -> Reply:
     """One GenerateStream call, timed per chunk as the chunks arrive."""
     req = api.GenerateRequest(prompt=row["prompt"], task_type=row["task_type"], max_new_tokens=max_new_tokens,
-                              speculation=api.Speculation.Value(mode.proto_name))
+                              speculation=api.Speculation.Value(mode.speculation.proto_name), drafter=mode.drafter)
     reply, first, last = Reply(), None, None
     t0 = time.perf_counter()
     for chunk in stub.GenerateStream(req, timeout=timeout):
@@ -288,7 +315,7 @@ def stream_one(stub, row: dict, mode: Speculation, max_new_tokens: int, timeout:
     return reply
 
 
-def run_cell(stub, rows: list[dict], mode: Speculation, clients: int, max_new_tokens: int, timeout: float,
+def run_cell(stub, rows: list[dict], mode: Mode, clients: int, max_new_tokens: int, timeout: float,
              turns: int = 1, tokenizer=None) -> tuple[list[Reply], float, list[dict]]:
     """Every row once, by `clients` workers pulling from one queue; with turns > 1 a row is a conversation
     (specdec.workload) whose turns its worker sends one after another -> (replies in row order, turn by
@@ -328,12 +355,12 @@ def run_cell(stub, rows: list[dict], mode: Speculation, clients: int, max_new_to
     wall = time.perf_counter() - t0
     if errors:
         i, e = min(errors, key=lambda x: x[0])
-        raise SystemExit(f"bench-served: mode {mode.lower()} at {clients} clients, prompt {i}: "
+        raise SystemExit(f"bench-served: mode {mode.label} at {clients} clients, prompt {i}: "
                          f"{e.code().name}: {e.details()}")
     return replies, wall, asked
 
 
-def check_identical(off: list[list[int]], replies: list[Reply], mode: Speculation, clients: int,
+def check_identical(off: list[list[int]], replies: list[Reply], mode: Mode, clients: int,
                     dtype: str = "float32", where: str = "") -> float:
     """Greedy: every mode must give off's tokens, prompt by prompt (float32), or agree with them by at least
     AGREEMENT_FLOOR (another dtype: see is_exact); SystemExit naming the first prompt that does not, or the
@@ -342,15 +369,15 @@ def check_identical(off: list[list[int]], replies: list[Reply], mode: Speculatio
     if is_exact(dtype):
         for i, (want, got) in enumerate(zip(off, outputs)):
             if (at := first_divergence(got, want)) is not None:
-                raise SystemExit(f"bench-served: {where}mode {mode.lower()} at {clients} clients changed the greedy output of "
-                                 f"prompt {i} at token {at} (off: {want[at:at + 8]}, {mode.lower()}: {got[at:at + 8]}, "
+                raise SystemExit(f"bench-served: {where}mode {mode.label} at {clients} clients changed the greedy output of "
+                                 f"prompt {i} at token {at} (off: {want[at:at + 8]}, {mode.label}: {got[at:at + 8]}, "
                                  f"lengths {len(want)} vs {len(got)})")
         return 1.0
     agree = agreement(outputs, off)
     if agree is not None and agree < AGREEMENT_FLOOR:
         i, at = next((i, at) for i, (got, want) in enumerate(zip(outputs, off))
                      if (at := first_divergence(got, want)) is not None)
-        raise SystemExit(f"bench-served: {where}mode {mode.lower()} at {clients} clients agrees with off's greedy output "
+        raise SystemExit(f"bench-served: {where}mode {mode.label} at {clients} clients agrees with off's greedy output "
                          f"on {agree:.3f} of the tokens before the first divergence, below {AGREEMENT_FLOOR} for a "
                          f"{dtype} server (first: prompt {i} at token {at})")
     return 1.0 if agree is None else round(agree, 3)
@@ -418,11 +445,11 @@ def spread(name: str, ratios: list[float]) -> dict:
 
 def with_agreement(cell: dict, agree: float) -> None:
     """A cell's outputs against off's, once checked (check_identical); off's own cell is its reference."""
-    if cell["mode"] != Speculation.OFF.lower():
+    if cell["mode"] != OFF.label:
         cell["identical_to_off"], cell["agreement_with_off"] = agree == 1.0, agree
 
 
-def cell_row(clients: int, mode: Speculation, wall: float, replies: list[Reply], before: dict, after: dict,
+def cell_row(clients: int, mode: Mode, wall: float, replies: list[Reply], before: dict, after: dict,
              rnd: int = 1, server: str = "a") -> dict:
     """One cell's measures ("speedup" is filled in by with_speedup once its round's off cell has run, the
     agreement with off by with_agreement once its outputs are checked)."""
@@ -437,7 +464,7 @@ def cell_row(clients: int, mode: Speculation, wall: float, replies: list[Reply],
         return round(1000 * delta[key] / delta[count], 3) if key in delta and delta.get(count) else None
 
     return {
-        "clients": clients, "server": server, "mode": mode.lower(), "round": rnd, "requests": len(replies), "tokens": tokens,
+        "clients": clients, "server": server, "mode": mode.label, "round": rnd, "requests": len(replies), "tokens": tokens,
         "wall_s": round(wall, 3), "tokens_per_s": round(tps, 2), "speedup": None,
         "tpot_p50_ms": ms(percentile(tpot, 50)), "tpot_p95_ms": ms(percentile(tpot, 95)),
         "ttft_p50_ms": ms(percentile([r.ttft_s for r in replies if r.ttft_s is not None], 50)),
@@ -636,13 +663,13 @@ def table(rows: list[dict], references: dict, args, n_prompts: int, summary: lis
              f"max_new_tokens={args.max_new_tokens}, greedy, {servers}"
              + (f", {rounds} rounds (vs off: that round's off on the same server)" if rounds > 1 else "")
              + (", fresh prompts for each client count's every round" if args.fresh_prompts else ""),
-             f"{'clients':>7} {'mode':<7} {'tok/s':>7} {'vs off':>7} {'tpot p50':>9} {'tpot p95':>9} {'ttft p50':>9} "
+             f"{'clients':>7} {'mode':<14} {'tok/s':>7} {'vs off':>7} {'tpot p50':>9} {'tpot p95':>9} {'ttft p50':>9} "
              f"{'ttft p95':>9} {'accepted/drafted':>17} {'alpha':>6} {'steps':>6} {'forward':>8} {'round trip':>10} {'draft':>7}  (ms) "
              f"{'ahead':>6} {'prefix hits':>11}"]
     for r in rows:
         acc = f"{r['accepted']}/{r['drafted']}"
         lines.append(
-            f"{r['clients']:>7} {label(r, str(r['round']) if rounds > 1 else ''):<7} {r['tokens_per_s']:>7.1f} "
+            f"{r['clients']:>7} {label(r, str(r['round']) if rounds > 1 else ''):<14} {r['tokens_per_s']:>7.1f} "
             f"{fmt(r['speedup'], '.2f'):>6}x "
             f"{fmt(r['tpot_p50_ms']):>9} {fmt(r['tpot_p95_ms']):>9} {fmt(r['ttft_p50_ms']):>9} "
             f"{fmt(r.get('ttft_p95_ms')):>9} {acc:>17} {fmt(r.get('alpha'), '.3f'):>6} {r['steps']:>6} {fmt(r['target_forward_ms']):>8} "
@@ -654,7 +681,7 @@ def table(rows: list[dict], references: dict, args, n_prompts: int, summary: lis
         for r in summary:
             vs_a = f"  vs a {fmt(r['vs_a'], '.3f')}x [{fmt(r['vs_a_min'], '.3f')}, {fmt(r['vs_a_max'], '.3f')}], " \
                 f"ttft vs a {fmt(r['ttft_vs_a'], '.3f')}x" if "vs_a" in r else ""
-            lines.append(f"{r['clients']:>7} {label(r):<7} {r['tokens_per_s']:>7.1f} {fmt(r['speedup'], '.3f'):>6}x "
+            lines.append(f"{r['clients']:>7} {label(r):<14} {r['tokens_per_s']:>7.1f} {fmt(r['speedup'], '.3f'):>6}x "
                          f"[{fmt(r['speedup_min'], '.3f')}, {fmt(r['speedup_max'], '.3f')}]{vs_a}  tpot p50 "
                          f"{fmt(r['tpot_p50_ms'])} ms, ttft p50 {fmt(r['ttft_p50_ms'])} ms, alpha {fmt(r['alpha'], '.3f')}")
     dtype = args.dtype

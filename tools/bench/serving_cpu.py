@@ -16,7 +16,7 @@ import os
 from cluster.auth import api_channel
 from cluster.speculation import Speculation
 from protos import specdec_api_pb2_grpc as api_grpc
-from tools.served_bench import run_cell, stream_one
+from tools.served_bench import Mode, run_cell, stream_one
 
 # process kind -> what its title holds (Ray names an actor's process after its class: "ray::TargetRank")
 ROLES = {
@@ -62,7 +62,7 @@ def role_cpu(pids: dict[str, list[int]]) -> dict[str, float]:
     return {role: sum(map(cpu_seconds, group)) for role, group in pids.items()}
 
 
-def measure(stub, clients: int, max_new_tokens: int, requests: int, mode: Speculation, pids: dict[str, list[int]],
+def measure(stub, clients: int, max_new_tokens: int, requests: int, mode: Mode, pids: dict[str, list[int]],
             timeout: float = 600.0) -> dict:
     """`clients` threads stream `requests` requests each -> tokens, wall seconds and each kind's CPU seconds."""
     before = role_cpu(pids)
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     if not pids["target"] or not pids["ingress"]:
         raise SystemExit("no target rank or ingress process on this machine: start `specdec serve` here first")
     pids["client"] = [os.getpid()]  # this tool's own streams: the gRPC client's share
-    mode = Speculation[args.speculation.upper()]
+    mode = Mode(Speculation[args.speculation.upper()])
     stub = api_grpc.SpecDecodeStub(api_channel(args.address, args.api_key, False, None))
     stream_one(stub, PROMPT, mode, 4, 600.0)  # warm-up: first-call costs
     print(f"# serving_cpu: {args.address}, speculation {args.speculation}, {args.max_new_tokens} new tokens a "
