@@ -280,13 +280,6 @@ class ServerConfig(_Section):
     # refused (403) unless true. API keys guard it as every route.
     allow_forget_outputs: bool = False
 
-    @model_validator(mode="after")
-    def _n_fits_the_queue(self) -> "ServerConfig":
-        if self.max_n > self.max_queued_requests:  # a request of n samples takes n places: it could never run
-            raise ValueError(f"max_n {self.max_n} is over max_queued_requests {self.max_queued_requests}: a request "
-                             "of n samples takes n places in the queue, so one of max_n could never be admitted")
-        return self
-
     @field_validator("http_port")
     @classmethod
     def _differs_from_grpc_port(cls, http_port: int, info: ValidationInfo) -> int:

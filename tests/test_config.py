@@ -389,10 +389,3 @@ def test_suffix_corpora_are_named_by_task_type():
     assert "speculation.suffix.corpora: task type 'a b'" in config_error(
         {**base, "speculation": {"drafter": "suffix", "suffix": {"corpora": {"a b": "/x"}}}})
 
-
-def test_a_max_n_that_could_never_be_admitted_is_refused():
-    """A request of n samples takes n places in the queue: with max_n over max_queued_requests a request the
-    server allows would be told to retry, forever."""
-    message = config_error(with_section("server", {"max_n": 300, "max_queued_requests": 256}))
-    assert message.startswith("ops.yaml: server: max_n 300 is over max_queued_requests 256"), message
-    assert parse_config(with_section("server", {"max_n": 256, "max_queued_requests": 256})).server.max_n == 256

@@ -842,3 +842,15 @@ def test_a_drafter_asked_for_is_one_served_and_allowed_and_comes_with_speculatio
     assert all(d.speculative and not d.probe and d.k >= 1 for d in decisions)
     with pytest.raises(ValueError, match="needs ON"):
         e.frontend.router.route("chat", Speculation.AUTO, DrafterKind.SUFFIX)
+
+
+def test_an_n_the_queue_could_never_hold_is_a_400_naming_n(tmp_path, monkeypatch):
+    """A request of n samples takes n queue places: past max_queued_requests it could never be admitted, so it is
+    refused as a bad n (not told to retry, forever), whatever max_n says."""
+    e = edge(tmp_path, monkeypatch, server={"max_queued_requests": 4, "max_n": 8})
+    status, reply = post(e, {"prompt": "w1", "n": 5, "max_tokens": 2})
+    assert status == 400 and reply["error"]["param"] == "n", reply
+    assert reply["error"]["message"] == ("n: must be in 1..4 (server.max_queued_requests: a request of n samples "
+                                         "takes n places in the queue), got 5")
+    status, reply = post(edge(tmp_path, monkeypatch, server={"max_n": 2}), {"prompt": "w1", "n": 3, "max_tokens": 2})
+    assert status == 400 and reply["error"]["message"] == "n: must be in 1..2 (server.max_n), got 3", reply
