@@ -139,11 +139,11 @@ class Admission:
         if req.max_new_tokens is not None and not 0 < req.max_new_tokens <= limits.max_new_tokens:
             raise InvalidArgument("max_new_tokens", f"must be in 1..{limits.max_new_tokens}, got {req.max_new_tokens}")
         check_stop(req.stop)
-        if not 1 <= req.n <= min(limits.max_n, limits.max_queued_requests):  # a sample takes a queue place
+        most_n = min(limits.max_n, limits.max_queued_requests)  # each sample takes a queue place
+        if not 1 <= req.n <= most_n:
             bound = ("server.max_n" if limits.max_n <= limits.max_queued_requests else
                      "server.max_queued_requests: a request of n samples takes n places in the queue")
-            raise InvalidArgument("n", f"must be in 1..{min(limits.max_n, limits.max_queued_requests)} ({bound}), "
-                                       f"got {req.n}")
+            raise InvalidArgument("n", f"must be in 1..{most_n} ({bound}), got {req.n}")
         self._check_stop_token_ids(req.stop_token_ids)
         if req.max_new_tokens is not None and req.min_tokens > req.max_new_tokens:
             raise InvalidArgument("min_tokens", f"must be at most max_new_tokens ({req.max_new_tokens}), got {req.min_tokens}")

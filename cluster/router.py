@@ -211,9 +211,11 @@ class Router:
         it (its plan's where it is the task type's drafter, else its alpha's)."""
         if requested not in Speculation.__members__:
             raise ValueError(f"requested must be one of {', '.join(Speculation.__members__)}, got {requested!r}")
-        if drafter is not None and (requested != Speculation.ON or drafter not in self.drafters_for(task_type)):
-            raise ValueError(f"drafter {drafter!r} asked for with speculation {requested}: needs ON and one of "
-                             f"{', '.join(map(str, self.drafters_for(task_type)))}")
+        if drafter is not None:
+            allowed = self.drafters_for(task_type)
+            if requested != Speculation.ON or drafter not in allowed:
+                raise ValueError(f"drafter {drafter!r} asked for with speculation {requested}: needs ON and one of "
+                                 f"{', '.join(map(str, allowed))}")
         with self._lock:
             state, thresholds = self._state(task_type), self._routing.thresholds(task_type)
             plan = self._plan(state, thresholds)
