@@ -4,6 +4,7 @@ requests it is given, sending all their token trees to the target group in one m
 import asyncio
 from collections.abc import AsyncIterator
 
+import grpc
 import ray
 
 from protos import specdec_tree_pb2_grpc as tree_grpc
@@ -33,7 +34,7 @@ from .target_rank import device_for_actor, use_assigned_cpus
 class DraftReplica:
     """Async: a request is a stream fed by its draft model's loop, not a thread."""
 
-    def __init__(self, drafts: dict[str, tuple[str, str]], target_address: str,
+    def __init__(self, drafts: dict[str, tuple[str, str]],
                  shapes: dict[DrafterKind, DraftShape] | None = None,
                  overlap: bool = True, *, security: LinkSecurity | SharedSecurity, logical_gpus: bool = False,
                  corpora: dict[str, str] | None = None, corpus_max_tokens: int = 1_000_000,
@@ -67,9 +68,11 @@ class DraftReplica:
         self.overlap = overlap
         for kind in self.shapes:
             self._make_drafter("", kind)  # fail at start
-        self.security, self.target_address = resolve(security), target_address
-        self.channel = target_channel(target_address, self.security)
-        self.target = GrpcTarget(tree_grpc.TargetServiceStub(self.channel))  # shared by the loops
+        self.security = resolve(security)
+        # the target group's TargetService: connected at the first request, which names it (as every request does)
+        self.target_address: str | None = None
+        self.channel: grpc.Channel | None = None
+        self.target = GrpcTarget(stub=None)  # shared by the loops
         name = ray.get_runtime_context().get_actor_name() or "draft"
         self.step_timer = StepTimer(name.rsplit("-", 1)[0])  # draft-<i>-<topology tag> -> draft-<i>
         self.loops: dict[tuple[str, DrafterKind], DraftLoop] = {}  # per draft model (its task type, or "" for
@@ -99,19 +102,18 @@ class DraftReplica:
             yield batch
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, max_new_tokens: int,
-                       eos: list[int] = (), depth: int = 4, task_type: str = "", stream: int = 0,
-                       target_address: str | None = None, drafter: str | None = None,
-                       feed: str | None = None) -> StepUpdate | None:
+                       eos: list[int] = (), depth: int = 4, task_type: str = "", *, target_address: str,
+                       stream: int = 0, drafter: str | None = None, feed: str | None = None) -> StepUpdate | None:
         """One request, K = depth, drafted by `drafter` (a kind this replica runs; None: its first): opened on
         the target (it may wait there for room), then stepped with the replica's other requests of that
         drafter. Each step but the last goes to the `feed` subscriber's feed (None: to none); -> the last,
         with the finish reason and every token (None: cancelled).
         `stream` separates the random streams of samples that share a seed. `target_address`: the
-        target group's TargetService as the caller knows it (None: the one this replica has); a new one
-        (the group was rebuilt) is connected to first."""
+        target group's TargetService as the caller knows it; the first, or a new one (the group was rebuilt), is
+        connected to first."""
         if self.cancelled_early.take(request_id):  # its caller gave up before it started: never open it
             return None
-        if target_address is not None and target_address != self.target_address:
+        if target_address != self.target_address:
             self._connect(target_address)
         loop = self.running[request_id] = self._loop_for(task_type, drafter)  # from here on it can be cancelled
         sink = RequestSink(request_id, self.feeds.of(feed))
@@ -137,13 +139,14 @@ class DraftReplica:
             self.cancelled_early.add(request_id)
 
     def _connect(self, address: str) -> None:
-        """Send trees to the target group at `address` from now on (a rebuilt group: a Ray restart of this
-        replica also starts from its first address); the requests of the old group end with Unavailable."""
+        """Send trees to the target group at `address` from now on: the first, or a rebuilt group (a replica Ray
+        restarted starts unconnected); the requests of the old group end with Unavailable."""
         old, self.channel = self.channel, target_channel(address, self.security)
         self.target.stub, self.target_address = tree_grpc.TargetServiceStub(self.channel), address
-        for loop in self.loops.values():
-            loop.fail_all(Unavailable(f"the target group was rebuilt at {address}"))
-        old.close()
+        if old is not None:
+            for loop in self.loops.values():
+                loop.fail_all(Unavailable(f"the target group was rebuilt at {address}"))
+            old.close()
 
     def _loop_for(self, task_type: str, drafter: str | None) -> DraftLoop:
         key = task_type if task_type in self.models or task_type in self.corpora else ""

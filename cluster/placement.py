@@ -3,7 +3,8 @@ and every draft replica on a bundle of its own, so drafts never share the target
 topology makes a secret of its own, which its draft replicas send on every call to its target
 (actors/security.py); nothing outside the topology is given it: it reaches the actors through Ray's
 object store (SharedSecurity), not as a creation argument, and no repr shows it. A lost target group is started again
-on its own placement group, with the same secret (start_target_ranks; cluster/supervisor.py)."""
+on its own placement group, with the same secret (start_target_ranks; cluster/supervisor.py). The draft replicas load
+while the target's ranks do: they are given the target's address with each request."""
 
 import secrets
 import uuid
@@ -83,18 +84,20 @@ def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
         for pg in groups:
             ray.get(pg.ready(), timeout=timeout_s)  # fails, naming the wait, when the cluster lacks the GPUs
         topo.shared = SharedSecurity.put(security)
-        topo.target_ranks, topo.target_address = start_target_ranks(cfg, target_pg, topo.tag, topo.shared, timeout_s)
+        # the replicas load while the target ranks do: they are given the target's address with each request
+        topo.target_ranks = launch_target_ranks(cfg, target_pg, topo.tag, topo.shared)
         topo.drafts = [
             DraftReplica.options(num_gpus=place.gpus_per_actor, num_cpus=place.cpus_per_draft_replica,
                                  max_concurrency=ACTOR_CONCURRENCY,
                                  max_restarts=-1, scheduling_strategy=_on(groups[1], i),
                                  name=f"draft-{i}-{topo.tag}", namespace=NAMESPACE)
-            .remote(models.drafts(), topo.target_address, spec.shapes(), spec.overlap,
+            .remote(models.drafts(), spec.shapes(), spec.overlap,
                     corpora=spec.suffix.corpora, corpus_max_tokens=spec.suffix.corpus_max_tokens,
                     target_model=models.target.path, prefix_cache_tokens=cfg.server.prefix_cache_tokens,
                     budget=kv_budget(cfg),
                     security=topo.shared, logical_gpus=place.logical_gpus)
             for i in range(n_drafts)]
+        topo.target_address = target_ready(topo.target_ranks, timeout_s)
         ray.get([d.ready.remote() for d in topo.drafts], timeout=timeout_s)
     except Exception:
         topo.shutdown()  # release what was reserved, then report why
@@ -102,24 +105,34 @@ def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
     return topo
 
 
-def start_target_ranks(cfg: ServeConfig, pg: PlacementGroup, tag: str, security: SharedSecurity,
-                       timeout_s: float = 300) -> tuple[list, str]:
-    """The target group's ranks (target-<rank>-<tag>), one on each bundle of `pg`, loaded and joined ->
-    (the ranks in rank order, rank 0's TargetService address). Ranks that started are killed if the
-    group fails to start."""
+def launch_target_ranks(cfg: ServeConfig, pg: PlacementGroup, tag: str, security: SharedSecurity) -> list:
+    """The target group's ranks (target-<rank>-<tag>), one on each bundle of `pg`, started (not yet loaded:
+    target_ready waits for that), in rank order."""
     place, server, tp = cfg.placement, cfg.server, cfg.placement.tensor_parallel_size
     rendezvous = ray.get(ray.remote(free_address).options(num_cpus=0, scheduling_strategy=_on(pg, 0))
                          .remote()) if tp > 1 else None
-    ranks = [TargetRank.options(num_gpus=place.gpus_per_actor, num_cpus=place.cpus_per_target_rank,
-                                max_concurrency=ACTOR_CONCURRENCY, scheduling_strategy=_on(pg, r),
-                                name=f"target-{r}-{tag}", namespace=NAMESPACE)
-             .remote(cfg.models.target.path, cfg.models.target.dtype, r, tp, rendezvous, kv_budget(cfg),
-                     server.idle_row_timeout_s, server.prefix_cache_tokens, server.max_batched_tokens,
-                     gather_trees=server.gather_trees, security=security, logical_gpus=place.logical_gpus)
-             for r in range(tp)]
+    return [TargetRank.options(num_gpus=place.gpus_per_actor, num_cpus=place.cpus_per_target_rank,
+                               max_concurrency=ACTOR_CONCURRENCY, scheduling_strategy=_on(pg, r),
+                               name=f"target-{r}-{tag}", namespace=NAMESPACE)
+            .remote(cfg.models.target.path, cfg.models.target.dtype, r, tp, rendezvous, kv_budget(cfg),
+                    server.idle_row_timeout_s, server.prefix_cache_tokens, server.max_batched_tokens,
+                    gather_trees=server.gather_trees, security=security, logical_gpus=place.logical_gpus)
+            for r in range(tp)]
+
+
+def start_target_ranks(cfg: ServeConfig, pg: PlacementGroup, tag: str, security: SharedSecurity,
+                       timeout_s: float = 300) -> tuple[list, str]:
+    """The target group's ranks, loaded and joined -> (the ranks in rank order, rank 0's address)."""
+    ranks = launch_target_ranks(cfg, pg, tag, security)
+    return ranks, target_ready(ranks, timeout_s)
+
+
+def target_ready(ranks: list, timeout_s: float = 300) -> str:
+    """Wait until every rank has loaded and joined -> rank 0's TargetService address. The ranks are killed if
+    the group fails to start."""
     try:
         ray.get([rank.ready.remote() for rank in ranks], timeout=timeout_s)
-        return ranks, ray.get(ranks[0].address.remote())
+        return ray.get(ranks[0].address.remote())
     except Exception:
         kill(ranks)
         raise

@@ -222,8 +222,8 @@ def test_tensor_parallel_over_nccl_equals_plain_decoding(model_dirs, reference, 
         try:
             prompts = reference.prompts[:4]
             if replicas:
-                runs = [topo.drafts[0].generate.remote(f"r{i}", p, GREEDY, NEW_TOKENS,
-                                                                                       depth=3)
+                runs = [topo.drafts[0].generate.remote(f"r{i}", p, GREEDY, NEW_TOKENS, depth=3,
+                                                       target_address=topo.target_address)
                         for i, p in enumerate(prompts)]
             else:
                 runs = [topo.target.decode.remote(f"r{i}", p, GREEDY, NEW_TOKENS, [])

@@ -52,7 +52,8 @@ def test_every_actor_gets_its_own_gpu_and_requests_equal_plain_decoding(cluster,
 
         prompts = reference.prompts[:6]
         runs = [topo.drafts[i % len(topo.drafts)].generate
-                .remote(f"r{i}", p, GREEDY, NEW_TOKENS, depth=3) for i, p in enumerate(prompts)]
+                .remote(f"r{i}", p, GREEDY, NEW_TOKENS, depth=3, target_address=topo.target_address)
+                for i, p in enumerate(prompts)]
         outs = [collect(run) for run in runs]
         assert [o["token_ids"] for o in outs] == reference.continuations[:6]
         assert sum(o["stats"].accepted for o in outs) > 0
@@ -94,7 +95,8 @@ def test_tensor_parallel_target_equals_plain_decoding(cluster, model_dirs, targe
     try:
         prompts = reference.prompts[:4]
         if replicas:
-            runs = [topo.drafts[0].generate.remote(f"r{i}", p, GREEDY, NEW_TOKENS, depth=3)
+            runs = [topo.drafts[0].generate.remote(f"r{i}", p, GREEDY, NEW_TOKENS, depth=3,
+                                                   target_address=topo.target_address)
                     for i, p in enumerate(prompts)]
         else:
             runs = [topo.target.decode.remote(f"r{i}", p, GREEDY, NEW_TOKENS, [])
@@ -136,14 +138,14 @@ def test_a_gpu_without_cuda_refuses_to_start_and_releases_the_gpus(cluster, mode
 
     assert not torch.cuda.is_available()
     cfg = config(model_dirs, replicas=1, drafter=drafter, logical_gpus=False)
-    start_target_ranks = placement.start_target_ranks
+    launch_target_ranks = placement.launch_target_ranks
 
     def logical_target(cfg, *args, **kwargs):  # the target group starts; only the replica is left to refuse
-        return start_target_ranks(cfg.model_copy(update={"placement": cfg.placement.model_copy(
+        return launch_target_ranks(cfg.model_copy(update={"placement": cfg.placement.model_copy(
             update={"logical_gpus": True})}), *args, **kwargs)
 
-    with unittest.mock.patch.object(placement, "start_target_ranks",
-                                    logical_target if drafter != "none" else start_target_ranks):
+    with unittest.mock.patch.object(placement, "launch_target_ranks",
+                                    logical_target if drafter != "none" else launch_target_ranks):
         with pytest.raises(ray.exceptions.RayActorError) as info:
             start_topology(cfg)
     message = str(info.value)

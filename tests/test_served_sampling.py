@@ -24,37 +24,44 @@ from test_sampling import P_MIN, PROMPT, chi_square_pvalue, exact_joint
 WORDS = [f"v{i}" for i in range(1, SMALL_VOCAB)]  # "v<i>" is token i
 
 
-@pytest.mark.parametrize("drafter, overlap", [("model", False), ("model", True),
-                                              ("model+suffix", True)])  # suffix guesses: deterministic siblings
-def test_sampled_output_through_serve_keeps_the_targets_distribution(model_dirs, small_target, tmp_path, drafter,
+@pytest.mark.parametrize("drafters, overlap", [(["model"], False),
+                                               (["model", "model+suffix"], True)],  # suffix guesses: deterministic siblings
+                         ids=["model, not ahead", "model and model+suffix, ahead"])
+def test_sampled_output_through_serve_keeps_the_targets_distribution(model_dirs, small_target, tmp_path, drafters,
                                                                       overlap):
+    """Each drafter the server runs, named by the requests, on one server."""
     target = save_tokenizer(shutil.copytree(model_dirs.small_target, tmp_path / "target"), WORDS)
     config = {"models": {"target": {"path": target}, "draft": {"path": model_dirs.small_draft}},
               "placement": {"tensor_parallel_size": 1, "draft_replicas": 1},
               # proposal_top_k 3 of 8 tokens: the draft's truncated q is what it draws from and what crosses the wire
-              "speculation": {"drafter": drafter, "tree_width": 2, "overlap": overlap, "proposal_top_k": 3},
+              "speculation": {"drafter": drafters, "tree_width": 2, "overlap": overlap, "proposal_top_k": 3},
               "server": {"max_prompt_tokens": 16, "max_new_tokens": 8, "max_n": 100,
                          "grpc_port": free_port(), "http_port": free_port()}}
     path = start_serving(config, tmp_path, num_cpus=4, num_gpus=2)
+    prompt, n_tokens, requests, n = " ".join(f"v{t}" for t in PROMPT), 4, 15, 100
+    outcomes, speculative = {d: Counter() for d in drafters}, Counter()
     try:
         serve.run(build_app({"config": str(path)}), name="specdec", route_prefix="/")
         stub = api_grpc.SpecDecodeStub(grpc.insecure_channel(f"127.0.0.1:{config['server']['grpc_port']}"))
-        prompt, n_tokens, requests, n = " ".join(f"v{t}" for t in PROMPT), 4, 15, 100
-        outcomes, speculative = Counter(), 0
-        for r in range(requests):  # each sample its own random stream: (seed, sample index)
-            reply = stub.Generate(api.GenerateRequest(prompt=prompt, max_new_tokens=n_tokens, temperature=1.0,
-                                                      seed=1000 + r, n=n, speculation=api.SPECULATION_ON),
-                                  timeout=120)
-            for sample in [reply, *reply.more_samples]:
-                outcomes[tuple(sample.token_ids)] += 1
-                speculative += sample.stats.speculative and sample.stats.accepted > 0
+        for drafter in drafters:
+            for r in range(requests):  # each sample its own random stream: (seed, sample index)
+                reply = stub.Generate(api.GenerateRequest(prompt=prompt, max_new_tokens=n_tokens, temperature=1.0,
+                                                          seed=1000 + r, n=n, speculation=api.SPECULATION_ON,
+                                                          drafter=drafter), timeout=120)
+                for sample in [reply, *reply.more_samples]:
+                    outcomes[drafter][tuple(sample.token_ids)] += 1
+                    speculative[drafter] += sample.stats.speculative and sample.stats.accepted > 0
         with urllib.request.urlopen(f"http://127.0.0.1:{config['server']['http_port']}/v1/stats", timeout=30) as r:
-            drafted_ahead = json.load(r)["timing"]["drafted_ahead"]
+            stats = json.load(r)
+        drafted_ahead = stats["timing"]["drafted_ahead"]
+        measured = stats["task_types"]["default"]["drafters"]  # acceptance reports, by drafter
     finally:
         serve.shutdown()
         ray.shutdown()
-    m = requests * n
-    assert sum(outcomes.values()) == m and speculative > m // 2  # drafts were proposed and kept
     assert (drafted_ahead > 0) == overlap, drafted_ahead  # with overlap, some steps' trees were drafted ahead
+    m = requests * n
     want = exact_joint(small_target, PROMPT, n_tokens, SamplingParams(temperature=1.0))
-    assert chi_square_pvalue(outcomes, want, m) > P_MIN
+    for drafter in drafters:  # each drafted the samples that named it
+        assert m // 2 < measured[drafter]["samples"] <= m, measured
+        assert sum(outcomes[drafter].values()) == m and speculative[drafter] > m // 2  # drafts proposed and kept
+        assert chi_square_pvalue(outcomes[drafter], want, m) > P_MIN, drafter
