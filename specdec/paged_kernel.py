@@ -1,6 +1,6 @@
 """Attention over the block pool on the CPU, in C++ (specdec/csrc/paged_attention.cpp): each row's keys and
 values are read from its blocks where they lie, with no gathered copy of the batch's KV. torch's extension
-builder compiles it on first use (about 40 s, once per machine) into kernel_dir(), named by the source, torch's
+builder compiles it on first use (about 35 s on 2 cores, once per machine) into kernel_dir(), named by the source, torch's
 version and the flags, and later processes load it from there.
 
 Where it cannot run (a CPU without AVX2, no C++ compiler, SPECDEC_PAGED_KERNEL=off, or the build failed:

@@ -43,7 +43,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session", autouse=True)
 def paged_kernel_built():
-    """The paged kernel is built first (on a fresh machine, about 40 s), not inside a test with a deadline, and
+    """The paged kernel is built first (on a fresh machine, about 35 s), not inside a test with a deadline, and
     every server a test starts finds it there, even one given a cache folder of its own (XDG_CACHE_HOME)."""
     from specdec import paged_kernel
 

@@ -8,7 +8,8 @@
 // attention calls, or for a few queries a head with dot products four keys at a time. A chunk's keys and values
 // for the task's heads are sized to stay in L2 (fewer keys a chunk the more heads a task reads). Every query head
 // of a group shares its key/value head's reads (grouped-query attention).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>  // at::Tensor <-> Python; torch/extension.h (the whole C++ API) doubles the build
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/cpu/vec/functional.h>
@@ -184,8 +185,8 @@ bool any_visible(const bool* mask, int64_t L, int64_t t0, int64_t tn, int64_t c0
 // mask [B or 1, 1, T, L] bool (true: the query sees the key); queries [B] int64 or empty: row b's real queries are
 // its first queries[b], the rest padding, not run (a ragged batch: a prompt's chunk beside trees) -> [B, T, Hq, D]
 // (zeros at the padding)
-torch::Tensor paged_attention(torch::Tensor query, torch::Tensor pool_k, torch::Tensor pool_v, torch::Tensor read,
-                              torch::Tensor mask, double scale, torch::Tensor queries) {
+at::Tensor paged_attention(at::Tensor query, at::Tensor pool_k, at::Tensor pool_v, at::Tensor read,
+                              at::Tensor mask, double scale, at::Tensor queries) {
   TORCH_CHECK(query.dim() == 4 && pool_k.dim() == 3 && read.dim() == 2 && mask.dim() == 4,
               "paged_attention: query [B, Hq, T, D], pools [P, Hkv, D], read [B, L], mask [B, 1, T, L]");
   TORCH_CHECK(query.scalar_type() == at::kFloat && pool_k.scalar_type() == at::kFloat &&
@@ -221,7 +222,7 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor pool_k, torch::
   }
   const int64_t HB = Hkv / HR, MQ = G * TQ, span = (L + KS - 1) / std::max<int64_t>(KS, 1);
   const int64_t chunk = std::clamp<int64_t>(CHUNK_FLOATS / (HR * D) / 16 * 16, 32, CHUNK);
-  auto out = ragged ? torch::zeros({B, T, Hq, D}, query.options()) : torch::empty({B, T, Hq, D}, query.options());
+  auto out = ragged ? at::zeros({B, T, Hq, D}, query.options()) : at::empty({B, T, Hq, D}, query.options());
   const float* q = query.data_ptr<float>();
   const float* pk = pool_k.data_ptr<float>();
   const float* pv = pool_v.data_ptr<float>();
@@ -344,5 +345,5 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor pool_k, torch::
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention over a block pool (CPU, float32)", pybind11::arg("query"),
         pybind11::arg("pool_k"), pybind11::arg("pool_v"), pybind11::arg("read"), pybind11::arg("mask"),
-        pybind11::arg("scale"), pybind11::arg("queries") = torch::empty({0}, torch::kLong));
+        pybind11::arg("scale"), pybind11::arg("queries") = at::empty({0}, at::kLong));
 }
