@@ -195,3 +195,15 @@ def test_a_build_killed_midway_leaves_no_lock_the_next_one_waits_on(monkeypatch,
     assert paged_kernel.paged_attention() == "the kernel"
     assert time.monotonic() - t0 < 10
     assert not (folder / "lock").exists()
+
+
+def test_each_torch_install_builds_in_a_folder_of_its_own(monkeypatch):
+    """torch's build file names the include paths of the torch it builds against: two environments (a clone's
+    venv beside another's) sharing one folder would rebuild the kernel in turn, each over the other's."""
+    import torch
+
+    here = paged_kernel.build_folder()
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/site-packages/torch/__init__.py")
+    elsewhere = paged_kernel.build_folder()
+    assert elsewhere != here and elsewhere.parent == here.parent
+    assert elsewhere.name.startswith("specdec_paged_attention_")
