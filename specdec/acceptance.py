@@ -12,13 +12,14 @@ a leaf) one token is drawn from the current p. A deterministic guess (n-gram) ha
 Whatever the tree, the token emitted at each position is distributed exactly as the target's p."""
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from .device import host_tensor, to_host
 from .logprobs import TokenLogprob
-from .sampling import SamplingParams, warp
+from .sampling import SamplingParams, warp_
 from .tree import DELTA, TokenTree
 
 
@@ -57,32 +58,50 @@ def accept_greedy(tree: TokenTree, argmax: list[int]) -> Verdict:
         path.append(nxt)
 
 
-def accept_sampling(
-    tree: TokenTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-) -> Verdict:
-    """logits [N', V] (N' >= N = len(tree)): the target's logits after each node. Multi-step speculative
-    sampling (see module doc), decided on the device for every node at once and read back in one
-    transfer, however large the tree: each child's test assumes its elder siblings were rejected (the
-    only case in which it is tried), and each node's bonus is drawn from its distribution once all its
-    children are rejected; the host then walks from the root to the first accepted child, level by level.
+@dataclass
+class SampledRow:
+    """One row of a sampled verify: its tree, the target's logits after each of its nodes [N', V] (N' >= N =
+    len(tree)), how it samples, and its own random stream (so a row's tokens do not depend on its batch)."""
+
+    tree: TokenTree
+    logits: torch.Tensor
+    params: SamplingParams
+    generator: torch.Generator
+
+
+class NotADistribution(ValueError):
+    """The target's distribution at the node a row's tokens are drawn from is not one (NaN or inf logits)."""
+
+
+def accept_sampling(rows: Sequence[SampledRow]) -> list[Verdict | NotADistribution]:
+    """Multi-step speculative sampling (see module doc) for a batch's sampled rows at once, every node of every
+    row decided on the device and read back in one transfer, however many rows and however large their
+    trees: each child's test assumes its elder siblings were rejected (the only case in which it is tried),
+    and each node's bonus is drawn from its distribution once all its children are rejected; the host then
+    walks each row from its root to the first accepted child, level by level. The rows' trees are laid end
+    to end (a forest) and each row draws its uniforms from its own generator, in its own order.
     A child's q is sparse (its proposal's entries, at most MAX_PROPOSAL_TOP_K; a guess's one), and so is
     what its rejection changes: max(0, r - q) differs from r only there. So each node's distribution is
     kept unnormalised, as w with its sum z (r = w / z), and the children are tried a rank at a time (every
     node's first child, then every second...), each rank in a few operations on its children's entries:
-    a tree costs its widest node's width in steps, and no step costs the vocabulary."""
-    assert logits.shape[0] >= len(tree), (logits.shape, len(tree))
-    N, kids = len(tree), tree.children()
-    p = warp(logits[:N], params)  # [N, V] the target's distribution after each node
-    V, device = p.shape[-1], p.device
-    u = torch.rand(N, generator=generator, device=device)  # [N] each node's uniform, for its test as a child
-    passes = torch.zeros(N, dtype=torch.bool, device=device)  # [N] passes[c]: c is accepted if it is tried
-    # w[n]: the distribution at n once every child of n is rejected, unnormalised; the columns past V are
-    # spare, 0 throughout: the ids a draft's padded vocabulary has past the target's go to column V, and the
-    # rest pads the row to whole blocks of the draw's
-    w = p.new_zeros(N, -(-(V + 1) // DRAW_BLOCK) * DRAW_BLOCK)  # [N, V'] V' > V
-    w[:, :V] = p
-    z = p.sum(-1)  # [N] each row's sum
-    entries = _Entries.of(tree, V, device) if N > 1 else None
+    a batch costs its widest node's width in steps, and no step costs the vocabulary.
+    -> per row its Verdict, or NotADistribution when the distribution it would draw from is none (that row
+    alone fails)."""
+    if not rows:
+        return []
+    trees = [r.tree for r in rows]
+    sizes = [len(t) for t in trees]
+    firsts = [0, *itertools.accumulate(sizes)]  # each row's first node in the forest
+    kids = [[firsts[r] + c for c in cs] for r, t in enumerate(trees) for cs in t.children()]  # forest's
+    V = rows[0].logits.shape[-1]
+    w = _warped(rows, sizes, -(-(V + 1) // DRAW_BLOCK) * DRAW_BLOCK)  # [T, V'] T nodes, V' > V (spare columns 0)
+    device, T = w.device, firsts[-1]
+    # [3, T] each node's uniform for its test as a child, its uniform id (below) and its bonus draw's point
+    u, uniform, point = torch.cat([torch.rand(3, n, generator=r.generator, device=device)
+                                   for r, n in zip(rows, sizes)], dim=1)
+    passes = torch.zeros(T, dtype=torch.bool, device=device)  # [T] passes[c]: c is accepted if it is tried
+    z = w.sum(-1)  # [T] each node's sum
+    entries = _Entries.of(trees, V, device)
     for rank in range(max(map(len, kids))):
         at, tried, x, S, q = entries.rank(kids, rank)  # [n] nodes, their children, their tokens; [n, m] q's
         on_S = at.unsqueeze(1) * w.shape[1] + S  # [n, m] where S lies in w, flat
@@ -95,36 +114,63 @@ def accept_sampling(
         kept = total > 0
         w.view(-1).index_put_((on_S.view(-1),), torch.where(kept.unsqueeze(1), residual, wS).view(-1))
         z.index_put_((at,), torch.where(kept, total, zn))
-    # a row that is no distribution (NaN logits) draws uniformly instead, so the draw cannot go wrong on the
-    # device (on a GPU an invalid draw would be a device-side assert, fatal to every request)
-    sums = w.sum(-1)  # [N] not finite if any weight is not
-    sound = torch.isfinite(sums) & (sums > 0) & (w.amin(-1) >= 0)  # [N]
-    uniform = (torch.rand(N, generator=generator, device=device) * V).long().clamp_max(V - 1)  # [N]
-    bonus = torch.where(sound, draw(w, generator), uniform)  # [N]
-    accepted, bonuses, sounds = to_host(passes, bonus, sound)  # this row's one wait for the device
-    path = [0]
+    token, sums = draw(w, point)
+    # a node whose weights are no distribution (NaN logits) draws uniformly instead, so the draw cannot go wrong
+    # on the device (on a GPU an invalid draw would be a device-side assert, fatal to every request)
+    sound = torch.isfinite(sums) & (sums > 0)  # [T] (the weights are never negative: p, then max(0, .))
+    bonus = torch.where(sound, token, (uniform * V).long().clamp_max(V - 1))  # [T]
+    accepted, bonuses, sounds = to_host(passes, bonus, sound)  # the batch's one wait for the device
+    return [_walk(tree, first, kids, accepted, bonuses, sounds) for tree, first in zip(trees, firsts)]
+
+
+def _warped(rows: Sequence[SampledRow], sizes: list[int], width: int) -> torch.Tensor:
+    """The rows' sampling distributions after each of their nodes, unnormalised, end to end -> [T, width]
+    (columns past the vocabulary 0): their logits copied once into a buffer whose spare columns are -inf,
+    warped there (specdec/sampling.py) together where rows sample alike, a group at a time where they do not."""
+    V, device = rows[0].logits.shape[-1], rows[0].logits.device
+    x = torch.empty(sum(sizes), width, dtype=torch.float32, device=device)  # [T, width]
+    x[:, V:] = float("-inf")
+    at = 0
+    for r, n in zip(rows, sizes):
+        x[at : at + n, :V] = r.logits[:n]
+        at += n
+    groups: dict[tuple, list[int]] = {}  # the warp's settings -> the rows that sample with them
+    for i, r in enumerate(rows):
+        groups.setdefault(r.params.warp_settings, []).append(i)
+    if len(groups) == 1:
+        return warp_(x, rows[0].params)
+    starts = [0, *itertools.accumulate(sizes)]
+    for members in groups.values():
+        nodes = host_tensor([n for i in members for n in range(starts[i], starts[i + 1])], torch.long, device)
+        x.index_copy_(0, nodes, warp_(x.index_select(0, nodes), rows[members[0]].params))
+    return x
+
+
+def _walk(tree: TokenTree, first: int, kids: list[list[int]], accepted: list[bool], bonuses: list[int],
+          sounds: list[bool]) -> Verdict | NotADistribution:
+    """One row's verdict from the batch's decisions (indexed by forest node; the row's nodes from `first`)."""
+    path = [first]
     while (nxt := next((c for c in kids[path[-1]] if accepted[c]), None)) is not None:
         path.append(nxt)
     if not sounds[path[-1]]:
-        raise ValueError(f"the target's distribution after node {path[-1]} is not finite")
-    return Verdict(path, [tree.tokens[n] for n in path[1:]] + [bonuses[path[-1]]])
+        return NotADistribution(f"the target's distribution after node {path[-1] - first} is not finite")
+    path = [n - first for n in path]
+    return Verdict(path, [tree.tokens[n] for n in path[1:]] + [bonuses[path[-1] + first]])
 
 
-def draw(w: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token a row from w [N, V] (each row's weights, unnormalised, their sum > 0; V a multiple of
-    DRAW_BLOCK) -> [N]: where a uniform point falls in the row's cumulative sum, in float64, found a block at a
-    time: the block by the blocks' sums, then the token by that block's cumulative sum. A uniform a row and
-    one pass over w, where torch.multinomial draws V exponentials a row (most of a sampled verify on a CPU
-    with a vocabulary of 152k). A token of weight 0 is never drawn: its step in the sum is empty."""
+def draw(w: torch.Tensor, point: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token a row from w [N, V] (each row's weights, unnormalised; V a multiple of DRAW_BLOCK), where
+    its uniform point [N] in [0, 1) falls in the row's cumulative sum, found a block at a time: the block
+    by the blocks' sums (each summed in float32, accumulated in float64), then the token by that block's
+    cumulative sum (float64). A uniform a row and one pass over w, where torch.multinomial draws V
+    exponentials a row (most of a sampled verify on a CPU with a vocabulary of 152k). A token of weight 0
+    is never drawn: its step in the sum is empty. -> the tokens [N] and the rows' sums [N] (float64; a row
+    whose sum is not finite and > 0 is no distribution, and its token is any id in range)."""
     N, V = w.shape
-    point = torch.rand(N, 1, generator=generator, device=w.device).double()  # [N, 1] in [0, 1)
-    if V == DRAW_BLOCK:  # one block: its cumulative sum alone (the point lies below its end: no rounding apart)
-        ends = w.double().cumsum(-1)  # [N, V]
-        return torch.searchsorted(ends, point * ends[:, -1:], right=True).clamp_max(V - 1).view(N)
     blocks = w.view(N, V // DRAW_BLOCK, DRAW_BLOCK)  # [N, b, B]
-    sums = blocks.sum(-1, dtype=torch.float64)  # [N, b]
-    ends = sums.cumsum(-1)  # [N, b] where each block's span ends
-    point = point * ends[:, -1:]  # [N, 1] below the end
+    ends = blocks.sum(-1).double().cumsum(-1)  # [N, b] where each block's span ends
+    sums = ends[:, -1]  # [N]
+    point = point.double().view(N, 1) * sums.unsqueeze(1)  # [N, 1] below the end
     # [N, 1] the first block ending past the point (its sum > 0); the clamp only keeps a row that is no
     # distribution (NaN) in range: its draw is thrown away
     block = torch.searchsorted(ends, point, right=True).clamp_max(V // DRAW_BLOCK - 1)
@@ -134,12 +180,12 @@ def draw(w: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     # summed in another order, the block's own cumulative sum may end a rounding short of its sum: then the
     # point lies past it, and its last token of weight > 0 is the one
     last = torch.where(inner > 0, torch.arange(DRAW_BLOCK, device=w.device), 0).amax(-1, keepdim=True)  # [N, 1]
-    return (block * DRAW_BLOCK + torch.minimum(token, last)).view(N)
+    return (block * DRAW_BLOCK + torch.minimum(token, last)).view(N), sums
 
 
 @dataclass
 class _Entries:
-    """A tree's proposals as one list of entries on the device (ids [E + 1], q [E + 1]; the last an empty
+    """Trees' proposals as one list of entries on the device (ids [E + 1], q [E + 1]; the last an empty
     one: the spare id, q 0), each node's a range of it: a drafted node's, its proposal's entries (ids past
     the target's vocabulary go to the spare); a guess's, its token with q 1."""
 
@@ -150,19 +196,29 @@ class _Entries:
     tokens: list[int]  # per node, its token
 
     @classmethod
-    def of(cls, tree: TokenTree, V: int, device: torch.device) -> "_Entries":
-        guesses = [n for n in range(1, len(tree)) if tree.proposal_ids[n] == DELTA]
-        ids = torch.cat([q.ids.to(device, torch.long, non_blocking=True) for q in tree.proposals]
-                        + [host_tensor([tree.tokens[n] for n in guesses] + [V], torch.long, device)])
-        q = torch.cat([q.probs.to(device, torch.float32, non_blocking=True) for q in tree.proposals]
+    def of(cls, trees: Sequence[TokenTree], V: int, device: torch.device) -> "_Entries":
+        """The entries of trees laid end to end (node n of the k-th tree is node n + the sizes of those before)."""
+        proposals = [q for t in trees for q in t.proposals]
+        starts = [0, *itertools.accumulate(len(q) for q in proposals)]  # each proposal's first entry
+        guesses, start, size, tokens, before = [], [], [], [], 0  # before: proposals of the trees before
+        for t in trees:
+            for n, (pid, token) in enumerate(zip(t.proposal_ids, t.tokens)):
+                if n == 0:  # the root: no entries
+                    first, count = 0, 0
+                elif pid == DELTA:  # a guess: its token, q 1, after the proposals' entries
+                    first, count = starts[-1] + len(guesses), 1
+                    guesses.append(token)
+                else:
+                    first, count = starts[before + pid], len(proposals[before + pid])
+                start.append(first)
+                size.append(count)
+                tokens.append(token)
+            before += len(t.proposals)
+        ids = torch.cat([q.ids.to(device, torch.long, non_blocking=True) for q in proposals]
+                        + [host_tensor(guesses + [V], torch.long, device)])
+        q = torch.cat([q.probs.to(device, torch.float32, non_blocking=True) for q in proposals]
                       + [host_tensor([1.0] * len(guesses) + [0.0], torch.float32, device)])
-        starts = [0, *itertools.accumulate(len(q) for q in tree.proposals)]
-        guess = {n: starts[-1] + i for i, n in enumerate(guesses)}
-        start, size = [0] * len(tree), [0] * len(tree)
-        for n in range(1, len(tree)):
-            pid = tree.proposal_ids[n]
-            start[n], size[n] = (guess[n], 1) if pid == DELTA else (starts[pid], starts[pid + 1] - starts[pid])
-        return cls(torch.where(ids < V, ids, V), q, start, size, tree.tokens)
+        return cls(torch.where(ids < V, ids, V), q, start, size, tokens)
 
     def rank(self, kids: list[list[int]], rank: int) -> tuple[torch.Tensor, ...]:
         """The nodes with a child of this rank (at [n]), those children (tried [n]), their tokens (x [n]) and

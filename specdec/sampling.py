@@ -89,34 +89,46 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def warp_settings(self) -> tuple[float, int, float, float]:
+        """What warp reads: rows alike in these are warped as one."""
+        return self.temperature, self.top_k, self.top_p, self.min_p
+
+    @property
     def penalized(self) -> bool:
         """Whether the target's logits after a node depend on the tokens before it (the penalties)."""
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Turn logits [..., V] into the sampling distribution [..., V] (float32): temperature, min-p, top-k,
-    top-p (vLLM's order). The logits are shifted by their maximum before the division, so no temperature
-    overflows them: the likeliest token is at 0, the others at or below it (-inf at worst), and softmax
-    stays finite; min-p drops a token whose probability is under min_p times the likeliest's, i.e. whose
-    shifted logit is under log(min_p)."""
+    """Turn logits [..., V] into the sampling distribution [..., V] (float32): warp_'s weights, normalised."""
+    w = warp_(logits.to(torch.float32, copy=True), params)
+    return w / w.sum(-1, keepdim=True)
+
+
+def warp_(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Turn logits x [..., V] (float32) in place into the sampling distribution's weights, unnormalised (the
+    likeliest token's 1) -> x: temperature, min-p, top-k, top-p (vLLM's order). The logits are shifted by
+    their maximum before the division, so no temperature overflows them: the likeliest token is at 0, the
+    others at or below it (-inf at worst), and exp stays finite; min-p drops a token whose probability is
+    under min_p times the likeliest's, i.e. whose shifted logit is under log(min_p). In place, as the
+    sampled verify's distributions are the size of the vocabulary for every node of every row: each pass
+    over them costs, and each new buffer of them more (its pages are faulted in on the host)."""
     assert not params.greedy, "greedy decoding takes the argmax; there is no distribution to warp"
-    logits = logits.float()
-    logits = (logits - logits.amax(-1, keepdim=True)) / params.temperature
+    x.sub_(x.amax(-1, keepdim=True))
+    if params.temperature != 1:
+        x.div_(params.temperature)
     if params.min_p > 0:
-        logits = logits.masked_fill(logits < math.log(params.min_p), float("-inf"))
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
+        x.masked_fill_(x < math.log(params.min_p), float("-inf"))
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = x.topk(params.top_k, dim=-1).values[..., -1:]
+        x.masked_fill_(x < kth, float("-inf"))
+    x.exp_()
     if params.top_p < 1:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # drop a token when the tokens ranked above it already reach top_p
-        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+        ranked, order = x.sort(dim=-1, descending=True)
+        # drop a token when the tokens ranked above it already reach top_p of the whole
+        drop = (ranked.cumsum(-1) - ranked) >= params.top_p * x.sum(-1, keepdim=True)
+        x.scatter_(-1, order, ranked.masked_fill_(drop, 0.0))
+    return x
 
 
 ROLES = ("draft", "target")  # the two sides draw from separate streams, as they may run in separate processes

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .acceptance import Verdict, accept_greedy, accept_sampling
+from .acceptance import SampledRow, Verdict, accept_greedy, accept_sampling
 from .device import HOST, host_tensor, to_host
 from .errors import InvalidArgument, RequestExists, RequestFailed, UnknownRequest
 from .grammar import Grammars, RowGrammar
@@ -198,7 +198,7 @@ class TargetWorker:
         raw = logits.unsqueeze(0)  # [1, V]
         held = self._row_logits(rid, tree, raw)
         (argmax,) = to_host(held.argmax(-1))
-        outcome = self._decide(rid, tree, argmax, held, raw)
+        (outcome,) = self._decide([rid], [tree], [argmax], [held], [raw])
         if isinstance(outcome, Verdict):
             self.requests[rid].commit(outcome.tokens)
         return outcome
@@ -325,14 +325,20 @@ class TargetWorker:
         logits, last = logits[:nodes], logits[nodes:]
         held = self._processed(logits, row_trees, sizes)  # what p is drawn from (logprobs: the raw logits)
         (argmax,) = to_host(held.argmax(-1)) if nodes else ([],)  # the forward's one wait for the device (greedy rows)
-        keep, offset = [], 0
-        for rid, tree, row_held, row_logits, size in zip(self.rows, row_trees, held.split(sizes), logits.split(sizes), sizes):
-            row_argmax, offset = argmax[offset : offset + size], offset + size
-            outcome = self._decide(rid, tree, row_argmax, row_held, row_logits) if rid in trees else None
+        deciding = [i for i, rid in enumerate(self.rows) if rid in trees]  # rows not given a tree sat out
+        bounds = [0, *itertools.accumulate(sizes)]
+        decided = self._decide([self.rows[i] for i in deciding], [row_trees[i] for i in deciding],
+                               [argmax[bounds[i] : bounds[i + 1]] for i in deciding],
+                               [held[bounds[i] : bounds[i + 1]] for i in deciding],
+                               [logits[bounds[i] : bounds[i + 1]] for i in deciding])
+        outcome_of = dict(zip(deciding, decided))
+        keep = []
+        for i, rid in enumerate(self.rows):
+            outcome = outcome_of.get(i)
             if isinstance(outcome, Verdict):
                 self.requests[rid].commit(outcome.tokens)
                 if layers := self.requests[rid].feature_layers:
-                    outcome.features = _features(states, layers, [offset - size + n for n in outcome.path], self.lm)
+                    outcome.features = _features(states, layers, [bounds[i] + n for n in outcome.path], self.lm)
                 keep.append([start + n for n in outcome.path])
             else:
                 keep.append([])  # sat this step out, or failed: nothing committed
@@ -356,15 +362,29 @@ class TargetWorker:
         allowed = req.grammar.allowed(tree) if req.grammar is not None else None  # [size, V] on the host
         return process(logits, req.params, req.history, tree, allowed)
 
-    def _decide(self, rid: Hashable, tree: TokenTree, argmax: list[int], held: torch.Tensor,
-                logits: torch.Tensor) -> Outcome:
-        """What one row keeps (held: the logits [size, V] its tokens are drawn from; logits: the raw ones
-        its logprobs are of), or RequestFailed when its acceptance raised: that row alone ends (a NaN in
-        its logits, say); the batch's other rows are decided as usual."""
-        req = self.requests[rid]
+    def _decide(self, rids: list[Hashable], trees: list[TokenTree], argmax: list[list[int]],
+                held: list[torch.Tensor], logits: list[torch.Tensor]) -> list[Outcome]:
+        """What each row keeps (argmax: the argmax after each of its nodes; held: the logits [size, V] its tokens
+        are drawn from; logits: the raw ones its logprobs are of), the sampled rows decided together; or
+        RequestFailed for a row whose acceptance failed: that row alone ends (a NaN in its logits, say), the
+        batch's other rows are decided as usual."""
+        reqs = [self.requests[rid] for rid in rids]
+        sampled = [i for i, req in enumerate(reqs) if not req.params.greedy]
+        rows = [SampledRow(trees[i], held[i], reqs[i].params, reqs[i].generator) for i in sampled]
         try:
-            v = accept_greedy(tree, argmax) if req.params.greedy else \
-                accept_sampling(tree, held, req.params, req.generator)
+            drawn = dict(zip(sampled, accept_sampling(rows)))
+        except Exception:  # noqa: BLE001 - a fault of one row's: decided alone, each row fails or not by itself
+            log.exception("the batch's sampled verdicts failed; its %d sampled rows are decided one at a time", len(rows))
+            drawn = {i: self._alone(row) for i, row in zip(sampled, rows)}
+        return [self._verdict(rid, req, drawn[i] if i in drawn else accept_greedy(trees[i], argmax[i]), logits[i])
+                for i, (rid, req) in enumerate(zip(rids, reqs))]
+
+    @staticmethod
+    def _verdict(rid: Hashable, req: _Request, v: Verdict | Exception, logits: torch.Tensor) -> Outcome:
+        """A row's decided verdict with its logprobs, or RequestFailed when it failed."""
+        try:
+            if isinstance(v, Exception):
+                raise v
             if req.params.logprobs is not None:
                 v.logprobs = committed_logprobs(logits, v.path, v.tokens, req.params.logprobs)
             return v
@@ -372,6 +392,13 @@ class TargetWorker:
             log.exception("request %s: its verdict failed; it ends alone", rid)
             return RequestFailed("the target could not decide this request's tokens (its row failed in the "
                                  "batched step; the other requests went on); see the server log")
+
+    @staticmethod
+    def _alone(row: SampledRow) -> Verdict | Exception:
+        try:
+            return accept_sampling([row])[0]
+        except Exception as e:  # noqa: BLE001 - this row's fault is its own
+            return e
 
 
 def _share(riders: list[Prefilled], budget: int) -> list[tuple[Prefilled, int, list[int]]]:

@@ -14,7 +14,7 @@ import torch
 import specdec.drafters
 import specdec.target
 from specdec import CachedLM, ModelDrafter, SamplingParams, SpecConfig, SpeculativeEngine
-from specdec.acceptance import Verdict, accept_sampling
+from specdec.acceptance import SampledRow, Verdict, accept_sampling
 from specdec.drafter_kinds import DEFAULT_PROPOSAL_TOP_K
 from specdec.draft_vocab import Ranking, keep_frequent_tokens
 from specdec.drafters import Plan
@@ -252,7 +252,8 @@ def accept_without_residual(tree, logits, params, generator):
 @pytest.mark.parametrize("wrong", [accept_first_branch_unchecked, accept_without_residual], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("kind", ["chain", "tree"])
 def test_wrong_acceptance_fails_the_bound(monkeypatch, small_target, small_draft, exact_t1, wrong, kind):
-    monkeypatch.setattr(specdec.target, "accept_sampling", wrong)
+    monkeypatch.setattr(specdec.target, "accept_sampling",
+                        lambda rows: [wrong(r.tree, r.logits, r.params, r.generator) for r in rows])
     drafter, depth, width = drafter_for(kind, small_draft)
     counts, _ = sample_engine(small_target, drafter, depth, width, PARAMS_T1)
     joint, margins, tv = fit(counts, exact_t1)
@@ -328,7 +329,7 @@ def test_the_bonus_draw_follows_the_weights_across_its_blocks_and_never_draws_a_
     g = torch.Generator().manual_seed(3)
     m, counts = 20000, Counter()
     for _ in range(m // 100):
-        drawn = torch.stack([draw(w, g) for _ in range(100)])  # [100, 3]
+        drawn = torch.stack([draw(w, torch.rand(3, generator=g))[0] for _ in range(100)])  # [100, 3]
         counts.update(drawn[:, 0].tolist())
         assert ((drawn >= 0) & (drawn < V)).all()
     assert chi_square_pvalue(counts, {t: weight / 10 for t, weight in weights.items()}, m) > P_MIN
@@ -354,7 +355,7 @@ def one_child_tree(x: int, q: torch.Tensor | None) -> TokenTree:
 
 def run_many(make_tree, logits, n=DRAWS, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [accept_sampling(make_tree(g), logits, T1, g) for _ in range(n)]
+    return accept_sampling([SampledRow(make_tree(g), logits, T1, g) for _ in range(n)])
 
 
 def within(freq: float, prob: float, n: int, sigmas: float = 5.0) -> bool:
@@ -449,8 +450,7 @@ def test_accept_sampling_stratified_two_siblings():
         t.add(0, x2, pid)
         # frequency of each first token given this pair, weighted by q(x1) q(x2)
         reps = max(1, int(round(n * float(Q4[x1] * Q4[x2]))))
-        for _ in range(reps):
-            counts[accept_sampling(t, logits, T1, g).tokens[0]] += 1
+        counts.update(v.tokens[0] for v in accept_sampling([SampledRow(t, logits, T1, g)] * reps))
     total = sum(counts.values())
     for tok in range(4):
         assert within(counts[tok] / total, float(P4[tok]), total), (counts, P4)
@@ -464,6 +464,38 @@ def test_accept_sampling_draft_with_smaller_vocabulary():
     freqs = _first_token_distribution(lambda g: one_child_tree(int(torch.multinomial(q3, 1, generator=g)), q3), logits, seed=4)
     for tok in range(4):
         assert within(freqs[tok], float(P4[tok]), DRAWS), (freqs, P4)
+
+
+WARPED = SamplingParams(temperature=0.7, top_k=3)
+
+
+def test_a_batch_of_rows_sampling_unalike_gives_each_its_own_p_and_a_failing_row_fails_alone():
+    """One call decides rows that warp differently (T1, and temperature 0.7 with top_k 3), interleaved, and a
+    row whose logits are NaN: each row's first token follows its own warped p, the NaN row alone gets
+    NotADistribution, and a row's verdict is what it is decided alone from the same stream."""
+    from specdec.acceptance import NotADistribution
+
+    logits = torch.stack([P4.log(), AFTER.log()])
+    nan = torch.full_like(logits, math.nan)
+    g = torch.Generator().manual_seed(11)
+    rows = []
+    for i in range(2 * DRAWS):
+        params = T1 if i % 2 else WARPED
+        rows.append(SampledRow(one_child_tree(int(torch.multinomial(Q4, 1, generator=g)), Q4), logits, params,
+                               torch.Generator().manual_seed(i)))
+    rows.insert(7, SampledRow(one_child_tree(1, Q4), nan, T1, torch.Generator().manual_seed(0)))
+    verdicts = accept_sampling(rows)
+    assert isinstance(verdicts.pop(7), NotADistribution)
+    rows.pop(7)
+    for params in (T1, WARPED):
+        mine = [v for r, v in zip(rows, verdicts) if r.params is params]
+        got = Counter(v.tokens[0] for v in mine)
+        expected = warp(P4.log(), params)
+        for tok in range(4):
+            assert within(got[tok] / len(mine), float(expected[tok]), len(mine)), (params, got, expected)
+    for i in (0, 1, 2 * DRAWS - 1):
+        alone = SampledRow(rows[i].tree, logits, rows[i].params, torch.Generator().manual_seed(i))
+        assert accept_sampling([alone])[0] == verdicts[i]
 
 
 # ------------------------------------------------------------------ warp
@@ -494,6 +526,17 @@ def test_warp_temperature_topk_topp():
     assert p.dtype == torch.float32 and p.shape == (3, 7)
     torch.testing.assert_close(p.sum(-1), torch.ones(3))
     assert ((p > 0).sum(-1) <= 3).all()
+
+
+def test_warp_in_place_gives_the_same_distribution_unnormalised():
+    from specdec.sampling import warp_
+
+    logits = torch.randn(4, 50)
+    for params in (T1, WARPED, SamplingParams(temperature=1.3, top_p=0.6, min_p=0.05)):
+        x = logits.clone()
+        w = warp_(x, params)
+        assert w.data_ptr() == x.data_ptr() and w.amax(-1).eq(1).all()  # in place; the likeliest token's weight 1
+        torch.testing.assert_close(w / w.sum(-1, keepdim=True), warp(logits, params))
 
 
 def test_make_generator_streams():

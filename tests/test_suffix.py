@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from specdec.acceptance import accept_sampling
+from specdec.acceptance import SampledRow, accept_sampling
 from specdec.draft_loop import DraftLoop, DraftRequest
 from specdec.drafter_factory import make_drafter
 from specdec.drafters import Plan, SuffixDrafter
@@ -176,7 +176,8 @@ def test_sibling_guesses_keep_the_target_distribution():
     tree.add_guesses([3, 1, 2], [-1, -1, -1], share_prefix=False)
     g = torch.Generator().manual_seed(0)
     draws = 8000
-    first = Counter(accept_sampling(tree, logits, SamplingParams(temperature=1.0), g).tokens[0] for _ in range(draws))
+    rows = [SampledRow(tree, logits, SamplingParams(temperature=1.0), g)] * draws
+    first = Counter(v.tokens[0] for v in accept_sampling(rows))
     for token in range(4):
         assert abs(first[token] / draws - float(p[token])) < 4 * (float(p[token]) * (1 - float(p[token])) / draws) ** 0.5 + 1e-3
 

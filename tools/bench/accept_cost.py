@@ -1,15 +1,15 @@
 """What the target's sampled acceptance costs a row, by vocabulary and tree: python -m tools.bench.accept_cost
 (from the repository root). Trees as a sampled model draft makes them (each node's children drawn from one
 proposal of `proposal_top_k` entries, default 256), with 4 guesses grafted on; random logits; one torch
-thread. Prints the median milliseconds of accept_sampling a tree (the verify forward not counted). Nothing
-here needs ../shared, so it runs on any commit that has specdec.acceptance.accept_sampling."""
+thread. Prints the median milliseconds of accept_sampling a row, for a batch of `--rows` such rows decided
+together, each with its own generator (the verify forward not counted). Nothing here needs ../shared."""
 import argparse
 import statistics
 import time
 
 import torch
 
-from specdec.acceptance import accept_sampling
+from specdec.acceptance import SampledRow, accept_sampling
 from specdec.sampling import SamplingParams
 from specdec.tree import DELTA, Proposal, TokenTree
 
@@ -37,11 +37,12 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["root", "1x1", "1x8", "2x4", "3x6"],
                         help="width x depth, or root: a lone root (plain sampled decoding's step)")
     parser.add_argument("--proposal-top-k", type=int, default=256)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="rows decided in one batch")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     torch.set_num_threads(1)
     params = SamplingParams(temperature=1.0, seed=1)
-    print(f"torch threads 1; proposal_top_k {args.proposal_top_k}; median of {args.repeats}")
+    print(f"torch threads 1; proposal_top_k {args.proposal_top_k}; median of {args.repeats}; ms a row")
     for V in args.vocab:
         for shape in args.shapes:
             g = torch.Generator().manual_seed(3)
@@ -51,13 +52,16 @@ def main() -> None:
                 width, depth = map(int, shape.split("x"))
                 tree = drafted_tree(V, width, depth, args.proposal_top_k, g)
             logits = torch.randn(len(tree), V, generator=g)
-            times = []
-            for _ in range(args.repeats + 2):
-                t0 = time.perf_counter()
-                accept_sampling(tree, logits, params, g)
-                times.append(time.perf_counter() - t0)
-            print(f"vocab {V:>6}, tree {shape:>4} ({len(tree):>2} nodes): {statistics.median(times[2:]) * 1e3:7.2f} ms")
-
+            cells = []
+            for B in args.rows:
+                rows = [SampledRow(tree, logits, params, torch.Generator().manual_seed(b)) for b in range(B)]
+                times = []
+                for _ in range(args.repeats + 2):
+                    t0 = time.perf_counter()
+                    accept_sampling(rows)
+                    times.append(time.perf_counter() - t0)
+                cells.append(f"{B} rows {statistics.median(times[2:]) * 1e3 / B:7.2f}")
+            print(f"vocab {V:>6}, tree {shape:>4} ({len(tree):>2} nodes): " + ", ".join(cells))
 
 if __name__ == "__main__":
     main()
