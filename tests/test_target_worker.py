@@ -96,3 +96,32 @@ def test_worker_rejects_bad_requests(target):
     outcomes, _ = worker.verify({"zzz": TokenTree.root(3), "a": TokenTree.root(2)})
     assert isinstance(outcomes["zzz"], UnknownRequest) and "not in the batch" in str(outcomes["zzz"])
     assert isinstance(outcomes["a"], InvalidArgument) and "root must be its last token" in str(outcomes["a"])
+
+
+def test_a_sampled_batch_whose_acceptance_raises_is_decided_row_by_row(target, monkeypatch):
+    """The batch's sampled rows are decided in one call; when that call raises, each is decided alone, so the
+    row at fault (here: any row whose tree holds a guess) fails alone and the others keep the tokens a clean
+    step gives them (each row draws from its own generator, whatever its batch)."""
+    import specdec.target
+    from specdec.acceptance import accept_sampling
+    from specdec.errors import RequestFailed
+
+    sampled = SamplingParams(temperature=1.0, seed=5)
+    prompts = {"a": [3, 4, 5], "b": [9, 8, 7], "c": [1, 2], "g": [6, 6, 6]}
+
+    def step(accept):
+        monkeypatch.setattr(specdec.target, "accept_sampling", accept)
+        worker = TargetWorker(CachedLM(target))
+        worker.add([(rid, p, GREEDY if rid == "g" else sampled, 0) for rid, p in prompts.items()])
+        trees = {rid: TokenTree.root(worker.last_token(rid)) for rid in worker.rows}
+        trees["b"].add(0, 4)  # a guess
+        return worker.verify(trees)[0]
+
+    def faulty(rows):
+        if len(rows) > 1 or len(rows[0].tree) > 1:
+            raise RuntimeError("a fault")
+        return accept_sampling(rows)
+
+    clean, hit = step(accept_sampling), step(faulty)
+    assert isinstance(hit["b"], RequestFailed)
+    assert all(hit[rid] == clean[rid] for rid in "acg"), (hit, clean)
