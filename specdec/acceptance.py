@@ -94,7 +94,7 @@ def accept_sampling(rows: Sequence[SampledRow]) -> list[Verdict | NotADistributi
     firsts = [0, *itertools.accumulate(sizes)]  # each row's first node in the forest
     kids = [[firsts[r] + c for c in cs] for r, t in enumerate(trees) for cs in t.children()]  # forest's
     V = rows[0].logits.shape[-1]
-    w = _warped(rows, sizes, -(-(V + 1) // DRAW_BLOCK) * DRAW_BLOCK)  # [T, V'] T nodes, V' > V (spare columns 0)
+    w = _warped(rows, firsts, -(-(V + 1) // DRAW_BLOCK) * DRAW_BLOCK)  # [T, V'] T nodes, V' > V (spare columns 0)
     device, T = w.device, firsts[-1]
     # [3, T] each node's uniform for its test as a child, its uniform id (below) and its bonus draw's point
     u, uniform, point = torch.cat([torch.rand(3, n, generator=r.generator, device=device)
@@ -123,25 +123,23 @@ def accept_sampling(rows: Sequence[SampledRow]) -> list[Verdict | NotADistributi
     return [_walk(tree, first, kids, accepted, bonuses, sounds) for tree, first in zip(trees, firsts)]
 
 
-def _warped(rows: Sequence[SampledRow], sizes: list[int], width: int) -> torch.Tensor:
+def _warped(rows: Sequence[SampledRow], firsts: list[int], width: int) -> torch.Tensor:
     """The rows' sampling distributions after each of their nodes, unnormalised, end to end -> [T, width]
     (columns past the vocabulary 0): their logits copied once into a buffer whose spare columns are -inf,
-    warped there (specdec/sampling.py) together where rows sample alike, a group at a time where they do not."""
+    warped there (specdec/sampling.py) together where rows sample alike, a group at a time where they do not.
+    firsts: each row's first node, then the nodes' count T."""
     V, device = rows[0].logits.shape[-1], rows[0].logits.device
-    x = torch.empty(sum(sizes), width, dtype=torch.float32, device=device)  # [T, width]
+    x = torch.empty(firsts[-1], width, dtype=torch.float32, device=device)  # [T, width]
     x[:, V:] = float("-inf")
-    at = 0
-    for r, n in zip(rows, sizes):
-        x[at : at + n, :V] = r.logits[:n]
-        at += n
+    for r, at, end in zip(rows, firsts, firsts[1:]):
+        x[at:end, :V] = r.logits[: end - at]
     groups: dict[tuple, list[int]] = {}  # the warp's settings -> the rows that sample with them
     for i, r in enumerate(rows):
         groups.setdefault(r.params.warp_settings, []).append(i)
     if len(groups) == 1:
         return warp_(x, rows[0].params)
-    starts = [0, *itertools.accumulate(sizes)]
     for members in groups.values():
-        nodes = host_tensor([n for i in members for n in range(starts[i], starts[i + 1])], torch.long, device)
+        nodes = host_tensor([n for i in members for n in range(firsts[i], firsts[i + 1])], torch.long, device)
         x.index_copy_(0, nodes, warp_(x.index_select(0, nodes), rows[members[0]].params))
     return x
 

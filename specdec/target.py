@@ -382,16 +382,16 @@ class TargetWorker:
     @staticmethod
     def _verdict(rid: Hashable, req: _Request, v: Verdict | Exception, logits: torch.Tensor) -> Outcome:
         """A row's decided verdict with its logprobs, or RequestFailed when it failed."""
-        try:
-            if isinstance(v, Exception):
-                raise v
-            if req.params.logprobs is not None:
-                v.logprobs = committed_logprobs(logits, v.path, v.tokens, req.params.logprobs)
-            return v
-        except Exception:  # noqa: BLE001 - this row's fault is its own
-            log.exception("request %s: its verdict failed; it ends alone", rid)
-            return RequestFailed("the target could not decide this request's tokens (its row failed in the "
-                                 "batched step; the other requests went on); see the server log")
+        if not isinstance(v, Exception):
+            try:
+                if req.params.logprobs is not None:
+                    v.logprobs = committed_logprobs(logits, v.path, v.tokens, req.params.logprobs)
+                return v
+            except Exception as e:  # noqa: BLE001 - this row's fault is its own
+                v = e
+        log.error("request %s: its verdict failed; it ends alone", rid, exc_info=v)
+        return RequestFailed("the target could not decide this request's tokens (its row failed in the "
+                             "batched step; the other requests went on); see the server log")
 
     @staticmethod
     def _alone(row: SampledRow) -> Verdict | Exception:
