@@ -289,6 +289,34 @@ class DetokenizeBody(BaseModel):
 Body = TypeVar("Body", bound=BaseModel)
 
 
+def unpaired_surrogate(data: dict) -> str | None:
+    """A field of a parsed body (a dotted path, as pydantic names them; "body" for a key) whose text holds an
+    unpaired UTF-16 surrogate, else None. JSON lets "\\ud800" stand alone; Python decodes it to a
+    str that no tokenizer encodes (nor UTF-8)."""
+    stack: list[tuple[str, object]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str) and not _is_unicode(value):
+            return path
+        if isinstance(value, dict):
+            if not all(map(_is_unicode, value)):
+                return "body"
+            stack += [(f"{path}.{k}" if path else k, v) for k, v in value.items()]
+        elif isinstance(value, list):
+            stack += [(f"{path}.{i}", v) for i, v in enumerate(value)]
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_body(raw: bytes, model: type[Body]) -> Body:
     """The body as JSON whatever its content type (curl -d sends a form type); HttpError naming the field."""
     try:
@@ -299,6 +327,9 @@ def parse_body(raw: bytes, model: type[Body]) -> Body:
         raise HttpError(400, "body: nests too deep", "body") from None
     if not isinstance(data, dict):
         raise HttpError(400, "body: must be a JSON object", "body")
+    if (field := unpaired_surrogate(data)) is not None:
+        raise HttpError(400, f"{field}: holds an unpaired UTF-16 surrogate (a \\ud800-\\udfff escape alone), "
+                             "which is not Unicode text", field)
     for name, unused in UNSUPPORTED.items():
         value = data.pop(name, None)
         if value is not None and value not in unused:

@@ -495,6 +495,9 @@ HUGE = [  # (the body's JSON, the field its 400 names)
     ('{"prompt": "w1", "task_type": "no spaces"}', "task_type"),
     ('{"prompt": "w1", "stop": ["%s"]}' % ("y" * 200_000), "stop"),
     ('[' * 200_000 + ']' * 200_000, "body"),  # nests past Python's recursion limit
+    ('{"prompt": "w1 \\ud800 w2"}', "prompt"),  # valid JSON, not Unicode text: no tokenizer encodes it
+    ('{"prompt": "w1", "stop": ["w2", "\\udfff"]}', "stop.1"),
+    ('{"prompt": "w1", "\\ud83d": 1}', "body"),
 ]
 
 
@@ -512,6 +515,12 @@ def test_chat_numbers_name_their_field(tmp_path, monkeypatch):
         logprobs = ', "logprobs": true' if field == "top_logprobs" else ""
         status, reply = post(e, ('{%s, "%s": %s%s}' % (messages, field, DIGITS_5000, logprobs)).encode(), "chat")
         assert status == 400 and reply["error"]["param"] == field, reply
+
+
+def test_a_chat_message_that_is_not_unicode_text_names_itself(tmp_path, monkeypatch):
+    status, reply = post(edge(tmp_path, monkeypatch), b'{"messages": [{"role": "user", "content": "w1"}, '
+                                                      b'{"role": "user", "content": "w2 \\ud800"}]}', "chat")
+    assert status == 400 and reply["error"]["param"] == "messages.1.content", reply
 
 
 def test_refusals_count_under_the_folded_task_type(tmp_path, monkeypatch):
