@@ -10,7 +10,7 @@ logits in the forward that runs it (as vLLM does) and comes back with its admiss
 speculating costs no time to first token and the first tree is rooted at that token. A KV budget (rows,
 tokens) bounds memory; beyond it requests wait in the admission queue, in arrival order, and beyond the
 queue's own bound they are refused (ResourceExhausted). A speculative row that gets no tree for
-`idle_timeout_s` (its replica or its client is gone) is closed by the loop."""
+`idle_timeout_s` once it is opened (its replica or its client is gone) is closed by the loop."""
 
 import collections
 import logging
@@ -616,8 +616,6 @@ class TargetScheduler:
             join = self._waiting.popleft()
             reserved_slots += self.budget.slots([join.tokens])
             self._reserved[join.rid] = join.tokens
-            if join.plain is None:
-                self._heard_from(join.rid)
             joining.append(join)
         return joining
 
@@ -769,6 +767,8 @@ class TargetScheduler:
                 ending[j.rid] = first
                 j.waiter.finish(error=first)
             else:
+                with self._cv:  # its replica can send trees from now: a row whose prompt is still being
+                    self._heard_from(j.rid)  # prefilled (chunks behind others' on a busy target) is not idle
                 j.waiter.finish(Opened(first, None if j.keep_features else features.get(j.rid)))
         self._finish_joined(ending)
 

@@ -312,6 +312,30 @@ def test_a_request_closed_while_its_prompt_is_prefilled_leaves_and_its_caller_he
     scheduler.stop()
 
 
+def test_a_row_whose_prompt_takes_longer_than_the_idle_timeout_to_prefill_is_opened_then_timed(target):
+    """A busy target prefills a long prompt in chunks for longer than idle_timeout_s: its replica cannot send a
+    tree before the open is answered, so the row is not idle then (it was closed as if its replica were gone,
+    and its caller got UnknownRequest); once opened, a row that gets no tree is closed after the timeout."""
+    worker = TargetWorker(CachedLM(target))
+    forward = worker.lm.forward
+
+    def slow_forward(*args, **kwargs):  # 200 tokens 4 a forward: about 50 x 20 ms, past the 0.3 s timeout
+        threading.Event().wait(0.02)
+        return forward(*args, **kwargs)
+
+    worker.lm.forward = slow_forward
+    scheduler = TargetScheduler(worker, KvBudget(), idle_timeout_s=0.3, max_batched_tokens=4)
+    running = Collect()
+    scheduler.decode("running", [3, 4, 5], GREEDY, 100, set(), running)  # keeps the loop stepping
+    opened = scheduler.open("long", prompts(3, 1, 200, 200)[0], GREEDY, max_new_tokens=8)
+    assert opened.first.tokens and scheduler.stats().idle_rows_closed == 0
+    wait_for(lambda: scheduler.stats().idle_rows_closed == 1, scheduler.stats, timeout=10)
+    assert "long" not in scheduler.worker.requests
+    scheduler.close(["running"])
+    wait_until_empty(scheduler)
+    scheduler.stop()
+
+
 def test_a_failed_chunk_ends_its_own_requests_and_the_batch_goes_on(target):
     """The forward "first"'s third chunk rides in fails (out of memory, say): the running row's step runs again
     without the chunks, which run alone, where "first"'s fails again and ends it; "second", begun apart, joins."""
