@@ -34,6 +34,9 @@ from .tree import TokenTree
 
 log = logging.getLogger(__name__)
 LOAD_SMOOTHING = 0.2  # weight of each forward in the batch's moving average
+# Forwards a speculative row's replica may wait on between two trees of it, however long they take: the one its
+# last tree (or its open's answer) came during, and the next, in which the replica's other rows' trees may be
+IDLE_FORWARDS = 2
 
 
 # What the target holds now, as /v1/stats's target section and GetStats's TargetStats show it.
@@ -309,7 +312,10 @@ class TargetScheduler:
         self._trees: dict[str, tuple[TokenTree, _Waiter]] = {}  # sent by replicas for the next forward
         self._plain: dict[str, _Plain] = {}
         self._reserved: dict[str, int] = {}  # admitted request -> KV tokens it holds
-        self._last_tree: dict[str, float] = {}  # open speculative row -> when its last tree came, oldest first
+        # open speculative row -> (when it was last heard from, forwards run by then), oldest first
+        self._last_tree: dict[str, tuple[float, int]] = {}
+        self._last_forward_end = time.monotonic()
+        self._timed_out = RecentlyClosed()  # closed for want of a tree (_idle): a late tree hears why
         self._prompt_features: dict = {}  # opened request -> its prompt's features, until taken (prompt_features)
         self._gather = TreeGather() if gather_trees else None
         self.gather_time_s = 0.0  # seconds the loop waited for trees out while rows were ready (TreeGather)
@@ -383,8 +389,10 @@ class TargetScheduler:
         opened, out of the vocabulary, larger than its reservation...) or a row that failed in the
         forward gets its typed error instead, and only that request is affected."""
         with self._cv:
-            trees = {rid: t for rid, t in trees.items() if rid not in self._closed and rid not in self._leaving}
-            unknown = {rid: self._unknown(rid) for rid in trees if rid not in self._reserved}
+            timed_out = {rid: self._timed_out_error(rid) for rid in trees if rid in self._timed_out}
+            trees = {rid: t for rid, t in trees.items()
+                     if rid not in self._closed and rid not in self._leaving and rid not in timed_out}
+            unknown = timed_out | {rid: self._unknown(rid) for rid in trees if rid not in self._reserved}
         trees = {rid: t for rid, t in trees.items() if rid not in unknown}
         if not trees:
             return unknown
@@ -402,6 +410,10 @@ class TargetScheduler:
             self._cv.notify()
         outcomes = waiter.wait()
         return unknown | {rid: outcomes[rid] for rid in trees if rid in outcomes}
+
+    def _timed_out_error(self, rid: str) -> Unavailable:
+        return Unavailable(f"request {rid!r} was closed by the target: no tree came for it in {self.idle_timeout_s} s "
+                           "(server.idle_row_timeout_s), as if its draft replica were gone; retry it")
 
     def _unknown(self, rid: str) -> Exception:
         """Why a tree of a request not in the batch gets no verdict (under the lock)."""
@@ -574,28 +586,35 @@ class TargetScheduler:
         self.gather_time_s += time.monotonic() - start
 
     def _until_idle(self) -> float | None:
-        """Seconds until the row heard from longest ago goes idle; None while there is none."""
+        """Seconds until the first speculative row may go idle (_idle); None while there is none."""
         if not self._last_tree or self.idle_timeout_s is None:
             return None
-        return max(0.0, next(iter(self._last_tree.values())) + self.idle_timeout_s - time.monotonic())
+        return max(0.0, min(self._idle_at(*heard) for heard in self._last_tree.values()) - time.monotonic())
 
     def _heard_from(self, rid: str) -> None:
-        """A speculative row's replica is alive: it opened the row or sent a tree (under the lock)."""
+        """A speculative row's replica can go on: its open was answered or its tree came (under the lock)."""
         self._last_tree.pop(rid, None)
-        self._last_tree[rid] = time.monotonic()
+        self._last_tree[rid] = (time.monotonic(), self.forwards)
+
+    def _idle_at(self, heard: float, forwards: int) -> float:
+        """When a row heard from at `heard`, after `forwards` forwards, goes idle if no tree comes: idle_timeout_s
+        on, once IDLE_FORWARDS forwards have ended since (on a busy target a forward may take longer than the
+        timeout, and its replica waits for it), else once the loop has run none for idle_timeout_s too."""
+        if self.forwards - forwards >= IDLE_FORWARDS:
+            return heard + self.idle_timeout_s
+        return max(heard, self._last_forward_end) + self.idle_timeout_s
 
     def _idle(self) -> list[str]:
-        """The speculative rows that got no tree for idle_timeout_s: their replica or client is gone."""
-        now, idle = time.monotonic(), []
+        """The speculative rows whose replica sent no tree when it could (_idle_at): it or its client is gone."""
         if self.idle_timeout_s is None:
-            return idle
-        for rid, heard in self._last_tree.items():
-            if now - heard < self.idle_timeout_s:
-                break
-            idle.append(rid)
+            return []
+        now = time.monotonic()
+        idle = [rid for rid, heard in self._last_tree.items() if self._idle_at(*heard) <= now]
         for rid in idle:
+            heard, _ = self._last_tree.pop(rid)
+            self._timed_out.add(rid)
             log.warning("closing request %s: no tree for %.1f s (idle_row_timeout_s %s), its replica or client "
-                        "is gone", rid, now - self._last_tree.pop(rid), self.idle_timeout_s)
+                        "is gone", rid, now - heard, self.idle_timeout_s)
         self.idle_rows_closed += len(idle)
         return idle
 
@@ -809,6 +828,7 @@ class TargetScheduler:
         elapsed = now - t0
         with self._cv:
             self.forwards += 1
+            self._last_forward_end = time.monotonic()
             self.forward_time_s += elapsed
             committed = sum(len(o.tokens) for o in outcomes.values() if isinstance(o, Verdict))
             self.committed_tokens += committed

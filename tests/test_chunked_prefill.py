@@ -10,7 +10,7 @@ import pytest
 from conftest import NEW_TOKENS, VOCAB
 from specdec.draft_loop import DraftLoop, DraftRequest
 from specdec.drafter_factory import draft_runner, make_drafter
-from specdec.errors import UnknownRequest
+from specdec.errors import Unavailable, UnknownRequest
 from specdec.kvcache import CachedLM
 from specdec.adaptive import Costs
 from specdec.blocks import BlockPool
@@ -312,18 +312,22 @@ def test_a_request_closed_while_its_prompt_is_prefilled_leaves_and_its_caller_he
     scheduler.stop()
 
 
+def slowed_forwards(worker: TargetWorker, seconds: float) -> TargetWorker:
+    forward = worker.lm.forward
+
+    def slow_forward(*args, **kwargs):
+        threading.Event().wait(seconds)
+        return forward(*args, **kwargs)
+
+    worker.lm.forward = slow_forward
+    return worker
+
+
 def test_a_row_whose_prompt_takes_longer_than_the_idle_timeout_to_prefill_is_opened_then_timed(target):
     """A busy target prefills a long prompt in chunks for longer than idle_timeout_s: its replica cannot send a
     tree before the open is answered, so the row is not idle then (it was closed as if its replica were gone,
     and its caller got UnknownRequest); once opened, a row that gets no tree is closed after the timeout."""
-    worker = TargetWorker(CachedLM(target))
-    forward = worker.lm.forward
-
-    def slow_forward(*args, **kwargs):  # 200 tokens 4 a forward: about 50 x 20 ms, past the 0.3 s timeout
-        threading.Event().wait(0.02)
-        return forward(*args, **kwargs)
-
-    worker.lm.forward = slow_forward
+    worker = slowed_forwards(TargetWorker(CachedLM(target)), 0.02)  # 200 tokens, 4 a forward: past 0.3 s
     scheduler = TargetScheduler(worker, KvBudget(), idle_timeout_s=0.3, max_batched_tokens=4)
     running = Collect()
     scheduler.decode("running", [3, 4, 5], GREEDY, 100, set(), running)  # keeps the loop stepping
@@ -332,6 +336,34 @@ def test_a_row_whose_prompt_takes_longer_than_the_idle_timeout_to_prefill_is_ope
     wait_for(lambda: scheduler.stats().idle_rows_closed == 1, scheduler.stats, timeout=10)
     assert "long" not in scheduler.worker.requests
     scheduler.close(["running"])
+    wait_until_empty(scheduler)
+    scheduler.stop()
+
+
+def test_a_target_whose_forwards_outlast_the_idle_timeout_keeps_its_live_rows(target, draft, reference):
+    """Each forward takes 0.25 s against an idle timeout of 0.1 s: a replica stepping its row can send the next
+    tree only after the forward with the last one, so the row is never idle; it decodes to its end, as plain."""
+    scheduler = TargetScheduler(slowed_forwards(TargetWorker(CachedLM(target)), 0.25), KvBudget(), idle_timeout_s=0.1)
+    loop = DraftLoop(scheduler, make_drafter("model", draft_runner(draft), 1))
+    prompt, sink = reference.prompts[0], Collect()
+    (opened,) = scheduler.open_many([Opening("slow", prompt, GREEDY, 0, 6)])
+    loop.join_all([DraftRequest("slow", prompt, GREEDY, 6, set(), 2, sink, first=opened.first)])
+    tokens, _, error = sink.wait()
+    assert error is None and tokens == reference.continuations[0][:6]
+    assert scheduler.stats().idle_rows_closed == 0
+    wait_until_empty(scheduler)
+    loop.stop()
+    scheduler.stop()
+
+
+def test_a_tree_after_its_row_was_closed_as_idle_hears_why(target):
+    """A replica that went quiet past the timeout and then sends a tree gets an error saying so, not silence
+    (its request would end as if it had run to its length)."""
+    scheduler = TargetScheduler(TargetWorker(CachedLM(target)), KvBudget(), idle_timeout_s=0.1)
+    opened = scheduler.open("quiet", [3, 4, 5], GREEDY, max_new_tokens=8)
+    wait_for(lambda: scheduler.stats().idle_rows_closed == 1, scheduler.stats, timeout=10)
+    (outcome,) = scheduler.verify({"quiet": TokenTree.root(opened.first.tokens[-1])}).values()
+    assert isinstance(outcome, Unavailable) and "idle_row_timeout_s" in str(outcome), outcome
     wait_until_empty(scheduler)
     scheduler.stop()
 

@@ -422,7 +422,7 @@ def test_open_beyond_the_bound_is_refused_with_resource_exhausted(target, refere
 
 def test_a_row_without_trees_is_closed_after_the_idle_timeout(target, draft, reference):
     """A replica that opens a row and goes away (it never sends a tree) leaves nothing held: the row is
-    closed after idle_timeout_s and its KV tokens freed, and a tree that comes later gets no verdict.
+    closed after idle_timeout_s and its KV tokens freed, and a tree that comes later hears why.
     A row whose replica keeps stepping it runs to its end, longer than the timeout (about 0.5 s)."""
     scheduler = scheduler_for(target, idle_timeout_s=0.2)
     prompt = reference.prompts[0]
@@ -435,7 +435,8 @@ def test_a_row_without_trees_is_closed_after_the_idle_timeout(target, draft, ref
         assert scheduler.stats().idle_rows_closed == 1  # while the busy one ran
         wait_until_empty(scheduler)
         assert scheduler.stats().kv_tokens_reserved == 0
-        assert not stub.Verify(root_tree("abandoned", prompt[-1])).results
+        (late,) = stub.Verify(root_tree("abandoned", prompt[-1])).results  # hears why, over the wire too
+        assert late.error.code == grpc.StatusCode.UNAVAILABLE.value[0] and "idle_row_timeout_s" in late.error.message
 
 
 def test_waiting_opens_hold_no_thread_and_do_not_starve_verify(target, reference):
