@@ -1,6 +1,8 @@
 """A remote target's specdec.v1.TargetService as the draft loop's Target (specdec.draft_loop)."""
 
 import asyncio
+import collections
+import time
 
 import grpc
 import torch
@@ -17,6 +19,10 @@ from .security import MAX_MESSAGE_BYTES
 
 
 VERIFY_TIMEOUT_S = 60.0  # a Verify waits one forward of the target's: far longer means the target is lost
+# ...far longer than the forwards it has been waiting: an overloaded target's forwards grow with its batch, past
+# any fixed deadline, so a Verify's is at least this many times the slowest of the last VERIFY_HISTORY
+VERIFY_SLACK = 4
+VERIFY_HISTORY = 32
 # An Open waits in the target's admission queue until running requests leave room (bounded only by their
 # lengths); past this it gives up, leaves the queue (the target closes it when the call is cancelled) and
 # the request is refused as ResourceExhausted, as a full queue refuses it at once.
@@ -36,6 +42,11 @@ class GrpcTarget:
         self.stub = stub
         self.open_timeout_s, self.verify_timeout_s, self.limit = open_timeout_s, verify_timeout_s, message_limit
         self.feature_row_bytes = 0  # the widest features a verdict carries per node (of the requests opened)
+        self._verify_seconds: collections.deque[float] = collections.deque(maxlen=VERIFY_HISTORY)  # round trips
+
+    def verify_deadline_s(self) -> float:
+        """A Verify's deadline: verify_timeout_s, or VERIFY_SLACK times the slowest recent round trip if longer."""
+        return max(self.verify_timeout_s, VERIFY_SLACK * max(self._verify_seconds, default=0.0))
 
     def _open_request(self, rid, prompt, params, stream, max_new_tokens, feature_layers) -> tree_pb.OpenRequest:
         return tree_pb.OpenRequest(request_id=rid, prompt=prompt, stream=stream, params=wire.sampling_to_proto(params),
@@ -103,15 +114,17 @@ class GrpcTarget:
         """The trees in as few Verify calls as the link's message limit allows, sent at once (the target
         verifies what has come in its next forward); a tree over the limit by itself fails its own request."""
         requests, outcomes = wire.verify_requests(trees, self.limit, self.feature_row_bytes)
-        calls = [self.stub.Verify.future(request, timeout=self.verify_timeout_s) for request in requests]
+        deadline, t0 = self.verify_deadline_s(), time.monotonic()
+        calls = [self.stub.Verify.future(request, timeout=deadline) for request in requests]
         for call in calls:
             try:
                 reply = call.result()
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise Unavailable(f"the target group answered no Verify within {self.verify_timeout_s:g} s") from None
+                    raise Unavailable(f"the target group answered no Verify within {deadline:g} s") from None
                 raise _error(e) from None
             outcomes |= dict(wire.result_from_proto(r) for r in reply.results)
+        self._verify_seconds.append(time.monotonic() - t0)
         return outcomes
 
     def close(self, rids: list[str]) -> None:  # returns at once: the target closes them later

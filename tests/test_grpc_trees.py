@@ -22,7 +22,7 @@ from scheduling import Collect, scheduler_for, wait_for, wait_until_empty
 from protos import specdec_tree_pb2 as tree_pb
 from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.drafter_factory import make_drafter
-from specdec.errors import ResourceExhausted
+from specdec.errors import ResourceExhausted, Unavailable
 from specdec.generation import FinishReason
 from specdec.kvcache import CachedLM
 from specdec.sampling import SamplingParams
@@ -437,6 +437,52 @@ def test_a_row_without_trees_is_closed_after_the_idle_timeout(target, draft, ref
         assert scheduler.stats().kv_tokens_reserved == 0
         (late,) = stub.Verify(root_tree("abandoned", prompt[-1])).results  # hears why, over the wire too
         assert late.error.code == grpc.StatusCode.UNAVAILABLE.value[0] and "idle_row_timeout_s" in late.error.message
+
+
+class _DeadlinePassed(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class SlowVerify:
+    """A TargetService stub whose Verify answers (with no results) after `delay` seconds, or fails with
+    DEADLINE_EXCEEDED once its call's deadline passes first, as gRPC does; it keeps each call's deadline."""
+
+    def __init__(self):
+        self.delay, self.deadlines = 0.0, []
+
+    @property
+    def Verify(self):
+        return self
+
+    def future(self, request, timeout):
+        self.deadlines.append(timeout)
+        delay = self.delay
+
+        class Call:
+            def result(self):
+                time.sleep(min(delay, timeout))
+                if delay > timeout:
+                    raise _DeadlinePassed()
+                return tree_pb.VerifyResponse()
+        return Call()
+
+
+def test_the_verify_deadline_follows_a_target_whose_forwards_grow_and_still_ends_a_hung_one():
+    """An overloaded target's forwards grow with its batch past any fixed deadline (which failed every request
+    of the replica at once); a Verify waits at least 4 times its slowest recent round trip, and a target that
+    stops answering is still given up on."""
+    stub = SlowVerify()
+    target = GrpcTarget(stub, verify_timeout_s=0.1)
+    tree = {"r": TokenTree.root(5)}
+    for delay in (0.05, 0.15, 0.4, 1.0):  # each past the 0.1 s floor, none past 4x the slowest before it
+        stub.delay = delay
+        assert target.verify(tree) == {}
+    stub.delay = 60.0  # hung
+    t0 = time.monotonic()
+    with pytest.raises(Unavailable, match="answered no Verify within 4"):
+        target.verify(tree)
+    assert 4.0 <= time.monotonic() - t0 < 10 and stub.deadlines[0] == 0.1
 
 
 def test_waiting_opens_hold_no_thread_and_do_not_starve_verify(target, reference):
