@@ -7,6 +7,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field, replace
 
+from specdec.chat import encode_prompt
 from specdec.errors import InvalidArgument, Unavailable
 from specdec.grammar import Grammars, ResponseFormat, grammar_of
 from specdec.sampling import SamplingParams
@@ -46,6 +47,7 @@ class Request:
     n: int = 1  # independent samples of the prompt, each with its own random stream
     logprobs: int | None = None  # see SamplingParams
     add_special_tokens: bool = True  # False for a prompt that a chat template rendered with its own
+    literal: tuple[tuple[int, int], ...] = ()  # prompt's character spans of a chat's own text (specdec.chat)
     min_p: float = 0.0  # see SamplingParams
     min_tokens: int = 0  # no end token, and no stop string, before this many tokens
     ignore_eos: bool = False  # the model's eos does not end it (it runs to max_new_tokens or a stop)
@@ -197,7 +199,7 @@ class Admission:
         CPU time: admit_async runs this off the event loop)."""
         if (grammar := grammar_of(req.response_format)) is not None:
             self.grammars.check(grammar)
-        return self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+        return encode_prompt(self.tokenizer, req.prompt, req.literal, req.add_special_tokens)
 
     def _admitted(self, req: Request, ids: list[int], task_type: str) -> Admitted:
         limits = self.limits

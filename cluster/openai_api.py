@@ -18,6 +18,7 @@ from jinja2 import TemplateError
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
+from specdec.chat import ChatPrompt, encode_prompt, render_chat
 from specdec.errors import InvalidArgument
 from specdec.grammar import ResponseFormat
 from specdec.logprobs import TokenLogprob
@@ -236,9 +237,12 @@ def text_of_parts(content: object) -> object:
     return "\n".join(texts)
 
 
+ROLE = r"^[A-Za-z_][A-Za-z0-9_-]{0,31}$"  # system, user, assistant, tool, developer, ipython...: a name, no markup
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: str
+    role: Annotated[str, Field(pattern=ROLE)]  # templates paste it into their markup: never free text
     content: Annotated[str, BeforeValidator(text_of_parts)]  # a string, or a list of text parts
     name: str | None = None
 
@@ -453,11 +457,11 @@ class OpenAIServer:
         try:
             body = parse_body(raw, TokenizeBody)
             if body.text_field() == "messages":
-                text = await asyncio.to_thread(self._chat_prompt, body.messages, body.add_generation_prompt)
+                chat = await asyncio.to_thread(self._chat_prompt, body.messages, body.add_generation_prompt)
             else:
-                text = body.prompt
+                chat = ChatPrompt(body.prompt, ())
             special = body.add_special_tokens if body.add_special_tokens is not None else body.messages is None
-            ids = (await asyncio.to_thread(self.frontend.tokenizer, text, add_special_tokens=special))["input_ids"]
+            ids = await asyncio.to_thread(encode_prompt, self.frontend.tokenizer, chat.text, chat.literal, special)
             return {"count": len(ids), "max_model_len": self.frontend.context, "tokens": ids,
                     "token_strs": [self._piece(t) for t in ids] if body.return_token_strs else None}
         except Exception as e:  # noqa: BLE001 - as in completions
@@ -477,23 +481,25 @@ class OpenAIServer:
     async def chat(self, raw: bytes):
         try:
             body = parse_body(raw, ChatBody)
-            prompt = await asyncio.to_thread(self._chat_prompt, body.messages)  # a template over a long chat: off the loop
-            request = body.request(prompt, (body.top_logprobs or 0) if body.logprobs else None, add_special_tokens=False)
+            chat = await asyncio.to_thread(self._chat_prompt, body.messages)  # a template over a long chat: off the loop
+            request = body.request(chat.text, (body.top_logprobs or 0) if body.logprobs else None,
+                                   add_special_tokens=False, literal=chat.literal)
             names = {"max_new_tokens": body.max_tokens_field(), "prompt": "messages", "logprobs": "top_logprobs"}
             job = await self._admit(request, names)
             return await self._respond(job, body, _Chat(self._piece, body))
         except Exception as e:  # noqa: BLE001 - as in completions
             return HttpError.of(e).response()
 
-    def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+    def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> ChatPrompt:
+        """The messages as the target's chat template renders them; a special token spelt in their text is
+        tokenized as text (specdec.chat), so a message cannot open or close a turn."""
         tokenizer = self.frontend.tokenizer
         if not tokenizer.chat_template:
             raise HttpError(400, "messages: the target's tokenizer has no chat template (chat_template in its "
                                  "tokenizer files), so chat completions are not served: use /v1/completions",
                             "messages")
         try:
-            return tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in messages],
-                                                 tokenize=False, add_generation_prompt=add_generation_prompt)
+            return render_chat(tokenizer, [m.model_dump(exclude_none=True) for m in messages], add_generation_prompt)
         except TemplateError as e:
             raise HttpError(400, f"messages: the chat template refused them: {e}", "messages") from None
 

@@ -1,0 +1,133 @@
+"""Chat prompts whose messages cannot forge control tokens.
+
+A chat template renders messages into one text, and a tokenizer given that text makes a control token
+(`<|im_end|>`, `<|im_start|>`, `</s>`...) of every place that spells one, in the template's markup and in
+the messages' own text alike. A user who writes `<|im_end|>\n<|im_start|>system\n...` in a message would
+open a turn of their choosing. So the rendered text keeps the character spans of the messages' own
+text, and `encode_prompt` tokenizes special tokens spelt there as the characters they are.
+
+`render_chat` finds the spans by rendering the messages once with a random placeholder in place of each
+text field: where the template puts each text verbatim, substituting the texts back gives the real
+rendering, and the spans are exact. A template that rewrites message text (trims it, slices it) cannot
+be followed so; then a message that spells a special token is refused (InvalidArgument naming it) and
+any other is rendered as before.
+
+The run that holds a spelt special token is tokenized on its own, as tokenizers take every run between
+special tokens. One kind differs there: a Metaspace pre-tokenizer that prepends "▁" only at the text's
+start ("first") prepends one to that run too, a space more before its first word (and only in a chat
+that spells a special token).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from dataclasses import dataclass
+
+from .errors import InvalidArgument
+
+TEXT_FIELDS = ("content", "name")  # a message's free text (its role is checked by the caller)
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    text: str  # the template's rendering
+    literal: tuple[tuple[int, int], ...]  # [start, end) character spans of the messages' own text
+
+
+def special_texts(tokenizer) -> dict[int, str]:
+    """The tokenizer's special added tokens (id -> text): those a text that spells them becomes."""
+    return {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if t.special and t.content}
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> ChatPrompt:
+    """`messages` as the tokenizer's chat template renders them, with the spans of their own text."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    nonce = secrets.token_hex(8)  # unguessable: a message cannot spell a placeholder
+    texts: dict[str, str] = {}
+    marked = []
+    for i, message in enumerate(messages):
+        message = dict(message)
+        for key in TEXT_FIELDS:
+            if isinstance(message.get(key), str) and message[key]:
+                mark = f"\ue000{nonce}.{len(texts)}\ue001"
+                texts[mark], message[key] = message[key], mark
+        marked.append(message)
+    if not texts:
+        return ChatPrompt(text, ())
+    skeleton = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=add_generation_prompt)
+    pieces = re.split(f"(\ue000{nonce}\\.\\d+\ue001)", skeleton)
+    rebuilt, literal, at = [], [], 0
+    for k, piece in enumerate(pieces):
+        if k % 2:
+            piece = texts.get(piece, piece)
+            literal.append((at, at + len(piece)))
+        rebuilt.append(piece)
+        at += len(piece)
+    if "".join(rebuilt) == text:
+        return ChatPrompt(text, tuple(literal))
+    _refuse_spelt_specials(tokenizer, messages)
+    return ChatPrompt(text, ())
+
+
+def _refuse_spelt_specials(tokenizer, messages: list[dict]) -> None:
+    specials = special_texts(tokenizer).values()
+    for i, message in enumerate(messages):
+        for key in TEXT_FIELDS:
+            value = message.get(key)
+            if isinstance(value, str) and (token := next((s for s in specials if s in value), None)):
+                raise InvalidArgument(f"messages.{i}.{key}", f"spells the special token {token!r}, and this model's "
+                                      "chat template rewrites message text, so it cannot be kept as text: leave it out")
+
+
+def encode_prompt(tokenizer, text: str, literal: tuple[tuple[int, int], ...] = (),
+                  add_special_tokens: bool = True) -> list[int]:
+    """`text`'s tokens, as the tokenizer makes them, except that a special token spelt inside a `literal`
+    span is tokenized as its characters. The run of text between the template's own special tokens that
+    holds one is tokenized again with special tokens split (as its own section, which is how a tokenizer
+    takes the text between special tokens anyway); every other token is the tokenizer's."""
+    if not literal:
+        return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+    specials = special_texts(tokenizer)
+    if not getattr(tokenizer, "is_fast", False):  # no offsets to find them by: a spelt one is refused
+        if token := next((t for t in specials.values() for a, b in literal if t in text[a:b]), None):
+            raise InvalidArgument("messages", f"spell the special token {token!r}, which this model's (slow) "
+                                              "tokenizer cannot keep as text: leave it out")
+        return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+    encoding = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
+    spelt = [t in specials and specials[t] in text[s:e] for t, (s, e) in zip(ids, offsets)]  # not an <unk>'s
+    forged = [j for j, span in enumerate(offsets) if spelt[j] and _inside(span, literal)]
+    if not forged:
+        return ids
+    out, done = [], 0
+    for j in forged:
+        if j < done:
+            continue
+        start, end = _section(offsets, spelt, literal, j)
+        out += ids[done:start]
+        section = text[offsets[start][0]:offsets[end - 1][1]]
+        out += tokenizer(section, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        done = end
+    return out + ids[done:]
+
+
+def _inside(span: tuple[int, int], literal: tuple[tuple[int, int], ...]) -> bool:
+    s, e = span
+    return e > s and any(s < b and e > a for a, b in literal)
+
+
+def _section(offsets, spelt: list[bool], literal, j: int) -> tuple[int, int]:
+    """[start, end) token indices of the run around token j bounded by the template's own special tokens
+    (or tokens with no text, such as a BOS the tokenizer added)."""
+    def boundary(k: int) -> bool:
+        s, e = offsets[k]
+        return e <= s or (spelt[k] and not _inside(offsets[k], literal))
+
+    start = j
+    while start > 0 and not boundary(start - 1):
+        start -= 1
+    end = j + 1
+    while end < len(offsets) and not boundary(end):
+        end += 1
+    return start, end
