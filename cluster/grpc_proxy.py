@@ -16,10 +16,18 @@ the RPC ends. Unary calls need nothing: the proxy only ever waits inside Serve's
 That task may still run once the RPC has ended (Serve logs the caller's address as it finishes), when
 gRPC's own reads of the caller crash the process (SIGSEGV: they read the call, freed by then), so it
 sees the context through `_CallerKnown`, which answers them from a copy taken at the start.
+
+A request message that protobuf cannot parse (truncated, a string of bad UTF-8) fails in gRPC's own
+deserializer, before any handler: its caller got UNKNOWN ("Exception deserializing request"). Each
+method's deserializer is wrapped (`_Lenient`) to hand such a message to its handler as `Malformed`,
+which refuses it as INVALID_ARGUMENT with protobuf's reason.
 """
 
 import asyncio
 import logging
+
+import grpc
+from google.protobuf.message import DecodeError
 
 from protos.specdec_api_pb2_grpc import add_SpecDecodeServicer_to_server
 
@@ -41,13 +49,78 @@ def add_servicer(servicer, server) -> None:
 
     def factory_stopping_streams(service_method, streaming_type):
         handler = factory(service_method=service_method, streaming_type=streaming_type)
-        return stop_on_hangup(handler) if streaming_type == gRPCStreamingType.UNARY_STREAM else handler
+        if streaming_type == gRPCStreamingType.UNARY_STREAM:
+            return refuse_malformed_stream(stop_on_hangup(handler))
+        return refuse_malformed(handler) if streaming_type == gRPCStreamingType.UNARY_UNARY else handler
 
     server.service_handler_factory = factory_stopping_streams
     try:
-        add_SpecDecodeServicer_to_server(servicer, server)
+        add_SpecDecodeServicer_to_server(servicer, _Lenient(server))
     finally:
         server.service_handler_factory = factory
+
+
+class Malformed:
+    """A request message protobuf could not parse, and why."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+async def _refuse(request: Malformed, context) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a message of the method's request "
+                                                           f"type: {request.reason}")
+
+
+def refuse_malformed(handler):
+    async def unary_unary(request, context):
+        if isinstance(request, Malformed):
+            await _refuse(request, context)
+        return await handler(request, context)
+
+    return unary_unary
+
+
+def refuse_malformed_stream(handler):
+    async def unary_stream(request, context):
+        if isinstance(request, Malformed):
+            await _refuse(request, context)
+        async for message in handler(request, context):
+            yield message
+
+    return unary_stream
+
+
+def _parse_or_malformed(parse):
+    def parse_request(data: bytes):
+        try:
+            return parse(data)
+        except DecodeError as e:
+            return Malformed(str(e) or "it does not parse")
+
+    return parse_request
+
+
+def _lenient(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    if handler.request_deserializer is None:
+        return handler
+    return handler._replace(request_deserializer=_parse_or_malformed(handler.request_deserializer))
+
+
+class _Lenient:
+    """The server as the generated registration sees it: every method's request deserializer answers a
+    message that does not parse with Malformed, not an error of gRPC's."""
+
+    def __init__(self, server):
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        for handler in handlers:
+            handler._method_handlers = {name: _lenient(h) for name, h in handler._method_handlers.items()}
+        self._server.add_generic_rpc_handlers(handlers)
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self._server.add_registered_method_handlers(service, {name: _lenient(h) for name, h in handlers.items()})
 
 
 def stop_on_hangup(handler):
