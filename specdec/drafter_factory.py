@@ -1,12 +1,12 @@
 """Which drafter a drafter kind and a draft make: make_drafter builds a kind's drafter over a draft model, an
 EAGLE-3 head or Medusa heads (draft_runner), or over none (the lookup drafters)."""
 
+import sys
+
 import torch
 
 from .drafter_kinds import DEFAULT_PROPOSAL_TOP_K, DrafterKind
 from .drafters import Drafter, MergedDrafter, ModelDrafter, NgramDrafter, SuffixDrafter, TreeGrower
-from .eagle3 import Eagle3Head
-from .head_drafter import HeadDrafter, MedusaDrafter
 from .kvcache import CachedLM
 from .medusa import MedusaHeads
 from .blocks import BlockPool
@@ -39,10 +39,21 @@ def make_drafter(kind: DrafterKind | str, draft, width: int = 1,
 def _model_drafter(draft, width: int, proposal_top_k: int) -> TreeGrower:
     """The drafter of a draft (draft_runner's): a draft model's, an EAGLE-3 head's or Medusa heads'."""
     if isinstance(draft, MedusaHeads):
+        from .head_drafter import MedusaDrafter
+
         return MedusaDrafter(draft, width, proposal_top_k)
-    if isinstance(draft.model, Eagle3Head):
+    if _is_eagle3_head(draft.model):
+        from .head_drafter import HeadDrafter
+
         return HeadDrafter(draft, width, proposal_top_k)
     return ModelDrafter(draft, width, proposal_top_k)
+
+
+def _is_eagle3_head(model: torch.nn.Module) -> bool:
+    """Whether the model is an EAGLE-3 head, without importing the head's modeling code (seconds of
+    transformers') where no head was loaded: then specdec.eagle3 was never imported, and none is one."""
+    eagle3 = sys.modules.get("specdec.eagle3")
+    return eagle3 is not None and isinstance(model, eagle3.Eagle3Head)
 
 
 def draft_runner(model: torch.nn.Module, pool: BlockPool | None = None):
@@ -52,4 +63,4 @@ def draft_runner(model: torch.nn.Module, pool: BlockPool | None = None):
     own, indexing nothing)."""
     if isinstance(model, MedusaHeads):
         return model
-    return CachedLM(model, None if isinstance(model, Eagle3Head) else pool)
+    return CachedLM(model, None if _is_eagle3_head(model) else pool)

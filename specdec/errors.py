@@ -46,3 +46,7 @@ class UnsupportedModel(ValueError):
 
     def __reduce__(self):  # crosses process boundaries (Ray) intact
         return type(self), (self.model_type, self.reason)
+
+
+class HeadMismatch(ValueError):
+    """Draft heads made for another target (hidden size, vocabulary, layer count)."""

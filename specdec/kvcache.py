@@ -12,17 +12,18 @@ import functools
 import itertools
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .compute import on_compute
 from .device import HOST, host_tensor, to_device
 from . import paged_flex, paged_kernel
 from .blocks import NULL, TRASH, BlockPool
+
+if TYPE_CHECKING:  # transformers' modeling code takes seconds to import: loaded with the first model, not here
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -221,6 +222,8 @@ def ragged_attention(module, query, key, value, attention_mask, inner: str, **kw
     elif _grouped_on_cpu(module, query, attention_mask, kwargs):
         attend = _sdpa_grouped
     else:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
         attend = ALL_ATTENTION_FUNCTIONS[inner]
     if (window := _window_of(module, kwargs)) and (positions := _POSITIONS.get()) is not None:
         attention_mask = _within_window(attention_mask, positions.within(window))
@@ -357,11 +360,6 @@ def _within_window(mask: torch.Tensor, near: torch.Tensor) -> torch.Tensor:
     return mask.masked_fill(~near, torch.finfo(mask.dtype).min)
 
 
-for _inner in INNER_ATTENTION:  # registered as attention and mask: transformers' own paths (generate) still work
-    AttentionInterface.register(f"specdec_ragged_{_inner}", functools.partial(ragged_attention, inner=_inner))
-    AttentionMaskInterface.register(f"specdec_ragged_{_inner}", ALL_MASK_ATTENTION_FUNCTIONS[_inner])
-
-
 def has_sliding_window(config) -> bool:
     """Whether some layer of the model attends only within a window (transformers' config: a
     sliding_window with use_sliding_window not off, or sliding_attention among layer_types)."""
@@ -402,9 +400,22 @@ def hybrid_window(config) -> int | None:
     return config.get_text_config().sliding_window if windowed_layers(config) else None
 
 
-def run_ragged_capable(model: PreTrainedModel) -> str:
+@functools.cache
+def _register_ragged() -> None:
+    """The wrappers registered as attention and mask (transformers' own paths, generate, still work), once a
+    model is run by a CachedLM: here, not at import, as the registries live in transformers' modeling code."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    for inner in INNER_ATTENTION:
+        AttentionInterface.register(f"specdec_ragged_{inner}", functools.partial(ragged_attention, inner=inner))
+        AttentionMaskInterface.register(f"specdec_ragged_{inner}", ALL_MASK_ATTENTION_FUNCTIONS[inner])
+
+
+def run_ragged_capable(model: "PreTrainedModel") -> str:
     """Switch the model's attention to its ragged-capable wrapper (once; not for a family whose attention
     takes its own path) -> its own attention (sdpa, eager)."""
+    _register_ragged()
     name = model.config._attn_implementation
     inner = name.removeprefix("specdec_ragged_")
     if inner not in INNER_ATTENTION:
@@ -564,7 +575,7 @@ def compacting(rows: int, leaving: list[int]) -> list[int]:
 
 
 class CachedLM:
-    def __init__(self, model: PreTrainedModel, pool: BlockPool | None = None):
+    def __init__(self, model: "PreTrainedModel", pool: BlockPool | None = None):
         """pool: the blocks its rows' KV lives in, shared with every CachedLM of this model whose rows may join
         its batch (prefill_alone's) and, when its prefix index is on, the KV of prompts and outputs run before,
         kept for prompts that begin the same way; None: a pool of its own, indexing nothing."""

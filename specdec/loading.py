@@ -2,22 +2,26 @@
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, DistributedConfig, PretrainedConfig,
-                          PreTrainedModel, PreTrainedTokenizerBase)
+                          PreTrainedTokenizerBase)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .compute import on_compute
 from .cpu_linear import pack_linears
 from .draft_vocab import keep_frequent_tokens, read_ranking
-from .eagle3 import HeadMismatch, is_eagle3, load_head
-from .eagle3 import read_config as read_eagle3_config
+from .eagle3_config import is_eagle3
+from .eagle3_config import read_config as read_eagle3_config
 from .medusa import check_fits as medusa_fits
 from .medusa import is_medusa, load_medusa
-from .errors import UnsupportedModel
+from .errors import HeadMismatch, UnsupportedModel
 from .gguf import is_gguf, model_folder
 from .grammar import Grammars
+
+if TYPE_CHECKING:  # transformers' modeling code takes seconds to import: it comes with the first model loaded, so
+    from transformers import PreTrainedModel  # a process that only checks configs (the ingress, `specdec serve`) skips it
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -88,7 +92,7 @@ def attention_for(config: PretrainedConfig) -> str:
     return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
 
 
-def load_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PreTrainedModel:
+def load_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "PreTrainedModel":
     """A causal LM from a local folder (or a hub id, for users with network), in eval mode; a model specdec
     cannot decode exactly is refused (UnsupportedModel) before its weights load."""
     config = check_model(path)
@@ -97,14 +101,14 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu
     return model.to(device).eval()
 
 
-def load_served_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PreTrainedModel:
+def load_served_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "PreTrainedModel":
     """load_model, as specdec serves it: on a CPU, its linear layers run through oneDNN's packed
     weights (specdec.cpu_linear), loaded on the thread that will run it (specdec.compute)."""
     return on_compute(device, lambda: pack_linears(load_model(path, dtype, device)))
 
 
 def load_draft(path: str, target: "PreTrainedModel | TargetParts", dtype: torch.dtype | None = None,
-               device: str = "cpu", served: bool = False) -> PreTrainedModel:
+               device: str = "cpu", served: bool = False) -> "PreTrainedModel":
     """A draft for this target: an EAGLE-3 head (specdec.eagle3) or Medusa heads (specdec.medusa), on the
     target's device and refused if made for another target, or a draft model (load_draft_model). In `dtype`; by
     default a head takes the target's and a draft model float32. A head need not be in the target's dtype: it
@@ -112,6 +116,8 @@ def load_draft(path: str, target: "PreTrainedModel | TargetParts", dtype: torch.
     bfloat16 head on a CPU with bfloat16 instructions reads half the bytes, greedy output unchanged).
     With `served`, as specdec serves it: its linear layers packed on a CPU (specdec.cpu_linear), heads' too."""
     if is_eagle3(local_folder(path)):
+        from .eagle3 import load_head
+
         head = load_head(local_folder(path), target, dtype)
     elif is_medusa(local_folder(path)):
         head = load_medusa(local_folder(path), target, dtype)
@@ -120,7 +126,7 @@ def load_draft(path: str, target: "PreTrainedModel | TargetParts", dtype: torch.
     return on_compute(device, pack_linears, head) if served else head
 
 
-def load_draft_model(path: str, dtype: torch.dtype, device: str, served: bool) -> PreTrainedModel:
+def load_draft_model(path: str, dtype: torch.dtype, device: str, served: bool) -> "PreTrainedModel":
     """load_model for a draft: drafting among its most frequent tokens where its folder ranks them
     (specdec.draft_vocab), its linear layers packed when `served`."""
     model = load_model(path, dtype, device)
@@ -193,7 +199,7 @@ class TargetParts:
             return f.get_tensor(key).to(self.device, self.dtype)
 
 
-def load_sharded_model(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def load_sharded_model(path: str, dtype: torch.dtype = torch.float32) -> "PreTrainedModel":
     """This rank's shard of a causal LM, split by transformers' own tensor-parallel plan across the
     ranks of the default torch.distributed group (which the caller has initialised)."""
     config = check_model(path)
@@ -214,7 +220,7 @@ def eos_ids(generation_config, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
 
-def load_grammars(path: str, model: PreTrainedModel) -> Grammars | None:
+def load_grammars(path: str, model: "PreTrainedModel") -> Grammars | None:
     """The target's tokenizer as its grammars read it (specdec/grammar.py), or None when the model's folder
     has no tokenizer (the target then refuses requests with a response_format, saying so)."""
     try:

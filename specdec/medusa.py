@@ -11,14 +11,17 @@ truncated) and FasterDecoding's original (config `medusa_num_heads`, `medusa_num
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 
 from .cpu_linear import dense_weight, weight_dtype
 from .device import HOST
-from .eagle3 import HeadMismatch
+from .errors import HeadMismatch
+
+if TYPE_CHECKING:  # transformers' modeling code takes seconds to import; heads are read without it
+    from transformers import PreTrainedModel
 
 VLLM_FILES = ("model.safetensors", "pytorch_model.bin")
 ORIGINAL_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -129,7 +132,7 @@ def check_fits(path: str | Path, target_config) -> tuple[int, int]:
     return hidden, vocab
 
 
-def load_medusa(path: str | Path, target: PreTrainedModel, dtype: torch.dtype | None = None) -> MedusaHeads:
+def load_medusa(path: str | Path, target: "PreTrainedModel", dtype: torch.dtype | None = None) -> MedusaHeads:
     """The Medusa heads in `path` for this target, on its device and in `dtype` (default: the target's). HeadMismatch for heads
     made for another target (hidden size, vocabulary) or weights that do not fit their config."""
     path = Path(path)

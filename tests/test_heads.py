@@ -13,7 +13,9 @@ from safetensors.torch import save_file
 from specdec import CachedLM, SamplingParams, SpecConfig, SpeculativeEngine
 from specdec.cpu_linear import PackedLinear
 from specdec.drafter_factory import make_drafter
-from specdec.eagle3 import HeadMismatch, is_eagle3, load_head, save_head
+from specdec.eagle3 import load_head, save_head
+from specdec.eagle3_config import is_eagle3
+from specdec.errors import HeadMismatch
 from specdec.errors import UnsupportedModel
 from specdec.drafter_factory import draft_runner
 from specdec.head_drafter import HeadDrafter, MedusaDrafter

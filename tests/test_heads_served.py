@@ -304,7 +304,7 @@ def test_serve_checks_heads_against_the_target_before_the_actors_start(smooth, t
     target: its hidden size differs) are refused before Ray starts, naming what differs."""
     from cluster.config import parse_config
     from cluster.frontend import check_served_models
-    from specdec.eagle3 import HeadMismatch
+    from specdec.errors import HeadMismatch
 
     def cfg(target, draft):
         return parse_config({"models": {"target": {"path": target}, "draft": {"path": draft},

@@ -44,3 +44,14 @@ def test_public_api():
     for name in ("CachedLM", "ModelDrafter", "NgramDrafter", "MergedDrafter", "SpeculativeEngine", "SpecConfig",
                  "SamplingParams", "TokenTree", "Generation", "RequestStats"):
         assert name in specdec.__all__
+
+
+def test_the_ingress_and_the_actors_modules_import_no_modeling_code():
+    """transformers' modeling code takes seconds to import (the ingress's import was 12-13 s, now 9-10 s here):
+    it comes with the first model a process loads, so the ingress and `specdec serve`, which only check
+    configs and tokenize, never pay it, nor do the actors before their models load."""
+    probe = ("import sys, cluster.serve_app, cluster.commands, actors.target_rank, actors.draft_replica; "
+             "print(sorted(m for m in ('transformers.modeling_utils', 'specdec.eagle3') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]", result.stdout

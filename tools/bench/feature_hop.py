@@ -16,7 +16,7 @@ from actors.grpc_target import GrpcTarget
 from actors.security import LinkSecurity, serve_target, target_channel
 from actors.target_service import TargetService
 from protos import specdec_tree_pb2_grpc as tree_grpc
-from specdec.eagle3 import default_aux_layers
+from specdec.eagle3_config import default_aux_layers
 from specdec.kvcache import CachedLM
 from specdec.loading import load_served_model
 from specdec.sampling import SamplingParams
