@@ -20,6 +20,8 @@ that spells a special token).
 
 from __future__ import annotations
 
+import bisect
+import math
 import re
 import secrets
 from dataclasses import dataclass
@@ -100,21 +102,43 @@ def encode_prompt(tokenizer, text: str, literal: tuple[tuple[int, int], ...] = (
     forged = [j for j, span in enumerate(offsets) if spelt[j] and _inside(span, literal)]
     if not forged:
         return ids
-    out, done = [], 0
+    sections, done = [], 0  # [start, end) token indices of each run to tokenize again
     for j in forged:
-        if j < done:
-            continue
-        start, end = _section(offsets, spelt, literal, j)
-        out += ids[done:start]
-        section = text[offsets[start][0]:offsets[end - 1][1]]
-        out += tokenizer(section, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        if j >= done:
+            sections.append(_section(offsets, spelt, literal, j))
+            done = sections[-1][1]
+    texts = [text[_begin(offsets, start):_stop(offsets, end, len(text))] for start, end in sections]
+    again = tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]  # one batch
+    out, done = [], 0
+    for (start, end), tokens in zip(sections, again):
+        out += ids[done:start] + tokens
         done = end
     return out + ids[done:]
 
 
+def _begin(offsets, start: int) -> int:
+    """Where a run's characters begin: the end of the token before it (the template's; a BOS's (0, 0) at
+    the start), so a space a token's offsets leave out is kept."""
+    return offsets[start - 1][1] if start else 0
+
+
+def _stop(offsets, end: int, length: int) -> int:
+    """Where a run's characters stop: the start of the next token with characters (past any end token the
+    tokenizer added, with none)."""
+    for k in range(end, len(offsets)):
+        if offsets[k][1] > offsets[k][0]:
+            return offsets[k][0]
+    return length
+
+
 def _inside(span: tuple[int, int], literal: tuple[tuple[int, int], ...]) -> bool:
+    """Whether the token's characters overlap a literal span (sorted, disjoint: found by bisection, as a
+    hostile chat may hold thousands of messages and of spelt tokens)."""
     s, e = span
-    return e > s and any(s < b and e > a for a, b in literal)
+    if e <= s:
+        return False
+    i = bisect.bisect_right(literal, (s, math.inf))  # spans [0, i) start at or before s
+    return (i > 0 and s < literal[i - 1][1]) or (i < len(literal) and literal[i][0] < e)
 
 
 def _section(offsets, spelt: list[bool], literal, j: int) -> tuple[int, int]:
