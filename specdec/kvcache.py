@@ -222,9 +222,7 @@ def ragged_attention(module, query, key, value, attention_mask, inner: str, **kw
     elif _grouped_on_cpu(module, query, attention_mask, kwargs):
         attend = _sdpa_grouped
     else:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        attend = ALL_ATTENTION_FUNCTIONS[inner]
+        attend = _ATTENTION[inner]
     if (window := _window_of(module, kwargs)) and (positions := _POSITIONS.get()) is not None:
         attention_mask = _within_window(attention_mask, positions.within(window))
     block = _BLOCK.get()
@@ -400,13 +398,19 @@ def hybrid_window(config) -> int | None:
     return config.get_text_config().sliding_window if windowed_layers(config) else None
 
 
+_ATTENTION = None  # transformers' attention functions by name (ALL_ATTENTION_FUNCTIONS), once registered
+
+
 @functools.cache
 def _register_ragged() -> None:
     """The wrappers registered as attention and mask (transformers' own paths, generate, still work), once a
     model is run by a CachedLM: here, not at import, as the registries live in transformers' modeling code."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    global _ATTENTION
+    _ATTENTION = ALL_ATTENTION_FUNCTIONS
     for inner in INNER_ATTENTION:
         AttentionInterface.register(f"specdec_ragged_{inner}", functools.partial(ragged_attention, inner=inner))
         AttentionMaskInterface.register(f"specdec_ragged_{inner}", ALL_MASK_ATTENTION_FUNCTIONS[inner])
