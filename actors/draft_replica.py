@@ -124,7 +124,7 @@ class DraftReplica:
             layers = loop.drafter.feature_layers if loop.drafter is not None else ()
             opened, (prefilled,) = await asyncio.gather(
                 self.target.open_async(request_id, prompt, params, stream, max_new_tokens, layers),
-                asyncio.to_thread(loop.prefill, [prompt]))
+                asyncio.to_thread(loop.prefill, [prompt], [params.cache_salt]))
             loop.join(DraftRequest(request_id, prompt, params, max_new_tokens, set(eos), depth, sink, stream,
                                    draft_prefill=prefilled, features=opened.features, first=opened.first))
             return await sink.result()

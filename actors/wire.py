@@ -278,7 +278,7 @@ def sampling_to_proto(p: SamplingParams) -> tree_pb.SamplingParams:
                                   logprobs=p.logprobs, min_p=p.min_p, min_tokens=p.min_tokens, end_ids=p.end_ids,
                                   repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
                                   frequency_penalty=p.frequency_penalty, logit_bias=dict(p.logit_bias),
-                                  grammar=p.grammar)
+                                  grammar=p.grammar, cache_salt=p.cache_salt)
 
 
 def sampling_fields(msg: api.GenerateRequest | tree_pb.SamplingParams) -> dict:
@@ -289,7 +289,8 @@ def sampling_fields(msg: api.GenerateRequest | tree_pb.SamplingParams) -> dict:
             "min_tokens": msg.min_tokens,
             "repetition_penalty": msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
             "presence_penalty": msg.presence_penalty, "frequency_penalty": msg.frequency_penalty,
-            "logit_bias": tuple(sorted(msg.logit_bias.items()))}
+            "logit_bias": tuple(sorted(msg.logit_bias.items())),
+            "cache_salt": msg.cache_salt if msg.HasField("cache_salt") else None}
 
 
 def sampling_from_proto(msg: api.GenerateRequest | tree_pb.SamplingParams) -> SamplingParams:

@@ -60,12 +60,14 @@ class Request:
     logit_bias: tuple[tuple[int, float], ...] = ()
     response_format: ResponseFormat = ResponseFormat()  # the output is held to it (specdec/grammar.py)
     drafter: str = ""  # with speculation ON: the drafter kind to speculate with (one served); "": the router's
+    cache_salt: str | None = None  # see SamplingParams: whose cached KV and outputs it may share
 
     def sampling(self, eos: list[int] = ()) -> SamplingParams:
         """Its sampling settings, with `eos` the model's end tokens (InvalidArgument naming the first bad field)."""
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed, self.logprobs, self.min_p,
                               self.min_tokens, self.end_ids(eos), self.repetition_penalty, self.presence_penalty,
-                              self.frequency_penalty, self.logit_bias, grammar_of(self.response_format))
+                              self.frequency_penalty, self.logit_bias, grammar_of(self.response_format),
+                              cache_salt=self.cache_salt)
 
     def end_ids(self, eos: list[int]) -> tuple[int, ...]:
         """The tokens that end it: the model's eos unless ignore_eos, and its stop_token_ids."""

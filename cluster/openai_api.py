@@ -171,6 +171,7 @@ class _Body(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormatBody | None = None
+    cache_salt: str | None = None  # vLLM's: shares cached prompts (and suffix drafts' outputs) only with this salt's
 
     @field_validator("stream_options")
     @classmethod
@@ -201,7 +202,7 @@ class _Body(BaseModel):
                        presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                        logit_bias=logit_bias_of(self.logit_bias),
                        response_format=self.response_format.record() if self.response_format else ResponseFormat(),
-                       **more)
+                       cache_salt=self.cache_salt, **more)
 
 
 class CompletionBody(_Body):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/specdec_api.proto\x12\nspecdec.v1\"\xe7\x05\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x11\n\ttask_type\x18\x02 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12,\n\x0bspeculation\x18\x08 \x01(\x0e\x32\x17.specdec.v1.Speculation\x12\x0c\n\x04stop\x18\t \x03(\t\x12\t\n\x01n\x18\n \x01(\x05\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0f \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x12 \x01(\x01H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x13 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x14 \x01(\x01\x12>\n\nlogit_bias\x18\x15 \x03(\x0b\x32*.specdec.v1.GenerateRequest.LogitBiasEntry\x12\x33\n\x0fresponse_format\x18\x16 \x01(\x0b\x32\x1a.specdec.v1.ResponseFormat\x12\x0f\n\x07\x64rafter\x18\x17 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x15\n\x13_repetition_penalty\"3\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"\x86\x01\n\x10SpeculationStats\x12\x13\n\x0bspeculative\x18\x01 \x01(\x08\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x05\x12\r\n\x05steps\x18\x04 \x01(\x05\x12\x12\n\x05\x61lpha\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05tried\x18\x06 \x01(\x05\x42\x08\n\x06_alpha\"\xe6\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12+\n\x05stats\x18\x04 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12\r\n\x05index\x18\x05 \x01(\x05\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12\x32\n\x0cmore_samples\x18\x07 \x03(\x0b\x32\x1c.specdec.v1.GenerateResponse\"\x11\n\x0fGetStatsRequest\"\xea\x03\n\rTaskTypeStats\x12\x11\n\ttask_type\x18\x01 \x01(\t\x12\x12\n\x05\x61lpha\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x08\x64\x65\x63ision\x18\x03 \x01(\t\x12\t\n\x01k\x18\x04 \x01(\x05\x12\x0f\n\x07samples\x18\x05 \x01(\x03\x12\x39\n\x08requests\x18\x06 \x03(\x0b\x32\'.specdec.v1.TaskTypeStats.RequestsEntry\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x37\n\x07goodput\x18\x08 \x03(\x0b\x32&.specdec.v1.TaskTypeStats.GoodputEntry\x12\x0f\n\x07\x64rafter\x18\t \x01(\t\x12\x39\n\x08\x64rafters\x18\n \x03(\x0b\x32\'.specdec.v1.TaskTypeStats.DraftersEntry\x1a/\n\rRequestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a.\n\x0cGoodputEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1aI\n\rDraftersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\'\n\x05value\x18\x02 \x01(\x0b\x32\x18.specdec.v1.DrafterStats:\x02\x38\x01\x42\x08\n\x06_alpha\"_\n\x0c\x44rafterStats\x12\x12\n\x05\x61lpha\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x07samples\x18\x02 \x01(\x03\x12\x14\n\x07goodput\x18\x03 \x01(\x01H\x01\x88\x01\x01\x42\x08\n\x06_alphaB\n\n\x08_goodput\"\xb4\x05\n\x0bTargetStats\x12\r\n\x05state\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08rebuilds\x18\x03 \x01(\x05\x12\x1c\n\x0flast_recovery_s\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x1a\n\ropen_requests\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x1f\n\x12kv_tokens_reserved\x18\x06 \x01(\x03H\x02\x88\x01\x01\x12\x14\n\x07waiting\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x1a\n\rlargest_batch\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12\x1d\n\x10idle_rows_closed\x18\t \x01(\x03H\x05\x88\x01\x01\x12!\n\x14prefix_cached_tokens\x18\n \x01(\x03H\x06\x88\x01\x01\x12!\n\x14prefix_prompt_tokens\x18\x0b \x01(\x03H\x07\x88\x01\x01\x12\x1e\n\x11prefix_hit_tokens\x18\x0c \x01(\x03H\x08\x88\x01\x01\x12\"\n\x15prefix_evicted_tokens\x18\r \x01(\x03H\t\x88\x01\x01\x12\x1b\n\x0ekv_used_tokens\x18\x0e \x01(\x03H\n\x88\x01\x01\x12\"\n\x15kv_window_used_tokens\x18\x0f \x01(\x03H\x0b\x88\x01\x01\x42\x12\n\x10_last_recovery_sB\x10\n\x0e_open_requestsB\x15\n\x13_kv_tokens_reservedB\n\n\x08_waitingB\x10\n\x0e_largest_batchB\x13\n\x11_idle_rows_closedB\x17\n\x15_prefix_cached_tokensB\x17\n\x15_prefix_prompt_tokensB\x14\n\x12_prefix_hit_tokensB\x18\n\x16_prefix_evicted_tokensB\x11\n\x0f_kv_used_tokensB\x18\n\x16_kv_window_used_tokens\"}\n\x10GetStatsResponse\x12-\n\ntask_types\x18\x01 \x03(\x0b\x32\x19.specdec.v1.TaskTypeStats\x12\'\n\x06target\x18\x02 \x01(\x0b\x32\x17.specdec.v1.TargetStats\x12\x11\n\tin_flight\x18\x03 \x01(\x05*L\n\x0bSpeculation\x12\x14\n\x10SPECULATION_AUTO\x10\x00\x12\x12\n\x0eSPECULATION_ON\x10\x01\x12\x13\n\x0fSPECULATION_OFF\x10\x02\x32\xe9\x01\n\nSpecDecode\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12M\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12\x45\n\x08GetStats\x12\x1b.specdec.v1.GetStatsRequest\x1a\x1c.specdec.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/specdec_api.proto\x12\nspecdec.v1\"\x8f\x06\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x11\n\ttask_type\x18\x02 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12,\n\x0bspeculation\x18\x08 \x01(\x0e\x32\x17.specdec.v1.Speculation\x12\x0c\n\x04stop\x18\t \x03(\t\x12\t\n\x01n\x18\n \x01(\x05\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0f \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x12 \x01(\x01H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x13 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x14 \x01(\x01\x12>\n\nlogit_bias\x18\x15 \x03(\x0b\x32*.specdec.v1.GenerateRequest.LogitBiasEntry\x12\x33\n\x0fresponse_format\x18\x16 \x01(\x0b\x32\x1a.specdec.v1.ResponseFormat\x12\x0f\n\x07\x64rafter\x18\x17 \x01(\t\x12\x17\n\ncache_salt\x18\x18 \x01(\tH\x05\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x15\n\x13_repetition_penaltyB\r\n\x0b_cache_salt\"3\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"\x86\x01\n\x10SpeculationStats\x12\x13\n\x0bspeculative\x18\x01 \x01(\x08\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x05\x12\r\n\x05steps\x18\x04 \x01(\x05\x12\x12\n\x05\x61lpha\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05tried\x18\x06 \x01(\x05\x42\x08\n\x06_alpha\"\xe6\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12+\n\x05stats\x18\x04 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12\r\n\x05index\x18\x05 \x01(\x05\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12\x32\n\x0cmore_samples\x18\x07 \x03(\x0b\x32\x1c.specdec.v1.GenerateResponse\"\x11\n\x0fGetStatsRequest\"\xea\x03\n\rTaskTypeStats\x12\x11\n\ttask_type\x18\x01 \x01(\t\x12\x12\n\x05\x61lpha\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x08\x64\x65\x63ision\x18\x03 \x01(\t\x12\t\n\x01k\x18\x04 \x01(\x05\x12\x0f\n\x07samples\x18\x05 \x01(\x03\x12\x39\n\x08requests\x18\x06 \x03(\x0b\x32\'.specdec.v1.TaskTypeStats.RequestsEntry\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x37\n\x07goodput\x18\x08 \x03(\x0b\x32&.specdec.v1.TaskTypeStats.GoodputEntry\x12\x0f\n\x07\x64rafter\x18\t \x01(\t\x12\x39\n\x08\x64rafters\x18\n \x03(\x0b\x32\'.specdec.v1.TaskTypeStats.DraftersEntry\x1a/\n\rRequestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a.\n\x0cGoodputEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1aI\n\rDraftersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\'\n\x05value\x18\x02 \x01(\x0b\x32\x18.specdec.v1.DrafterStats:\x02\x38\x01\x42\x08\n\x06_alpha\"_\n\x0c\x44rafterStats\x12\x12\n\x05\x61lpha\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x07samples\x18\x02 \x01(\x03\x12\x14\n\x07goodput\x18\x03 \x01(\x01H\x01\x88\x01\x01\x42\x08\n\x06_alphaB\n\n\x08_goodput\"\xb4\x05\n\x0bTargetStats\x12\r\n\x05state\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08rebuilds\x18\x03 \x01(\x05\x12\x1c\n\x0flast_recovery_s\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x1a\n\ropen_requests\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x1f\n\x12kv_tokens_reserved\x18\x06 \x01(\x03H\x02\x88\x01\x01\x12\x14\n\x07waiting\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x1a\n\rlargest_batch\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12\x1d\n\x10idle_rows_closed\x18\t \x01(\x03H\x05\x88\x01\x01\x12!\n\x14prefix_cached_tokens\x18\n \x01(\x03H\x06\x88\x01\x01\x12!\n\x14prefix_prompt_tokens\x18\x0b \x01(\x03H\x07\x88\x01\x01\x12\x1e\n\x11prefix_hit_tokens\x18\x0c \x01(\x03H\x08\x88\x01\x01\x12\"\n\x15prefix_evicted_tokens\x18\r \x01(\x03H\t\x88\x01\x01\x12\x1b\n\x0ekv_used_tokens\x18\x0e \x01(\x03H\n\x88\x01\x01\x12\"\n\x15kv_window_used_tokens\x18\x0f \x01(\x03H\x0b\x88\x01\x01\x42\x12\n\x10_last_recovery_sB\x10\n\x0e_open_requestsB\x15\n\x13_kv_tokens_reservedB\n\n\x08_waitingB\x10\n\x0e_largest_batchB\x13\n\x11_idle_rows_closedB\x17\n\x15_prefix_cached_tokensB\x17\n\x15_prefix_prompt_tokensB\x14\n\x12_prefix_hit_tokensB\x18\n\x16_prefix_evicted_tokensB\x11\n\x0f_kv_used_tokensB\x18\n\x16_kv_window_used_tokens\"}\n\x10GetStatsResponse\x12-\n\ntask_types\x18\x01 \x03(\x0b\x32\x19.specdec.v1.TaskTypeStats\x12\'\n\x06target\x18\x02 \x01(\x0b\x32\x17.specdec.v1.TargetStats\x12\x11\n\tin_flight\x18\x03 \x01(\x05*L\n\x0bSpeculation\x12\x14\n\x10SPECULATION_AUTO\x10\x00\x12\x12\n\x0eSPECULATION_ON\x10\x01\x12\x13\n\x0fSPECULATION_OFF\x10\x02\x32\xe9\x01\n\nSpecDecode\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12M\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12\x45\n\x08GetStats\x12\x1b.specdec.v1.GetStatsRequest\x1a\x1c.specdec.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,36 +39,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TASKTYPESTATS_GOODPUTENTRY']._serialized_options = b'8\001'
   _globals['_TASKTYPESTATS_DRAFTERSENTRY']._loaded_options = None
   _globals['_TASKTYPESTATS_DRAFTERSENTRY']._serialized_options = b'8\001'
-  _globals['_SPECULATION']._serialized_start=2745
-  _globals['_SPECULATION']._serialized_end=2821
+  _globals['_SPECULATION']._serialized_start=2785
+  _globals['_SPECULATION']._serialized_end=2861
   _globals['_GENERATEREQUEST']._serialized_start=41
-  _globals['_GENERATEREQUEST']._serialized_end=784
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=657
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=705
-  _globals['_RESPONSEFORMAT']._serialized_start=786
-  _globals['_RESPONSEFORMAT']._serialized_end=837
-  _globals['_TOKENLOGPROB']._serialized_start=839
-  _globals['_TOKENLOGPROB']._serialized_end=942
-  _globals['_SPECULATIONSTATS']._serialized_start=945
-  _globals['_SPECULATIONSTATS']._serialized_end=1079
-  _globals['_GENERATERESPONSE']._serialized_start=1082
-  _globals['_GENERATERESPONSE']._serialized_end=1312
-  _globals['_GETSTATSREQUEST']._serialized_start=1314
-  _globals['_GETSTATSREQUEST']._serialized_end=1331
-  _globals['_TASKTYPESTATS']._serialized_start=1334
-  _globals['_TASKTYPESTATS']._serialized_end=1824
-  _globals['_TASKTYPESTATS_REQUESTSENTRY']._serialized_start=1644
-  _globals['_TASKTYPESTATS_REQUESTSENTRY']._serialized_end=1691
-  _globals['_TASKTYPESTATS_GOODPUTENTRY']._serialized_start=1693
-  _globals['_TASKTYPESTATS_GOODPUTENTRY']._serialized_end=1739
-  _globals['_TASKTYPESTATS_DRAFTERSENTRY']._serialized_start=1741
-  _globals['_TASKTYPESTATS_DRAFTERSENTRY']._serialized_end=1814
-  _globals['_DRAFTERSTATS']._serialized_start=1826
-  _globals['_DRAFTERSTATS']._serialized_end=1921
-  _globals['_TARGETSTATS']._serialized_start=1924
-  _globals['_TARGETSTATS']._serialized_end=2616
-  _globals['_GETSTATSRESPONSE']._serialized_start=2618
-  _globals['_GETSTATSRESPONSE']._serialized_end=2743
-  _globals['_SPECDECODE']._serialized_start=2824
-  _globals['_SPECDECODE']._serialized_end=3057
+  _globals['_GENERATEREQUEST']._serialized_end=824
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=682
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=730
+  _globals['_RESPONSEFORMAT']._serialized_start=826
+  _globals['_RESPONSEFORMAT']._serialized_end=877
+  _globals['_TOKENLOGPROB']._serialized_start=879
+  _globals['_TOKENLOGPROB']._serialized_end=982
+  _globals['_SPECULATIONSTATS']._serialized_start=985
+  _globals['_SPECULATIONSTATS']._serialized_end=1119
+  _globals['_GENERATERESPONSE']._serialized_start=1122
+  _globals['_GENERATERESPONSE']._serialized_end=1352
+  _globals['_GETSTATSREQUEST']._serialized_start=1354
+  _globals['_GETSTATSREQUEST']._serialized_end=1371
+  _globals['_TASKTYPESTATS']._serialized_start=1374
+  _globals['_TASKTYPESTATS']._serialized_end=1864
+  _globals['_TASKTYPESTATS_REQUESTSENTRY']._serialized_start=1684
+  _globals['_TASKTYPESTATS_REQUESTSENTRY']._serialized_end=1731
+  _globals['_TASKTYPESTATS_GOODPUTENTRY']._serialized_start=1733
+  _globals['_TASKTYPESTATS_GOODPUTENTRY']._serialized_end=1779
+  _globals['_TASKTYPESTATS_DRAFTERSENTRY']._serialized_start=1781
+  _globals['_TASKTYPESTATS_DRAFTERSENTRY']._serialized_end=1854
+  _globals['_DRAFTERSTATS']._serialized_start=1866
+  _globals['_DRAFTERSTATS']._serialized_end=1961
+  _globals['_TARGETSTATS']._serialized_start=1964
+  _globals['_TARGETSTATS']._serialized_end=2656
+  _globals['_GETSTATSRESPONSE']._serialized_start=2658
+  _globals['_GETSTATSRESPONSE']._serialized_end=2783
+  _globals['_SPECDECODE']._serialized_start=2864
+  _globals['_SPECDECODE']._serialized_end=3097
 # @@protoc_insertion_point(module_scope)

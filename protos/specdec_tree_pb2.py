@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19protos/specdec_tree.proto\x12\nspecdec.v1\"\xc6\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x15\n\x08logprobs\x18\x05 \x01(\x05H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x12\n\nmin_tokens\x18\x07 \x01(\x05\x12\x0f\n\x07\x65nd_ids\x18\x08 \x03(\x05\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x01H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x01\x12=\n\nlogit_bias\x18\x0c \x03(\x0b\x32).specdec.v1.SamplingParams.LogitBiasEntry\x12\x14\n\x07grammar\x18\r \x01(\tH\x04\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\n\n\x08_grammar\"\x9d\x01\n\x0bOpenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0e\n\x06stream\x18\x04 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x06 \x03(\x05\"7\n\x0cOpenResponse\x12\'\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x18.specdec.v1.VerifyResult\"D\n\x08\x46\x65\x61tures\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0c\n\x04rows\x18\x02 \x01(\x05\x12\r\n\x05width\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\":\n\x15PromptFeaturesRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x05\"T\n\x16PromptFeaturesResponse\x12&\n\x08\x66\x65\x61tures\x18\x01 \x01(\x0b\x32\x14.specdec.v1.Features\x12\x12\n\ntotal_rows\x18\x02 \x01(\x05\"#\n\x0c\x43loseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x0f\n\rCloseResponse\"2\n\x08Proposal\x12\x0b\n\x03ids\x18\x03 \x01(\x0c\x12\r\n\x05probs\x18\x04 \x01(\x0cJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03\"\xa6\x01\n\rCandidateTree\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x0f\n\x07parents\x18\x03 \x03(\x05\x12\x14\n\x0cproposal_ids\x18\x04 \x03(\x05\x12\'\n\tproposals\x18\x05 \x03(\x0b\x32\x14.specdec.v1.Proposal\x12\x12\n\nfrom_model\x18\x06 \x03(\x08\x12\r\n\x05guess\x18\x07 \x03(\x05\"9\n\rVerifyRequest\x12(\n\x05trees\x18\x01 \x03(\x0b\x32\x19.specdec.v1.CandidateTree\"M\n\x10\x43ommittedLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x12\n\ntop_tokens\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"8\n\x08RowError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\r\n\x05\x66ield\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xbd\x01\n\x0cVerifyResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x03(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.specdec.v1.CommittedLogprob\x12#\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x14.specdec.v1.RowError\x12&\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0b\x32\x14.specdec.v1.Features\";\n\x0eVerifyResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.specdec.v1.VerifyResult2\xa2\x02\n\rTargetService\x12\x39\n\x04Open\x12\x17.specdec.v1.OpenRequest\x1a\x18.specdec.v1.OpenResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12<\n\x05\x43lose\x12\x18.specdec.v1.CloseRequest\x1a\x19.specdec.v1.CloseResponse\x12W\n\x0ePromptFeatures\x12!.specdec.v1.PromptFeaturesRequest\x1a\".specdec.v1.PromptFeaturesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19protos/specdec_tree.proto\x12\nspecdec.v1\"\xee\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x15\n\x08logprobs\x18\x05 \x01(\x05H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x12\n\nmin_tokens\x18\x07 \x01(\x05\x12\x0f\n\x07\x65nd_ids\x18\x08 \x03(\x05\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x01H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x01\x12=\n\nlogit_bias\x18\x0c \x03(\x0b\x32).specdec.v1.SamplingParams.LogitBiasEntry\x12\x14\n\x07grammar\x18\r \x01(\tH\x04\x88\x01\x01\x12\x17\n\ncache_salt\x18\x0e \x01(\tH\x05\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\n\n\x08_grammarB\r\n\x0b_cache_salt\"\x9d\x01\n\x0bOpenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0e\n\x06stream\x18\x04 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x06 \x03(\x05\"7\n\x0cOpenResponse\x12\'\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x18.specdec.v1.VerifyResult\"D\n\x08\x46\x65\x61tures\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0c\n\x04rows\x18\x02 \x01(\x05\x12\r\n\x05width\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\":\n\x15PromptFeaturesRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x05\"T\n\x16PromptFeaturesResponse\x12&\n\x08\x66\x65\x61tures\x18\x01 \x01(\x0b\x32\x14.specdec.v1.Features\x12\x12\n\ntotal_rows\x18\x02 \x01(\x05\"#\n\x0c\x43loseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x0f\n\rCloseResponse\"2\n\x08Proposal\x12\x0b\n\x03ids\x18\x03 \x01(\x0c\x12\r\n\x05probs\x18\x04 \x01(\x0cJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03\"\xa6\x01\n\rCandidateTree\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x0f\n\x07parents\x18\x03 \x03(\x05\x12\x14\n\x0cproposal_ids\x18\x04 \x03(\x05\x12\'\n\tproposals\x18\x05 \x03(\x0b\x32\x14.specdec.v1.Proposal\x12\x12\n\nfrom_model\x18\x06 \x03(\x08\x12\r\n\x05guess\x18\x07 \x03(\x05\"9\n\rVerifyRequest\x12(\n\x05trees\x18\x01 \x03(\x0b\x32\x19.specdec.v1.CandidateTree\"M\n\x10\x43ommittedLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x12\n\ntop_tokens\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"8\n\x08RowError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\r\n\x05\x66ield\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xbd\x01\n\x0cVerifyResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x03(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.specdec.v1.CommittedLogprob\x12#\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x14.specdec.v1.RowError\x12&\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0b\x32\x14.specdec.v1.Features\";\n\x0eVerifyResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.specdec.v1.VerifyResult2\xa2\x02\n\rTargetService\x12\x39\n\x04Open\x12\x17.specdec.v1.OpenRequest\x1a\x18.specdec.v1.OpenResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12<\n\x05\x43lose\x12\x18.specdec.v1.CloseRequest\x1a\x19.specdec.v1.CloseResponse\x12W\n\x0ePromptFeatures\x12!.specdec.v1.PromptFeaturesRequest\x1a\".specdec.v1.PromptFeaturesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,37 +34,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=42
-  _globals['_SAMPLINGPARAMS']._serialized_end=496
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=381
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=429
-  _globals['_OPENREQUEST']._serialized_start=499
-  _globals['_OPENREQUEST']._serialized_end=656
-  _globals['_OPENRESPONSE']._serialized_start=658
-  _globals['_OPENRESPONSE']._serialized_end=713
-  _globals['_FEATURES']._serialized_start=715
-  _globals['_FEATURES']._serialized_end=783
-  _globals['_PROMPTFEATURESREQUEST']._serialized_start=785
-  _globals['_PROMPTFEATURESREQUEST']._serialized_end=843
-  _globals['_PROMPTFEATURESRESPONSE']._serialized_start=845
-  _globals['_PROMPTFEATURESRESPONSE']._serialized_end=929
-  _globals['_CLOSEREQUEST']._serialized_start=931
-  _globals['_CLOSEREQUEST']._serialized_end=966
-  _globals['_CLOSERESPONSE']._serialized_start=968
-  _globals['_CLOSERESPONSE']._serialized_end=983
-  _globals['_PROPOSAL']._serialized_start=985
-  _globals['_PROPOSAL']._serialized_end=1035
-  _globals['_CANDIDATETREE']._serialized_start=1038
-  _globals['_CANDIDATETREE']._serialized_end=1204
-  _globals['_VERIFYREQUEST']._serialized_start=1206
-  _globals['_VERIFYREQUEST']._serialized_end=1263
-  _globals['_COMMITTEDLOGPROB']._serialized_start=1265
-  _globals['_COMMITTEDLOGPROB']._serialized_end=1342
-  _globals['_ROWERROR']._serialized_start=1344
-  _globals['_ROWERROR']._serialized_end=1400
-  _globals['_VERIFYRESULT']._serialized_start=1403
-  _globals['_VERIFYRESULT']._serialized_end=1592
-  _globals['_VERIFYRESPONSE']._serialized_start=1594
-  _globals['_VERIFYRESPONSE']._serialized_end=1653
-  _globals['_TARGETSERVICE']._serialized_start=1656
-  _globals['_TARGETSERVICE']._serialized_end=1946
+  _globals['_SAMPLINGPARAMS']._serialized_end=536
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=406
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=454
+  _globals['_OPENREQUEST']._serialized_start=539
+  _globals['_OPENREQUEST']._serialized_end=696
+  _globals['_OPENRESPONSE']._serialized_start=698
+  _globals['_OPENRESPONSE']._serialized_end=753
+  _globals['_FEATURES']._serialized_start=755
+  _globals['_FEATURES']._serialized_end=823
+  _globals['_PROMPTFEATURESREQUEST']._serialized_start=825
+  _globals['_PROMPTFEATURESREQUEST']._serialized_end=883
+  _globals['_PROMPTFEATURESRESPONSE']._serialized_start=885
+  _globals['_PROMPTFEATURESRESPONSE']._serialized_end=969
+  _globals['_CLOSEREQUEST']._serialized_start=971
+  _globals['_CLOSEREQUEST']._serialized_end=1006
+  _globals['_CLOSERESPONSE']._serialized_start=1008
+  _globals['_CLOSERESPONSE']._serialized_end=1023
+  _globals['_PROPOSAL']._serialized_start=1025
+  _globals['_PROPOSAL']._serialized_end=1075
+  _globals['_CANDIDATETREE']._serialized_start=1078
+  _globals['_CANDIDATETREE']._serialized_end=1244
+  _globals['_VERIFYREQUEST']._serialized_start=1246
+  _globals['_VERIFYREQUEST']._serialized_end=1303
+  _globals['_COMMITTEDLOGPROB']._serialized_start=1305
+  _globals['_COMMITTEDLOGPROB']._serialized_end=1382
+  _globals['_ROWERROR']._serialized_start=1384
+  _globals['_ROWERROR']._serialized_end=1440
+  _globals['_VERIFYRESULT']._serialized_start=1443
+  _globals['_VERIFYRESULT']._serialized_end=1632
+  _globals['_VERIFYRESPONSE']._serialized_start=1634
+  _globals['_VERIFYRESPONSE']._serialized_end=1693
+  _globals['_TARGETSERVICE']._serialized_start=1696
+  _globals['_TARGETSERVICE']._serialized_end=1986
 # @@protoc_insertion_point(module_scope)

@@ -8,8 +8,10 @@ tokens begin the same way takes those blocks into its table and runs only the re
 Blocks are counted: a sequence's table holds a reference, and so does the index for the blocks it keeps. A
 block shared by more than one holder is never written: its writer copies it first (CachedLM). A block of the
 index is keyed by its parent block and its own tokens, compared exactly (a dict of tuples: no hash collision
-can hand one sequence another's KV). Beyond its cap the index lets go of its least recently used leaf; a
-block's memory is reused once nothing holds it.
+can hand one sequence another's KV); a first block's parent is its sequence's cache salt (vLLM's `cache_salt`),
+so sequences of different salts share nothing, and whether a prefix was cached (which a request's time to
+first token shows) tells a client nothing about another salt's prompts. Beyond its cap the index lets go of
+its least recently used leaf; a block's memory is reused once nothing holds it.
 
 Each layer's keys and values are a tensor [blocks, BLOCK_TOKENS, H, D], grown by doubling. Block 0 is NULL
 (zeros, never written: what a table's holes read) and block 1 is TRASH (written, never read: where the padding
@@ -62,7 +64,7 @@ class PrefixStats:
 
 @dataclass
 class _Indexed:
-    key: tuple[int, tuple[int, ...]]  # (parent block, or -1 at the root; its tokens)
+    key: tuple[int | str, tuple[int, ...]]  # (parent block, or at the root its sequence's salt: _root; its tokens)
     children: int = 0
     window: bool = False  # the index holds the block's window storage too (a hybrid model's, while it had it)
 
@@ -97,7 +99,7 @@ class BlockPool:
         self._refs: list[int] = [1, 1] + [0] * reserved  # NULL and TRASH, held for good
         self._free: list[int] = list(range(TRASH + 1, TRASH + 1 + reserved))  # a heap: the lowest ids reused first
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: keys, values [blocks, size, H, D]
-        self._ids: dict[tuple[int, tuple[int, ...]], int] = {}  # index: key -> block
+        self._ids: dict[tuple[int | str, tuple[int, ...]], int] = {}  # index: key -> block
         self._indexed: collections.OrderedDict[int, _Indexed] = collections.OrderedDict()  # least recently used first
         self._cond = threading.Condition()
         self._in_flight = 0
@@ -310,15 +312,16 @@ class BlockPool:
                                self.prefix_capacity * size, used * size, (len(self._refs) - TRASH - 1) * size,
                                windowed[0] * size, windowed[1] * size)
 
-    def take(self, tokens: Sequence[int]) -> Taken:
-        """The blocks of the longest indexed prefix of `tokens` (whole blocks) that the sequence can go on from,
+    def take(self, tokens: Sequence[int], salt: str | None = None) -> Taken:
+        """The blocks of the longest indexed prefix of `tokens` (whole blocks) stored with the same `salt` (None:
+        stored with none) that the sequence can go on from,
         each now held once more by the caller, root first (none when the index is off). A hybrid model's
         sliding layers see the window behind the prefix's end: the prefix ends where those blocks' window
         storage is held, and the caller holds that storage too."""
         if not self.prefix_capacity:
             return Taken([])
         with self._cond:
-            path = self._match(tokens)
+            path = self._match(tokens, salt)
             window_from = 0
             if self._windowed:
                 path, window_from = self._window_held(path)
@@ -341,15 +344,16 @@ class BlockPool:
                 return path[:n], first
         return [], 0
 
-    def store(self, tokens: Sequence[int], table: Sequence[int]) -> None:
+    def store(self, tokens: Sequence[int], table: Sequence[int], salt: str | None = None) -> None:
         """Index the whole blocks of `tokens`, whose KV is in blocks `table` (a sequence's table: block i holds
-        tokens [i * size, (i + 1) * size)). A block whose tokens are indexed already is left as it is; the
-        index then holds the rest of the table's blocks once more each, up to its cap."""
+        tokens [i * size, (i + 1) * size)), for sequences of this `salt` only. A block whose tokens are indexed
+        already is left as it is; the index then holds the rest of the table's blocks once more each, up to its
+        cap."""
         n = min(len(tokens) // self.block_tokens, len(table))
         if not self.prefix_capacity or n == 0:
             return
         with self._cond:
-            path, parent, size = [], -1, self.block_tokens
+            path, parent, size = [], _root(salt), self.block_tokens
             for i in range(n):
                 key = (parent, tuple(tokens[i * size : (i + 1) * size]))
                 block = self._ids.get(key)
@@ -364,15 +368,15 @@ class BlockPool:
                     self._refs[block] += 1
                     if self._indexed[block].window:
                         self._wrefs[block] += 1
-                    if parent >= 0:
+                    if _is_block(parent):
                         self._indexed[parent].children += 1
                 path.append(block)
                 parent = block
             self._touch(path)
 
-    def _match(self, tokens: Sequence[int]) -> list[int]:
-        """The indexed blocks that begin `tokens`, root first."""
-        path, parent, size = [], -1, self.block_tokens
+    def _match(self, tokens: Sequence[int], salt: str | None) -> list[int]:
+        """The indexed blocks of this salt that begin `tokens`, root first."""
+        path, parent, size = [], _root(salt), self.block_tokens
         for i in range(len(tokens) // size):
             block = self._ids.get((parent, tuple(tokens[i * size : (i + 1) * size])))
             if block is None:
@@ -393,7 +397,7 @@ class BlockPool:
             return False
         entry = self._indexed.pop(victim)
         del self._ids[entry.key]
-        if entry.key[0] >= 0:
+        if _is_block(entry.key[0]):
             self._indexed[entry.key[0]].children -= 1
         self._evicted += 1
         self._refs[victim] -= 1
@@ -402,6 +406,15 @@ class BlockPool:
         if entry.window:
             self._release_window([victim])
         return True
+
+
+def _root(salt: str | None) -> int | str:
+    """The parent key of a sequence's first block: its salt, or -1 (no block's id) for a sequence without one."""
+    return -1 if salt is None else salt
+
+
+def _is_block(parent: int | str) -> bool:
+    return isinstance(parent, int) and parent >= 0
 
 
 def _zeros(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:

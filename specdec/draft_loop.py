@@ -102,11 +102,12 @@ class DraftLoop:
         if self._verifier is not None:
             self._verifier.shutdown()
 
-    def prefill(self, prompts: list[list[int]]) -> list[Prefilled | None]:
+    def prefill(self, prompts: list[list[int]], salts: list[str | None]) -> list[Prefilled | None]:
         """The prompts run through the draft model off the loop (any thread; the running requests go on
         stepping), in one forward, each to join with its request: done while the target opens the requests,
-        the draft's prefill leaves the first step and no longer adds to the time to first token."""
-        prefilled = self.drafter.prefill_alone(prompts) if self.drafter is not None else None
+        the draft's prefill leaves the first step and no longer adds to the time to first token. salts: each
+        request's cache salt (SamplingParams.cache_salt)."""
+        prefilled = self.drafter.prefill_alone(prompts, salts) if self.drafter is not None else None
         return prefilled.split() if prefilled is not None else [None] * len(prompts)
 
     def join(self, request: DraftRequest) -> None:
@@ -189,13 +190,15 @@ class DraftLoop:
             return
         if self.outputs is not None:
             for r in leaving:
-                self.outputs.add(r.out.token_ids)
+                if r.params.shares_outputs:
+                    self.outputs.add(r.out.token_ids)
         gone = {id(r) for r in leaving}
         ending = [i for i, r in enumerate(self.rows) if id(r) in gone]
         keep = compacting(len(self.rows), ending)  # the last rows fill the gaps: the draft's cache copies only them
         if self.drafter is not None:
             if (lm := self.drafter.draft_lm) is not None:  # what the draft ran stays for prompts that begin the same way
-                lm.remember(ending, [self.rows[i].seq[:-1] for i in ending])
+                lm.remember(ending, [self.rows[i].seq[:-1] for i in ending],
+                            [self.rows[i].params.cache_salt for i in ending])
             self.drafter.select(keep)
         self.rows = [self.rows[i] for i in keep]
         if close:

@@ -56,9 +56,10 @@ class Drafter(Protocol):
         """Where its draws run (its model's device): a request's generator lives there."""
 
     def start(self, batch_size: int) -> None: ...
-    def prefill_alone(self, prompts: list[list[int]]) -> Prefilled | None:
+    def prefill_alone(self, prompts: list[list[int]], salts: list[str | None]) -> Prefilled | None:
         """The draft model's cache of these prompts, built off the batch (another thread may run it while
-        the batch steps), for add_rows; None without a draft model."""
+        the batch steps), for add_rows; None without a draft model. salts: each prompt's cache salt (its
+        request's SamplingParams.cache_salt): it reuses only the draft KV of prompts with the same salt."""
     def add_rows(self, n: int, prefilled: Prefilled | None = None, features: list[torch.Tensor | None] | None = None) -> None:
         """n rows join the batch: empty, or the prompts of `prefilled` (prefill_alone) already run; `features`:
         each row's prompt features from the target (feature_layers), for a drafter that reads them."""
@@ -95,7 +96,7 @@ class NgramDrafter:
         self.indexes = []
         self.add_rows(batch_size)
 
-    def prefill_alone(self, prompts: list[list[int]]) -> None:
+    def prefill_alone(self, prompts: list[list[int]], salts: list[str | None]) -> None:
         return None  # the index is built from each row's sequence as it drafts
 
     def add_rows(self, n: int, prefilled: Prefilled | None = None, features=None) -> None:
@@ -103,6 +104,9 @@ class NgramDrafter:
 
     def propose(self, seqs, plans, params, gens) -> list[TokenTree]:
         return guessed_trees(self, seqs, plans)
+
+    def scope(self, params: list[SamplingParams]) -> None:
+        """Each row drafts from its own text alone, whatever its request shares."""
 
     def commit(self, paths, features=None) -> None:
         pass
@@ -126,6 +130,7 @@ class _SuffixRow:
 
     text: TextIndex = field(default_factory=TextIndex)
     last: tuple[int, int, Draft] | None = None  # (text length, budget, draft): the latest draft, reused
+    shares: bool = False  # drafts from the recent outputs too (its request has no cache_salt; set by scope)
 
     def sync(self, seq: list[int]) -> None:
         if len(seq) > len(self.text):
@@ -164,7 +169,7 @@ class SuffixDrafter:
         if r.last is not None and r.last[0] == len(seq) and r.last[1] >= n:
             return r.last[2].first(n)  # drafted already at this length (next_tokens after propose, say)
         r.sync(seq)
-        stores = [r.text, self.recent] + ([self.corpus] if self.corpus is not None else [])
+        stores = [r.text] + ([self.recent] if r.shares else []) + ([self.corpus] if self.corpus is not None else [])
         best = max((speculate(store, seq, n, self.config) for store in stores), key=lambda d: d.score)  # first on ties
         r.last = (len(seq), n, best)
         return best
@@ -173,14 +178,22 @@ class SuffixDrafter:
         self.rows = []
         self.add_rows(batch_size)
 
-    def prefill_alone(self, prompts: list[list[int]]) -> None:
+    def prefill_alone(self, prompts: list[list[int]], salts: list[str | None]) -> None:
         return None  # a row's text is indexed as it drafts
 
     def add_rows(self, n: int, prefilled: Prefilled | None = None, features=None) -> None:
         self.rows += [_SuffixRow() for _ in range(n)]
 
     def propose(self, seqs, plans, params, gens) -> list[TokenTree]:
+        self.scope(params)
         return guessed_trees(self, seqs, plans)
+
+    def scope(self, params: list[SamplingParams]) -> None:
+        """Which rows draft from other requests' outputs as well as their own text and the corpus: those whose
+        request has no cache_salt (SamplingParams.shares_outputs); a row is told before it first drafts."""
+        for r, p in zip(self.rows, params, strict=True):
+            if r.shares != p.shares_outputs:
+                r.shares, r.last = p.shares_outputs, None
 
     def commit(self, paths, features=None) -> None:
         pass
@@ -334,8 +347,9 @@ class ModelDrafter(TreeGrower):
         self.lm.reset(batch_size)
         self.slot_of: list[dict[int, int]] = [{} for _ in range(batch_size)]
 
-    def prefill_alone(self, prompts: list[list[int]]) -> Prefilled:
-        return self.lm.prefill_alone(self._readable([p[:-1] for p in prompts]))  # the last token: the first root
+    def prefill_alone(self, prompts: list[list[int]], salts: list[str | None]) -> Prefilled:
+        # the last token is not run: it is the first root
+        return self.lm.prefill_alone(self._readable([p[:-1] for p in prompts]), salts=salts)
 
     def add_rows(self, n: int, prefilled: Prefilled | None = None, features=None) -> None:
         if prefilled is None:
@@ -497,8 +511,8 @@ class MergedDrafter:
         self.model.start(batch_size)
         self.lookup.start(batch_size)
 
-    def prefill_alone(self, prompts: list[list[int]]) -> Prefilled:
-        return self.model.prefill_alone(prompts)
+    def prefill_alone(self, prompts: list[list[int]], salts: list[str | None]) -> Prefilled:
+        return self.model.prefill_alone(prompts, salts)
 
     def add_rows(self, n: int, prefilled: Prefilled | None = None, features=None) -> None:
         self.model.add_rows(n, prefilled, features)
@@ -523,6 +537,7 @@ class MergedDrafter:
 
     def propose(self, seqs, plans, params, gens) -> list[TokenTree]:
         trees = self.model.propose(seqs, plans, params, gens)
+        self.lookup.scope(params)
         for row, (tree, seq, plan, p) in enumerate(zip(trees, seqs, plans, params)):
             draft = self.lookup.guess(row, seq, plan.ngram)
             tree.add_guesses(draft.tokens, draft.parents, share_prefix=p.greedy)

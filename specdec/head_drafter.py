@@ -49,7 +49,7 @@ class HeadDrafter(_NoDraftingAhead, ModelDrafter):
         super().start(batch_size)
         self.pending = [[] for _ in range(batch_size)]
 
-    def prefill_alone(self, prompts: list[list[int]]) -> None:
+    def prefill_alone(self, prompts: list[list[int]], salts: list[str | None]) -> None:
         return None  # its prompt runs with the target's features, which come with the row (add_rows)
 
     def add_rows(self, n: int, prefilled: Prefilled | None = None, features=None) -> None:
@@ -131,7 +131,7 @@ class MedusaDrafter(_NoDraftingAhead, TreeGrower):
     def start(self, batch_size: int) -> None:
         self.last = [None] * batch_size
 
-    def prefill_alone(self, prompts: list[list[int]]) -> None:
+    def prefill_alone(self, prompts: list[list[int]], salts: list[str | None]) -> None:
         return None
 
     def add_rows(self, n: int, prefilled: Prefilled | None = None, features=None) -> None:

@@ -133,6 +133,7 @@ class Prefilled:
     hidden: tuple[torch.Tensor, ...] = ()  # with hidden=True: the model's hidden states of these tokens, each [N, H]
     wants_last: list[bool] = field(default_factory=list)  # rows whose last token's logits are kept (all False if empty)
     last: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> its last token's logits [V], once run
+    salts: list[str | None] = field(default_factory=list)  # each sequence's cache salt (BlockPool.take; empty: none)
 
     def ends(self, b: int, n: int) -> bool:
         """Whether running n more tokens of row b ends it, and its last token's logits are to be kept."""
@@ -164,9 +165,10 @@ class Prefilled:
         if self.hidden:
             raise ValueError("sequences prefilled with their hidden states join together: those are packed row after row")
         return [Prefilled([chunk], lm, wants_last=[last] if self.wants_last else [],
-                          last={0: self.last[b]} if b in self.last else {})
-                for b, (chunk, lm, last) in enumerate(zip(self.chunks, self.lm.split(),
-                                                          self.wants_last or [False] * len(self.chunks)))]
+                          last={0: self.last[b]} if b in self.last else {}, salts=[salt])
+                for b, (chunk, lm, last, salt) in enumerate(zip(self.chunks, self.lm.split(),
+                                                                self.wants_last or [False] * len(self.chunks),
+                                                                self.salts_of_rows()))]
 
     @staticmethod
     def together(parts: list["Prefilled"]) -> "Prefilled":
@@ -177,20 +179,24 @@ class Prefilled:
         if any(p.hidden for p in parts):
             raise ValueError("sequences prefilled with their hidden states join as they were prefilled")
         lm = parts[0].lm
-        chunks, wants_last, last = [], [], {}
+        chunks, wants_last, last, salts = [], [], {}, []
         for p in parts:
             if p.lm is not lm:
                 lm.take_rows(p.lm)
             last |= {len(chunks) + b: logits for b, logits in p.last.items()}
             wants_last += p.wants_last or [False] * len(p.chunks)
+            salts += p.salts_of_rows()
             chunks += p.chunks
-        return Prefilled(chunks, lm, wants_last=wants_last if any(wants_last) else [], last=last)
+        return Prefilled(chunks, lm, wants_last=wants_last if any(wants_last) else [], last=last, salts=salts)
+
+    def salts_of_rows(self) -> list[str | None]:
+        return self.salts or [None] * len(self.chunks)
 
     def ran(self) -> None:
         """Some of the chunks ran (advance, or riding in a batch's forward: CachedLM.carrying); once all have,
         their blocks go to the prefix cache."""
         if not self.remaining:
-            self.lm.remember(list(range(len(self.chunks))), self.chunks)
+            self.lm.remember(list(range(len(self.chunks))), self.chunks, self.salts_of_rows())
             self.lm.frees = True  # the index holds what it keeps; the rows let go of what lies behind their windows
             self.lm._trim()
 
@@ -855,38 +861,42 @@ class CachedLM:
 
     @torch.inference_mode()
     def prefill_alone(self, chunks: list[list[int]], hidden: bool = False, budget: int | None = None,
-                      wants_last: list[bool] | None = None) -> "Prefilled":
+                      wants_last: list[bool] | None = None, salts: list[str | None] | None = None) -> "Prefilled":
         """These sequences prefilled on their own, to join this batch later (join): the batch is not
         touched, so another thread may run this while the batch steps. hidden: keep the model's hidden
         states of their tokens too (Prefilled.hidden). budget: run at most this many tokens now (chunked
         prefill), the rest by Prefilled.advance; None: all. wants_last: rows whose last token's logits are
-        kept (Prefilled.last; that token always runs, even where the prefix cache holds it)."""
+        kept (Prefilled.last; that token always runs, even where the prefix cache holds it). salts: each
+        sequence's cache salt: it reuses, and leaves for later, only the cached KV of sequences of the same salt
+        (None: of none; BlockPool.take)."""
         wants_last = wants_last or [False] * len(chunks)
+        salts = salts or [None] * len(chunks)
         fresh = CachedLM(self.model, self.pool)
         fresh.reset(len(chunks))
         fresh.rewind = self.rewind
         fresh.frees = not self.pool.prefix_capacity  # with the index on, the prompt's blocks are indexed first (ran)
         if not hidden:  # the hidden states of indexed tokens are not kept
-            fresh._reuse([chunk[:-1] if last else chunk for chunk, last in zip(chunks, wants_last)])
-        prefilled = Prefilled(chunks, fresh, wants_last=wants_last)
+            fresh._reuse([chunk[:-1] if last else chunk for chunk, last in zip(chunks, wants_last)], salts)
+        prefilled = Prefilled(chunks, fresh, wants_last=wants_last, salts=salts)
         prefilled.advance(budget, hidden)
         return prefilled
 
-    def _reuse(self, chunks: list[list[int]]) -> None:
-        """An empty batch takes, as each row's first committed tokens, the longest indexed prefix of its chunk:
-        its blocks, shared, not copied."""
-        taken = [self.pool.take(chunk) for chunk in chunks]
+    def _reuse(self, chunks: list[list[int]], salts: list[str | None]) -> None:
+        """An empty batch takes, as each row's first committed tokens, the longest prefix of its chunk indexed
+        under its salt: its blocks, shared, not copied."""
+        taken = [self.pool.take(chunk, salt) for chunk, salt in zip(chunks, salts, strict=True)]
         self.tables = [t.blocks for t in taken]
         self.window_from = [t.window_from for t in taken]
         self.lengths = [len(t) * self.pool.block_tokens for t in self.tables]
         self._slots.n = max(self.lengths, default=0)
 
     @torch.inference_mode()
-    def remember(self, rows: list[int], tokens: list[list[int]]) -> None:
+    def remember(self, rows: list[int], tokens: list[list[int]], salts: list[str | None]) -> None:
         """Index these rows' committed KV in the pool (when its index is on), as the KV of these tokens: row
-        rows[i]'s first len(tokens[i]) committed tokens (fewer if it has fewer), whole blocks of them."""
-        for b, row_tokens in zip(rows, tokens):
-            self.pool.store(row_tokens[: min(len(row_tokens), self.lengths[b])], self.tables[b])
+        rows[i]'s first len(tokens[i]) committed tokens (fewer if it has fewer), whole blocks of them, for
+        sequences of salt salts[i] only."""
+        for b, row_tokens, salt in zip(rows, tokens, salts, strict=True):
+            self.pool.store(row_tokens[: min(len(row_tokens), self.lengths[b])], self.tables[b], salt)
 
     @torch.inference_mode()
     def join(self, rows: "list[list[int]] | Prefilled") -> None:

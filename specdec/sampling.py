@@ -19,6 +19,7 @@ MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (Open
 MAX_BIAS = 100.0  # a logit_bias value lies in [-100, 100] (OpenAI's range)
 MAX_LOGIT_BIAS = 300  # ids a logit_bias may name (OpenAI's limit): it travels with every Open on the wire
 MAX_GRAMMAR_BYTES = 256 * 1024  # a response_format's grammar: travels with every Open on the wire
+MAX_CACHE_SALT = 256  # characters of a cache_salt: it is kept with every cached prefix's first block
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to its logit, ids distinct
     grammar: str | None = None  # an llguidance grammar (specdec/grammar.py) the output must match; None: any
+    # Not how tokens are picked but whose cached work the request may share, carried with the rest to every actor:
+    # it reuses the prefix cache's KV (target's and drafts') of requests with the same salt only, and drafts from
+    # no other request's output (the suffix store); None: shares with every request that has none (vLLM's
+    # cache_salt, against clients that time their requests to learn what others' prompts and outputs hold).
+    cache_salt: str | None = None
 
     def __post_init__(self):
         """The one check of sampling fields, wherever they come from (CLI, gRPC, HTTP, another actor)."""
@@ -80,9 +86,18 @@ class SamplingParams:
             if not -MAX_BIAS <= bias <= MAX_BIAS:
                 raise InvalidArgument("logit_bias", f"biases must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias} "
                                                     f"for token {token}")
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str)
+                                                and 0 < len(self.cache_salt) <= MAX_CACHE_SALT):
+            raise InvalidArgument("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT} characters "
+                                                f"(or unset), got {_shown(self.cache_salt)}")
         if self.grammar is not None and len(self.grammar.encode()) > MAX_GRAMMAR_BYTES:
             raise InvalidArgument("response_format", f"its grammar is {len(self.grammar.encode())} bytes, over "
                                                      f"the limit of {MAX_GRAMMAR_BYTES}")
+
+    @property
+    def shares_outputs(self) -> bool:
+        """Whether its output may be drafted from for other requests, and theirs for it (it has no cache_salt)."""
+        return self.cache_salt is None
 
     @property
     def greedy(self) -> bool:
@@ -145,3 +160,9 @@ def make_generator(
     else:
         g.manual_seed(((seed * 1_000_003 + stream) * len(ROLES) + ROLES.index(role)) % (2**63))
     return g
+
+
+def _shown(value) -> str:
+    """A refused value as an error message shows it: a long one cut."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}... ({len(value) if isinstance(value, str) else '?'} characters)"

@@ -154,7 +154,8 @@ class TargetWorker:
         first = [rid in decide_first for rid, _, _, _ in joining]
         chunks = [prompt if last else prompt[:-1] for (_, prompt, _, _), last in zip(joining, first)]
         hidden = bool(feature_layers)
-        prefilled = self.lm.prefill_alone(chunks, hidden=hidden, budget=None if hidden else budget, wants_last=first)
+        prefilled = self.lm.prefill_alone(chunks, hidden=hidden, budget=None if hidden else budget, wants_last=first,
+                                          salts=[params.cache_salt for _, _, params, _ in joining])
         handle = next(self._handles)
         self._joining[handle] = _Joining(joining, feature_layers, grammars, prefilled)
         return handle
@@ -217,7 +218,8 @@ class TargetWorker:
         ending = [row for row, rid in enumerate(self.rows) if rid in gone]
         keep = compacting(len(self.rows), ending)
         # what they ran stays for prompts that begin the same way (a conversation's next turn)
-        self.lm.remember(ending, [self.requests[self.rows[row]].seq for row in ending])
+        leaving_requests = [self.requests[self.rows[row]] for row in ending]
+        self.lm.remember(ending, [r.seq for r in leaving_requests], [r.params.cache_salt for r in leaving_requests])
         self.lm.select(keep)
         self.rows = [self.rows[row] for row in keep]
         for rid in gone:

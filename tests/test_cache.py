@@ -228,7 +228,7 @@ def test_rows_prefilled_off_the_batch_join_as_if_prefilled_in_it(target, draft, 
         drafter.add_rows(1)
         drafter.propose([prompts[0]], [Plan(2)], [GREEDY], [None])  # the batch has run a forward
         drafter.commit([[0]])
-        ready = drafter.prefill_alone(prompts[1:]) if prefilled else None
+        ready = drafter.prefill_alone(prompts[1:], [None, None]) if prefilled else None
         assert drafter.draft_lm.lengths == [len(prompts[0])]  # prefill_alone left the batch alone
         drafter.add_rows(2, ready)
         if prefilled:

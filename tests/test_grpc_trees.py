@@ -128,7 +128,7 @@ def test_draft_loops_over_grpc_equal_plain_decoding(served, target, draft, refer
             scheduler.decode(f"r{i}", prompt, GREEDY, NEW_TOKENS, set(), sink)
             continue
         first = remote.open(f"r{i}", prompt, GREEDY, 0, NEW_TOKENS).first
-        prefilled = loops[i % 2].prefill([prompt])[0] if i in (2, 3) else None
+        prefilled = loops[i % 2].prefill([prompt], [None])[0] if i in (2, 3) else None
         assert (prefilled is None) == (i not in (2, 3) or kind == "none")
         loops[i % 2].join(DraftRequest(f"r{i}", prompt, GREEDY, NEW_TOKENS, set(), 3, sink, draft_prefill=prefilled,
                                        first=first))

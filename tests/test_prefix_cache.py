@@ -48,6 +48,25 @@ def test_blocks_are_keyed_by_their_whole_prefix_not_their_own_tokens():
     assert pool.take(b).blocks == table_b  # b's own blocks, not a's
 
 
+def test_a_salted_prefix_is_shared_only_with_its_own_salt():
+    pool = BlockPool(prefix_tokens=64, block_tokens=BT)
+    seq = list(range(10, 19))  # two whole blocks
+    salted = run(pool, seq)
+    pool.store(seq, salted, salt="tenant-a")
+    assert pool.take(seq).blocks == []  # no salt: none of a salt's blocks
+    assert pool.take(seq, salt="tenant-b").blocks == []
+    assert pool.take(seq, salt="tenant-a").blocks == salted[:2]
+    plain = run(pool, seq)
+    pool.store(seq, plain)  # the same tokens without a salt: blocks of their own
+    assert pool.take(seq).blocks == plain[:2]
+    assert pool.take(seq, salt="tenant-b").blocks == []
+    assert pool.take(seq, salt="-1").blocks == []  # a salt is never the root of the unsalted
+    assert pool.stats().cached_tokens == 16
+    while pool._evict(set()):  # salted roots count their children as any block does
+        pass
+    assert pool.stats().cached_tokens == 0
+
+
 def test_storing_again_keeps_the_blocks_indexed_and_adds_the_rest():
     pool = BlockPool(prefix_tokens=64, block_tokens=BT)
     first = list(range(8))
@@ -162,6 +181,24 @@ def test_outputs_are_identical_with_the_cache_on_and_off(target, draft, cap, dra
         assert stats.evicted_tokens > 0
 
 
+def test_a_cache_salt_reuses_only_its_own_salts_cached_prompts(target, draft):
+    """Target's and draft's prefix caches alike: a prompt cached under one salt is prefilled from scratch under
+    another salt or none, and from the cache under its own; the output is the same every time."""
+    prompt = conversations(seed=9, count=1)[0]
+    target_pool, draft_pool = BlockPool(4096), BlockPool(4096)
+    engine = SpeculativeEngine(CachedLM(target, target_pool), make_drafter("model", draft_runner(draft, draft_pool)),
+                               SpecConfig(depth=3), eos_token_ids=set())
+    outputs, hits = [], []
+    for salt in ("tenant-a", "tenant-b", None, "tenant-a"):
+        (out,) = engine.generate([prompt], NEW_TOKENS, SamplingParams(cache_salt=salt))
+        outputs.append(out.token_ids)
+        hits.append((target_pool.stats().hit_tokens, draft_pool.stats().hit_tokens))
+    assert outputs[1:] == outputs[:1] * 3
+    assert hits[0] == hits[1] == hits[2] == (0, 0)  # tenant-b and the unsalted reuse none of tenant-a's
+    whole = len(prompt) // 16 * 16
+    assert hits[3][0] >= whole - 16 and hits[3][1] >= whole - 16, hits  # tenant-a's again: its own blocks
+
+
 def test_a_repeated_prompt_is_prefilled_from_its_cached_blocks(target):
     prompt = conversations(seed=5, count=1)[0]
     lm = CachedLM(target, BlockPool(1024))
@@ -195,7 +232,7 @@ def test_a_draft_replica_keeps_what_its_rows_ran_and_prefills_the_next_turn_from
     for turn, rid in enumerate(("t1", "t2")):
         sink = Collect()
         (opened,) = scheduler.open_many([Opening(rid, prompt, SamplingParams(), 0, NEW_TOKENS)])
-        (prefilled,) = loop.prefill([prompt])
+        (prefilled,) = loop.prefill([prompt], [None])
         if turn:  # the first turn's prompt and answer were kept: all whole blocks of it
             kept = (len(turns[0]) - 1) // 16 * 16
             assert prefix.stats().hit_tokens >= kept >= 48

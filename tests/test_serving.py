@@ -137,6 +137,41 @@ def test_a_conversations_next_turn_reuses_its_cached_prefix_and_says_the_same(se
     assert server.stub.GetStats(api.GetStatsRequest()).target.prefix_hit_tokens >= after["prefix_hit_tokens"]
 
 
+def test_a_cache_salt_keeps_a_cached_prompt_to_requests_of_that_salt(server, target):
+    """vLLM's cache_salt, over gRPC and HTTP: a prompt cached under one salt is prefilled again under another salt
+    or none (so no other client learns from its time to first token that the prompt was cached), and from the
+    cache under its own; the output is plain greedy decoding's every time. A salt that is empty, too long or
+    not a string is refused naming the field."""
+    prompt = " ".join(f"w{(11 * i + 5) % 60 + 1}" for i in range(40))  # past two 16-token blocks
+    want = expected(server, target, prompt, 6)
+
+    def hits() -> int:
+        return http(server, "/v1/stats")[1]["target"]["prefix_hit_tokens"]
+
+    def over_grpc(salt: str | None) -> None:
+        req = api.GenerateRequest(prompt=prompt, max_new_tokens=6, speculation=api.SPECULATION_ON, cache_salt=salt)
+        assert list(server.stub.Generate(req, timeout=60).token_ids) == want
+
+    def over_http(salt: str | None) -> None:
+        status, reply = http(server, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                                         "speculation": "off", "cache_salt": salt})
+        assert status == 200 and reply["choices"][0]["text"] == server.tokenizer.decode(want, skip_special_tokens=True)
+
+    over_grpc("tenant-a")
+    before = hits()
+    over_http("tenant-b")
+    over_grpc(None)
+    assert hits() == before  # nothing of tenant-a's was reused, by another salt or by none
+    over_http("tenant-a")
+    assert hits() - before >= 32
+    for salt in ("", "x" * 257, 7):
+        status, reply = http(server, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "cache_salt": salt})
+        assert status == 400 and reply["error"]["param"] == "cache_salt", reply
+    with pytest.raises(grpc.RpcError) as e:
+        server.stub.Generate(api.GenerateRequest(prompt=prompt, max_new_tokens=6, cache_salt=""), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("cache_salt:")
+
+
 INVALID = [
     ({"prompt": ""}, "prompt"),
     ({"max_new_tokens": 0}, "max_new_tokens"),

@@ -121,9 +121,42 @@ def test_a_request_drafts_from_an_earlier_requests_output():
     answer = list(range(200, 240))
     store.add(answer)  # an earlier request's output (its loop adds it as the request ends)
     new_prompt = [77, 78, 200, 201, 202, 203]  # never seen, but it ends as that answer began
-    tree = drafter.propose([new_prompt], [Plan(0, 8)], None, None)[0]
+    tree = drafter.propose([new_prompt], [Plan(0, 8)], [GREEDY], None)[0]
     assert tree.tokens == [203, 204, 205, 206, 207]  # a match of 4: 4 guesses
     assert tree.guess == [204, 205, 206, 207]
+
+
+def test_a_salted_request_drafts_from_no_other_requests_output():
+    """A request with a cache_salt drafts from its own text and the corpus only: what the store of other
+    requests' outputs holds must not show in its drafts (its acceptance, which a client sees, would tell it)."""
+    store = RecentOutputs(1000)
+    drafter = SuffixDrafter(recent=store)
+    drafter.start(2)
+    store.add(list(range(200, 240)))
+    prompt = [77, 78, 200, 201, 202, 203]
+    shared, salted = drafter.propose([prompt, prompt], [Plan(0, 8)] * 2,
+                                     [GREEDY, SamplingParams(cache_salt="tenant-a")], None)
+    assert shared.guess == [204, 205, 206, 207]
+    assert salted.guess == []  # its own text repeats nothing; the store is not its
+    drafter.select([1])  # the salted row alone; a request that drops its salt is told so before it drafts
+    (unsalted,) = drafter.propose([prompt], [Plan(0, 8)], [GREEDY], None)
+    assert unsalted.guess == [204, 205, 206, 207]
+
+
+def test_a_salted_requests_output_stays_out_of_the_store(target, reference):
+    from scheduling import Collect, scheduler_for
+
+    scheduler, store = scheduler_for(target), RecentOutputs(10_000)
+    loop = DraftLoop(scheduler, make_drafter("suffix", None, recent=store), outputs=store)
+    prompt, expected = reference.prompts[3], reference.continuations[3]
+    for rid, params in (("salted", SamplingParams(cache_salt="tenant-a")), ("plain", GREEDY)):
+        sink = Collect()
+        first = scheduler.open(rid, prompt, params, 0, len(expected)).first
+        loop.join(DraftRequest(rid, prompt, params, len(expected), set(), 4, sink, first=first))
+        assert sink.wait()[0] == expected
+        assert store.held == (0 if rid == "salted" else 1 + len(expected))
+    loop.stop()
+    scheduler.stop()
 
 
 def test_a_replicas_loops_share_one_store_of_outputs(target, reference):
@@ -193,11 +226,11 @@ def test_a_corpus_seeds_drafts_for_a_prompt_never_seen(tmp_path):
     corpus = read_corpus(str(tmp_path / "docs"), encode, 1000)
     drafter = SuffixDrafter(corpus=corpus)
     drafter.start(1)
-    tree = drafter.propose([[40, 41, 3, 4, 5]], [Plan(0, 8)], None, None)[0]  # ends as the corpus does at "3 4 5"
+    tree = drafter.propose([[40, 41, 3, 4, 5]], [Plan(0, 8)], [GREEDY], None)[0]  # ends as the corpus does at "3 4 5"
     assert tree.tokens == [5, 6, 7, 8]
     plain = SuffixDrafter()  # without the corpus: nothing to draw from
     plain.start(1)
-    assert plain.propose([[40, 41, 3, 4, 5]], [Plan(0, 8)], None, None)[0].tokens == [5]
+    assert plain.propose([[40, 41, 3, 4, 5]], [Plan(0, 8)], [GREEDY], None)[0].tokens == [5]
     assert read_corpus(str(tmp_path / "docs" / "a.txt"), encode, 5).held <= 5  # capped
     with pytest.raises(ValueError, match="no such file or folder"):
         read_corpus(str(tmp_path / "absent"), encode, 1000)

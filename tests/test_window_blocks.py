@@ -174,7 +174,7 @@ def test_a_prefix_is_taken_only_as_far_as_its_window_storage_is_held(gemma2):
     lm = CachedLM(target, pool)
     lm.add_rows(1)
     lm.prefill([seq])  # (100 - 16 + 1) // 16: the first 5 blocks' window storage given back
-    lm.remember([0], [seq])
+    lm.remember([0], [seq], [None])
     table = list(lm.tables[0])
     assert [pool.has_window(b) for b in table] == [False] * 5 + [True, True]
     taken = pool.take(seq + [7, 8, 9])

@@ -219,6 +219,17 @@ def test_sampling_from_proto():
             wire.sampling_from_proto(req)
 
 
+def test_a_cache_salt_crosses_both_wires_and_is_checked():
+    assert wire.sampling_from_proto(api.GenerateRequest(prompt="x")).cache_salt is None
+    assert wire.sampling_from_proto(api.GenerateRequest(prompt="x", cache_salt="tenant-a")).cache_salt == "tenant-a"
+    salted = SamplingParams(temperature=0.5, cache_salt="tenant-a")
+    assert wire.sampling_from_proto(wire.sampling_to_proto(salted)) == salted
+    assert wire.sampling_from_proto(wire.sampling_to_proto(SamplingParams())).cache_salt is None
+    for salt in ("", "x" * 257):
+        with pytest.raises(ValueError, match="cache_salt"):
+            wire.sampling_from_proto(api.GenerateRequest(prompt="x", cache_salt=salt))
+
+
 # The client API's fields as released before n, stop and logprobs: their numbers never change (old clients).
 RELEASED = {"GenerateRequest": {"prompt": 1, "task_type": 2, "max_new_tokens": 3, "temperature": 4, "top_k": 5,
                                 "top_p": 6, "seed": 7, "speculation": 8},
