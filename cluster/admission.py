@@ -4,13 +4,14 @@ queue limit -> Admitted, the record the request is run from until its last chunk
 
 import asyncio
 import contextlib
+import hashlib
 import time
 from dataclasses import dataclass, field, replace
 
 from specdec.chat import encode_prompt
 from specdec.errors import InvalidArgument, Unavailable
 from specdec.grammar import Grammars, ResponseFormat, grammar_of
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingParams, check_cache_salt
 
 from specdec.blocks import BLOCK_TOKENS
 from specdec.scheduler import KvBudget
@@ -61,17 +62,29 @@ class Request:
     response_format: ResponseFormat = ResponseFormat()  # the output is held to it (specdec/grammar.py)
     drafter: str = ""  # with speculation ON: the drafter kind to speculate with (one served); "": the router's
     cache_salt: str | None = None  # see SamplingParams: whose cached KV and outputs it may share
+    tenant: str = ""  # set by the ingress, never by a client: its API key's scope (security.cache_per_api_key)
 
     def sampling(self, eos: list[int] = ()) -> SamplingParams:
         """Its sampling settings, with `eos` the model's end tokens (InvalidArgument naming the first bad field)."""
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed, self.logprobs, self.min_p,
                               self.min_tokens, self.end_ids(eos), self.repetition_penalty, self.presence_penalty,
                               self.frequency_penalty, self.logit_bias, grammar_of(self.response_format),
-                              cache_salt=self.cache_salt)
+                              cache_salt=scoped_salt(self.tenant, self.cache_salt))
 
     def end_ids(self, eos: list[int]) -> tuple[int, ...]:
         """The tokens that end it: the model's eos unless ignore_eos, and its stop_token_ids."""
         return tuple(sorted(set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos))))
+
+
+def scoped_salt(tenant: str, cache_salt: str | None) -> str | None:
+    """The cache salt a request runs with: the client's own, or, within a tenant (an API key's scope), one that
+    no other tenant's request can have, whatever salt it sends (a digest of both; InvalidArgument naming
+    cache_salt for a bad one, checked first)."""
+    if not tenant:
+        return cache_salt
+    check_cache_salt(cache_salt)
+    inside = "" if cache_salt is None else "/" + cache_salt
+    return "tenant-" + hashlib.sha256(f"{tenant}{inside}".encode()).hexdigest()
 
 
 @dataclass

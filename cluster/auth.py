@@ -7,6 +7,7 @@ with # are skipped); with neither, no key is asked for. A caller presents a key 
 `authorization: Bearer <key>`, an HTTP header or gRPC metadata. Keys are read once, when the ingress
 starts: a changed key needs a restart of the ingress."""
 
+import hashlib
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -60,6 +61,20 @@ def authorize(keys: BearerKeys | None, authorization: str | None) -> None:
     else Unauthenticated."""
     if keys is not None and not keys.allows(authorization):
         raise Unauthenticated(REFUSAL)
+
+
+def check_cache_per_api_key(enabled: bool, keys: BearerKeys | None) -> None:
+    """ConfigError when security.cache_per_api_key is on and the public API asks for no key."""
+    if enabled and keys is None:
+        raise ConfigError(f"security.cache_per_api_key: needs API keys (security.api_keys_file or {API_KEYS_ENV}); "
+                          f"without them every request is one client's")
+
+
+def tenant_of(authorization: str | None) -> str:
+    """The scope of the key an authorized `authorization` value presents (security.cache_per_api_key): a digest
+    of the key, the same for every call with it and unlike any other key's; the key itself goes nowhere."""
+    _, _, key = (authorization or "").partition(" ")
+    return hashlib.sha256(f"specdec-tenant:{key.strip()}".encode()).hexdigest()
 
 
 def api_channel(address: str, api_key: str | None, tls: bool = False, ca_file: str | None = None) -> grpc.Channel:

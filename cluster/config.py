@@ -310,6 +310,9 @@ class SecurityConfig(_Section):
     # which wins when set) no key is asked for. cluster/auth.py reads it when the ingress starts.
     api_keys_file: NonEmpty | None = None
     internal_tls: InternalTls | None = None  # without it the link is plaintext, still with the secret
+    # Each API key's requests share cached work (prefix caches, suffix drafts' outputs) only with requests made
+    # with the same key: a client's own cache_salt then scopes within its key's. Needs API keys.
+    cache_per_api_key: bool = False
 
     def check_internal_tls_files(self) -> None:
         """At start, before any actor is placed: every internal TLS file is readable here."""

@@ -445,10 +445,12 @@ class OpenAIServer:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specdec",
                 "max_model_len": self.frontend.context}
 
-    async def completions(self, raw: bytes):
+    async def completions(self, raw: bytes, tenant: str = ""):
+        """tenant: the caller's API key's scope (Request.tenant), set by the ingress."""
         try:
             body = parse_body(raw, CompletionBody)
-            job = await self._admit(body.request(body.prompt, body.logprobs), {"max_new_tokens": body.max_tokens_field()})
+            job = await self._admit(body.request(body.prompt, body.logprobs, tenant=tenant),
+                                    {"max_new_tokens": body.max_tokens_field()})
             return await self._respond(job, body, _Completions(self._piece, body))
         except Exception as e:  # noqa: BLE001 - every error answers in OpenAI's shape, untyped ones as 500
             return HttpError.of(e).response()
@@ -479,12 +481,12 @@ class OpenAIServer:
         except Exception as e:  # noqa: BLE001 - as in completions
             return HttpError.of(e).response()
 
-    async def chat(self, raw: bytes):
+    async def chat(self, raw: bytes, tenant: str = ""):
         try:
             body = parse_body(raw, ChatBody)
             chat = await asyncio.to_thread(self._chat_prompt, body.messages)  # a template over a long chat: off the loop
             request = body.request(chat.text, (body.top_logprobs or 0) if body.logprobs else None,
-                                   add_special_tokens=False, literal=chat.literal)
+                                   add_special_tokens=False, literal=chat.literal, tenant=tenant)
             names = {"max_new_tokens": body.max_tokens_field(), "prompt": "messages", "logprobs": "top_logprobs"}
             job = await self._admit(request, names)
             return await self._respond(job, body, _Chat(self._piece, body))

@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import logging
 import os
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from fastapi import FastAPI, Request as HttpRequest
@@ -96,6 +98,7 @@ class SpecDecodeIngress:
     def __init__(self, config: dict):
         cfg = ServeConfig.model_validate(config)
         self.api_keys = auth.load_api_keys(cfg.security.api_keys_file, os.environ)  # before the slow start
+        auth.check_cache_per_api_key(cfg.security.cache_per_api_key, self.api_keys)
         check_served_models(cfg)  # before any actor takes a GPU
         self.frontend = Frontend(cfg, start_topology(cfg))  # the actors are this replica's: they go with it
         self.openai = OpenAIServer(self.frontend, Path(self.frontend.cfg.models.target.path).name)
@@ -128,7 +131,7 @@ class SpecDecodeIngress:
         """Sample 0 in the response's own fields, samples 1..n-1 in more_samples."""
         self._authorize_grpc(grpc_context)
         with _status(grpc_context):
-            job = await self._admit_grpc(request)
+            job = await self._admit_grpc(request, grpc_context)
             first, *more = [self.responses.sample(s) for s in await gather_samples(self.frontend, job)]
         first.more_samples.extend(more)
         return first
@@ -136,7 +139,7 @@ class SpecDecodeIngress:
     async def GenerateStream(self, request: api.GenerateRequest, grpc_context):
         self._authorize_grpc(grpc_context)
         with _status(grpc_context):
-            job = await self._admit_grpc(request)
+            job = await self._admit_grpc(request, grpc_context)
             async for index, chunk in run_samples(self.frontend, job):
                 yield self.responses.chunk(index, chunk)
 
@@ -157,8 +160,13 @@ class SpecDecodeIngress:
             grpc_context.set_details(seen.message)
             raise
 
-    async def _admit_grpc(self, request: api.GenerateRequest) -> Admitted:
-        return await self.frontend.admission.admit_async(grpc_api.request_from_proto(request))
+    async def _admit_grpc(self, request: api.GenerateRequest, grpc_context) -> Admitted:
+        tenant = self._tenant(dict(grpc_context.invocation_metadata()).get("authorization"))
+        return await self.frontend.admission.admit_async(replace(grpc_api.request_from_proto(request), tenant=tenant))
+
+    def _tenant(self, authorization: str | None) -> str:
+        """The scope of the caller's API key, with security.cache_per_api_key (an authorized call's); else none."""
+        return auth.tenant_of(authorization) if self.frontend.cfg.security.cache_per_api_key else ""
 
     # --- HTTP: OpenAI's API (cluster/openai_api.py) ------------------------------------------------
 
@@ -175,11 +183,13 @@ class SpecDecodeIngress:
 
     @http_app.post("/v1/completions")
     async def completions(self, http: HttpRequest):
-        return await self._with_body(http, self.openai.completions)
+        return await self._with_body(http, partial(self.openai.completions,
+                                                   tenant=self._tenant(http.headers.get("authorization"))))
 
     @http_app.post("/v1/chat/completions")
     async def chat_completions(self, http: HttpRequest):
-        return await self._with_body(http, self.openai.chat)
+        return await self._with_body(http, partial(self.openai.chat,
+                                                   tenant=self._tenant(http.headers.get("authorization"))))
 
     @http_app.post("/v1/admin/forget_outputs")
     async def forget_outputs(self):

@@ -86,10 +86,7 @@ class SamplingParams:
             if not -MAX_BIAS <= bias <= MAX_BIAS:
                 raise InvalidArgument("logit_bias", f"biases must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias} "
                                                     f"for token {token}")
-        if self.cache_salt is not None and not (isinstance(self.cache_salt, str)
-                                                and 0 < len(self.cache_salt) <= MAX_CACHE_SALT):
-            raise InvalidArgument("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT} characters "
-                                                f"(or unset), got {_shown(self.cache_salt)}")
+        check_cache_salt(self.cache_salt)
         if self.grammar is not None and len(self.grammar.encode()) > MAX_GRAMMAR_BYTES:
             raise InvalidArgument("response_format", f"its grammar is {len(self.grammar.encode())} bytes, over "
                                                      f"the limit of {MAX_GRAMMAR_BYTES}")
@@ -160,6 +157,13 @@ def make_generator(
     else:
         g.manual_seed(((seed * 1_000_003 + stream) * len(ROLES) + ROLES.index(role)) % (2**63))
     return g
+
+
+def check_cache_salt(salt) -> None:
+    """InvalidArgument("cache_salt") unless it is None or a non-empty string of at most MAX_CACHE_SALT characters."""
+    if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT):
+        raise InvalidArgument("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT} characters "
+                                            f"(or unset), got {_shown(salt)}")
 
 
 def _shown(value) -> str:

@@ -30,6 +30,7 @@ from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
 from protos import specdec_tree_pb2 as tree_pb
 from protos import specdec_tree_pb2_grpc as tree_grpc
+from specdec.errors import InvalidArgument
 from specdec.kvcache import CachedLM
 from specdec.target import TargetWorker
 
@@ -349,14 +350,15 @@ KEYS = ["key-one", "key-two"]
 
 @pytest.fixture(scope="module")
 def keyed_server(model_dirs, tmp_path_factory):
-    """The smallest serving topology (one target rank, no drafts) with API keys from a file."""
+    """The smallest serving topology (one target rank, no drafts) with API keys from a file, each key's
+    requests sharing the prefix cache only with its own (security.cache_per_api_key)."""
     root = tmp_path_factory.mktemp("auth")
     keys_file = root / "api-keys"
     keys_file.write_text("# one per line\n" + "\n".join(KEYS) + "\n")
     config = {"models": {"target": {"path": served_target(model_dirs, root)}},
               "speculation": {"drafter": "none"},
               "server": {"grpc_port": free_port(), "http_port": free_port()},
-              "security": {"api_keys_file": str(keys_file)}}
+              "security": {"api_keys_file": str(keys_file), "cache_per_api_key": True}}
     path = start_serving(config, root, num_cpus=2, num_gpus=1)
     ports = config["server"]
     serve.run(build_app({"config": str(path)}), name="specdec", route_prefix="/")
@@ -394,6 +396,60 @@ def test_http_needs_a_key_except_healthz(keyed_server):
         status, reply, _ = http(root + "/v1/completions", completion, key)
         assert status == 200 and len(reply["choices"][0]["token_ids"]) == 4
     assert http(root + "/v1/models", key=KEYS[1])[0] == 200
+
+
+def test_with_cache_per_api_key_no_key_reuses_anothers_cached_prompt(keyed_server):
+    """Whatever cache_salt a client sends, its key's requests reuse only prompts cached by requests with the same
+    key (and salt), over HTTP and gRPC; the output is the same for every key."""
+    root, address = keyed_server
+    prompt = " ".join(f"w{(13 * i + 2) % 60 + 1}" for i in range(40))  # past two 16-token blocks
+
+    def hits() -> int:
+        return http(root + "/v1/stats", key=KEYS[0])[1]["target"]["prefix_hit_tokens"]
+
+    def over_http(key: str, salt: str | None = None) -> list[int]:
+        body = {"prompt": prompt, "max_tokens": 4, "temperature": 0} | ({"cache_salt": salt} if salt else {})
+        status, reply, _ = http(root + "/v1/completions", body, key)
+        assert status == 200, reply
+        return reply["choices"][0]["token_ids"]
+
+    def over_grpc(key: str, salt: str | None = None) -> list[int]:
+        with api_channel(address, key) as channel:
+            reply = api_grpc.SpecDecodeStub(channel).Generate(
+                api.GenerateRequest(prompt=prompt, max_new_tokens=4, cache_salt=salt), timeout=60)
+        return list(reply.token_ids)
+
+    want = over_http(KEYS[0])
+    before = hits()
+    assert over_http(KEYS[1]) == want
+    assert over_grpc(KEYS[0], "tenant-a") == want  # a salt within key-one's scope: not its unsalted prompts
+    assert hits() == before
+    assert over_grpc(KEYS[1]) == want  # key-two's own, cached over HTTP
+    assert hits() - before >= 32
+    middle = hits()
+    assert over_grpc(KEYS[0]) == want  # key-one's own
+    assert hits() - middle >= 32
+    status, reply, _ = http(root + "/v1/completions", {"prompt": prompt, "cache_salt": ""}, KEYS[1])
+    assert status == 400 and reply["error"]["param"] == "cache_salt"
+
+
+def test_cache_per_api_key_needs_keys_and_scopes_every_salt_by_its_key():
+    from cluster.admission import scoped_salt
+    from cluster.auth import check_cache_per_api_key, tenant_of
+
+    with pytest.raises(ConfigError, match="security.cache_per_api_key: needs API keys"):
+        check_cache_per_api_key(True, None)
+    check_cache_per_api_key(True, BearerKeys(KEYS))
+    check_cache_per_api_key(False, None)
+    one, two = (tenant_of(bearer(key)) for key in KEYS)
+    assert one != two and tenant_of(bearer(KEYS[0])) == one and KEYS[0] not in one
+    assert scoped_salt("", "mine") == "mine" and scoped_salt("", None) is None  # no scoping: the client's own
+    salts = [scoped_salt(t, s) for t in (one, two) for s in (None, "mine", "other")]
+    assert len(set(salts)) == 6 and "mine" not in salts
+    assert scoped_salt(one, "mine") == scoped_salt(one, "mine")
+    for bad in ("", "x" * 257):
+        with pytest.raises(InvalidArgument, match="cache_salt"):
+            scoped_salt(one, bad)
 
 
 def test_the_openai_client_needs_a_right_api_key(keyed_server):
