@@ -190,8 +190,7 @@ class DraftLoop:
             return
         if self.outputs is not None:
             for r in leaving:
-                if r.params.shares_outputs:
-                    self.outputs.add(r.out.token_ids)
+                self.outputs.add(r.out.token_ids, r.params.cache_salt)
         gone = {id(r) for r in leaving}
         ending = [i for i, r in enumerate(self.rows) if id(r) in gone]
         keep = compacting(len(self.rows), ending)  # the last rows fill the gaps: the draft's cache copies only them

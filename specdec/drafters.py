@@ -130,7 +130,8 @@ class _SuffixRow:
 
     text: TextIndex = field(default_factory=TextIndex)
     last: tuple[int, int, Draft] | None = None  # (text length, budget, draft): the latest draft, reused
-    shares: bool = False  # drafts from the recent outputs too (its request has no cache_salt; set by scope)
+    scoped: bool = False  # told its request's cache salt (scope): only then does it draft from recent outputs
+    salt: str | None = None  # that salt: it drafts from the outputs of requests with the same salt only
 
     def sync(self, seq: list[int]) -> None:
         if len(seq) > len(self.text):
@@ -169,7 +170,8 @@ class SuffixDrafter:
         if r.last is not None and r.last[0] == len(seq) and r.last[1] >= n:
             return r.last[2].first(n)  # drafted already at this length (next_tokens after propose, say)
         r.sync(seq)
-        stores = [r.text] + ([self.recent] if r.shares else []) + ([self.corpus] if self.corpus is not None else [])
+        stores = ([r.text] + ([self.recent.of(r.salt)] if r.scoped else [])
+                  + ([self.corpus] if self.corpus is not None else []))
         best = max((speculate(store, seq, n, self.config) for store in stores), key=lambda d: d.score)  # first on ties
         r.last = (len(seq), n, best)
         return best
@@ -189,11 +191,11 @@ class SuffixDrafter:
         return guessed_trees(self, seqs, plans)
 
     def scope(self, params: list[SamplingParams]) -> None:
-        """Which rows draft from other requests' outputs as well as their own text and the corpus: those whose
-        request has no cache_salt (SamplingParams.shares_outputs); a row is told before it first drafts."""
+        """Each row's cache salt: it drafts from the recent outputs of requests with that salt (besides its own
+        text and the corpus); a row is told before it first drafts."""
         for r, p in zip(self.rows, params, strict=True):
-            if r.shares != p.shares_outputs:
-                r.shares, r.last = p.shares_outputs, None
+            if not r.scoped or r.salt != p.cache_salt:
+                r.scoped, r.salt, r.last = True, p.cache_salt, None
 
     def commit(self, paths, features=None) -> None:
         pass

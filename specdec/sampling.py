@@ -42,9 +42,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to its logit, ids distinct
     grammar: str | None = None  # an llguidance grammar (specdec/grammar.py) the output must match; None: any
     # Not how tokens are picked but whose cached work the request may share, carried with the rest to every actor:
-    # it reuses the prefix cache's KV (target's and drafts') of requests with the same salt only, and drafts from
-    # no other request's output (the suffix store); None: shares with every request that has none (vLLM's
-    # cache_salt, against clients that time their requests to learn what others' prompts and outputs hold).
+    # it reuses the prefix cache's KV (target's and drafts') of requests with the same salt only, and its suffix
+    # drafts read only their outputs; None: shares with every request that has none (vLLM's cache_salt, against
+    # clients that time their requests, or read their acceptance, to learn what others' prompts and outputs hold).
     cache_salt: str | None = None
 
     def __post_init__(self):
@@ -90,11 +90,6 @@ class SamplingParams:
         if self.grammar is not None and len(self.grammar.encode()) > MAX_GRAMMAR_BYTES:
             raise InvalidArgument("response_format", f"its grammar is {len(self.grammar.encode())} bytes, over "
                                                      f"the limit of {MAX_GRAMMAR_BYTES}")
-
-    @property
-    def shares_outputs(self) -> bool:
-        """Whether its output may be drafted from for other requests, and theirs for it (it has no cache_salt)."""
-        return self.cache_salt is None
 
     @property
     def greedy(self) -> bool:

@@ -187,49 +187,38 @@ def _grow(index: TextIndex, ends: list[int], budget: int, max_depth: int, min_pr
     return draft
 
 
-class RecentOutputs(TextIndex):
-    """The outputs of recent requests, shared by every request of a drafter (a draft replica's: by all its
-    drafters' loops, each on its own thread, so adding and drafting hold a lock): the oldest are dropped
-    once more than max_tokens are held, and the index is rebuilt once the dropped part is as large as a
-    quarter of the cap, so memory stays within about 1.25 x max_tokens positions."""
+class Texts(TextIndex):
+    """Texts appended one after another (each after a separator), dropped oldest first: the index is rebuilt once
+    the dropped part is as large as a quarter of what is held, so memory stays within about 1.25 x the
+    positions held. Drafting from it holds its lock (its owner adds from another thread)."""
 
-    def __init__(self, max_tokens: int):
+    def __init__(self):
         super().__init__()
         self.guard = threading.Lock()
-        self.max_tokens = max_tokens
         self.starts: deque[int] = deque()  # absolute start of each text held, oldest first
         self.start = 0  # absolute start of the oldest text held (before it: dropped, awaiting the rebuild)
 
     @property
     def held(self) -> int:
-        """Tokens of the texts held (separators included)."""
+        """Positions of the texts held (separators included)."""
         return len(self) - self.start
 
-    def add(self, text: list[int]) -> None:
-        if not text:
-            return
+    def append(self, text: list[int]) -> int:
+        """-> the positions it holds more (the text and its separator)."""
         with self.guard:
-            self._add(text)
+            self.starts.append(len(self))
+            self.extend([SEP, *text])
+            return len(text) + 1
 
-    def _add(self, text: list[int]) -> None:
-        text = text[max(0, len(text) - self.max_tokens + 1):]  # one text longer than the cap: its end
-        self.starts.append(len(self))
-        self.extend([SEP, *text])
-        while self.held > self.max_tokens:
-            self.starts.popleft()
-            self.start = self.starts[0] if self.starts else len(self)
-        if self.start - self.base > self.max_tokens // 4:
-            self._rebuild()
-
-    def clear(self) -> int:
-        """Forget every output held (new texts start at the absolute end: positions stay absolute) -> the tokens
-        dropped, separators included."""
+    def drop_oldest(self) -> int:
+        """Forget the oldest text held -> the positions it held."""
         with self.guard:
             held = self.held
-            self.starts.clear()
-            self.start = len(self)
-            self._rebuild()  # keeps nothing: the oldest text held now starts at the end
-            return held
+            self.starts.popleft()
+            self.start = self.starts[0] if self.starts else len(self)
+            if self.start - self.base > self.held // 4:
+                self._rebuild()
+            return held - self.held
 
     def _rebuild(self) -> None:
         kept, start = self.tokens[self.start - self.base:], self.start
@@ -240,7 +229,53 @@ class RecentOutputs(TextIndex):
         return [(m, end) for m, end in super().occurrences(tail, max_depth, limit) if end > self.start]
 
 
-def read_corpus(path: str, encode: Callable[[str], list[int]], max_tokens: int) -> RecentOutputs:
+_NONE_HELD = TextIndex()  # what a salt without outputs drafts from
+
+
+class RecentOutputs:
+    """The outputs of recent requests, shared by every request of a drafter (a draft replica's: by all its
+    drafters' loops, each on its own thread), kept per cache salt (SamplingParams.cache_salt): a request drafts
+    from the outputs of requests with its own salt only (None: of those without one), so its drafts, and the
+    acceptance a client is told, say nothing of another salt's outputs. Within max_tokens positions in all:
+    the oldest text goes first, whatever its salt, and a salt left without texts is forgotten."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.guard = threading.Lock()
+        self.stores: dict[str | None, Texts] = {}
+        self.order: deque[str | None] = deque()  # each text's salt, oldest first
+        self.held = 0  # positions held in all (separators included)
+
+    def of(self, salt: str | None) -> TextIndex:
+        """What a request of this salt drafts from."""
+        return self.stores.get(salt, _NONE_HELD)
+
+    def add(self, text: list[int], salt: str | None = None) -> None:
+        if not text:
+            return
+        text = text[max(0, len(text) - self.max_tokens + 1):]  # one text longer than the cap: its end
+        with self.guard:
+            self.held += self.stores.setdefault(salt, Texts()).append(text)
+            self.order.append(salt)
+            while self.held > self.max_tokens:
+                self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        salt = self.order.popleft()
+        store = self.stores[salt]
+        self.held -= store.drop_oldest()
+        if not store.starts:
+            del self.stores[salt]
+
+    def clear(self) -> int:
+        """Forget every output held -> the positions dropped, separators included."""
+        with self.guard:
+            held = self.held
+            self.stores, self.order, self.held = {}, deque(), 0
+            return held
+
+
+def read_corpus(path: str, encode: Callable[[str], list[int]], max_tokens: int) -> Texts:
     """A corpus as a store to draft from (REST): the text file at `path`, or every file under the folder (in
     name order; files that are not UTF-8 text are skipped), encoded by `encode`, up to max_tokens tokens.
     ValueError naming the path when it is missing or holds no text."""
@@ -248,7 +283,7 @@ def read_corpus(path: str, encode: Callable[[str], list[int]], max_tokens: int) 
         raise ValueError(f"{path}: no such file or folder")
     files = [path] if os.path.isfile(path) else sorted(
         os.path.join(root, name) for root, _, names in os.walk(path) for name in names)
-    store, held = RecentOutputs(max_tokens), 0
+    store, held = Texts(), 0
     for name in files:
         try:
             with open(name, encoding="utf-8") as f:
@@ -257,8 +292,7 @@ def read_corpus(path: str, encode: Callable[[str], list[int]], max_tokens: int) 
             continue
         tokens = encode(text)[: max_tokens - held - 1]
         if tokens:
-            store.add(tokens)
-            held += len(tokens) + 1
+            held += store.append(tokens)
         if held >= max_tokens - 1:
             break
     if not held:

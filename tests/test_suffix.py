@@ -75,34 +75,54 @@ def test_truncate_takes_the_text_back_exactly():
     assert {k: v for k, v in index.pairs.items() if v} == fresh.pairs
 
 
-def test_recent_outputs_stay_within_their_cap_and_forget_the_oldest():
+def positions(store: RecentOutputs) -> tuple[int, int]:
+    """-> (positions its texts' tokens take in memory, index entries), over every salt's texts."""
+    texts = list(store.stores.values())
+    return (sum(len(t.tokens) for t in texts),
+            sum(sum(map(len, t.singles.values())) + sum(map(len, t.pairs.values())) for t in texts))
+
+
+@pytest.mark.parametrize("salts", [[None], [None, "tenant-a", "tenant-b", "tenant-c"]], ids=["one", "salted"])
+def test_recent_outputs_stay_within_their_cap_and_forget_the_oldest(salts):
     cap = 500
     store = RecentOutputs(cap)
     rng = random.Random(1)
     texts = [[rng.randrange(1000, 1100) for _ in range(rng.randrange(1, 90))] for _ in range(300)]
-    for text in texts:
-        store.add(text)
-        assert store.held <= cap
-        assert len(store.tokens) <= cap + cap // 4 + 1  # the dropped part waits for a rebuild up to cap / 4
-        entries = sum(map(len, store.singles.values())) + sum(map(len, store.pairs.values()))
-        assert entries <= 2 * len(store.tokens)
-    store.add(list(range(5000, 5100)) + [5000, 5001])  # a distinctive text...
-    assert speculate(store, [5000, 5001], 10, CFG).tokens == [5002, 5003]
-    for text in texts[:20]:  # ...is forgotten once newer texts fill the cap
-        store.add(text)
-    assert speculate(store, [5000, 5001], 10, CFG).tokens == []
+    for i, text in enumerate(texts):
+        store.add(text, salts[i % len(salts)])
+        assert store.held == sum(t.held for t in store.stores.values()) <= cap
+        tokens, entries = positions(store)
+        assert tokens <= cap + cap // 4 + len(salts)  # each salt's dropped part waits for a rebuild up to 1/4 of it
+        assert entries <= 2 * tokens
+    store.add(list(range(5000, 5100)) + [5000, 5001], salts[-1])  # a distinctive text...
+    assert speculate(store.of(salts[-1]), [5000, 5001], 10, CFG).tokens == [5002, 5003]
+    for i, text in enumerate(texts[:20]):  # ...is forgotten once newer texts fill the cap
+        store.add(text, salts[i % len(salts)])
+    assert speculate(store.of(salts[-1]), [5000, 5001], 10, CFG).tokens == []
     one = RecentOutputs(50)
     one.add(list(range(200)))  # a text longer than the cap: its end is kept
-    assert one.held <= 50 and one.tokens[-1] == 199
+    assert one.held <= 50 and one.of(None).tokens[-1] == 199
+
+
+def test_each_salt_drafts_from_its_own_outputs_and_a_salt_without_any_is_forgotten():
+    store = RecentOutputs(60)
+    store.add(list(range(200, 240)), "tenant-a")
+    assert speculate(store.of("tenant-a"), [200, 201, 202], 4, CFG).tokens == [203, 204, 205]
+    for salt in (None, "tenant-b"):
+        assert speculate(store.of(salt), [200, 201, 202], 4, CFG).tokens == []
+    store.add(list(range(300, 330)))  # over the cap: tenant-a's text, the oldest, goes
+    assert list(store.stores) == [None] and store.held == 31
+    assert speculate(store.of("tenant-a"), [200, 201, 202], 4, CFG).tokens == []
 
 
 def test_a_cleared_store_forgets_every_output_and_takes_new_ones():
     store = RecentOutputs(1000)
     store.add(list(range(200, 240)))
-    assert store.clear() == 41 and store.held == 0
-    assert speculate(store, [200, 201, 202], 8, CFG).tokens == []  # nothing left to draft from
+    store.add(list(range(400, 410)), "tenant-a")
+    assert store.clear() == 41 + 11 and store.held == 0
+    assert speculate(store.of(None), [200, 201, 202], 8, CFG).tokens == []  # nothing left to draft from
     store.add(list(range(300, 340)))
-    assert speculate(store, [300, 301, 302], 4, CFG).tokens == [303, 304, 305]
+    assert speculate(store.of(None), [300, 301, 302], 4, CFG).tokens == [303, 304, 305]
     assert store.held == 41
 
 
@@ -110,8 +130,8 @@ def test_matches_never_cross_from_one_text_into_another():
     store = RecentOutputs(1000)
     store.add([1, 2, 3])
     store.add([4, 5, 6])
-    assert speculate(store, [2, 3], 10, CFG).tokens == []  # 3 ends its text: nothing follows it
-    assert SEP not in speculate(store, [9, 4], 10, CFG).tokens
+    assert speculate(store.of(None), [2, 3], 10, CFG).tokens == []  # 3 ends its text: nothing follows it
+    assert SEP not in speculate(store.of(None), [9, 4], 10, CFG).tokens
 
 
 def test_a_request_drafts_from_an_earlier_requests_output():
@@ -126,35 +146,42 @@ def test_a_request_drafts_from_an_earlier_requests_output():
     assert tree.guess == [204, 205, 206, 207]
 
 
-def test_a_salted_request_drafts_from_no_other_requests_output():
-    """A request with a cache_salt drafts from its own text and the corpus only: what the store of other
-    requests' outputs holds must not show in its drafts (its acceptance, which a client sees, would tell it)."""
+def test_a_request_drafts_only_from_the_outputs_of_its_own_salt():
+    """A request with a cache_salt drafts from its own text, the corpus and the outputs of requests with the same
+    salt: what others' outputs hold must not show in its drafts (its acceptance, which a client sees, would tell)."""
     store = RecentOutputs(1000)
     drafter = SuffixDrafter(recent=store)
-    drafter.start(2)
+    drafter.start(3)
     store.add(list(range(200, 240)))
+    store.add(list(range(200, 205)) + [900, 901, 902], "tenant-a")
     prompt = [77, 78, 200, 201, 202, 203]
-    shared, salted = drafter.propose([prompt, prompt], [Plan(0, 8)] * 2,
-                                     [GREEDY, SamplingParams(cache_salt="tenant-a")], None)
+    shared, salted, other = drafter.propose([prompt] * 3, [Plan(0, 8)] * 3,
+                                            [GREEDY, SamplingParams(cache_salt="tenant-a"),
+                                             SamplingParams(cache_salt="tenant-b")], None)
     assert shared.guess == [204, 205, 206, 207]
-    assert salted.guess == []  # its own text repeats nothing; the store is not its
-    drafter.select([1])  # the salted row alone; a request that drops its salt is told so before it drafts
+    assert salted.guess == [204, 900, 901, 902]  # tenant-a's own output
+    assert other.guess == []  # its own text repeats nothing; no output is tenant-b's
+    drafter.select([1])  # a row told another salt drafts from that salt's outputs from then on
     (unsalted,) = drafter.propose([prompt], [Plan(0, 8)], [GREEDY], None)
     assert unsalted.guess == [204, 205, 206, 207]
 
 
-def test_a_salted_requests_output_stays_out_of_the_store(target, reference):
+def test_a_salted_requests_output_is_drafted_from_by_its_salt_alone(target, reference):
     from scheduling import Collect, scheduler_for
 
     scheduler, store = scheduler_for(target), RecentOutputs(10_000)
     loop = DraftLoop(scheduler, make_drafter("suffix", None, recent=store), outputs=store)
     prompt, expected = reference.prompts[3], reference.continuations[3]
-    for rid, params in (("salted", SamplingParams(cache_salt="tenant-a")), ("plain", GREEDY)):
-        sink = Collect()
+    steps = {}
+    for rid, salt in (("first", "tenant-a"), ("other", "tenant-b"), ("unsalted", None), ("again", "tenant-a")):
+        sink, params = Collect(), SamplingParams(cache_salt=salt)
         first = scheduler.open(rid, prompt, params, 0, len(expected)).first
         loop.join(DraftRequest(rid, prompt, params, len(expected), set(), 4, sink, first=first))
         assert sink.wait()[0] == expected
-        assert store.held == (0 if rid == "salted" else 1 + len(expected))
+        steps[rid] = len(sink.steps)
+    assert store.held == 4 * (1 + len(expected)) and set(store.stores) == {"tenant-a", "tenant-b", None}
+    assert steps["other"] == steps["unsalted"] == steps["first"]  # none drafted from tenant-a's first answer
+    assert steps["again"] < steps["first"]  # tenant-a's second request did
     loop.stop()
     scheduler.stop()
 
