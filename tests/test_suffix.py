@@ -13,7 +13,7 @@ from specdec.draft_loop import DraftLoop, DraftRequest
 from specdec.drafter_factory import make_drafter
 from specdec.drafters import Plan, SuffixDrafter
 from specdec.sampling import SamplingParams
-from specdec.suffix import SEP, RecentOutputs, SuffixConfig, TextIndex, speculate
+from specdec.suffix import SEP, STORE_POSITIONS, RecentOutputs, SuffixConfig, TextIndex, speculate
 from specdec.tree import TokenTree
 
 CFG = SuffixConfig()
@@ -105,7 +105,7 @@ def test_recent_outputs_stay_within_their_cap_and_forget_the_oldest(salts):
 
 
 def test_each_salt_drafts_from_its_own_outputs_and_a_salt_without_any_is_forgotten():
-    store = RecentOutputs(60)
+    store = RecentOutputs(120)  # 41 + 31 positions of text and two stores' 2 x 32 do not fit
     store.add(list(range(200, 240)), "tenant-a")
     assert speculate(store.of("tenant-a"), [200, 201, 202], 4, CFG).tokens == [203, 204, 205]
     for salt in (None, "tenant-b"):
@@ -113,6 +113,18 @@ def test_each_salt_drafts_from_its_own_outputs_and_a_salt_without_any_is_forgott
     store.add(list(range(300, 330)))  # over the cap: tenant-a's text, the oldest, goes
     assert list(store.stores) == [None] and store.held == 31
     assert speculate(store.of("tenant-a"), [200, 201, 202], 4, CFG).tokens == []
+
+
+def test_requests_of_many_salts_hold_no_more_memory_than_the_cap_allows():
+    """Each salt's store is charged STORE_POSITIONS against the cap: a client sending a new salt with every
+    request cannot make the store hold many times the cap's memory in stores of one short text each."""
+    cap = 2000
+    store = RecentOutputs(cap)
+    for i in range(1000):
+        store.add([5], f"salt-{i}")
+        assert store.held + STORE_POSITIONS * len(store.stores) <= cap
+    assert len(store.stores) == cap // (STORE_POSITIONS + 2)
+    assert list(store.stores)[-1] == "salt-999"  # the newest kept, the oldest let go
 
 
 def test_a_cleared_store_forgets_every_output_and_takes_new_ones():
