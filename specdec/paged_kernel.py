@@ -59,13 +59,14 @@ def kernel_dir() -> Path:
 
 
 def build_folder() -> Path:
-    """The kernel's folder in kernel_dir(), named by the source, torch's version and install folder, and the flags.
-    The install folder because torch's build file names its include paths: two environments sharing one folder
+    """The kernel's folder in kernel_dir(), named by the source (its text and its path), torch's version and
+    install folder, and the flags. The paths because torch's build file names them (the source's, and the
+    include paths of the torch it builds against): two checkouts, or two environments, sharing one folder
     would rebuild it in turn, each over the other's."""
     source = SOURCE.read_bytes()
     torch_install = str(Path(torch.__file__).resolve().parent)
-    digest = hashlib.sha256(source + torch.__version__.encode() + torch_install.encode()
-                            + " ".join(_FLAGS).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(source + str(SOURCE.resolve()).encode() + torch.__version__.encode()
+                            + torch_install.encode() + " ".join(_FLAGS).encode()).hexdigest()[:12]
     return kernel_dir() / f"specdec_paged_attention_{digest}"
 
 

@@ -207,3 +207,13 @@ def test_each_torch_install_builds_in_a_folder_of_its_own(monkeypatch):
     elsewhere = paged_kernel.build_folder()
     assert elsewhere != here and elsewhere.parent == here.parent
     assert elsewhere.name.startswith("specdec_paged_attention_")
+
+
+def test_each_checkout_builds_in_a_folder_of_its_own(monkeypatch, tmp_path):
+    """torch's build file names the source's path: two checkouts of specdec sharing one kernel folder (a CI clone
+    beside the working tree) would rebuild the kernel in turn, as two torch installs would."""
+    here = paged_kernel.build_folder()
+    copy = tmp_path / "paged_attention.cpp"
+    copy.write_bytes(paged_kernel.SOURCE.read_bytes())
+    monkeypatch.setattr(paged_kernel, "SOURCE", copy)
+    assert paged_kernel.build_folder() != here
