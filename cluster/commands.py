@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -18,7 +19,7 @@ from specdec.drafter_kinds import DrafterKind
 
 from .auth import API_KEY_ENV, api_channel
 from .config import OVERRIDES, app_config
-from .local import actor_cpus, local_cluster, serving_environment, start_ray, start_serve
+from .local import actor_cpus, default_models, local_cluster, serving_environment, start_ray, start_serve
 from .speculation import Speculation
 
 
@@ -84,20 +85,27 @@ def serve_main(args) -> None:
     import ray
     from ray import serve
 
-    from .frontend import check_served_models
-    from .serve_app import build_app, default_models
-
     app_args = {"config": args.config, **{flag: getattr(args, flag) for flag in OVERRIDES}}
     cfg = app_config(app_args, default_models)
     if args.address:
         start_ray(address=args.address)
+        build_app = _checked_app(cfg)
     else:
         serving_environment(cfg.server)
         cfg, gpus, logical = local_cluster(app_args, default_models, args.num_gpus)
-        check_served_models(cfg)  # a model specdec cannot serve is refused here, before Ray starts
         if logical:
             print(f"specdec serve: {logical}", flush=True)
-        start_ray(num_cpus=max(os.cpu_count() or 1, actor_cpus(cfg) + 1), num_gpus=gpus)  # logical CPUs: threads may share cores
+        # the models' checks and the app's imports (seconds) run while Ray starts; a model specdec cannot serve
+        # stops the cluster just started
+        with ThreadPoolExecutor(1, thread_name_prefix="check") as pool:
+            checked = pool.submit(_checked_app, cfg)
+            # logical CPUs: threads may share cores
+            start_ray(num_cpus=max(os.cpu_count() or 1, actor_cpus(cfg) + 1), num_gpus=gpus)
+            try:
+                build_app = checked.result()
+            except BaseException:
+                ray.shutdown()
+                raise
     stop = threading.Event()  # SIGTERM from here on stops the server cleanly, even while it still deploys;
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # after ray.init, whose core worker installs its own
     server = cfg.server
@@ -114,6 +122,16 @@ def serve_main(args) -> None:
         pass
     serve.shutdown()
     ray.shutdown()
+
+
+def _checked_app(cfg):
+    """Every model the config serves is one specdec decodes exactly (cluster.frontend.check_served_models:
+    UnsupportedModel or HeadMismatch naming why) -> cluster.serve_app.build_app, imported."""
+    from . import frontend
+    from .serve_app import build_app
+
+    frontend.check_served_models(cfg)
+    return build_app
 
 
 def client_main(args) -> None:

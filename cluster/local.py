@@ -82,6 +82,14 @@ def serving_environment(server: ServerConfig, environ=os.environ) -> None:
     environ.setdefault(GRPC_MESSAGE_SIZE_ENV, str(server.max_request_bytes))
 
 
+def default_models(with_draft: bool = True) -> dict[str, str]:
+    """The embedded default pair (built on first use): {"target": dir, "draft": dir}; without the draft
+    (not built) when the drafter runs no model."""
+    from specdec.default_models import default_pair
+
+    return default_pair(with_draft=with_draft)
+
+
 def local_cluster(app_args: dict, default_models: Callable[[], dict[str, str]],
                   num_gpus: float | None = None) -> tuple[ServeConfig, float, str | None]:
     """For a local Ray cluster this process is about to start (ray.init without an address): the config to
@@ -143,7 +151,7 @@ def serve_locally(app_args: dict, servicer: str | None = None) -> Endpoints:
     `servicer` names the gRPC servicer function (default: the one `specdec serve` uses)."""
     from ray import serve
 
-    from .serve_app import build_app, default_models
+    from .serve_app import build_app
 
     cfg, gpus, _ = local_cluster(app_args, default_models)  # logical GPUs where there is no CUDA, as specdec serve
     serving_environment(cfg.server)  # as specdec serve runs them: workers at nice 0, gRPC messages bounded

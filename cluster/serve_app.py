@@ -20,6 +20,7 @@ from protos import specdec_api_pb2 as api
 from . import auth, grpc_api, metrics
 from .admission import Admitted
 from .config import ConfigError, ServeConfig, app_config, parse_live_config
+from .local import default_models
 from .frontend import Frontend, check_served_models
 from .openai_api import HttpError, OpenAIServer, read_body
 from .placement import start_topology
@@ -279,11 +280,3 @@ def build_app(args: dict) -> serve.Application:
     ingress = SpecDecodeIngress.options(max_ongoing_requests=cfg.server.max_queued_requests + 16,
                                         user_config={"routing": cfg.routing.model_dump()})
     return ingress.bind(cfg.model_dump())
-
-
-def default_models(with_draft: bool = True) -> dict[str, str]:
-    """The embedded default pair (built on first use): {"target": dir, "draft": dir}; without the draft
-    (not built) when the drafter runs no model."""
-    from specdec.default_models import default_pair
-
-    return default_pair(with_draft=with_draft)

@@ -86,6 +86,33 @@ def test_starting_ray_passes_other_errors_on(monkeypatch):
         local.start_ray(num_cpus=2)
 
 
+def test_serve_checks_the_models_while_ray_starts_and_stops_it_when_one_is_refused(monkeypatch):
+    """The models' checks (and the app's imports) run beside ray.init; a model specdec cannot serve still ends
+    `specdec serve` with a one-line exit naming why, and the cluster it started is stopped."""
+    import ray
+
+    from cluster import commands
+    from specdec.errors import UnsupportedModel
+
+    calls = []
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append("init"))
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setattr(commands, "serving_environment", lambda server: None)  # leaves this process's environment
+    monkeypatch.setattr(commands, "local_cluster", lambda app_args, default_models, num_gpus: (
+        commands.app_config(app_args, default_models), 1, None))
+
+    def refuse(cfg):
+        raise UnsupportedModel("mamba", "it has recurrent or state-space layers")
+
+    monkeypatch.setattr("cluster.frontend.check_served_models", refuse)
+    from tools.commands import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--target", "t", "--draft", "d"])
+    assert "model type 'mamba' is not supported" in str(info.value)
+    assert calls == ["init", "shutdown"]
+
+
 def test_serve_turns_the_refusal_into_a_one_line_exit(monkeypatch, capsys):
     """Through the command: `specdec serve` exits naming the remedies, without a traceback."""
     import ray

@@ -1185,7 +1185,7 @@ def soak_main(args) -> None:
     from specdec.prompts import load_prompts
 
     from cluster.config import app_config
-    from cluster.serve_app import default_models
+    from cluster.local import default_models
 
     no_kills = {"kill_draft_at": None, "kill_target_at": None} if args.no_kills else {}
     hostile = {"hostile_share": args.hostile_share} if args.hostile_share is not None else {}
