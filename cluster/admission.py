@@ -61,8 +61,8 @@ class Request:
     logit_bias: tuple[tuple[int, float], ...] = ()
     response_format: ResponseFormat = ResponseFormat()  # the output is held to it (specdec/grammar.py)
     drafter: str = ""  # with speculation ON: the drafter kind to speculate with (one served); "": the router's
-    cache_salt: str | None = None  # see SamplingParams: whose cached KV and outputs it may share
-    tenant: str = ""  # set by the ingress, never by a client: its API key's scope (security.cache_per_api_key)
+    cache_salt: str | None = field(default=None, repr=False)  # see SamplingParams: whose cached work it may share
+    tenant: str = field(default="", repr=False)  # set by the ingress, never by a client: its API key's scope
 
     def sampling(self, eos: list[int] = ()) -> SamplingParams:
         """Its sampling settings, with `eos` the model's end tokens (InvalidArgument naming the first bad field)."""

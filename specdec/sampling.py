@@ -1,7 +1,7 @@
 """Sampling parameters and the logits warping applied alike to target (p) and draft (q)."""
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,7 +45,7 @@ class SamplingParams:
     # it reuses the prefix cache's KV (target's and drafts') of requests with the same salt only, and its suffix
     # drafts read only their outputs; None: shares with every request that has none (vLLM's cache_salt, against
     # clients that time their requests, or read their acceptance, to learn what others' prompts and outputs hold).
-    cache_salt: str | None = None
+    cache_salt: str | None = field(default=None, repr=False)  # a client's secret, as a key is: kept out of reprs
 
     def __post_init__(self):
         """The one check of sampling fields, wherever they come from (CLI, gRPC, HTTP, another actor)."""

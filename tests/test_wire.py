@@ -224,6 +224,7 @@ def test_a_cache_salt_crosses_both_wires_and_is_checked():
     assert wire.sampling_from_proto(api.GenerateRequest(prompt="x", cache_salt="tenant-a")).cache_salt == "tenant-a"
     salted = SamplingParams(temperature=0.5, cache_salt="tenant-a")
     assert wire.sampling_from_proto(wire.sampling_to_proto(salted)) == salted
+    assert salted != SamplingParams(temperature=0.5, cache_salt="tenant-b") and "tenant-a" not in repr(salted)
     assert wire.sampling_from_proto(wire.sampling_to_proto(SamplingParams())).cache_salt is None
     for salt in ("", "x" * 257):
         with pytest.raises(ValueError, match="cache_salt"):
