@@ -147,7 +147,8 @@ class SpeculativeEngine:
             # the draft runs the prompts before they join, as a replica does (from its prefix cache, where it holds
             # one), a group of them a forward
             salts = iter([p.cache_salt for p in params])
-            drafted = [p for group in prefill_groups(prompts) for p in loop.prefill(group, [next(salts) for _ in group])]
+            drafted = [p for group in prefill_groups(prompts)
+                       for p in loop.prefill(group, [next(salts) for _ in group])]
             loop.join_all([DraftRequest(o.rid, o.prompt, o.params, max_new_tokens, self.eos, k, sink, o.stream,
                                         features=f.features, first=f.first, draft_prefill=d)
                            for o, sink, f, d in zip(openings, sinks, opened, drafted)])
