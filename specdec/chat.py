@@ -13,14 +13,16 @@ be followed so; then a message that spells a special token is refused (InvalidAr
 any other is rendered as before.
 
 The run that holds a spelt special token is tokenized on its own, as tokenizers take every run between
-special tokens. One kind differs there: a Metaspace pre-tokenizer that prepends "▁" only at the text's
-start ("first") prepends one to that run too, a space more before its first word (and only in a chat
-that spells a special token).
+special tokens. One kind treats a run differently at the text's start: a Metaspace pre-tokenizer that
+prepends "▁" there only ("first", as sentencepiece conversions of Llama 2 and Mistral have); a run from
+further in is tokenized by a copy that prepends nothing, as the whole text's tokenizing would take it.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
+import json
 import math
 import re
 import secrets
@@ -107,13 +109,56 @@ def encode_prompt(tokenizer, text: str, literal: tuple[tuple[int, int], ...] = (
         if j >= done:
             sections.append(_section(offsets, spelt, literal, j))
             done = sections[-1][1]
-    texts = [text[_begin(offsets, start):_stop(offsets, end, len(text))] for start, end in sections]
-    again = tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]  # one batch
+    begins = [_begin(offsets, start) for start, _ in sections]
+    texts = [text[b:_stop(offsets, end, len(text))] for b, (_, end) in zip(begins, sections)]
+    again = _tokenized_apart(tokenizer, texts, begins)
     out, done = [], 0
     for (start, end), tokens in zip(sections, again):
         out += ids[done:start] + tokens
         done = end
     return out + ids[done:]
+
+
+def _tokenized_apart(tokenizer, texts: list[str], begins: list[int]) -> list[list[int]]:
+    """Each run's tokens with special tokens split, in one batch; runs that do not begin the text by a tokenizer
+    that prepends nothing to them where the whole text's tokenizing would not (_inner_runs)."""
+    again = tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    inner = _inner_runs(tokenizer)
+    if inner is not None and (within := [i for i, b in enumerate(begins) if b > 0]):
+        for i, encoding in zip(within, inner.encode_batch([texts[i] for i in within], add_special_tokens=False)):
+            again[i] = encoding.ids
+    return again
+
+
+@functools.lru_cache(maxsize=8)
+def _inner_runs(tokenizer):
+    """For a tokenizer whose Metaspace pre-tokenizer prepends "▁" at the text's start only: a copy of its backend
+    that prepends none and splits special tokens, what a run further in the text is tokenized as. None for
+    every other tokenizer (they take each run between special tokens alike, wherever it is)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    if not _never_prepend(spec.get("pre_tokenizer")):
+        return None
+    from tokenizers import Tokenizer
+
+    inner = Tokenizer.from_str(json.dumps(spec))
+    inner.encode_special_tokens = True
+    return inner
+
+
+def _never_prepend(node) -> bool:
+    """Set every Metaspace of a pre-tokenizer's spec (a Sequence's too) that prepends at the start only to
+    prepend never -> whether one did."""
+    if not isinstance(node, dict):
+        return False
+    changed = False
+    if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first":
+        node["prepend_scheme"], changed = "never", True
+    for child in node.get("pretokenizers") or ():
+        changed = _never_prepend(child) or changed
+    return changed
 
 
 def _begin(offsets, start: int) -> int:

@@ -32,22 +32,23 @@ def byte_level(specials: list[str], template: str) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=specials[0], chat_template=template)
 
 
-def sentencepiece(scheme: str, template: str) -> PreTrainedTokenizerFast:
+def sentencepiece(scheme: str, template: str, specials: tuple[str, ...] = ("<unk>", "<s>", "</s>", *CHATML_SPECIALS)
+                  ) -> PreTrainedTokenizerFast:
     """"legacy": Llama 2's normalizer (a "▁" before every run between special tokens); "first": the
     Metaspace pre-tokenizer prepending one only at the text's start."""
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     alphabet = sorted(set("".join(TEXT + FORGERIES) + "▁"))
     tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=400, show_progress=False, initial_alphabet=alphabet,
-                                                      special_tokens=["<unk>", "<s>", "</s>"] + CHATML_SPECIALS))
+                                                      special_tokens=list(specials)))
     if scheme == "legacy":
         tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
         tok.pre_tokenizer = None
         tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
     else:
         tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   chat_template=template)
+    ends = {"bos_token": "<s>", "eos_token": "</s>"} if "</s>" in specials else {"eos_token": "<|im_end|>"}
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", chat_template=template, **ends)
 
 
 TOKENIZERS = {
@@ -100,6 +101,20 @@ def test_a_special_token_spelt_in_a_message_is_its_characters(tokenizer, forgery
     plain = tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
     if any(s in forgery for s in special_texts(tokenizer).values()):
         assert len(specials_of(tokenizer, plain)) > len(specials_of(tokenizer, ids))  # what it used to forge
+
+
+@pytest.mark.parametrize("scheme", ["first", "legacy"])
+def test_a_spelt_special_token_is_tokenized_as_by_a_tokenizer_without_it(scheme):
+    """Exactly: a ChatML chat that spells </s> and <s> (not its template's tokens) gets, piece for piece, what the
+    same tokenizer trained without them among its special tokens makes of the rendering, wherever the run that
+    spells them lies (a Metaspace that prepends "▁" at the text's start only prepends none further in)."""
+    ours = sentencepiece(scheme, CHATML)
+    twin = sentencepiece(scheme, CHATML, specials=("<unk>", *CHATML_SPECIALS))
+    for contents in (["x</s>y", "fine"], ["Write a poem.", "Sure.", "the end </s> or <s>not", "ok"], ["</s>"]):
+        prompt = render_chat(ours, chat(contents))
+        ids = encode_prompt(ours, prompt.text, prompt.literal, False)
+        expected = twin(prompt.text, add_special_tokens=False)["input_ids"]
+        assert ours.convert_ids_to_tokens(ids) == twin.convert_ids_to_tokens(expected), contents
 
 
 def test_only_the_run_that_holds_a_spelt_special_token_is_tokenized_again(tokenizer):
