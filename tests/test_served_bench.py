@@ -42,12 +42,14 @@ class FakeSpecDecode(api_grpc.SpecDecodeServicer):
         self.drafters = []  # and the drafter it named ("": none)
         self.reports = 0  # the speculative requests streamed: what its router "measured"
         self.prompts = []  # each call's prompt
+        self.salts = []  # and its cache_salt (None: unset)
 
     def GenerateStream(self, request, context):
         self.authorizations.append(dict(context.invocation_metadata()).get("authorization"))
         self.modes.append(api.Speculation.Name(request.speculation))
         self.drafters.append(request.drafter)
         self.prompts.append(request.prompt)
+        self.salts.append(request.cache_salt if request.HasField("cache_salt") else None)
         tokens = list(self.outputs[request.prompt][:request.max_new_tokens])
         with self.lock:
             self.prompt_words += 2 * len(request.prompt.split())
@@ -240,6 +242,23 @@ def test_the_api_key_goes_with_every_call(bench_setup, capsys):
         served.close()
     assert len(servicer.authorizations) > len(PROMPTS) and set(servicer.authorizations) == {"Bearer k1"}
     assert served.stats_authorizations and set(served.stats_authorizations) == {"Bearer k1"}
+
+
+def test_salt_per_client_gives_each_client_a_cache_salt_of_its_own(bench_setup, capsys):
+    _, prompts, outputs = bench_setup
+    for flags, salted in (((), False), (("--salt-per-client",), True)):
+        servicer = FakeSpecDecode(outputs)
+        served = Served(servicer)
+        try:
+            main(argv(served, prompts, "--modes", "off", "--clients", "2", *flags))
+        finally:
+            served.close()
+        timed = servicer.salts[1:]  # after the warm-up, which sends none
+        if salted:  # each worker its own (which prompts each took is the queue's)
+            assert timed and set(timed) <= {"bench-client-0", "bench-client-1"}, timed
+        else:
+            assert set(timed) == {None}
+        assert servicer.salts[0] is None
 
 
 def test_forget_outputs_asks_the_server_before_every_cell(bench_setup, capsys):

@@ -58,6 +58,9 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
                     help="before each cell, ask the server's draft replicas to forget earlier outputs (POST "
                          "/v1/admin/forget_outputs; the server needs server.allow_forget_outputs), so suffix drafts "
                          "of a cell never read the answers of a cell before it that sent the same prompts")
+    sb.add_argument("--salt-per-client", action="store_true",
+                    help="each client sends a cache_salt of its own (as tenants that must not share cached prompts "
+                         "or outputs): what isolating clients costs, beside a run without it")
     sb.add_argument("--against", metavar="HOST:PORT",
                     help="a second server (b) of the same target, measured cell by cell beside the first (a) in "
                          "the same run; its outputs must equal a's, the summary gives its tok/s over a's per round")

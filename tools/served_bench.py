@@ -255,7 +255,7 @@ def run_grid(servers: list[Server], modes: list[Mode], rows: list[dict], turns: 
                     forget_outputs(server.http, args.api_key)
                 before = server.stats.read()
                 replies, wall, asked = run_cell(server.stub, cell_rows, mode, clients, args.max_new_tokens,
-                                                args.timeout, turns, tokenizer)
+                                                args.timeout, turns, tokenizer, args.salt_per_client)
                 after = server.stats.read()
                 cell = cell_row(clients, mode, wall, replies, before, after, rnd + 1, server.name)
                 if off is None and server is servers[0] and mode == OFF:
@@ -293,10 +293,11 @@ def _tokenizer(target: str | None):
 # --- the grid -----------------------------------------------------------------------------------------
 
 
-def stream_one(stub, row: dict, mode: Mode, max_new_tokens: int, timeout: float) -> Reply:
-    """One GenerateStream call, timed per chunk as the chunks arrive."""
+def stream_one(stub, row: dict, mode: Mode, max_new_tokens: int, timeout: float, salt: str | None = None) -> Reply:
+    """One GenerateStream call (with this cache_salt), timed per chunk as the chunks arrive."""
     req = api.GenerateRequest(prompt=row["prompt"], task_type=row["task_type"], max_new_tokens=max_new_tokens,
-                              speculation=api.Speculation.Value(mode.speculation.proto_name), drafter=mode.drafter)
+                              speculation=api.Speculation.Value(mode.speculation.proto_name), drafter=mode.drafter,
+                              cache_salt=salt)
     reply, first, last = Reply(), None, None
     t0 = time.perf_counter()
     for chunk in stub.GenerateStream(req, timeout=timeout):
@@ -316,10 +317,11 @@ def stream_one(stub, row: dict, mode: Mode, max_new_tokens: int, timeout: float)
 
 
 def run_cell(stub, rows: list[dict], mode: Mode, clients: int, max_new_tokens: int, timeout: float,
-             turns: int = 1, tokenizer=None) -> tuple[list[Reply], float, list[dict]]:
+             turns: int = 1, tokenizer=None, salt_per_client: bool = False) -> tuple[list[Reply], float, list[dict]]:
     """Every row once, by `clients` workers pulling from one queue; with turns > 1 a row is a conversation
-    (specdec.workload) whose turns its worker sends one after another -> (replies in row order, turn by
-    turn; wall seconds; the prompt rows sent, in the same order)."""
+    (specdec.workload) whose turns its worker sends one after another; salt_per_client: each worker sends a
+    cache_salt of its own, as tenants that share no cache -> (replies in row order, turn by turn; wall seconds;
+    the prompt rows sent, in the same order)."""
     todo: queue.Queue = queue.Queue()
     for i, row in enumerate(rows):
         todo.put((i, row))
@@ -327,27 +329,28 @@ def run_cell(stub, rows: list[dict], mode: Mode, clients: int, max_new_tokens: i
     asked: list[dict | None] = [None] * (len(rows) * turns)
     errors: list[tuple[int, grpc.RpcError]] = []
 
-    def converse(i: int, row: dict) -> None:
+    def converse(i: int, row: dict, salt: str | None) -> None:
         talk = Conversation.open(row, tokenizer) if turns > 1 else None
         for turn in range(turns):
             asked[i * turns + turn] = sent = talk.request() if talk else row
-            reply = replies[i * turns + turn] = stream_one(stub, sent, mode, max_new_tokens, timeout)
+            reply = replies[i * turns + turn] = stream_one(stub, sent, mode, max_new_tokens, timeout, salt)
             if talk:
                 talk.answer(reply.tokens, tokenizer)
 
-    def worker():
+    def worker(n: int):
         while True:
             try:
                 i, row = todo.get_nowait()
             except queue.Empty:
                 return
             try:
-                converse(i, row)
+                converse(i, row, f"bench-client-{n}" if salt_per_client else None)
             except grpc.RpcError as e:
                 errors.append((i, e))
 
     t0 = time.perf_counter()
-    workers = [threading.Thread(target=worker, name=f"bench-client-{n}", daemon=True) for n in range(clients)]
+    workers = [threading.Thread(target=worker, args=(n,), name=f"bench-client-{n}", daemon=True)
+               for n in range(clients)]
     for w in workers:
         w.start()
     for w in workers:
