@@ -61,6 +61,8 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
     c.add_argument("-n", "--n", type=int, default=1, help="independent samples of the prompt")
     c.add_argument("--logprobs", type=int, metavar="K",
                    help="the target's logprob of each token and of its K likeliest alternatives (with --json)")
+    c.add_argument("--cache-salt", metavar="SALT",
+                   help="share cached prompts and outputs only with requests of this salt (vLLM's cache_salt)")
     c.add_argument("--stream", action="store_true", help="print tokens as they come")
     c.add_argument("--timeout", type=float, default=300, help="deadline in seconds")
     c.add_argument("--json", action="store_true")
@@ -183,7 +185,7 @@ def generate_request(args) -> api.GenerateRequest:
         prompt=args.prompt, task_type=args.task_type, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         speculation=api.Speculation.Value(args.speculation.proto_name), drafter=args.drafter, stop=args.stop, n=args.n,
-        logprobs=args.logprobs)
+        logprobs=args.logprobs, cache_salt=args.cache_salt)
 
 
 def sample_dict(r: api.GenerateResponse) -> dict:

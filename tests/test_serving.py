@@ -393,6 +393,11 @@ def test_specdec_client_command(server, target, capsys):
     assert "requests" in next(iter(json.loads(capsys.readouterr().out).values()))
     with pytest.raises(SystemExit, match="INVALID_ARGUMENT: top_p"):
         main(["client", "--address", address, "--prompt", "w1", "--top-p", "2"])
+    main(["client", "--address", address, "--prompt", PROMPTS[0], "--max-new-tokens", "6", "--json",
+          "--cache-salt", "tenant-a"])
+    assert json.loads(capsys.readouterr().out)["token_ids"] == reply["token_ids"]
+    with pytest.raises(SystemExit, match="INVALID_ARGUMENT: cache_salt"):
+        main(["client", "--address", address, "--prompt", "w1", "--cache-salt", "x" * 257])
 
 
 def test_abandoned_streams_leave_no_rows_on_the_target(server):
