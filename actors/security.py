@@ -46,10 +46,16 @@ class BearerKeys:
 
     def allows(self, authorization: str | None) -> bool:
         """Whether an `authorization` header or metadata value carries one of the keys."""
-        scheme, _, key = (authorization or "").partition(" ")
-        presented = _digest(key.strip())
-        matches = [hmac.compare_digest(presented, digest) for digest in self._digests]  # every one, no early exit
+        scheme, key = presented(authorization)
+        presented_digest = _digest(key)
+        matches = [hmac.compare_digest(presented_digest, digest) for digest in self._digests]  # every one, no early exit
         return scheme.lower() == "bearer" and any(matches)
+
+
+def presented(authorization: str | None) -> tuple[str, str]:
+    """An `authorization` header or metadata value -> (its scheme, the key it presents)."""
+    scheme, _, key = (authorization or "").partition(" ")
+    return scheme, key.strip()
 
 
 def bearer(key: str) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 
-from actors.security import BearerKeys, with_bearer
+from actors.security import BearerKeys, presented, with_bearer
 
 from .config import ConfigError, check_readable
 
@@ -73,8 +73,8 @@ def check_cache_per_api_key(enabled: bool, keys: BearerKeys | None) -> None:
 def tenant_of(authorization: str | None) -> str:
     """The scope of the key an authorized `authorization` value presents (security.cache_per_api_key): a digest
     of the key, the same for every call with it and unlike any other key's; the key itself goes nowhere."""
-    _, _, key = (authorization or "").partition(" ")
-    return hashlib.sha256(f"specdec-tenant:{key.strip()}".encode()).hexdigest()
+    _, key = presented(authorization)
+    return hashlib.sha256(f"specdec-tenant:{key}".encode()).hexdigest()
 
 
 def api_channel(address: str, api_key: str | None, tls: bool = False, ca_file: str | None = None) -> grpc.Channel:

@@ -122,9 +122,15 @@ def encode_prompt(tokenizer, text: str, literal: tuple[tuple[int, int], ...] = (
 def _tokenized_apart(tokenizer, texts: list[str], begins: list[int]) -> list[list[int]]:
     """Each run's tokens with special tokens split, in one batch; runs that do not begin the text by a tokenizer
     that prepends nothing to them where the whole text's tokenizing would not (_inner_runs)."""
-    again = tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     inner = _inner_runs(tokenizer)
-    if inner is not None and (within := [i for i, b in enumerate(begins) if b > 0]):
+    within = [i for i, b in enumerate(begins) if b > 0] if inner is not None else []
+    ordinary = sorted(set(range(len(texts))) - set(within))
+    again: list[list[int]] = [[] for _ in texts]
+    if ordinary:
+        ids = tokenizer([texts[i] for i in ordinary], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        for i, tokens in zip(ordinary, ids):
+            again[i] = tokens
+    if within:
         for i, encoding in zip(within, inner.encode_batch([texts[i] for i in within], add_special_tokens=False)):
             again[i] = encoding.ids
     return again

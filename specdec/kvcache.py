@@ -133,7 +133,7 @@ class Prefilled:
     hidden: tuple[torch.Tensor, ...] = ()  # with hidden=True: the model's hidden states of these tokens, each [N, H]
     wants_last: list[bool] = field(default_factory=list)  # rows whose last token's logits are kept (all False if empty)
     last: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> its last token's logits [V], once run
-    salts: list[str | None] = field(default_factory=list)  # each sequence's cache salt (BlockPool.take; empty: none)
+    salts: list[str | None] = field(default_factory=list)  # each sequence's cache salt (BlockPool.take), one a chunk
 
     def ends(self, b: int, n: int) -> bool:
         """Whether running n more tokens of row b ends it, and its last token's logits are to be kept."""
@@ -168,7 +168,7 @@ class Prefilled:
                           last={0: self.last[b]} if b in self.last else {}, salts=[salt])
                 for b, (chunk, lm, last, salt) in enumerate(zip(self.chunks, self.lm.split(),
                                                                 self.wants_last or [False] * len(self.chunks),
-                                                                self.salts_of_rows()))]
+                                                                self.salts, strict=True))]
 
     @staticmethod
     def together(parts: list["Prefilled"]) -> "Prefilled":
@@ -185,18 +185,15 @@ class Prefilled:
                 lm.take_rows(p.lm)
             last |= {len(chunks) + b: logits for b, logits in p.last.items()}
             wants_last += p.wants_last or [False] * len(p.chunks)
-            salts += p.salts_of_rows()
+            salts += p.salts
             chunks += p.chunks
         return Prefilled(chunks, lm, wants_last=wants_last if any(wants_last) else [], last=last, salts=salts)
-
-    def salts_of_rows(self) -> list[str | None]:
-        return self.salts or [None] * len(self.chunks)
 
     def ran(self) -> None:
         """Some of the chunks ran (advance, or riding in a batch's forward: CachedLM.carrying); once all have,
         their blocks go to the prefix cache."""
         if not self.remaining:
-            self.lm.remember(list(range(len(self.chunks))), self.chunks, self.salts_of_rows())
+            self.lm.remember(list(range(len(self.chunks))), self.chunks, self.salts)
             self.lm.frees = True  # the index holds what it keeps; the rows let go of what lies behind their windows
             self.lm._trim()
 

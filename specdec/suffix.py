@@ -232,7 +232,7 @@ class Texts(TextIndex):
 _NONE_HELD = TextIndex()  # what a salt without outputs drafts from
 # What a salt's own store costs beside its texts, in positions of text, against the cap: measured with tracemalloc,
 # 50k salts of one-token texts take 78 MB where the same 100k positions in one store take 6 MB (about 1.4 KB a
-# store, 61 bytes a position). Without it, requests of distinct salts could hold 25x the cap's memory.
+# store, 61 bytes a position). Without it, requests of distinct salts could hold about 13x the cap's memory.
 STORE_POSITIONS = 32
 
 
