@@ -48,7 +48,8 @@ class BearerKeys:
         """Whether an `authorization` header or metadata value carries one of the keys."""
         scheme, key = presented(authorization)
         presented_digest = _digest(key)
-        matches = [hmac.compare_digest(presented_digest, digest) for digest in self._digests]  # every one, no early exit
+        # every one, no early exit
+        matches = [hmac.compare_digest(presented_digest, digest) for digest in self._digests]
         return scheme.lower() == "bearer" and any(matches)
 
 
