@@ -5,6 +5,7 @@ import argparse
 import json
 import re
 import sys
+from pathlib import Path
 
 from .drafter_kinds import HEAD_MODES, DrafterKind
 from .workload import DEFAULT_TURNS, Workload
@@ -100,7 +101,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     d.add_argument("--ttt-steps", type=int, default=3, help="--head eagle3: steps of the training-time test (default 3)")
     d.add_argument("--medusa-heads", type=int, default=4, help="--head medusa: heads, tokens drafted at most (default 4)")
     d.add_argument("--medusa-layers", type=int, default=1, help="--head medusa: residual layers per head (default 1)")
-    d.add_argument("--corpus", nargs="*", default=[], help="text files or folders; none: text the target generates")
+    d.add_argument("--corpus", nargs="*", default=[], help="text files or folders; none (and no --chat): text the "
+                   "target generates")
+    d.add_argument("--chat", type=int, metavar="N", help="learn (also) from the target's greedy answers to N chat "
+                   "prompts: instructions over the standard library and questions it poses itself (specdec.chat_corpus); "
+                   "written once into --out/chat-corpus.json and read from there again")
+    d.add_argument("--chat-tokens", type=int, default=192, help="--chat: at most this many tokens an answer")
     d.add_argument("--layers", type=int, default=1)
     d.add_argument("--hidden", type=int, default=256)
     budget = d.add_mutually_exclusive_group()
@@ -226,6 +232,7 @@ def cmd_generate(args) -> None:
 
 
 def cmd_distill(args) -> None:
+    import torch
 
     from .distill import corpus_files, distill, encode_texts, generated_corpus, split_heldout
     from .draft_vocab import DEFAULT_SIZE
@@ -235,11 +242,14 @@ def cmd_distill(args) -> None:
     cfg = TrainConfig(steps=None if args.minutes else (args.steps or 300), minutes=args.minutes,
                       batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, seed=args.seed)
     tokenizer = load_tokenizer(args.target)
+    parts = [chat_tokens(args, tokenizer)] if args.chat is not None else []  # the target as served writes them, first
     target = load_model(args.target, parse_dtype(args.dtype), args.device)
     if args.corpus:
         files = corpus_files(args.corpus)
-        tokens = encode_texts([f.read_text(encoding="utf-8", errors="replace") for f in files], tokenizer)
-        log(f"specdec: {len(files)} corpus files, {tokens.numel()} tokens")
+        parts.append(encode_texts([f.read_text(encoding="utf-8", errors="replace") for f in files], tokenizer))
+        log(f"specdec: {len(files)} corpus files, {parts[-1].numel()} tokens")
+    if parts:
+        tokens = torch.cat(parts)
     else:
         log(f"specdec: no --corpus: the target writes {args.generated_tokens} tokens to learn from")
         tokens = generated_corpus(target, tokenizer, args.generated_tokens, args.seed)
@@ -255,6 +265,35 @@ def cmd_distill(args) -> None:
         f"sampled alpha {b['sampled_alpha']:.3f} -> {a['sampled_alpha']:.3f}")
     if args.json:
         print(json.dumps(summary))
+
+
+def chat_tokens(args, tokenizer) -> "torch.Tensor":
+    """--chat's training text as one token stream [N]: the target's greedy answers (specdec.chat_corpus), read
+    from --out/chat-corpus.json when it holds the same request, else written there."""
+    import torch
+
+    from .chat_corpus import chat_corpus
+    from .loading import load_served_model
+
+    if args.chat < 1 or args.chat_tokens < 1:
+        raise SystemExit(f"specdec distill: --chat and --chat-tokens must be positive, got {args.chat} and "
+                         f"{args.chat_tokens}")
+    path = Path(args.out) / "chat-corpus.json"
+    asked = {"target": str(Path(args.target).resolve()), "conversations": args.chat, "seed": args.seed,
+             "max_tokens": args.chat_tokens}
+    cached = json.loads(path.read_text()) if path.is_file() else {}
+    if cached.get("asked") == asked:
+        texts = cached["texts"]
+    else:
+        log(f"specdec: the target answers {args.chat} chat prompts (greedy, at most {args.chat_tokens} tokens each)")
+        texts = chat_corpus(load_served_model(args.target, device=args.device), tokenizer, args.chat, args.seed,
+                            args.chat_tokens)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"asked": asked, "texts": texts}))
+        tmp.replace(path)
+    log(f"specdec: {len(texts)} chat answers, {sum(map(len, texts))} tokens with their prompts")
+    return torch.tensor([t for text in texts for t in text], dtype=torch.long)
 
 
 def distill_head(args, target, tokenizer, tokens, heldout, cfg) -> None:
