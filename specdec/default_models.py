@@ -101,10 +101,11 @@ FORMAT = 1  # bump when the draft's build changes in a way DefaultSpec does not 
 
 
 def fast_bf16() -> bool:
-    """Whether this CPU runs bfloat16 natively (AMX or AVX512-BF16): there a training step under bfloat16
-    autocast is several times faster than in float32; elsewhere it is emulated, about 30x slower (an AVX2
-    EPYC: 228 s a step against 7 s in float32)."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether training under bfloat16 beats float32 on this CPU: only with AMX's tile units. Elsewhere bfloat16
+    is slower, emulated (an AVX2 EPYC: 228 s a step against 7 s in float32) or not (AVX512-BF16 without AMX: the
+    default draft's step 1.96-1.99 s against 1.31-1.36 s, the head's 217 tokens/s against 384; docs/performance.md)."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(amx is not None and amx() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 # "quick": the reduced recipe (DefaultSpec.quick), for tests and smoke runs; "head": the target's EAGLE-3 head
@@ -186,7 +187,7 @@ def default_pair(spec: DefaultSpec | None = None, rebuild: bool = False, root: P
         shutil.rmtree(out, ignore_errors=True)
     if not (out / "build.json").exists():
         minutes = "a minute or two (the quick recipe)" if spec.train_steps < DefaultSpec.train_steps else \
-            "about 8 minutes on 2 CPU cores" if spec.bf16 else "about 40 minutes on 2 CPU cores without native bfloat16"
+            "about 8 minutes on 2 CPU cores" if spec.bf16 else "about 40 minutes on 2 CPU cores without AMX"
         log(f"specdec: building the default draft (once: {minutes}) into {out}; "
             "n-gram drafting needs none: specdec serve --drafter ngram serves at once")
         build_draft(spec, target, out, log)
@@ -221,7 +222,7 @@ def default_head(spec: "HeadSpec | None" = None, rebuild: bool = False, root: Pa
         shutil.rmtree(out, ignore_errors=True)
     if not (out / "build.json").exists():
         minutes = "about 55 minutes on 2 CPU cores" if spec.bf16 else \
-            "about 2 hours 15 minutes on 2 CPU cores without native bfloat16"
+            "about 2 hours 15 minutes on 2 CPU cores without AMX"
         log(f"specdec: building the default target's EAGLE-3 head (once: {minutes}) into {out}")
         build_head(spec, target, out, log)
     return str(out / "head")
@@ -364,7 +365,7 @@ def build_draft(spec: DefaultSpec, target_dir: str, out: Path, log=print) -> dic
 class HeadSpec:
     """How the default target's EAGLE-3 head is built (specdec distill --head eagle3's training) on the draft's
     data: the target's answers (DefaultSpec's, weighted as there) and standard-library source. Counts, not
-    deadlines. The target runs in bfloat16 where the CPU has it natively (its features then cost a third), else
+    deadlines. The target runs in bfloat16 where the CPU has AMX (its features then cost a third), else
     in float32. On 2 idle CPU cores: about 55 minutes in bfloat16, 2 hours 15 minutes in float32."""
 
     seed: int = 0

@@ -27,7 +27,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     checkpoint_every: int = 50
     seed: int = 0
-    bf16: bool = False  # forward under bfloat16 autocast (much faster where the CPU has AMX or AVX512-BF16)
+    bf16: bool = False  # forward under bfloat16 autocast (much faster where the CPU has AMX; slower elsewhere)
 
     def __post_init__(self):
         if (self.steps is None) == (self.minutes is None):

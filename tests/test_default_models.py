@@ -94,6 +94,15 @@ def test_bfloat16_training_only_where_the_cpu_has_it_and_the_key_says_which(monk
     assert dm.DefaultSpec(bf16=True).key() != dm.DefaultSpec(bf16=False).key()
 
 
+@pytest.mark.parametrize("amx", [False, True])
+def test_bfloat16_counts_as_fast_only_with_amx(monkeypatch, amx):
+    """AVX512-BF16 alone runs bfloat16 natively but slower than float32 (a training step 1.5x longer):
+    without AMX the recipes train in float32."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert dm.fast_bf16() is amx
+
+
 def test_the_head_spec_key_changes_with_every_setting():
     base = dm.HeadSpec()
     assert len({base.key(), dm.HeadSpec(seed=1).key(), dm.HeadSpec(train_steps=10).key(),
