@@ -103,7 +103,7 @@ FORMAT = 1  # bump when the draft's build changes in a way DefaultSpec does not 
 def fast_bf16() -> bool:
     """Whether training under bfloat16 beats float32 on this CPU: only with AMX's tile units. Elsewhere bfloat16
     is slower, emulated (an AVX2 EPYC: 228 s a step against 7 s in float32) or not (AVX512-BF16 without AMX: the
-    default draft's step 1.96-1.99 s against 1.31-1.36 s, the head's 217 tokens/s against 384; docs/performance.md)."""
+    default draft's step 1.9-2.0 s against 1.3 s, the head's 217 tokens/s against 352-384: tools.bench.bf16_training)."""
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(amx is not None and amx() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
