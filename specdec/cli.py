@@ -273,6 +273,7 @@ def chat_tokens(args, tokenizer) -> "torch.Tensor":
     import torch
 
     from .chat_corpus import chat_corpus
+    from .device import HOST
     from .loading import load_served_model
 
     if args.chat < 1 or args.chat_tokens < 1:
@@ -293,7 +294,7 @@ def chat_tokens(args, tokenizer) -> "torch.Tensor":
         tmp.write_text(json.dumps({"asked": asked, "texts": texts}))
         tmp.replace(path)
     log(f"specdec: {len(texts)} chat answers, {sum(map(len, texts))} tokens with their prompts")
-    return torch.tensor([t for text in texts for t in text], dtype=torch.long)
+    return torch.tensor([t for text in texts for t in text], dtype=torch.long, device=HOST)  # [N]
 
 
 def distill_head(args, target, tokenizer, tokens, heldout, cfg) -> None:
