@@ -12,6 +12,13 @@ def cache_root() -> Path:
     return Path(base) / "specdec"
 
 
+def write_json(path: Path, value) -> None:
+    """`value` as JSON at `path`, written whole and then moved there: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(value))
+    tmp.replace(path)
+
+
 def publish(tmp: Path, out: Path, report: dict) -> None:
     """A build completed in `tmp` becomes `out`, its report beside it as build.json (a half-built one is never
     found at `out`: build.json marks it complete)."""

@@ -139,12 +139,17 @@ def self_posed_questions(engine, tokenizer, count: int, seed: int, max_tokens: i
     return out
 
 
+def chat_prompts(tokenizer, asks: list[str]) -> list[list[int]]:
+    """Each ask as a user turn in the chat template, ready for the assistant's answer -> token lists."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False) for a in asks]
+
+
 def greedy_answers(engine, tokenizer, asks: list[str], max_tokens: int, batch: int, progress=None) -> list[list[int]]:
     """The target's greedy answers -> [prompt + answer] token lists, one per ask (asks batched by length)."""
     from .sampling import SamplingParams
 
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False) for a in asks]
+    prompts = chat_prompts(tokenizer, asks)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     texts: list[list[int] | None] = [None] * len(prompts)
     for start in range(0, len(order), batch):
@@ -168,10 +173,10 @@ def chat_corpus(target, tokenizer, conversations: int, seed: int, max_tokens: in
     from .loading import eos_ids
 
     engine = SpeculativeEngine(CachedLM(target), None, eos_token_ids=eos_ids(target.generation_config, tokenizer))
-    with tqdm(total=conversations, desc="target answers", unit="answer", mininterval=2.0) as bar:
-        questions = self_posed_questions(engine, tokenizer, conversations // 3, seed, batch=batch)
-        asks = questions + chat_instructions(conversations - len(questions), seed)
-        random.Random(seed).shuffle(asks)
+    questions = self_posed_questions(engine, tokenizer, conversations // 3, seed, batch=batch)
+    asks = questions + chat_instructions(conversations - len(questions), seed)
+    random.Random(seed).shuffle(asks)
+    with tqdm(total=len(asks), desc="target answers", unit="answer", mininterval=2.0) as bar:
         written = [0]
 
         def progress(rows: int, tokens: int) -> None:
@@ -182,5 +187,5 @@ def chat_corpus(target, tokenizer, conversations: int, seed: int, max_tokens: in
         return greedy_answers(engine, tokenizer, asks, max_tokens, batch, progress)
 
 
-__all__ = ["chat_corpus", "chat_instructions", "greedy_answers", "self_posed_questions", "stdlib_text",
+__all__ = ["chat_corpus", "chat_instructions", "chat_prompts", "greedy_answers", "self_posed_questions", "stdlib_text",
            "user_turn_prefix"]

@@ -272,6 +272,7 @@ def chat_tokens(args, tokenizer) -> "torch.Tensor":
     from --out/chat-corpus.json when it holds the same request, else written there."""
     import torch
 
+    from .cache_dir import write_json
     from .chat_corpus import chat_corpus
     from .device import HOST
     from .loading import load_served_model
@@ -290,9 +291,7 @@ def chat_tokens(args, tokenizer) -> "torch.Tensor":
         texts = chat_corpus(load_served_model(args.target, device=args.device), tokenizer, args.chat, args.seed,
                             args.chat_tokens)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"asked": asked, "texts": texts}))
-        tmp.replace(path)
+        write_json(path, {"asked": asked, "texts": texts})
     log(f"specdec: {len(texts)} chat answers, {sum(map(len, texts))} tokens with their prompts")
     return torch.tensor([t for text in texts for t in text], dtype=torch.long, device=HOST)  # [N]
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .cache_dir import cache_root, publish
+from .cache_dir import cache_root, publish, write_json
 from .device import HOST
 from .draft_vocab import DEFAULT_SIZE
 from .gguf import convert, file_sha256
@@ -265,6 +265,7 @@ def target_answers(target, tokenizer, spec: DefaultSpec) -> list[list[int]]:
     distilling its distribution) -> [prompt + answer] token lists."""
     from tqdm import tqdm
 
+    from .chat_corpus import chat_prompts
     from .engine import SpeculativeEngine
     from .kvcache import CachedLM
     from .loading import eos_ids
@@ -275,9 +276,7 @@ def target_answers(target, tokenizer, spec: DefaultSpec) -> list[list[int]]:
     texts = []
     with tqdm(total=len(asks), desc="target answers", unit="answer", mininterval=1.0) as bar:
         for start in range(0, len(asks), spec.answer_batch):
-            prompts = [tokenizer.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True,
-                                                     tokenize=True, return_dict=False)
-                       for a in asks[start : start + spec.answer_batch]]
+            prompts = chat_prompts(tokenizer, asks[start : start + spec.answer_batch])
             outs = engine.generate(prompts, spec.answer_tokens, SamplingParams(temperature=1.0, seed=spec.seed + start))
             texts += [p + o.token_ids for p, o in zip(prompts, outs)]
             bar.update(len(prompts))
@@ -294,9 +293,7 @@ def cached_answers(load_target, tokenizer, spec: DefaultSpec, root: Path, log) -
         return json.loads(path.read_text())
     texts = target_answers(load_target(), tokenizer, spec)  # the target loaded only now, where needed
     log(f"specdec: the target wrote {len(texts)} answers ({sum(map(len, texts))} tokens with their prompts)")
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(texts))
-    tmp.replace(path)
+    write_json(path, texts)
     return texts
 
 

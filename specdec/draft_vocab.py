@@ -12,13 +12,13 @@ distill` from its training text, `specdec draft-vocab` from any corpus); a draft
 whole vocabulary."""
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from .cache_dir import write_json
 from .device import HOST
 
 RANKING_FILE = "draft_vocab.json"
@@ -58,9 +58,7 @@ def rank_tokens(tokens: torch.Tensor, vocab_size: int, size: int = DEFAULT_SIZE)
 
 def save_ranking(folder: str | Path, ranking: Ranking) -> Path:
     path = Path(folder) / RANKING_FILE
-    tmp = path.with_name(f".{RANKING_FILE}.{os.getpid()}")  # written whole, then moved: a reader never sees half
-    tmp.write_text(json.dumps({"size": ranking.size, "counted_tokens": ranking.counted, "ids": list(ranking.ids)}))
-    tmp.replace(path)
+    write_json(path, {"size": ranking.size, "counted_tokens": ranking.counted, "ids": list(ranking.ids)})
     return path
 
 
