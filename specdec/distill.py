@@ -137,7 +137,7 @@ def evaluate(target, draft, heldout: TrainData) -> dict:
     target argmax, per position); and sampled alpha sum(min(p, q)) at temperature 1 (the chance a draft sample is
     accepted)."""
     kl, greedy, sampled = Totals(), Totals(), Totals()
-    for batch in evaluation_batches(heldout):
+    for batch in evaluation_batches(heldout, target.device):
         p_logits = target(input_ids=batch.tokens).logits.float()
         q_logits = draft(input_ids=batch.tokens).logits.float()
         V = min(p_logits.shape[-1], q_logits.shape[-1])

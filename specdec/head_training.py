@@ -113,7 +113,7 @@ def evaluate_head(target, head: Eagle3Head, heldout: TrainData, steps: int) -> d
     drafted j + 1 deep): greedy alpha (the head's argmax is the target's, over the full vocabulary) and KL(p || q)
     over the draft vocabulary."""
     alpha, kl = [Totals() for _ in range(steps)], [Totals() for _ in range(steps)]
-    for batch in evaluation_batches(heldout):
+    for batch in evaluation_batches(heldout, target.device):
         feats, p_logits = target_features(target, head, batch.tokens)
         want = p_logits[:, 1:].argmax(-1)  # [B, T]
         logp = F.log_softmax(p_logits[:, 1:][..., head.target_ids()], -1)
@@ -198,7 +198,7 @@ def evaluate_medusa(target, heads: MedusaHeads, heldout: TrainData) -> dict:
     """On held-out text (its learned positions), per head: greedy alpha (its argmax is the target's argmax i + 1
     positions on) and KL."""
     alpha, kl = [Totals() for _ in range(heads.num_heads)], [Totals() for _ in range(heads.num_heads)]
-    for batch in evaluation_batches(heldout):
+    for batch in evaluation_batches(heldout, target.device):
         logp, logq = _medusa_pass(target, heads, batch.tokens)
         for i, q in enumerate(logq):
             p = logp[:, 1 + i :]

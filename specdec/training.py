@@ -47,6 +47,11 @@ class TrainBatch:
     tokens: torch.Tensor  # [B, S]
     learned: torch.Tensor | None = None  # [B, S] bool: position s's distribution (of token s + 1) is learned; None: all
 
+    def to(self, device: torch.device) -> "TrainBatch":
+        """On the models' device (batches are built on the host)."""
+        learned = None if self.learned is None else self.learned.to(device)
+        return TrainBatch(self.tokens.to(device), learned)
+
     def mean(self, values: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """The mean of per-position values [B, S'] (entry t belongs to position t + offset) over learned positions."""
         total, count = self.sum(values, offset)
@@ -183,8 +188,8 @@ def sample_windows(tokens: torch.Tensor, batch_size: int, seq_len: int, generato
     return torch.stack([tokens[s : s + seq_len] for s in starts.tolist()])
 
 
-def evaluation_batches(data: TrainData, windows: int = 16, seq_len: int = 128, conversations: int = 64,
-                       seed: int = 1234) -> list[TrainBatch]:
+def evaluation_batches(data: TrainData, device: torch.device, windows: int = 16, seq_len: int = 128,
+                       conversations: int = 64, seed: int = 1234) -> list[TrainBatch]:
     """Fixed held-out batches to judge a drafter on, the same before and after training: a stream's `windows`
     random windows, or up to `conversations` conversations spread over every length (8 of neighbouring lengths a
     batch). From a mixture, its conversations when it has any (what is served), else its first source."""
@@ -193,10 +198,11 @@ def evaluation_batches(data: TrainData, windows: int = 16, seq_len: int = 128, c
         data = chats[0] if chats else data.sources[0]
     if isinstance(data, TokenStream):
         seq_len = min(seq_len, data.tokens.numel() - 1)
-        return [data.sample(windows, seq_len, torch.Generator(device=HOST).manual_seed(seed))]
+        return [data.sample(windows, seq_len, torch.Generator(device=HOST).manual_seed(seed)).to(device)]
     every = max(1, len(data.conversations) // conversations)
     picked = Conversations(data.conversations[::every][:conversations], data.max_len)
-    return [picked.rows(range(i, min(i + 8, len(picked.conversations)))) for i in range(0, len(picked.conversations), 8)]
+    return [picked.rows(range(i, min(i + 8, len(picked.conversations)))).to(device)
+            for i in range(0, len(picked.conversations), 8)]
 
 
 class Totals:
@@ -248,12 +254,13 @@ def train(
     total = cfg.steps or 10**9
     deadline = time.monotonic() + cfg.minutes * 60 if cfg.minutes else None
     model.train()
+    device = next(model.parameters()).device
     t0, seen, loss_ema = time.perf_counter(), 0, None
     bar = tqdm(total=cfg.steps, initial=step, desc=desc, unit="step", mininterval=1.0)
     while step < total and (deadline is None or time.monotonic() < deadline):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg.steps or _estimated_steps(step, t0, deadline), cfg)
-        batch = data.sample(cfg.batch_size, cfg.seq_len, gen)
+        batch = data.sample(cfg.batch_size, cfg.seq_len, gen).to(device)
         with torch.autocast(batch.tokens.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
             loss = loss_fn(batch)
         opt.zero_grad(set_to_none=True)

@@ -63,7 +63,7 @@ def test_a_mixture_is_judged_on_its_conversations_and_drafts_their_answers():
     chats = Conversations(conversations(30))
     stream = TokenStream(torch.arange(500) % VOCAB)
     mixed = Mixture([stream, chats])
-    batches = evaluation_batches(mixed)
+    batches = evaluation_batches(mixed, torch.device("cpu"))
     assert all(b.learned is not None for b in batches)
     assert sum(b.tokens.shape[0] for b in batches) == 30  # every held-out conversation, 8 a batch
     answers = sum(len(c.tokens) - c.answer_start for c in chats.conversations)
