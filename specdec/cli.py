@@ -6,13 +6,9 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .drafter_kinds import HEAD_MODES, DrafterKind
 from .workload import DEFAULT_TURNS, Workload
-
-if TYPE_CHECKING:  # torch loads when a command runs, not to parse one
-    from .training import Conversations
 
 
 def parse_depth(text: str) -> int | str:
@@ -109,8 +105,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                    "target generates")
     d.add_argument("--chat", type=int, metavar="N", help="learn (also) from the target's greedy answers to N chat "
                    "prompts: instructions over the standard library and questions it poses itself (specdec.chat_corpus); "
-                   "written once into --out/chat-corpus.json and read from there again. Each conversation is a row from "
-                   "its start, learned on its answer only, and judged so (held-out alpha on answers)")
+                   "written once into --out/chat-corpus.json and read from there again")
     d.add_argument("--chat-tokens", type=int, default=192, help="--chat: at most this many tokens an answer")
     d.add_argument("--layers", type=int, default=1)
     d.add_argument("--hidden", type=int, default=256)
@@ -119,8 +114,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     budget.add_argument("--minutes", type=float, help="train for this long instead")
     d.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     d.add_argument("--batch-size", type=int, default=16)
-    d.add_argument("--seq-len", type=int, default=128, help="tokens a training row of --corpus or generated text "
-                   "(a window of it); --chat rows are whole conversations")
+    d.add_argument("--seq-len", type=int, default=128)
     d.add_argument("--lr", type=float, default=3e-3)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--generated-tokens", type=int, default=200_000, help="target-written tokens when no --corpus")
@@ -238,29 +232,32 @@ def cmd_generate(args) -> None:
 
 
 def cmd_distill(args) -> None:
-    from .distill import corpus_files, distill, encode_texts, generated_corpus
+    import torch
+
+    from .distill import corpus_files, distill, encode_texts, generated_corpus, split_heldout
     from .draft_vocab import DEFAULT_SIZE
     from .loading import load_model, load_tokenizer, parse_dtype
-    from .training import Mixture, TokenStream, TrainConfig
+    from .training import TrainConfig
 
     cfg = TrainConfig(steps=None if args.minutes else (args.steps or 300), minutes=args.minutes,
                       batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, seed=args.seed)
     tokenizer = load_tokenizer(args.target)
-    parts = [chat_conversations(args, tokenizer)] if args.chat is not None else []  # the target as served writes them
+    parts = [chat_tokens(args, tokenizer)] if args.chat is not None else []  # the target as served writes them, first
     target = load_model(args.target, parse_dtype(args.dtype), args.device)
     if args.corpus:
         files = corpus_files(args.corpus)
-        parts.append(TokenStream(encode_texts([f.read_text(encoding="utf-8", errors="replace") for f in files],
-                                              tokenizer)))
-        log(f"specdec: {len(files)} corpus files, {parts[-1].tokens.numel()} tokens")
-    if not parts:
+        parts.append(encode_texts([f.read_text(encoding="utf-8", errors="replace") for f in files], tokenizer))
+        log(f"specdec: {len(files)} corpus files, {parts[-1].numel()} tokens")
+    if parts:
+        tokens = torch.cat(parts)
+    else:
         log(f"specdec: no --corpus: the target writes {args.generated_tokens} tokens to learn from")
-        parts.append(TokenStream(generated_corpus(target, tokenizer, args.generated_tokens, args.seed)))
-    data, heldout = Mixture(parts).split()
+        tokens = generated_corpus(target, tokenizer, args.generated_tokens, args.seed)
+    train_tokens, heldout = split_heldout(tokens.to(target.device))
     if args.head:
-        distill_head(args, target, tokenizer, data, heldout, cfg)
+        distill_head(args, target, tokenizer, train_tokens, heldout, cfg)
         return
-    summary = distill(target, tokenizer, args.out, data, heldout, args.layers, args.hidden, cfg, args.resume,
+    summary = distill(target, tokenizer, args.out, train_tokens, heldout, args.layers, args.hidden, cfg, args.resume,
                       draft_vocab=args.draft_vocab or DEFAULT_SIZE)
     b, a = summary["before"], summary["after"]
     log(f"specdec: draft saved to {args.out}; held-out KL {b['kl']:.3f} -> {a['kl']:.3f}, "
@@ -270,13 +267,15 @@ def cmd_distill(args) -> None:
         print(json.dumps(summary))
 
 
-def chat_conversations(args, tokenizer) -> "Conversations":
-    """--chat's training text: the target's greedy answers (specdec.chat_corpus), learned on the answers only,
-    read from --out/chat-corpus.json when it holds the same request, else written there."""
+def chat_tokens(args, tokenizer) -> "torch.Tensor":
+    """--chat's training text as one token stream [N]: the target's greedy answers (specdec.chat_corpus), read
+    from --out/chat-corpus.json when it holds the same request, else written there."""
+    import torch
+
     from .cache_dir import write_json
     from .chat_corpus import chat_corpus
+    from .device import HOST
     from .loading import load_served_model
-    from .training import Conversation, Conversations
 
     if args.chat < 1 or args.chat_tokens < 1:
         raise SystemExit(f"specdec distill: --chat and --chat-tokens must be positive, got {args.chat} and "
@@ -285,30 +284,27 @@ def chat_conversations(args, tokenizer) -> "Conversations":
     asked = {"target": str(Path(args.target).resolve()), "conversations": args.chat, "seed": args.seed,
              "max_tokens": args.chat_tokens}
     cached = json.loads(path.read_text()) if path.is_file() else {}
-    if cached.get("asked") == asked and "answer_starts" in cached:
-        texts = [Conversation(t, a) for t, a in zip(cached["texts"], cached["answer_starts"], strict=True)]
+    if cached.get("asked") == asked:
+        texts = cached["texts"]
     else:
         log(f"specdec: the target answers {args.chat} chat prompts (greedy, at most {args.chat_tokens} tokens each)")
         texts = chat_corpus(load_served_model(args.target, device=args.device), tokenizer, args.chat, args.seed,
                             args.chat_tokens)
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, {"asked": asked, "texts": [c.tokens for c in texts],
-                          "answer_starts": [c.answer_start for c in texts]})
-    answers = sum(len(c.tokens) - c.answer_start for c in texts)
-    log(f"specdec: {len(texts)} chat answers, {answers} answer tokens ({sum(len(c.tokens) for c in texts)} with their "
-        "prompts)")
-    return Conversations(texts)
+        write_json(path, {"asked": asked, "texts": texts})
+    log(f"specdec: {len(texts)} chat answers, {sum(map(len, texts))} tokens with their prompts")
+    return torch.tensor([t for text in texts for t in text], dtype=torch.long, device=HOST)  # [N]
 
 
-def distill_head(args, target, tokenizer, data, heldout, cfg) -> None:
+def distill_head(args, target, tokenizer, tokens, heldout, cfg) -> None:
     from .head_training import train_head, train_medusa
 
     if args.head == "medusa":
-        summary = train_medusa(target, tokenizer, args.out, data, heldout, args.medusa_heads, args.medusa_layers,
+        summary = train_medusa(target, tokenizer, args.out, tokens, heldout, args.medusa_heads, args.medusa_layers,
                                cfg, args.resume)
     else:
         vocab = min(args.draft_vocab or 32000, target.config.get_text_config().vocab_size)
-        summary = train_head(target, tokenizer, args.out, data, heldout, vocab, cfg, args.ttt_steps, args.resume)
+        summary = train_head(target, tokenizer, args.out, tokens, heldout, vocab, cfg, args.ttt_steps, args.resume)
     b, a = summary["before"]["greedy_alpha"], summary["after"]["greedy_alpha"]
     fmt = lambda alphas: "/".join(f"{x:.3f}" for x in alphas)  # noqa: E731
     log(f"specdec: heads saved to {args.out}; held-out greedy alpha by depth {fmt(b)} -> {fmt(a)}")

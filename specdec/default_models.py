@@ -316,12 +316,11 @@ def training_tokens(spec: DefaultSpec, load_target, tokenizer, root: Path, log) 
     """What the default draft and head learn from -> (the target's answers, the training stream [N], the held-out
     answers [M]): the answers (cached_answers) weighted spec.answer_weight times beside standard-library source,
     their last ones held out to judge on."""
-    from .training import TokenStream
+    from .distill import split_heldout
 
     texts = cached_answers(load_target, tokenizer, spec, root, log)
-    answers, heldout = TokenStream(torch.tensor([t for text in texts for t in text], dtype=torch.long,
-                                                device=HOST)).split()  # [N]
-    answers, heldout = answers.tokens, heldout.tokens
+    tokens = torch.tensor([t for text in texts for t in text], dtype=torch.long, device=HOST)  # [N]
+    answers, heldout = split_heldout(tokens)
     corpus = stdlib_corpus(tokenizer, spec.corpus_chars)  # [M]
     log(f"specdec: training on {answers.numel()} answer tokens (x{spec.answer_weight}) and {corpus.numel()} of "
         "standard-library source")
@@ -332,7 +331,7 @@ def build_draft(spec: DefaultSpec, target_dir: str, out: Path, log=print) -> dic
     """Distil the default draft into out/draft (atomically: a half-built draft is never left there)."""
     from .distill import distill, remove_checkpoint, sampled_text_loss
     from .loading import load_served_model, load_tokenizer
-    from .training import TokenStream, TrainConfig
+    from .training import TrainConfig
 
     t0 = time.perf_counter()
     tmp = out.with_name(out.name + ".building")
@@ -342,7 +341,7 @@ def build_draft(spec: DefaultSpec, target_dir: str, out: Path, log=print) -> dic
     texts, train_tokens, heldout = training_tokens(spec, lambda: target, tokenizer, out.parent, log)
     cfg = TrainConfig(steps=spec.train_steps, batch_size=spec.batch_size, seq_len=spec.seq_len,
                       lr=spec.lr, seed=spec.seed, checkpoint_every=10**9, bf16=spec.bf16)
-    summary = distill(target, tokenizer, tmp / "draft", TokenStream(train_tokens), TokenStream(heldout), spec.draft_layers, spec.draft_hidden,
+    summary = distill(target, tokenizer, tmp / "draft", train_tokens, heldout, spec.draft_layers, spec.draft_hidden,
                       cfg, objective=sampled_text_loss, embedding_from_target=True, draft_vocab=spec.draft_vocab)
     remove_checkpoint(tmp / "draft")
     draft = {"params": summary["draft_params"], "steps": summary["steps"], "vocab": summary["draft_vocab"],
@@ -385,7 +384,7 @@ def build_head(spec: HeadSpec, target_dir: str, out: Path, log=print) -> dict:
     from .distill import remove_checkpoint
     from .head_training import train_head
     from .loading import load_model, load_served_model, load_tokenizer
-    from .training import TokenStream, TrainConfig
+    from .training import TrainConfig
 
     t0 = time.perf_counter()
     tmp = out.with_name(out.name + ".building")
@@ -398,7 +397,7 @@ def build_head(spec: HeadSpec, target_dir: str, out: Path, log=print) -> dict:
     torch.manual_seed(spec.seed)
     cfg = TrainConfig(steps=spec.train_steps, batch_size=spec.batch_size, seq_len=spec.seq_len, lr=spec.lr,
                       seed=spec.seed, checkpoint_every=10**9)
-    summary = train_head(target, tokenizer, tmp / "head", TokenStream(train_tokens), TokenStream(heldout), spec.draft_vocab, cfg, spec.ttt_steps)
+    summary = train_head(target, tokenizer, tmp / "head", train_tokens, heldout, spec.draft_vocab, cfg, spec.ttt_steps)
     remove_checkpoint(tmp / "head")
     report = {"spec": asdict(spec), "seconds": round(time.perf_counter() - t0, 1), "tokens": summary["tokens"],
               "head_params": summary["head_params"],

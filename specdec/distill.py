@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from .device import HOST
 from .draft_vocab import DEFAULT_SIZE, rank_tokens, save_ranking
-from .training import Totals, TrainBatch, TrainConfig, TrainData, evaluation_batches, train
+from .training import TrainConfig, sample_windows, train
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".jsonl")
 
@@ -90,15 +90,14 @@ def generated_corpus(target: PreTrainedModel, tokenizer, num_tokens: int, seed: 
 
 
 def kl_loss(target: PreTrainedModel, draft: PreTrainedModel):
-    """a batch -> mean over its learned positions of KL(p_target || q_draft) (the target runs on every batch)."""
+    """batch [B, S] -> mean over positions of KL(p_target || q_draft) (the target runs on every batch)."""
 
-    def loss(batch: TrainBatch) -> torch.Tensor:
+    def loss(batch: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            logp = F.log_softmax(target(input_ids=batch.tokens).logits.float(), -1)  # [B, S, V]
-        logq = F.log_softmax(draft(input_ids=batch.tokens).logits.float(), -1)
+            logp = F.log_softmax(target(input_ids=batch).logits.float(), -1)  # [B, S, V]
+        logq = F.log_softmax(draft(input_ids=batch).logits.float(), -1)
         V = min(logp.shape[-1], logq.shape[-1])
-        logp, logq = logp[..., :V], logq[..., :V]
-        return batch.mean((logp.exp() * (logp - logq)).sum(-1))
+        return F.kl_div(logq[..., :V].flatten(0, 1), logp[..., :V].flatten(0, 1), log_target=True, reduction="batchmean")
 
     return loss
 
@@ -108,10 +107,8 @@ def sampled_text_loss(target: PreTrainedModel, draft: PreTrainedModel):
     expectation over p's samples is H(p) + KL(p || q), so minimising it distils p without running the target
     on each batch (sequence-level distillation: Kim and Rush, 2016)."""
 
-    def loss(batch: TrainBatch) -> torch.Tensor:
-        logits = draft(input_ids=batch.tokens).logits[:, :-1].float()  # [B, S-1, V]: position s predicts token s + 1
-        nll = F.cross_entropy(logits.transpose(1, 2), batch.tokens[:, 1:], reduction="none")  # [B, S-1]
-        return batch.mean(nll)
+    def loss(batch: torch.Tensor) -> torch.Tensor:
+        return draft(input_ids=batch, labels=batch).loss
 
     return loss
 
@@ -132,28 +129,27 @@ def init_embedding(draft: PreTrainedModel, target: PreTrainedModel) -> None:
 
 
 @torch.no_grad()
-def evaluate(target, draft, heldout: TrainData) -> dict:
-    """On held-out text (its learned positions: a conversation's answer): KL(p || q); greedy alpha (draft argmax ==
-    target argmax, per position); and sampled alpha sum(min(p, q)) at temperature 1 (the chance a draft sample is
-    accepted)."""
-    kl, greedy, sampled = Totals(), Totals(), Totals()
-    for batch in evaluation_batches(heldout, target.device):
-        p_logits = target(input_ids=batch.tokens).logits.float()
-        q_logits = draft(input_ids=batch.tokens).logits.float()
-        V = min(p_logits.shape[-1], q_logits.shape[-1])
-        logp, logq = F.log_softmax(p_logits[..., :V], -1), F.log_softmax(q_logits[..., :V], -1)
-        kl.add(batch, (logp.exp() * (logp - logq)).sum(-1))
-        greedy.add(batch, (logp.argmax(-1) == logq.argmax(-1)).float())
-        sampled.add(batch, torch.minimum(logp.exp(), logq.exp()).sum(-1))
-    return {"kl": kl.mean(), "greedy_alpha": greedy.mean(), "sampled_alpha": sampled.mean()}
+def evaluate(target, draft, tokens: torch.Tensor, seq_len: int = 128, windows: int = 16, seed: int = 1234) -> dict:
+    """On held-out text: KL(p || q); greedy alpha (draft argmax == target argmax, per position); and
+    sampled alpha sum(min(p, q)) at temperature 1 (the chance a draft sample is accepted)."""
+    batch = sample_windows(tokens, windows, min(seq_len, tokens.numel() - 1), torch.Generator(device=HOST).manual_seed(seed))
+    p_logits = target(input_ids=batch).logits.float()
+    q_logits = draft(input_ids=batch).logits.float()
+    V = min(p_logits.shape[-1], q_logits.shape[-1])
+    logp, logq = F.log_softmax(p_logits[..., :V], -1), F.log_softmax(q_logits[..., :V], -1)
+    return {
+        "kl": float((logp.exp() * (logp - logq)).sum(-1).mean()),
+        "greedy_alpha": float((logp.argmax(-1) == logq.argmax(-1)).float().mean()),
+        "sampled_alpha": float(torch.minimum(logp.exp(), logq.exp()).sum(-1).mean()),
+    }
 
 
 def distill(
     target: PreTrainedModel,
     tokenizer,
     out_dir: str | Path,
-    data: TrainData,  # what it learns from
-    heldout: TrainData,  # what it is judged on
+    tokens: torch.Tensor,  # [N] training text as one token stream
+    heldout: torch.Tensor,  # [M] held-out text
     layers: int = 1,
     hidden: int = 256,
     cfg: TrainConfig = TrainConfig(),
@@ -164,7 +160,7 @@ def distill(
     draft_vocab: int = DEFAULT_SIZE,  # it drafts among this many of the training text's most frequent tokens
 ) -> dict:
     """Train a draft for `target` and save it (with the tokenizer, and its tokens ranked by their frequency in
-    what it drafts in `data`: specdec.draft_vocab) to out_dir; returns a summary."""
+    `tokens`: specdec.draft_vocab) to out_dir; returns a summary."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     target.eval().requires_grad_(False)
@@ -173,17 +169,22 @@ def distill(
     if embedding_from_target:
         init_embedding(draft, target)
     before = evaluate(target, draft, heldout)
-    result = train(draft, objective(target, draft), data, cfg, out / "checkpoint", resume, "distill", on_step)
+    result = train(draft, objective(target, draft), tokens, cfg, out / "checkpoint", resume, "distill", on_step)
     after = evaluate(target, draft, heldout)
     draft.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    ranking = rank_tokens(data.drafted(), draft.get_output_embeddings().out_features, draft_vocab)
+    ranking = rank_tokens(tokens, draft.get_output_embeddings().out_features, draft_vocab)
     save_ranking(out, ranking)
     summary = {"out": str(out), **result, "before": before, "after": after,
                "draft_params": sum(p.numel() for p in draft.parameters()), "draft_vocab": ranking.size,
-               "heldout_kept": round(float(torch.isin(heldout.drafted(), ranking.kept()).float().mean()), 4)}
+               "heldout_kept": round(float(torch.isin(heldout.cpu(), ranking.kept()).float().mean()), 4)}
     (out / "distill_summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def split_heldout(tokens: torch.Tensor, fraction: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
+    cut = int(tokens.numel() * (1 - fraction))
+    return tokens[:cut], tokens[cut:]
 
 
 def remove_checkpoint(out_dir: str | Path) -> None:

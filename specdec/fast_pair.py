@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from .cache_dir import cache_root, publish
 from .distill import distill, encode_texts, remove_checkpoint, small_llama_config
-from .training import TokenStream, TrainConfig, train
+from .training import TrainConfig, train
 
 FORMAT = 2  # bump when the build changes in a way the spec does not capture (2: the chat template)
 EOT = "<|endoftext|>"
@@ -126,13 +126,13 @@ def build(spec: FastSpec, out: Path, log=print) -> dict:
     target = LlamaForCausalLM(target_config(spec, len(tokenizer)))
     cfg = TrainConfig(steps=spec.target_steps, batch_size=spec.batch_size, seq_len=spec.seq_len, lr=3e-3,
                       seed=spec.seed, checkpoint_every=10**9)
-    pre = train(target, lambda b: target(input_ids=b.tokens, labels=b.tokens).loss, TokenStream(tokens), cfg, desc="target")
+    pre = train(target, lambda b: target(input_ids=b, labels=b).loss, tokens, cfg, desc="target")
     target.save_pretrained(tmp / "target")
     tokenizer.save_pretrained(tmp / "target")
 
     dcfg = TrainConfig(steps=spec.draft_steps, batch_size=spec.batch_size, seq_len=spec.seq_len, lr=3e-3,
                        seed=spec.seed + 1, checkpoint_every=10**9)
-    summary = distill(target, tokenizer, tmp / "draft", TokenStream(tokens), TokenStream(heldout), spec.draft_layers, spec.draft_hidden, dcfg)
+    summary = distill(target, tokenizer, tmp / "draft", tokens, heldout, spec.draft_layers, spec.draft_hidden, dcfg)
     remove_checkpoint(tmp / "draft")
     report = {
         "spec": asdict(spec),

@@ -22,7 +22,7 @@ from .cpu_linear import dense_weight
 from .device import HOST
 from .eagle3 import Eagle3Head, head_config, save_head, spread_aux_layers
 from .medusa import MedusaHeads, save_medusa
-from .training import Totals, TrainBatch, TrainConfig, TrainData, evaluation_batches, train
+from .training import TrainConfig, sample_windows, train
 
 STEP_DECAY = 0.8  # EAGLE-3's weight of the j-th step's loss
 
@@ -92,44 +92,43 @@ def unrolled(head: Eagle3Head, batch: torch.Tensor, feats: torch.Tensor, steps: 
 
 
 def ttt_loss(target: PreTrainedModel, head: Eagle3Head, steps: int):
-    """a batch -> the training-time-test loss (module doc), over its learned positions."""
+    """batch [B, S] -> the training-time-test loss (module doc)."""
 
-    def loss(batch: TrainBatch) -> torch.Tensor:
-        feats, p_logits = target_features(target, head, batch.tokens)
-        logp = F.log_softmax(p_logits[:, 1:][..., head.target_ids()], -1)  # [B, T, dv]: entry t is position t + 1's
+    def loss(batch: torch.Tensor) -> torch.Tensor:
+        feats, p_logits = target_features(target, head, batch)
+        logp = F.log_softmax(p_logits[:, 1:][..., head.target_ids()], -1)  # [B, T, dv]
         total = 0.0
-        for j, q_logits in enumerate(unrolled(head, batch.tokens, feats, steps)):
+        for j, q_logits in enumerate(unrolled(head, batch, feats, steps)):
             logq = F.log_softmax(q_logits.float(), -1)
             kl = (logp.exp() * (logp - logq)).sum(-1)[:, j:]  # [B, T - j]: chains that begin inside the window
-            total = total + STEP_DECAY**j * batch.mean(kl, offset=1 + j)
+            total = total + STEP_DECAY**j * kl.mean()
         return total
 
     return loss
 
 
 @torch.no_grad()
-def evaluate_head(target, head: Eagle3Head, heldout: TrainData, steps: int) -> dict:
-    """On held-out text (its learned positions: a conversation's answer), per training-time-test step j (a token
-    drafted j + 1 deep): greedy alpha (the head's argmax is the target's, over the full vocabulary) and KL(p || q)
-    over the draft vocabulary."""
-    alpha, kl = [Totals() for _ in range(steps)], [Totals() for _ in range(steps)]
-    for batch in evaluation_batches(heldout, target.device):
-        feats, p_logits = target_features(target, head, batch.tokens)
-        want = p_logits[:, 1:].argmax(-1)  # [B, T]
-        logp = F.log_softmax(p_logits[:, 1:][..., head.target_ids()], -1)
-        for j, q_logits in enumerate(unrolled(head, batch.tokens, feats, steps)):
-            got = head.target_ids()[q_logits.argmax(-1)]
-            alpha[j].add(batch, (got == want)[:, j:].float(), offset=1 + j)
-            logq = F.log_softmax(q_logits.float(), -1)
-            kl[j].add(batch, (logp.exp() * (logp - logq)).sum(-1)[:, j:], offset=1 + j)
-    return {"greedy_alpha": [a.mean() for a in alpha], "kl": [k.mean() for k in kl]}
+def evaluate_head(target, head: Eagle3Head, tokens: torch.Tensor, steps: int, seq_len: int = 128, windows: int = 16,
+                  seed: int = 1234) -> dict:
+    """On held-out text, per training-time-test step j (a token drafted j + 1 deep): greedy alpha (the head's
+    argmax is the target's, over the full vocabulary) and KL(p || q) over the draft vocabulary."""
+    batch = sample_windows(tokens, windows, min(seq_len, tokens.numel() - 1), torch.Generator(device=HOST).manual_seed(seed))
+    feats, p_logits = target_features(target, head, batch)
+    want = p_logits[:, 1:].argmax(-1)  # [B, T]
+    logp = F.log_softmax(p_logits[:, 1:][..., head.target_ids()], -1)
+    alpha, kl = [], []
+    for j, q_logits in enumerate(unrolled(head, batch, feats, steps)):
+        got = head.target_ids()[q_logits.argmax(-1)]
+        alpha.append(float((got == want)[:, j:].float().mean()))
+        logq = F.log_softmax(q_logits.float(), -1)
+        kl.append(float((logp.exp() * (logp - logq)).sum(-1)[:, j:].mean()))
+    return {"greedy_alpha": alpha, "kl": kl}
 
 
-def train_head(target: PreTrainedModel, tokenizer, out_dir: str | Path, data: TrainData, heldout: TrainData,
+def train_head(target: PreTrainedModel, tokenizer, out_dir: str | Path, tokens: torch.Tensor, heldout: torch.Tensor,
                draft_vocab_size: int, cfg: TrainConfig = TrainConfig(), ttt_steps: int = 3, resume: bool = False,
                on_step=None) -> dict:
-    """Train an EAGLE-3 head for `target` (its draft vocabulary the tokens most frequent in what `data` drafts) and
-    save it (EAGLE-3's layout, with the tokenizer)
+    """Train an EAGLE-3 head for `target` on a token stream and save it (EAGLE-3's layout, with the tokenizer)
     to out_dir; resumable from out_dir/checkpoint. -> a summary with held-out alpha before and after"""
     if ttt_steps < 1:
         raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
@@ -140,9 +139,9 @@ def train_head(target: PreTrainedModel, tokenizer, out_dir: str | Path, data: Tr
     out.mkdir(parents=True, exist_ok=True)
     target.eval().requires_grad_(False)
     torch.manual_seed(cfg.seed)
-    head = new_head(target, frequent_tokens(data.drafted(), V, draft_vocab_size))
+    head = new_head(target, frequent_tokens(tokens, V, draft_vocab_size))
     before = evaluate_head(target, head, heldout, ttt_steps)
-    result = train(head, ttt_loss(target, head, ttt_steps), data, cfg, out / "checkpoint", resume, "distill-head",
+    result = train(head, ttt_loss(target, head, ttt_steps), tokens, cfg, out / "checkpoint", resume, "distill-head",
                    on_step)
     after = evaluate_head(target, head, heldout, ttt_steps)
     save_head(head, out)
@@ -179,39 +178,39 @@ def _medusa_pass(target, heads: MedusaHeads, batch: torch.Tensor):
 
 
 def medusa_loss(target: PreTrainedModel, heads: MedusaHeads):
-    """a batch -> sum over heads i of 0.8^i KL(p at t + 1 + i || head i at t), over learned positions t + 1 + i."""
+    """batch [B, S] -> sum over heads i of 0.8^i KL(p at t + 1 + i || head i at t)."""
 
-    def loss(batch: TrainBatch) -> torch.Tensor:
-        logp, logq = _medusa_pass(target, heads, batch.tokens)
+    def loss(batch: torch.Tensor) -> torch.Tensor:
+        logp, logq = _medusa_pass(target, heads, batch)
         total = 0.0
         for i, q in enumerate(logq):
             p = logp[:, 1 + i :]  # the target's distribution i + 1 positions on
             kl = (p.exp() * (p - q[:, : p.shape[1]])).sum(-1)
-            total = total + STEP_DECAY**i * batch.mean(kl, offset=1 + i)
+            total = total + STEP_DECAY**i * kl.mean()
         return total
 
     return loss
 
 
 @torch.no_grad()
-def evaluate_medusa(target, heads: MedusaHeads, heldout: TrainData) -> dict:
-    """On held-out text (its learned positions), per head: greedy alpha (its argmax is the target's argmax i + 1
-    positions on) and KL."""
-    alpha, kl = [Totals() for _ in range(heads.num_heads)], [Totals() for _ in range(heads.num_heads)]
-    for batch in evaluation_batches(heldout, target.device):
-        logp, logq = _medusa_pass(target, heads, batch.tokens)
-        for i, q in enumerate(logq):
-            p = logp[:, 1 + i :]
-            q = q[:, : p.shape[1]]
-            alpha[i].add(batch, (p.argmax(-1) == q.argmax(-1)).float(), offset=1 + i)
-            kl[i].add(batch, (p.exp() * (p - q)).sum(-1), offset=1 + i)
-    return {"greedy_alpha": [a.mean() for a in alpha], "kl": [k.mean() for k in kl]}
+def evaluate_medusa(target, heads: MedusaHeads, tokens: torch.Tensor, seq_len: int = 128, windows: int = 16,
+                    seed: int = 1234) -> dict:
+    """On held-out text, per head: greedy alpha (its argmax is the target's argmax i + 1 positions on) and KL."""
+    batch = sample_windows(tokens, windows, min(seq_len, tokens.numel() - 1), torch.Generator(device=HOST).manual_seed(seed))
+    logp, logq = _medusa_pass(target, heads, batch)
+    alpha, kl = [], []
+    for i, q in enumerate(logq):
+        p = logp[:, 1 + i :]
+        q = q[:, : p.shape[1]]
+        alpha.append(float((p.argmax(-1) == q.argmax(-1)).float().mean()))
+        kl.append(float((p.exp() * (p - q)).sum(-1).mean()))
+    return {"greedy_alpha": alpha, "kl": kl}
 
 
-def train_medusa(target: PreTrainedModel, tokenizer, out_dir: str | Path, data: TrainData, heldout: TrainData,
+def train_medusa(target: PreTrainedModel, tokenizer, out_dir: str | Path, tokens: torch.Tensor, heldout: torch.Tensor,
                  num_heads: int = 4, num_layers: int = 1, cfg: TrainConfig = TrainConfig(), resume: bool = False,
                  on_step=None) -> dict:
-    """Train Medusa heads for `target` and save them (vLLM's layout, with the tokenizer) to
+    """Train Medusa heads for `target` on a token stream and save them (vLLM's layout, with the tokenizer) to
     out_dir; resumable. -> a summary with held-out alpha per head before and after"""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -219,7 +218,7 @@ def train_medusa(target: PreTrainedModel, tokenizer, out_dir: str | Path, data: 
     torch.manual_seed(cfg.seed)
     heads = new_medusa(target, num_heads, num_layers)
     before = evaluate_medusa(target, heads, heldout)
-    result = train(heads, medusa_loss(target, heads), data, cfg, out / "checkpoint", resume, "distill-medusa", on_step)
+    result = train(heads, medusa_loss(target, heads), tokens, cfg, out / "checkpoint", resume, "distill-medusa", on_step)
     after = evaluate_medusa(target, heads, heldout)
     save_medusa(heads, out)
     tokenizer.save_pretrained(out)

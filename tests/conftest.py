@@ -277,11 +277,11 @@ def trained_head(smooth, tmp_path_factory) -> Trained:
     """An EAGLE-3 head trained on text `smooth` samples, for a few seconds: it agrees with it often."""
     from specdec.eagle3 import load_head
     from specdec.head_training import train_head
-    from specdec.training import TokenStream, TrainConfig
+    from specdec.training import TrainConfig
 
     tokens, out = _sampled_text(smooth.model, 0), tmp_path_factory.mktemp("eagle3")
     cut = tokens.numel() * 9 // 10
-    summary = train_head(smooth.model, NoTokenizer(), out, TokenStream(tokens[:cut]), TokenStream(tokens[cut:]), VOCAB - 8,
+    summary = train_head(smooth.model, NoTokenizer(), out, tokens[:cut], tokens[cut:], VOCAB - 8,
                          TrainConfig(steps=150, batch_size=16, seq_len=48), ttt_steps=3)
     return Trained(load_head(out, smooth.model), str(out), summary)
 
@@ -291,10 +291,10 @@ def trained_medusa(smooth, tmp_path_factory) -> Trained:
     """Four Medusa heads trained on text `smooth` samples, for a few seconds."""
     from specdec.head_training import train_medusa
     from specdec.medusa import load_medusa
-    from specdec.training import TokenStream, TrainConfig
+    from specdec.training import TrainConfig
 
     tokens, out = _sampled_text(smooth.model, 1), tmp_path_factory.mktemp("medusa")
     cut = tokens.numel() * 9 // 10
-    summary = train_medusa(smooth.model, NoTokenizer(), out, TokenStream(tokens[:cut]), TokenStream(tokens[cut:]), num_heads=4,
+    summary = train_medusa(smooth.model, NoTokenizer(), out, tokens[:cut], tokens[cut:], num_heads=4,
                            cfg=TrainConfig(steps=150, batch_size=16, seq_len=48))
     return Trained(load_medusa(out, smooth.model), str(out), summary)

@@ -8,12 +8,12 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import specdec.fast_pair as fp
 from specdec.cli import main
-from specdec.distill import distill, draft_config, generated_corpus
+from specdec.distill import distill, draft_config, generated_corpus, split_heldout
 from specdec.draft_vocab import read_ranking
 from specdec.engine import SpeculativeEngine
 from specdec.kvcache import CachedLM
 from specdec.loading import load_model, load_tokenizer
-from specdec.training import TokenStream, TrainConfig
+from specdec.training import TrainConfig
 from test_cli import _with_tokenizer
 
 
@@ -29,7 +29,7 @@ def setup(target, model_dirs, tmp_path_factory):
     target_dir = _with_tokenizer(str(root / "teacher"), root / "target")
     target, tokenizer = load_model(target_dir), load_tokenizer(target_dir)
     tokens = generated_corpus(target, tokenizer, 4000, seed=0, seq_len=64)
-    return target_dir, target, tokenizer, *TokenStream(tokens).split(0.1)
+    return target_dir, target, tokenizer, *split_heldout(tokens, 0.1)
 
 
 def small_cfg(steps, **kw):

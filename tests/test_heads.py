@@ -24,7 +24,7 @@ from specdec.head_training import (evaluate_head, frequent_tokens, new_head, new
 from specdec.medusa import MedusaHeads, is_medusa, load_medusa, save_medusa
 from specdec.loading import load_draft, load_model
 from specdec.target import TargetWorker
-from specdec.training import TokenStream, TrainConfig
+from specdec.training import TrainConfig
 from specdec.tree import TokenTree
 
 from conftest import NEW_TOKENS, VOCAB, NoTokenizer
@@ -292,18 +292,17 @@ def test_draft_vocabulary_is_the_most_frequent_tokens():
 
 
 def test_training_resumes_from_its_checkpoint(target, tmp_path):
-    tokens = TokenStream(torch.randint(0, VOCAB, (2000,), generator=torch.Generator().manual_seed(0)))
-    heldout = TokenStream(tokens.tokens[:200])
+    tokens = torch.randint(0, VOCAB, (2000,), generator=torch.Generator().manual_seed(0))
     cfg = TrainConfig(steps=6, batch_size=4, seq_len=16, checkpoint_every=3)
-    first = train_head(target, NoTokenizer(), tmp_path, tokens, heldout, 32, cfg)
+    first = train_head(target, NoTokenizer(), tmp_path, tokens, tokens[:200], 32, cfg)
     assert first["steps"] == 6 and (tmp_path / "checkpoint" / "checkpoint.pt").is_file()
-    more = train_head(target, NoTokenizer(), tmp_path, tokens, heldout, 32,
+    more = train_head(target, NoTokenizer(), tmp_path, tokens, tokens[:200], 32,
                       TrainConfig(steps=9, batch_size=4, seq_len=16), resume=True)
     assert more["steps"] == 9
     assert load_head(tmp_path, target).d2t.numel() == 32
     with pytest.raises(ValueError, match="draft_vocab_size"):
-        train_head(target, NoTokenizer(), tmp_path, tokens, heldout, VOCAB + 1, cfg)
-    assert evaluate_head(target, load_head(tmp_path, target), heldout, 2)["greedy_alpha"][1] >= 0
+        train_head(target, NoTokenizer(), tmp_path, tokens, tokens[:200], VOCAB + 1, cfg)
+    assert evaluate_head(target, load_head(tmp_path, target), tokens[:200], 2)["greedy_alpha"][1] >= 0
 
 
 # ------------------------------------------------------------------ Medusa
