@@ -15,6 +15,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from .training import Conversation
+
 
 CODE_TASKS = (
     "Explain what this code does:\n{x}",
@@ -145,25 +147,25 @@ def chat_prompts(tokenizer, asks: list[str]) -> list[list[int]]:
                                           tokenize=True, return_dict=False) for a in asks]
 
 
-def greedy_answers(engine, tokenizer, asks: list[str], max_tokens: int, batch: int, progress=None) -> list[list[int]]:
-    """The target's greedy answers -> [prompt + answer] token lists, one per ask (asks batched by length)."""
+def greedy_answers(engine, tokenizer, asks: list[str], max_tokens: int, batch: int, progress=None) -> list[Conversation]:
+    """The target's greedy answers -> one conversation (prompt + answer) per ask (asks batched by length)."""
     from .sampling import SamplingParams
 
     prompts = chat_prompts(tokenizer, asks)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    texts: list[list[int] | None] = [None] * len(prompts)
+    texts: list[Conversation | None] = [None] * len(prompts)
     for start in range(0, len(order), batch):
         rows = order[start : start + batch]
         outs = engine.generate([prompts[i] for i in rows], max_tokens, SamplingParams(temperature=0.0))
         for i, o in zip(rows, outs):
-            texts[i] = prompts[i] + o.token_ids
+            texts[i] = Conversation(prompts[i] + o.token_ids, len(prompts[i]))
         if progress is not None:
             progress(len(rows), sum(len(o.token_ids) for o in outs))
     return texts
 
 
 def chat_corpus(target, tokenizer, conversations: int, seed: int, max_tokens: int = 192,
-                batch: int = 64) -> list[list[int]]:
+                batch: int = 64) -> list[Conversation]:
     """The target's greedy answers to `conversations` prompts, a third of them questions it posed itself and
     the rest instructions over the standard library -> [prompt + answer] token lists, in a seeded order."""
     from tqdm import tqdm

@@ -6,9 +6,13 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .drafter_kinds import HEAD_MODES, DrafterKind
 from .workload import DEFAULT_TURNS, Workload
+
+if TYPE_CHECKING:  # torch loads when a command runs, not to parse one
+    from .training import Conversation
 
 
 def parse_depth(text: str) -> int | str:
@@ -105,7 +109,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                    "target generates")
     d.add_argument("--chat", type=int, metavar="N", help="learn (also) from the target's greedy answers to N chat "
                    "prompts: instructions over the standard library and questions it poses itself (specdec.chat_corpus); "
-                   "written once into --out/chat-corpus.json and read from there again")
+                   "written once into --out/chat-corpus.json and read from there again. The last 5%% are held out: "
+                   "the held-out alpha is then measured on their answers, each read from its first token")
     d.add_argument("--chat-tokens", type=int, default=192, help="--chat: at most this many tokens an answer")
     d.add_argument("--layers", type=int, default=1)
     d.add_argument("--hidden", type=int, default=256)
@@ -234,7 +239,7 @@ def cmd_generate(args) -> None:
 def cmd_distill(args) -> None:
     import torch
 
-    from .distill import corpus_files, distill, encode_texts, generated_corpus, split_heldout
+    from .distill import corpus_files, distill, encode_texts, generated_corpus, split_conversations, split_heldout
     from .draft_vocab import DEFAULT_SIZE
     from .loading import load_model, load_tokenizer, parse_dtype
     from .training import TrainConfig
@@ -242,7 +247,10 @@ def cmd_distill(args) -> None:
     cfg = TrainConfig(steps=None if args.minutes else (args.steps or 300), minutes=args.minutes,
                       batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, seed=args.seed)
     tokenizer = load_tokenizer(args.target)
-    parts = [chat_tokens(args, tokenizer)] if args.chat is not None else []  # the target as served writes them, first
+    parts, heldout = [], None
+    if args.chat is not None:  # the target as served writes them, first; the last ones held out, judged on answers
+        chat_stream, heldout = split_conversations(chat_conversations(args, tokenizer))
+        parts.append(chat_stream)
     target = load_model(args.target, parse_dtype(args.dtype), args.device)
     if args.corpus:
         files = corpus_files(args.corpus)
@@ -253,7 +261,10 @@ def cmd_distill(args) -> None:
     else:
         log(f"specdec: no --corpus: the target writes {args.generated_tokens} tokens to learn from")
         tokens = generated_corpus(target, tokenizer, args.generated_tokens, args.seed)
-    train_tokens, heldout = split_heldout(tokens.to(target.device))
+    if heldout is None:
+        train_tokens, heldout = split_heldout(tokens.to(target.device))
+    else:
+        train_tokens = tokens.to(target.device)
     if args.head:
         distill_head(args, target, tokenizer, train_tokens, heldout, cfg)
         return
@@ -267,15 +278,13 @@ def cmd_distill(args) -> None:
         print(json.dumps(summary))
 
 
-def chat_tokens(args, tokenizer) -> "torch.Tensor":
-    """--chat's training text as one token stream [N]: the target's greedy answers (specdec.chat_corpus), read
-    from --out/chat-corpus.json when it holds the same request, else written there."""
-    import torch
-
+def chat_conversations(args, tokenizer) -> "list[Conversation]":
+    """--chat's training text: the target's greedy answers (specdec.chat_corpus) with their prompts, read from
+    --out/chat-corpus.json when it holds the same request, else written there."""
     from .cache_dir import write_json
     from .chat_corpus import chat_corpus
-    from .device import HOST
     from .loading import load_served_model
+    from .training import Conversation
 
     if args.chat < 1 or args.chat_tokens < 1:
         raise SystemExit(f"specdec distill: --chat and --chat-tokens must be positive, got {args.chat} and "
@@ -284,16 +293,19 @@ def chat_tokens(args, tokenizer) -> "torch.Tensor":
     asked = {"target": str(Path(args.target).resolve()), "conversations": args.chat, "seed": args.seed,
              "max_tokens": args.chat_tokens}
     cached = json.loads(path.read_text()) if path.is_file() else {}
-    if cached.get("asked") == asked:
-        texts = cached["texts"]
+    if cached.get("asked") == asked and "answer_starts" in cached:
+        chats = [Conversation(t, a) for t, a in zip(cached["texts"], cached["answer_starts"], strict=True)]
     else:
         log(f"specdec: the target answers {args.chat} chat prompts (greedy, at most {args.chat_tokens} tokens each)")
-        texts = chat_corpus(load_served_model(args.target, device=args.device), tokenizer, args.chat, args.seed,
+        chats = chat_corpus(load_served_model(args.target, device=args.device), tokenizer, args.chat, args.seed,
                             args.chat_tokens)
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, {"asked": asked, "texts": texts})
-    log(f"specdec: {len(texts)} chat answers, {sum(map(len, texts))} tokens with their prompts")
-    return torch.tensor([t for text in texts for t in text], dtype=torch.long, device=HOST)  # [N]
+        write_json(path, {"asked": asked, "texts": [c.tokens for c in chats],
+                          "answer_starts": [c.answer_start for c in chats]})
+    answers = sum(len(c.tokens) - c.answer_start for c in chats)
+    log(f"specdec: {len(chats)} chat answers, {answers} answer tokens ({sum(len(c.tokens) for c in chats)} with their "
+        "prompts)")
+    return chats
 
 
 def distill_head(args, target, tokenizer, tokens, heldout, cfg) -> None:

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from .device import HOST
 from .draft_vocab import DEFAULT_SIZE, rank_tokens, save_ranking
-from .training import TrainConfig, sample_windows, train
+from .training import Conversation, Heldout, Totals, TrainConfig, drafted_tokens, heldout_batches, train
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".jsonl")
 
@@ -129,19 +129,20 @@ def init_embedding(draft: PreTrainedModel, target: PreTrainedModel) -> None:
 
 
 @torch.no_grad()
-def evaluate(target, draft, tokens: torch.Tensor, seq_len: int = 128, windows: int = 16, seed: int = 1234) -> dict:
-    """On held-out text: KL(p || q); greedy alpha (draft argmax == target argmax, per position); and
-    sampled alpha sum(min(p, q)) at temperature 1 (the chance a draft sample is accepted)."""
-    batch = sample_windows(tokens, windows, min(seq_len, tokens.numel() - 1), torch.Generator(device=HOST).manual_seed(seed))
-    p_logits = target(input_ids=batch).logits.float()
-    q_logits = draft(input_ids=batch).logits.float()
-    V = min(p_logits.shape[-1], q_logits.shape[-1])
-    logp, logq = F.log_softmax(p_logits[..., :V], -1), F.log_softmax(q_logits[..., :V], -1)
-    return {
-        "kl": float((logp.exp() * (logp - logq)).sum(-1).mean()),
-        "greedy_alpha": float((logp.argmax(-1) == logq.argmax(-1)).float().mean()),
-        "sampled_alpha": float(torch.minimum(logp.exp(), logq.exp()).sum(-1).mean()),
-    }
+def evaluate(target, draft, heldout: Heldout) -> dict:
+    """On held-out text (or conversations' answers: specdec.training.heldout_batches): KL(p || q); greedy alpha
+    (draft argmax == target argmax, per position); and sampled alpha sum(min(p, q)) at temperature 1 (the chance a
+    draft sample is accepted)."""
+    kl, greedy, sampled = Totals(), Totals(), Totals()
+    for batch in heldout_batches(heldout, target.device):
+        p_logits = target(input_ids=batch.tokens).logits.float()
+        q_logits = draft(input_ids=batch.tokens).logits.float()
+        V = min(p_logits.shape[-1], q_logits.shape[-1])
+        logp, logq = F.log_softmax(p_logits[..., :V], -1), F.log_softmax(q_logits[..., :V], -1)
+        kl.add(batch, (logp.exp() * (logp - logq)).sum(-1))
+        greedy.add(batch, (logp.argmax(-1) == logq.argmax(-1)).float())
+        sampled.add(batch, torch.minimum(logp.exp(), logq.exp()).sum(-1))
+    return {"kl": kl.mean(), "greedy_alpha": greedy.mean(), "sampled_alpha": sampled.mean()}
 
 
 def distill(
@@ -149,7 +150,7 @@ def distill(
     tokenizer,
     out_dir: str | Path,
     tokens: torch.Tensor,  # [N] training text as one token stream
-    heldout: torch.Tensor,  # [M] held-out text
+    heldout: Heldout,  # held-out text [M], or conversations judged on their answers
     layers: int = 1,
     hidden: int = 256,
     cfg: TrainConfig = TrainConfig(),
@@ -177,7 +178,7 @@ def distill(
     save_ranking(out, ranking)
     summary = {"out": str(out), **result, "before": before, "after": after,
                "draft_params": sum(p.numel() for p in draft.parameters()), "draft_vocab": ranking.size,
-               "heldout_kept": round(float(torch.isin(heldout.cpu(), ranking.kept()).float().mean()), 4)}
+               "heldout_kept": round(float(torch.isin(drafted_tokens(heldout), ranking.kept()).float().mean()), 4)}
     (out / "distill_summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -185,6 +186,15 @@ def distill(
 def split_heldout(tokens: torch.Tensor, fraction: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
     cut = int(tokens.numel() * (1 - fraction))
     return tokens[:cut], tokens[cut:]
+
+
+def split_conversations(chats: list[Conversation], fraction: float = 0.05) -> tuple[torch.Tensor, list[Conversation]]:
+    """-> (the first conversations as one training stream [N], the last `fraction` of them (at least one) held out,
+    to judge a drafter on their answers)"""
+    if len(chats) < 2:
+        raise ValueError(f"{len(chats)} conversation: at least 2 are needed, one to hold out")
+    cut = min(len(chats) - 1, int(len(chats) * (1 - fraction)))
+    return torch.tensor([t for c in chats[:cut] for t in c.tokens], dtype=torch.long, device=HOST), chats[cut:]
 
 
 def remove_checkpoint(out_dir: str | Path) -> None:

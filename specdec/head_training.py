@@ -22,7 +22,7 @@ from .cpu_linear import dense_weight
 from .device import HOST
 from .eagle3 import Eagle3Head, head_config, save_head, spread_aux_layers
 from .medusa import MedusaHeads, save_medusa
-from .training import TrainConfig, sample_windows, train
+from .training import Heldout, Totals, TrainConfig, heldout_batches, train
 
 STEP_DECAY = 0.8  # EAGLE-3's weight of the j-th step's loss
 
@@ -108,24 +108,24 @@ def ttt_loss(target: PreTrainedModel, head: Eagle3Head, steps: int):
 
 
 @torch.no_grad()
-def evaluate_head(target, head: Eagle3Head, tokens: torch.Tensor, steps: int, seq_len: int = 128, windows: int = 16,
-                  seed: int = 1234) -> dict:
-    """On held-out text, per training-time-test step j (a token drafted j + 1 deep): greedy alpha (the head's
-    argmax is the target's, over the full vocabulary) and KL(p || q) over the draft vocabulary."""
-    batch = sample_windows(tokens, windows, min(seq_len, tokens.numel() - 1), torch.Generator(device=HOST).manual_seed(seed))
-    feats, p_logits = target_features(target, head, batch)
-    want = p_logits[:, 1:].argmax(-1)  # [B, T]
-    logp = F.log_softmax(p_logits[:, 1:][..., head.target_ids()], -1)
-    alpha, kl = [], []
-    for j, q_logits in enumerate(unrolled(head, batch, feats, steps)):
-        got = head.target_ids()[q_logits.argmax(-1)]
-        alpha.append(float((got == want)[:, j:].float().mean()))
-        logq = F.log_softmax(q_logits.float(), -1)
-        kl.append(float((logp.exp() * (logp - logq)).sum(-1)[:, j:].mean()))
-    return {"greedy_alpha": alpha, "kl": kl}
+def evaluate_head(target, head: Eagle3Head, heldout: Heldout, steps: int) -> dict:
+    """On held-out text (or conversations' answers: specdec.training.heldout_batches), per training-time-test step j
+    (a token drafted j + 1 deep): greedy alpha (the head's argmax is the target's, over the full vocabulary) and
+    KL(p || q) over the draft vocabulary."""
+    alpha, kl = [Totals() for _ in range(steps)], [Totals() for _ in range(steps)]
+    for batch in heldout_batches(heldout, target.device):
+        feats, p_logits = target_features(target, head, batch.tokens)
+        want = p_logits[:, 1:].argmax(-1)  # [B, T]: entry t is position t + 1's
+        logp = F.log_softmax(p_logits[:, 1:][..., head.target_ids()], -1)
+        for j, q_logits in enumerate(unrolled(head, batch.tokens, feats, steps)):
+            got = head.target_ids()[q_logits.argmax(-1)]
+            alpha[j].add(batch, (got == want)[:, j:].float(), offset=1 + j)  # [B, T - j]: chains begun inside
+            logq = F.log_softmax(q_logits.float(), -1)
+            kl[j].add(batch, (logp.exp() * (logp - logq)).sum(-1)[:, j:], offset=1 + j)
+    return {"greedy_alpha": [a.mean() for a in alpha], "kl": [k.mean() for k in kl]}
 
 
-def train_head(target: PreTrainedModel, tokenizer, out_dir: str | Path, tokens: torch.Tensor, heldout: torch.Tensor,
+def train_head(target: PreTrainedModel, tokenizer, out_dir: str | Path, tokens: torch.Tensor, heldout: Heldout,
                draft_vocab_size: int, cfg: TrainConfig = TrainConfig(), ttt_steps: int = 3, resume: bool = False,
                on_step=None) -> dict:
     """Train an EAGLE-3 head for `target` on a token stream and save it (EAGLE-3's layout, with the tokenizer)
@@ -193,21 +193,21 @@ def medusa_loss(target: PreTrainedModel, heads: MedusaHeads):
 
 
 @torch.no_grad()
-def evaluate_medusa(target, heads: MedusaHeads, tokens: torch.Tensor, seq_len: int = 128, windows: int = 16,
-                    seed: int = 1234) -> dict:
-    """On held-out text, per head: greedy alpha (its argmax is the target's argmax i + 1 positions on) and KL."""
-    batch = sample_windows(tokens, windows, min(seq_len, tokens.numel() - 1), torch.Generator(device=HOST).manual_seed(seed))
-    logp, logq = _medusa_pass(target, heads, batch)
-    alpha, kl = [], []
-    for i, q in enumerate(logq):
-        p = logp[:, 1 + i :]
-        q = q[:, : p.shape[1]]
-        alpha.append(float((p.argmax(-1) == q.argmax(-1)).float().mean()))
-        kl.append(float((p.exp() * (p - q)).sum(-1).mean()))
-    return {"greedy_alpha": alpha, "kl": kl}
+def evaluate_medusa(target, heads: MedusaHeads, heldout: Heldout) -> dict:
+    """On held-out text (or conversations' answers), per head: greedy alpha (its argmax is the target's argmax i + 1
+    positions on) and KL."""
+    alpha, kl = [Totals() for _ in range(heads.num_heads)], [Totals() for _ in range(heads.num_heads)]
+    for batch in heldout_batches(heldout, target.device):
+        logp, logq = _medusa_pass(target, heads, batch.tokens)
+        for i, q in enumerate(logq):
+            p = logp[:, 1 + i :]  # entry t is position t + 1 + i's
+            q = q[:, : p.shape[1]]
+            alpha[i].add(batch, (p.argmax(-1) == q.argmax(-1)).float(), offset=1 + i)
+            kl[i].add(batch, (p.exp() * (p - q)).sum(-1), offset=1 + i)
+    return {"greedy_alpha": [a.mean() for a in alpha], "kl": [k.mean() for k in kl]}
 
 
-def train_medusa(target: PreTrainedModel, tokenizer, out_dir: str | Path, tokens: torch.Tensor, heldout: torch.Tensor,
+def train_medusa(target: PreTrainedModel, tokenizer, out_dir: str | Path, tokens: torch.Tensor, heldout: Heldout,
                  num_heads: int = 4, num_layers: int = 1, cfg: TrainConfig = TrainConfig(), resume: bool = False,
                  on_step=None) -> dict:
     """Train Medusa heads for `target` on a token stream and save them (vLLM's layout, with the tokenizer) to

@@ -48,6 +48,85 @@ def sample_windows(tokens: torch.Tensor, batch_size: int, seq_len: int, generato
     return torch.stack([tokens[s : s + seq_len] for s in starts.tolist()])
 
 
+@dataclass
+class Conversation:
+    """A prompt and the target's answer, as one token list; the answer begins at `answer_start`."""
+
+    tokens: list[int]
+    answer_start: int
+
+    def __post_init__(self):
+        if not 1 <= self.answer_start < len(self.tokens):
+            raise ValueError(f"an answer must start inside its conversation of {len(self.tokens)} tokens, "
+                             f"got answer_start={self.answer_start}")
+
+
+@dataclass
+class JudgedBatch:
+    """Held-out rows, and the positions whose next-token distribution a drafter is judged on."""
+
+    tokens: torch.Tensor  # [B, S]
+    judged: torch.Tensor | None = None  # [B, S] bool: position s's distribution (of token s + 1); None: every one
+
+    def sum(self, values: torch.Tensor, offset: int = 0) -> tuple[float, int]:
+        """-> (the sum of per-position values [B, S'] over judged positions, how many); entry t is position t + offset"""
+        if self.judged is None:
+            return float(values.sum()), values.numel()
+        mask = self.judged[:, offset : offset + values.shape[1]]
+        return float((values * mask.to(values.dtype)).sum()), int(mask.sum())
+
+
+Heldout = torch.Tensor | list[Conversation]  # text [M], judged everywhere; or conversations, judged on their answers
+
+
+def drafted_tokens(heldout: Heldout) -> torch.Tensor:
+    """The held-out tokens a drafter would propose [N]: the text, or the conversations' answers."""
+    if isinstance(heldout, torch.Tensor):
+        return heldout.cpu()
+    return torch.tensor([t for c in heldout for t in c.tokens[c.answer_start :]], dtype=torch.long, device=HOST)
+
+
+def heldout_batches(heldout: Heldout, device: torch.device, windows: int = 16, seq_len: int = 128,
+                    conversations: int = 64, seed: int = 1234) -> list[JudgedBatch]:
+    """Fixed held-out batches, the same before and after training. Text: `windows` random windows. Conversations:
+    up to `conversations` of them spread over every length, 8 of neighbouring lengths a batch, each from its first
+    token (the target's features see the whole prompt, as served) and right-padded (a causal model's positions
+    never see the padding after them), judged on its answer from the second token on: what a drafter proposes
+    when served (the first comes from the target's prefill)."""
+    if isinstance(heldout, torch.Tensor):
+        batch = sample_windows(heldout, windows, min(seq_len, heldout.numel() - 1),
+                               torch.Generator(device=HOST).manual_seed(seed))
+        return [JudgedBatch(batch.to(device))]
+    chats = sorted(heldout, key=lambda c: len(c.tokens))
+    chats = chats[:: max(1, len(chats) // conversations)][:conversations]
+    return [_padded(chats[i : i + 8], device) for i in range(0, len(chats), 8)]
+
+
+def _padded(chats: list[Conversation], device: torch.device) -> JudgedBatch:
+    S = max(len(c.tokens) for c in chats)
+    tokens = torch.zeros(len(chats), S, dtype=torch.long, device=HOST)
+    judged = torch.zeros(len(chats), S, dtype=torch.bool, device=HOST)
+    for b, c in enumerate(chats):
+        tokens[b, : len(c.tokens)] = torch.tensor(c.tokens, dtype=torch.long, device=HOST)
+        judged[b, c.answer_start : len(c.tokens) - 1] = True  # the next token is the answer's, from its second
+    return JudgedBatch(tokens.to(device), judged.to(device))
+
+
+class Totals:
+    """Per-position values summed over several batches' judged positions, for their mean."""
+
+    def __init__(self):
+        self.total, self.count = 0.0, 0
+
+    def add(self, batch: JudgedBatch, values: torch.Tensor, offset: int = 0) -> None:
+        total, count = batch.sum(values, offset)
+        self.total += total
+        self.count += count
+
+    def mean(self) -> float:
+        return self.total / max(self.count, 1)
+
+
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     warm = max(1, int(cfg.warmup * total))
     if step < warm:

@@ -62,10 +62,12 @@ def test_greedy_answers_batched_by_length_belong_to_their_asks(chat_target):
     together = cc.greedy_answers(engine, tokenizer, asks, max_tokens=10, batch=2)
     alone = [cc.greedy_answers(engine, tokenizer, [a], max_tokens=10, batch=1)[0] for a in asks]
     assert together == alone
-    for ask, text in zip(asks, together):
+    for ask, conversation in zip(asks, together):
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": ask}], add_generation_prompt=True,
                                                tokenize=True, return_dict=False)
+        text = conversation.tokens
         assert text[: len(prompt)] == prompt and len(prompt) < len(text) <= len(prompt) + 10
+        assert conversation.answer_start == len(prompt)  # the answer, and only it, is what a drafter learns
 
 
 def test_distill_chat_writes_its_corpus_once_and_reads_it_back(chat_target, tmp_path, capsys, monkeypatch):
@@ -77,7 +79,8 @@ def test_distill_chat_writes_its_corpus_once_and_reads_it_back(chat_target, tmp_
 
     main(args("12"))
     saved = json.loads((out / "chat-corpus.json").read_text())
-    assert saved["asked"]["conversations"] == 12 and len(saved["texts"]) == 12
+    assert saved["asked"]["conversations"] == 12 and len(saved["texts"]) == len(saved["answer_starts"]) == 12
+    assert all(0 < a < len(t) for t, a in zip(saved["texts"], saved["answer_starts"]))
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == 2
 
     def written_again(*a, **k):
