@@ -161,11 +161,11 @@ def train(
     total = cfg.steps or 10**9
     deadline = time.monotonic() + cfg.minutes * 60 if cfg.minutes else None
     model.train()
-    t0, seen, loss_ema = time.perf_counter(), 0, None
+    t0, seen, loss_ema, first = time.perf_counter(), 0, None, step
     bar = tqdm(total=cfg.steps, initial=step, desc=desc, unit="step", mininterval=1.0)
     while step < total and (deadline is None or time.monotonic() < deadline):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg.steps or _estimated_steps(step, t0, deadline), cfg)
+            group["lr"] = lr_at(step, cfg.steps or estimated_steps(step, step - first, t0, deadline), cfg)
         batch = sample_windows(tokens, cfg.batch_size, cfg.seq_len, gen)
         with torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
             loss = loss_fn(batch)
@@ -189,12 +189,13 @@ def train(
     return {"steps": step, "loss": loss_ema, "tokens": seen, "seconds": time.perf_counter() - t0}
 
 
-def _estimated_steps(step: int, t0: float, deadline: float) -> int:
-    """For a time budget: the total step count the current pace reaches (sets the LR schedule)."""
+def estimated_steps(step: int, done: int, t0: float, deadline: float) -> int:
+    """For a time budget: the total step count the current pace reaches (sets the LR schedule). `done` steps of
+    `step` ran since t0 (the rest before a resume), so they set the pace."""
     elapsed = time.perf_counter() - t0
-    if step == 0 or elapsed <= 0:
+    if done == 0 or elapsed <= 0:
         return 10**6
-    return step + int((deadline - time.monotonic()) / (elapsed / step))
+    return step + int((deadline - time.monotonic()) / (elapsed / done))
 
 
 def save_checkpoint(path: Path, model, opt, gen: torch.Generator, step: int) -> None:

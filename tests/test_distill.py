@@ -134,3 +134,13 @@ def test_models_fast_cli_json(tmp_path, capsys, monkeypatch):
     pair = json.loads(captured.out.strip().splitlines()[-1])
     assert pair["target"].startswith(str(tmp_path / "specdec")) and pair["draft"].endswith("draft")
     assert "building the fast model pair" in captured.err and str(tmp_path) in captured.err
+
+
+def test_a_resumed_time_budget_paces_its_schedule_by_the_steps_it_ran_itself(monkeypatch):
+    import specdec.training as tr
+
+    monkeypatch.setattr(tr.time, "perf_counter", lambda: 160.0)
+    monkeypatch.setattr(tr.time, "monotonic", lambda: 1000.0)
+    # resumed at step 517; 10 steps in the 60 s since, 300 s left: 50 more steps, not 517 / 60 a second's worth
+    assert tr.estimated_steps(527, 10, t0=100.0, deadline=1300.0) == 577
+    assert tr.estimated_steps(517, 0, t0=100.0, deadline=1300.0) == 10**6  # no pace yet: the LR stays near its peak
