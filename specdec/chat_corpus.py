@@ -167,7 +167,7 @@ def greedy_answers(engine, tokenizer, asks: list[str], max_tokens: int, batch: i
 def chat_corpus(target, tokenizer, conversations: int, seed: int, max_tokens: int = 192,
                 batch: int = 64) -> list[Conversation]:
     """The target's greedy answers to `conversations` prompts, a third of them questions it posed itself and
-    the rest instructions over the standard library -> [prompt + answer] token lists, in a seeded order."""
+    the rest instructions over the standard library -> their conversations (prompt + answer), in a seeded order."""
     from tqdm import tqdm
 
     from .engine import SpeculativeEngine
