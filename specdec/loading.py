@@ -116,13 +116,12 @@ def load_draft(path: str, target: "PreTrainedModel | TargetParts", dtype: torch.
     bfloat16 head on a CPU with bfloat16 instructions reads half the bytes, greedy output unchanged).
     With `served`, as specdec serves it: its linear layers packed on a CPU (specdec.cpu_linear), heads' too."""
     if is_eagle3(local_folder(path)):
-        from .eagle3 import load_head
-
-        head = load_head(local_folder(path), target, dtype)
+        from .eagle3 import load_head as load
     elif is_medusa(local_folder(path)):
-        head = load_medusa(local_folder(path), target, dtype)
+        load = load_medusa
     else:
         return on_compute(device, load_draft_model, path, dtype or torch.float32, device, served)
+    head = on_compute(device, load, local_folder(path), target, dtype)  # torch's work on the compute thread only
     return on_compute(device, pack_linears, head) if served else head
 
 
