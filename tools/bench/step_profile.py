@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from specdec.bench import build_modes, modes_asked
+from specdec.compute import on_compute, single_threaded
 from specdec.loading import check_draft_tokenizer, eos_ids, load_draft, load_served_model, load_tokenizer, parse_dtype
 from specdec.prompts import load_prompts
 from specdec.sampling import SamplingParams
@@ -94,12 +95,18 @@ def profile_mode(mode, prompts: list[list[int]], clock: ForwardClock) -> StepSpl
 
 
 def torch_profile(mode, ids: list[int], device: torch.device) -> str:
-    """One generation under torch.profiler: its operators by self CPU time (a GPU's launches among them)."""
+    """One generation under torch.profiler: its operators by self CPU time (a GPU's launches among them). The
+    profiler records the operators of the thread that starts it, so on a CPU it starts on the compute thread,
+    where the models run (specdec.compute)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    prof = torch.profiler.profile(activities=activities)
+    on_compute(device, prof.__enter__)
+    try:
         mode.run(ids)
+    finally:
+        on_compute(device, prof.__exit__, None, None, None)
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
 
 
@@ -127,6 +134,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     args.corpus = None  # modes_asked's: no corpus modes here
+    single_threaded()  # the models run on the compute thread (specdec.compute), all of torch's threads theirs
     only = modes_asked(args)
     device, dtype = torch.device(args.device), parse_dtype(args.dtype)
     tokenizer = load_tokenizer(args.target)
