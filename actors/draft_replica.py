@@ -19,6 +19,7 @@ from specdec.scheduler import KvBudget
 from specdec.sampling import SamplingParams
 
 from specdec.closed import RecentlyClosed
+from specdec.compute import single_threaded_call
 from specdec.draft_loop import DraftLoop, DraftRequest
 
 from .grpc_target import GrpcTarget
@@ -124,7 +125,7 @@ class DraftReplica:
             layers = loop.drafter.feature_layers if loop.drafter is not None else ()
             opened, (prefilled,) = await asyncio.gather(
                 self.target.open_async(request_id, prompt, params, stream, max_new_tokens, layers),
-                asyncio.to_thread(loop.prefill, [prompt], [params.cache_salt]))
+                asyncio.to_thread(single_threaded_call, loop.prefill, [prompt], [params.cache_salt]))
             loop.join(DraftRequest(request_id, prompt, params, max_new_tokens, set(eos), depth, sink, stream,
                                    draft_prefill=prefilled, features=opened.features, first=opened.first))
             return await sink.result()

@@ -9,6 +9,7 @@ import torch
 
 from protos import specdec_tree_pb2 as tree_pb
 from specdec.acceptance import Verdict
+from specdec.compute import single_threaded_call
 from specdec.errors import RequestFailed, ResourceExhausted, Unavailable
 from specdec.sampling import SamplingParams
 from specdec.target import Opened, Outcome
@@ -102,7 +103,8 @@ class GrpcTarget:
             reply = call.result()
         except grpc.RpcError as e:
             raise self._open_error(e) from None
-        return Opened(_first(rid, reply), await asyncio.to_thread(self.prompt_features, rid) if feature_layers else None)
+        return Opened(_first(rid, reply), await asyncio.to_thread(single_threaded_call, self.prompt_features, rid)
+                      if feature_layers else None)
 
     def _open_error(self, e: grpc.RpcError) -> Exception:
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:

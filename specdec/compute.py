@@ -126,3 +126,10 @@ def single_threaded() -> None:
     openmp = _openmp()
     if openmp is not None:
         openmp.omp_set_num_threads(1)
+
+
+def single_threaded_call(fn: Callable[..., T], *args, **kwargs) -> T:
+    """fn(*args, **kwargs) on the calling thread once it is single_threaded: for work handed to a pool's thread
+    (asyncio.to_thread's, say), which would otherwise open a team of torch's threads of its own there."""
+    single_threaded()
+    return fn(*args, **kwargs)

@@ -4,6 +4,7 @@ target of its own (its config and shared embeddings read from the target's folde
 plain decoding, over real gRPC and through a Ray topology of a tensor-parallel target and two replicas;
 sampling keeps the target's distribution."""
 
+import asyncio
 import contextlib
 import json
 import threading
@@ -61,10 +62,12 @@ class CountingStub:
 
     def __init__(self, stub):
         self.stub, self.feature_calls = stub, 0
+        self.feature_threads: list[int] = []  # torch's threads on the thread that made each PromptFeatures call
 
     def __getattr__(self, name):
         if name == "PromptFeatures":
             self.feature_calls += 1
+            self.feature_threads.append(torch.get_num_threads())
         return getattr(self.stub, name)
 
 
@@ -317,3 +320,29 @@ def test_serve_checks_heads_against_the_target_before_the_actors_start(smooth, t
                                              num_key_value_heads=2).save_pretrained(other)
     with pytest.raises(HeadMismatch, match=r"hidden states of size 64 \(target_hidden_size\); the target.s are 96"):
         check_served_models(cfg(str(other), trained_head.path))
+
+
+def _threads_for_new_threads(n: int) -> None:
+    """torch's setting that threads started from now on take (the tests run on one: conftest), set from a
+    thread of its own, so that this thread opens no team of n."""
+    setter = threading.Thread(target=torch.set_num_threads, args=(n,))
+    setter.start(), setter.join()
+
+
+def test_prompt_features_read_on_a_pool_thread_run_torch_on_one(smooth, trained_head):
+    """open_async reads a prompt's features on a pool's thread (off the event loop); torch runs there on one
+    thread, so that no second team of torch's threads makes the compute thread's forwards wait (specdec.compute),
+    whatever torch's setting for new threads."""
+    model = load_replica_draft(trained_head.path, smooth.path, torch.float32, "cpu")
+    layers = make_drafter("model", draft_runner(model), 1).feature_layers
+    prompt = smooth.reference.prompts[-1]
+    before = torch.get_num_threads()
+    _threads_for_new_threads(2)
+    try:
+        with serving(smooth.model, limit=2048) as (scheduler, remote, stub):
+            opened = asyncio.run(remote.open_async("pooled", prompt, GREEDY, 0, 4, layers))
+            remote.close(["pooled"])
+    finally:
+        _threads_for_new_threads(before)
+    assert opened.features.shape[0] == len(prompt)
+    assert stub.feature_threads and set(stub.feature_threads) == {1}, stub.feature_threads
