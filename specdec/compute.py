@@ -15,6 +15,7 @@ acceptance). On a GPU the kernels run on the device and calls stay where they ar
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import ctypes
 import functools
@@ -133,3 +134,19 @@ def single_threaded_call(fn: Callable[..., T], *args, **kwargs) -> T:
     (asyncio.to_thread's, say), which would otherwise open a team of torch's threads of its own there."""
     single_threaded()
     return fn(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """Inside the block the calling thread runs torch on itself alone (as single_threaded), its own setting back
+    after it: for a caller's thread that hands the models' work to the compute thread and does some of its own
+    (the in-process engine's masks, say), which would otherwise open a team of torch's threads there."""
+    openmp = None if _COMPUTE is not None and threading.get_ident() == _COMPUTE.ident else _openmp()  # its team stays
+    before = torch.get_num_threads()
+    if openmp is not None:
+        openmp.omp_set_num_threads(1)
+    try:
+        yield
+    finally:
+        if openmp is not None:
+            openmp.omp_set_num_threads(before)

@@ -17,6 +17,7 @@ import torch
 
 from .adaptive import Load, StepCosts, best_k, best_speculative_k, goodput_by_k
 from .draft_loop import DraftLoop, DraftRequest
+from .compute import one_torch_thread
 from .drafter_kinds import DraftShape
 from .drafters import Drafter
 from .generation import Generation, RequestStats
@@ -93,6 +94,10 @@ class SpeculativeEngine:
     ) -> list[Generation]:
         """Continue each prompt by up to max_new_tokens; the prompts run as one batch. `streams` separates
         the random streams of rows sharing one seed (independent samples of one prompt)."""
+        with one_torch_thread():  # the models run on the compute thread (specdec.compute); this thread's share is small
+            return self._generate(prompts, max_new_tokens, params, streams)
+
+    def _generate(self, prompts, max_new_tokens, params, streams) -> list[Generation]:
         B = len(prompts)
         params = params if isinstance(params, list) else [params] * B
         streams = list(range(B)) if streams is None else streams
