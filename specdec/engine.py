@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .adaptive import Load, StepCosts, best_k, best_speculative_k, goodput_by_k
-from .draft_loop import DraftLoop, DraftRequest
 from .compute import one_torch_thread
+from .draft_loop import DraftLoop, DraftRequest
 from .drafter_kinds import DraftShape
 from .drafters import Drafter
 from .generation import Generation, RequestStats

@@ -14,6 +14,7 @@ import copy
 import os
 import random
 import shutil
+import threading
 from dataclasses import dataclass
 
 import pytest
@@ -82,6 +83,13 @@ def _noisy_copy(model: LlamaForCausalLM, noise: float, seed: int) -> LlamaForCau
         for p in draft.parameters():
             p.add_(torch.randn_like(p) * noise * p.std())
     return draft
+
+
+def threads_for_new_threads(n: int) -> None:
+    """torch's setting that threads started from now on take (these tests run on one, above), set from a thread
+    of its own, so that the calling thread opens no team of n."""
+    setter = threading.Thread(target=torch.set_num_threads, args=(n,))
+    setter.start(), setter.join()
 
 
 def save_tokenizer(path, words: list[str], chat_template: str | None = None) -> str:

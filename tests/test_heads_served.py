@@ -21,7 +21,7 @@ from actors.draft_replica import load_replica_draft
 from actors.grpc_target import GrpcTarget
 from actors.security import LinkSecurity, serve_target, target_channel
 from actors.target_service import TargetService
-from conftest import NEW_TOKENS, VOCAB
+from conftest import NEW_TOKENS, VOCAB, threads_for_new_threads
 from protos import specdec_tree_pb2 as tree_pb
 from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.acceptance import Verdict
@@ -322,13 +322,6 @@ def test_serve_checks_heads_against_the_target_before_the_actors_start(smooth, t
         check_served_models(cfg(str(other), trained_head.path))
 
 
-def _threads_for_new_threads(n: int) -> None:
-    """torch's setting that threads started from now on take (the tests run on one: conftest), set from a
-    thread of its own, so that this thread opens no team of n."""
-    setter = threading.Thread(target=torch.set_num_threads, args=(n,))
-    setter.start(), setter.join()
-
-
 def test_prompt_features_read_on_a_pool_thread_run_torch_on_one(smooth, trained_head):
     """open_async reads a prompt's features on a pool's thread (off the event loop); torch runs there on one
     thread, so that no second team of torch's threads makes the compute thread's forwards wait (specdec.compute),
@@ -337,12 +330,12 @@ def test_prompt_features_read_on_a_pool_thread_run_torch_on_one(smooth, trained_
     layers = make_drafter("model", draft_runner(model), 1).feature_layers
     prompt = smooth.reference.prompts[-1]
     before = torch.get_num_threads()
-    _threads_for_new_threads(2)
+    threads_for_new_threads(2)
     try:
         with serving(smooth.model, limit=2048) as (scheduler, remote, stub):
             opened = asyncio.run(remote.open_async("pooled", prompt, GREEDY, 0, 4, layers))
             remote.close(["pooled"])
     finally:
-        _threads_for_new_threads(before)
+        threads_for_new_threads(before)
     assert opened.features.shape[0] == len(prompt)
     assert stub.feature_threads and set(stub.feature_threads) == {1}, stub.feature_threads
