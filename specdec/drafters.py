@@ -275,13 +275,15 @@ class TreeGrower:
         ok = torch.ones(B, dtype=torch.bool, device=device)  # per row: its draft distribution was one
         greedy_rows = [b for b in range(B) if params[b].greedy]
         if greedy_rows:
-            logq = logits[greedy_rows].float().log_softmax(-1)  # [G, F, V]
+            G = len(greedy_rows)
+            rows = slice(None) if G == B else greedy_rows  # all greedy: views, not gathered copies
+            logq = logits[rows].float().log_softmax(-1)  # [G, F, V]
             top_logq, top_tok = logq.topk(W, dim=-1)  # [G, F, W]
-            scores = (cum[greedy_rows].unsqueeze(-1) + top_logq).view(len(greedy_rows), F * W)
+            scores = (cum[rows].unsqueeze(-1) + top_logq).view(G, F * W)
             best, flat = scores.topk(W, dim=-1)  # [G, W]
-            parent_col[greedy_rows] = flat // W
-            tokens[greedy_rows] = top_tok.view(len(greedy_rows), F * W).gather(1, flat)
-            new_cum[greedy_rows] = best
+            parent_col[rows] = flat // W
+            tokens[rows] = top_tok.view(G, F * W).gather(1, flat)
+            new_cum[rows] = best
         qs = {}  # sampled row -> q as (ids [F, m], probs [F, m]): what its new nodes were drawn from
         for b in range(B):
             if depths[b] < depth or params[b].greedy:

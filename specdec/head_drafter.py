@@ -12,6 +12,7 @@ a committed token is always the target's."""
 
 import torch
 
+from .compute import on_compute
 from .drafters import ModelDrafter, TreeGrower, _unpacked
 from .eagle3 import Eagle3Head
 from .kvcache import CachedLM, Prefilled
@@ -78,16 +79,14 @@ class HeadDrafter(_NoDraftingAhead, ModelDrafter):
         """Run each row's pairs the head has not seen (its features waiting, with the tokens after them) ->
         logits after each row's root [B, V] and the head's output there [B, 1, H]. A row with no pair at all
         (a one-token prompt) cannot draft this step: its depth becomes 0."""
-        chunks, fused = [], []
+        chunks, waiting = [], []
         for b, seq in enumerate(seqs):
-            have = self.lm.lengths[b]
-            f = torch.cat(self.pending[b]).to(self.lm.device) if self.pending[b] else None  # from the wire: on the host
-            n = 0 if f is None else f.shape[0]
+            have, n = self.lm.lengths[b], sum(f.shape[0] for f in self.pending[b])
             if have + n != len(seq) - 1:
                 raise RuntimeError(f"row {b}: the head has {have} positions and {n} features waiting for a sequence "
                                    f"of {len(seq)} tokens; a verdict came without its features")
             chunks.append(self._readable([seq[have + 1 : have + 1 + n]])[0])
-            fused.append(self.head.fuse(f) if n else None)
+            waiting += self.pending[b]
             self.pending[b] = []
             if n == 0:  # a one-token prompt: no pair to read the root's logits from
                 depths[b] = 0
@@ -95,12 +94,16 @@ class HeadDrafter(_NoDraftingAhead, ModelDrafter):
             if not all(d == 0 for d in depths):
                 raise RuntimeError("the head has run every pair but was never given a root's logits")
             return None, None
-        H = self.head.config.hidden_size
-        empty = torch.zeros(0, H, dtype=self.head.dtype, device=self.lm.device)
-        logits, states = self.lm.prefill_hidden(chunks, [f if f is not None else empty for f in fused])
+        fused = on_compute(self.lm.device, self._fuse, waiting).split([len(c) for c in chunks])  # [n, H] a row
+        logits, states = self.lm.prefill_hidden(chunks, list(fused))
         ends = [sum(map(len, chunks[: b + 1])) - 1 for b in range(len(chunks))]
         last = states[0][[max(e, 0) for e in ends]]  # [B, H]: each row's output at its last pair
         return logits, last.unsqueeze(1)
+
+    def _fuse(self, waiting: list[torch.Tensor]) -> torch.Tensor:
+        """The rows' waiting target features (from the wire: on the host), in order -> the head's [N, H], in one
+        product (on the compute thread, as every forward)."""
+        return self.head.fuse(torch.cat(waiting).to(self.lm.device))
 
     def _run_frontier(self, tokens, block, positions, visible, sizes, parent_col, state):
         """One depth of the head: each frontier node reads its parent's output as its feature."""
