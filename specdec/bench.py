@@ -18,11 +18,14 @@ import torch
 from tqdm import tqdm
 
 from .compute import on_compute
+from .cpu_linear import pack_linears
 from .drafter_factory import draft_runner, make_drafter
+from .drafters import logit_columns
 from .engine import SpecConfig, SpeculativeEngine
 from .kvcache import CachedLM
 from .drafter_kinds import HEAD_MODES
-from .loading import check_draft_tokenizer, eos_ids, load_draft, load_served_model, load_tokenizer, parse_dtype
+from .loading import (check_draft_tokenizer, eos_ids, load_draft, load_model, load_served_model, load_tokenizer,
+                      parse_dtype)
 from .plain import hf_generate
 from .prompts import load_prompts
 from .sampling import SamplingParams
@@ -112,8 +115,28 @@ ENGINE_MODES = ("chain-k4", "tree-2x4", "ngram-k8", "ngram-auto", "suffix-k16", 
 HF_MODES = ("hf-assisted", "hf-prompt-lookup")  # transformers' own assisted decoding, the peer
 
 
+def assistant_model(path: str, draft, dtype: torch.dtype, device: str):
+    """The draft as transformers' assisted generation (hf-assisted) takes it: with logits over the target's whole
+    vocabulary. A draft cut to its frequent tokens (specdec.draft_vocab) has logits over those alone, so the peer
+    gets the draft loaded again whole, as transformers' users run it."""
+    if logit_columns(draft) is None:
+        return draft
+    return on_compute(device, lambda: pack_linears(load_model(path, dtype, device)))
+
+
+def wants(only: set[str] | None, mode: str) -> bool:
+    return only is None or mode in only
+
+
 def build_modes(target, draft, eos, max_new, params, only: set[str] | None, corpus: TextIndex | None = None,
-                head=None):
+                head=None, assistant=None):
+    """assistant: the draft for hf-assisted where the draft's own logits do not cover the whole vocabulary
+    (assistant_model)."""
+    if wants(only, "hf-assisted") and assistant is None:
+        if logit_columns(draft) is not None:
+            raise ValueError("hf-assisted needs the draft over the whole vocabulary (assistant_model); this one drafts "
+                             "among its frequent tokens")
+        assistant = draft
     def dlm():
         return CachedLM(draft)
 
@@ -142,16 +165,16 @@ def build_modes(target, draft, eos, max_new, params, only: set[str] | None, corp
     if corpus is not None:  # REST: suffix drafts from the corpus too
         specs["rest-auto"] = lambda: (make_drafter("suffix", None, corpus=corpus), SpecConfig(depth=None, max_depth=16))
     hf = {
-        "hf-assisted": dict(assistant_model=draft),
+        "hf-assisted": dict(assistant_model=assistant),
         "hf-prompt-lookup": dict(prompt_lookup_num_tokens=10),
     }
     assert set(ENGINE_MODES) <= set(specs) and set(HF_MODES) == set(hf), "ENGINE_MODES, HF_MODES: every mode named"
     modes = [hf_mode("plain", target, eos, max_new, params)]
     for name, make in specs.items():
-        if only is None or name in only:
+        if wants(only, name):
             modes.append(engine_mode(name, target, *make(), eos, max_new, params))
     for name, kw in hf.items():
-        if only is None or name in only:
+        if wants(only, name):
             modes.append(hf_mode(name, target, eos, max_new, params, **kw))
     return modes
 
@@ -194,7 +217,8 @@ def run_bench(args) -> None:
         only = only | {"rest-auto"} if only is not None else None
     if head is not None and only is not None:
         only |= set(HEAD_MODES)
-    modes = build_modes(target, draft, eos, args.max_new_tokens, params, only, corpus, head)
+    assistant = assistant_model(args.draft, draft, draft_dtype, args.device) if wants(only, "hf-assisted") else None
+    modes = build_modes(target, draft, eos, args.max_new_tokens, params, only, corpus, head, assistant)
     rows = rows_for(args.workload, load_prompts(args.prompts, args.limit, tokenizer), tokenizer)
     turns = turns_of(args.workload, args.turns)
     # each mode holds its own conversations: a turn's prompt carries that mode's earlier outputs

@@ -81,10 +81,9 @@ def read_ranking(folder: str | Path, vocab_size: int) -> Ranking | None:
 
 
 class KeptTokensHead(nn.Module):
-    """An LM head over the kept ids only: hidden [..., H] -> logits [..., V], -inf at every other id (a
-    token the draft cannot draft). Its `proj` is a plain nn.Linear, so a served CPU model packs it. (A family
-    that soft-caps the head's logits, Gemma 2, turns -inf into -cap: those ids keep a tiny probability in the
-    draft, which the target's verification makes no less exact.)"""
+    """An LM head over the kept ids only: hidden [..., H] -> logits [..., size], column i the logit of target id
+    kept[i] (logit_columns); a token outside them cannot be drafted. Its `proj` is a plain nn.Linear, so a served
+    CPU model packs it."""
 
     def __init__(self, head: nn.Linear, kept: torch.Tensor):
         super().__init__()
@@ -98,9 +97,11 @@ class KeptTokensHead(nn.Module):
         self.register_buffer("kept", kept.clone(), persistent=False)  # [size], moved with the module
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        some = self.proj(hidden)  # [..., size]
-        logits = some.new_full((*some.shape[:-1], self.vocab_size), float("-inf"))
-        return logits.index_copy_(-1, self.kept, some)
+        return self.proj(hidden)  # [..., size]
+
+    def logit_columns(self) -> torch.Tensor:
+        """[size] the target id of each column of its logits (specdec.drafters.logit_columns)."""
+        return self.kept
 
 
 def keep_frequent_tokens(model: nn.Module, ranking: Ranking) -> nn.Module:

@@ -240,6 +240,19 @@ def first_guess(draft: Draft) -> int | None:
     return draft.tokens[0] if draft.tokens else None
 
 
+def logit_columns(model) -> torch.Tensor | None:
+    """[dv] the target id of each column of a draft's logits where they cover a vocabulary of its own (an EAGLE-3
+    head's draft vocabulary, Medusa's truncated one, a draft model cut to its frequent tokens: each module's
+    logit_columns(), the model's or its LM head's); None where they cover the target's whole vocabulary in its
+    order. A drafter ranks and draws among those columns and maps what it drafts to target ids: no row the
+    vocabulary's width is filled with -inf at every depth."""
+    owner = model if hasattr(model, "logit_columns") else None
+    if owner is None and hasattr(model, "get_output_embeddings"):
+        head = model.get_output_embeddings()
+        owner = head if hasattr(head, "logit_columns") else None
+    return None if owner is None else owner.logit_columns()
+
+
 class TreeGrower:
     """Grows a tree `width` wide from a model's distributions, one depth at a time (_grow).
 
@@ -260,10 +273,15 @@ class TreeGrower:
             raise ValueError(f"proposal_top_k must be in 1..{MAX_PROPOSAL_TOP_K}, got {proposal_top_k}")
         self.width, self.proposal_top_k = width, proposal_top_k
         self.shape = DraftShape(DrafterKind.MODEL, width, proposal_top_k)
+        self.columns: torch.Tensor | None = None  # [dv] the target ids of the logits' columns (logit_columns)
+
+    def _target_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """Column indices of the draft's logits -> target ids."""
+        return columns if self.columns is None else self.columns[columns]
 
     def _grow(self, logits, cum, trees, frontier, depths, depth, params, gens):
-        """Add one depth of children under the frontier (logits [B, F, V], cum [B, F], on the draft's
-        device). Updates `trees` and `frontier` in place (and `depths`: a sampled row whose draft
+        """Add one depth of children under the frontier (logits [B, F, V] over the draft's columns, cum [B, F],
+        on the draft's device). Updates `trees` and `frontier` in place (and `depths`: a sampled row whose draft
         distribution is broken stops here) and returns the parent column [B, W] of each new frontier
         node, their tokens [B, W] and cum [B, W], on the device. Everything is drawn on the device; the
         host learns the drawn tokens in one transfer for the whole batch."""
@@ -278,7 +296,8 @@ class TreeGrower:
             G = len(greedy_rows)
             rows = slice(None) if G == B else greedy_rows  # all greedy: views, not gathered copies
             logq = logits[rows].float().log_softmax(-1)  # [G, F, V]
-            top_logq, top_tok = logq.topk(W, dim=-1)  # [G, F, W]
+            top_logq, top_col = logq.topk(W, dim=-1)  # [G, F, W]
+            top_tok = self._target_ids(top_col)
             scores = (cum[rows].unsqueeze(-1) + top_logq).view(G, F * W)
             best, flat = scores.topk(W, dim=-1)  # [G, W]
             parent_col[rows] = flat // W
@@ -294,6 +313,7 @@ class TreeGrower:
             # device; the row is dropped below, once the host sees `ok`
             q = torch.where(ok[b], q, torch.full_like(q, 1.0 / V))
             ids, probs = top_proposal(q, self.proposal_top_k)  # [F, m] each: the q the children are drawn from
+            ids = self._target_ids(ids)
             if depth == 1:
                 tokens[b] = ids[0, torch.multinomial(probs[0], W, replacement=True, generator=gens[b])]
             else:
@@ -328,6 +348,7 @@ class ModelDrafter(TreeGrower):
         super().__init__(width, proposal_top_k)
         self.lm = draft
         self.vocab = draft.model.get_input_embeddings().num_embeddings  # ids the draft can read: [0, vocab)
+        self.columns = logit_columns(draft.model)
 
     @property
     def draft_lm(self) -> CachedLM:
@@ -384,8 +405,8 @@ class ModelDrafter(TreeGrower):
     def next_tokens(self, seqs: list[list[int]]) -> list[int]:
         """The draft's argmax after each seq, running what it has not seen (at least the last token)."""
         self.lm.truncate([len(seq) - 1 for seq in seqs])
-        logits = self.lm.prefill(self._unseen(seqs))  # [B, V]
-        return logits.argmax(-1).tolist()
+        logits = self.lm.prefill(self._unseen(seqs))  # [B, dv]
+        return self._target_ids(logits.argmax(-1)).tolist()
 
     def rollback(self, checkpoint: "_Assumed", kept: list[int | None]) -> None:
         self.slot_of = [{} if k is not None else slots for slots, k in zip(self.slot_of, kept)]
@@ -408,7 +429,7 @@ class ModelDrafter(TreeGrower):
         self.lm.rewind = max(self.lm.rewind, 2 * (D + 1))
         self._hold_pending()  # rows given no depth may hold a tree drafted ahead
         # run what the draft has not seen yet; its last token is the root
-        logits, state = self._catch_up(seqs, depths)  # [B, V]
+        logits, state = self._catch_up(seqs, depths)  # [B, dv]
         if logits is None:
             return trees  # no row can draft yet
         device = logits.device
@@ -437,16 +458,16 @@ class ModelDrafter(TreeGrower):
                         self.slot_of[b][node] = start + col
             sizes = [W if d > depth else 0 for d in depths]  # rows that stop here sit the forward out
             logits, state = self._run_frontier(tokens, block, positions, torch.cat([committed, seen], dim=-1), sizes,
-                                               parent_col, state)  # [B, W, V]
+                                               parent_col, state)  # [B, W, dv]
         return trees
 
     def _catch_up(self, seqs: list[list[int]], depths: list[int]) -> tuple[torch.Tensor | None, object]:
         """Run what the draft has not seen of each row (its last token, the root, at least) -> the logits
-        after each row's root [B, V], and what the next depth's forward needs beside its tokens (nothing)."""
+        after each row's root [B, dv], and what the next depth's forward needs beside its tokens (nothing)."""
         return self.lm.prefill(self._unseen(seqs)), None
 
     def _run_frontier(self, tokens, block, positions, visible, sizes, parent_col, state) -> tuple[torch.Tensor, object]:
-        """One depth's forward of the frontier's tokens [B, W] -> logits [B, W, V] (zeros at rows that sat
+        """One depth's forward of the frontier's tokens [B, W] -> logits [B, W, dv] (zeros at rows that sat
         it out), and the state of the next depth (nothing)."""
         packed = self.lm.forward(tokens, block, positions, visible, sizes=sizes)  # [N, V]
         return _unpacked(packed, sizes, tokens.shape[1]), None

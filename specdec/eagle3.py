@@ -71,8 +71,8 @@ class Eagle3Layer(nn.Module):
 
 class Eagle3Head(LlamaPreTrainedModel):
     """The head as a causal LM a CachedLM runs: forward(input_ids, ..., features [B, T, H]) -> logits over
-    the target's vocabulary [B, T', V] (ids outside the draft vocabulary at -inf) and, as hidden_states,
-    its pre-norm output [B, T, H] (what it reads as the feature of the next depth)."""
+    the draft vocabulary [B, T', dv] (column i is target id logit_columns()[i]) and, as hidden_states, its
+    pre-norm output [B, T, H] (what it reads as the feature of the next depth)."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__(config)
@@ -102,6 +102,10 @@ class Eagle3Head(LlamaPreTrainedModel):
         """[draft_vocab] each draft id's id in the target's vocabulary."""
         return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
 
+    def logit_columns(self) -> torch.Tensor:
+        """[dv] the target id of each column of its logits (specdec.drafters.logit_columns)."""
+        return self.target_ids()
+
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target's hidden states [..., 3 Ht] -> the head's features [..., H]."""
         return self.fc(features.to(weight_dtype(self.fc)))
@@ -111,8 +115,7 @@ class Eagle3Head(LlamaPreTrainedModel):
         kwargs.pop("use_cache", None), kwargs.pop("output_hidden_states", None)
         prenorm = self.layer_output(input_ids, features, attention_mask, position_ids, cache, **kwargs)  # [B, T, H]
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        return CausalLMOutputWithPast(logits=self.to_target_vocab(self.draft_logits(prenorm[:, keep])),
-                                      hidden_states=(prenorm,))
+        return CausalLMOutputWithPast(logits=self.draft_logits(prenorm[:, keep]), hidden_states=(prenorm,))
 
     def layer_output(self, input_ids, features, attention_mask, position_ids, cache=None, **kwargs) -> torch.Tensor:
         """The tokens [B, T] and their features [B, T, H] through the head's layer -> its pre-norm output [B, T, H]."""
@@ -125,12 +128,6 @@ class Eagle3Head(LlamaPreTrainedModel):
     def draft_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         """The head's output [..., H] -> logits over the draft vocabulary [..., dv]."""
         return self.lm_head(self.norm(prenorm))
-
-    def to_target_vocab(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """[..., dv] -> [..., V]: each draft id's logit at its target id, -inf elsewhere."""
-        V = self.config.vocab_size
-        out = draft_logits.new_full((*draft_logits.shape[:-1], V), float("-inf"))
-        return out.index_copy_(-1, self.target_ids(), draft_logits)
 
 
 def head_config(target_config, draft_vocab_size: int, aux_layers: tuple[int, ...] | None = None) -> LlamaConfig:

@@ -13,7 +13,7 @@ a committed token is always the target's."""
 import torch
 
 from .compute import on_compute
-from .drafters import ModelDrafter, TreeGrower, _unpacked
+from .drafters import ModelDrafter, TreeGrower, _unpacked, logit_columns
 from .eagle3 import Eagle3Head
 from .kvcache import CachedLM, Prefilled
 from .medusa import MedusaHeads
@@ -77,7 +77,7 @@ class HeadDrafter(_NoDraftingAhead, ModelDrafter):
 
     def _catch_up(self, seqs: list[list[int]], depths: list[int]) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Run each row's pairs the head has not seen (its features waiting, with the tokens after them) ->
-        logits after each row's root [B, V] and the head's output there [B, 1, H]. A row with no pair at all
+        logits after each row's root [B, dv] and the head's output there [B, 1, H]. A row with no pair at all
         (a one-token prompt) cannot draft this step: its depth becomes 0."""
         chunks, waiting = [], []
         for b, seq in enumerate(seqs):
@@ -124,6 +124,7 @@ class MedusaDrafter(_NoDraftingAhead, TreeGrower):
     def __init__(self, heads: MedusaHeads, width: int = 1, proposal_top_k: int = 256):
         super().__init__(width, proposal_top_k)
         self.heads = heads
+        self.columns = logit_columns(heads)
         self.feature_layers = (heads.target_layers,)  # hidden_states[L]: what the target's LM head reads
         self.last: list[torch.Tensor | None] = []  # per row: the target's last hidden state before its root [H]
 
@@ -161,13 +162,13 @@ class MedusaDrafter(_NoDraftingAhead, TreeGrower):
         zeros = torch.zeros(H, dtype=self.heads.dtype, device=self.device)
         hidden = torch.stack([last.to(self.device, self.heads.dtype) if last is not None else zeros
                               for last in self.last])  # [B, H]
-        logits = self.heads(hidden)  # [B, K, V]: every depth's distribution, in one pass
+        logits = self.heads(hidden)  # [B, K, dv]: every depth's distribution, in one pass
         B, W = len(seqs), self.width
         frontier, cum = [[0] for _ in range(B)], torch.zeros(B, 1, device=self.device)
-        depth_logits = logits[:, 0].unsqueeze(1)  # [B, 1, V]: the root's children
+        depth_logits = logits[:, 0].unsqueeze(1)  # [B, 1, dv]: the root's children
         for depth in range(1, D + 1):
             _, _, cum = self._grow(depth_logits, cum, trees, frontier, depths, depth, params, gens)
             if depth == D or all(d <= depth for d in depths):
                 break
-            depth_logits = logits[:, depth].unsqueeze(1).expand(B, W, -1).contiguous()  # [B, W, V]: the same for every node
+            depth_logits = logits[:, depth].unsqueeze(1).expand(B, W, -1).contiguous()  # [B, W, dv]: the same for every node
         return trees

@@ -42,8 +42,8 @@ class ResidualBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    """K heads: hidden [N, H] (the target's last hidden state) -> logits [N, K, V] over the target's
-    vocabulary (ids outside a truncated vocabulary at -inf)."""
+    """K heads: hidden [N, H] (the target's last hidden state) -> logits [N, K, rows] over their vocabulary:
+    the target's, or a truncated one (column i is target id token_map[i]: logit_columns)."""
 
     def __init__(self, hidden: int, vocab_size: int, num_heads: int, num_layers: int, bias: bool = False,
                  shared_lm_head: bool = False, token_map: torch.Tensor | None = None):
@@ -76,11 +76,12 @@ class MedusaHeads(nn.Module):
         return [self.lm_heads[i % len(self.lm_heads)](block(hidden)) for i, block in enumerate(self.blocks)]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = torch.stack(self.head_logits(hidden), dim=1)  # [N, K, rows]
-        if self.token_map.numel() == self.vocab_size:
-            return logits
-        out = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
-        return out.index_copy_(-1, self.token_map, logits)
+        return torch.stack(self.head_logits(hidden), dim=1)  # [N, K, rows]
+
+    def logit_columns(self) -> torch.Tensor | None:
+        """[rows] the target id of each column of its logits where its vocabulary is truncated; None where it is
+        the target's (specdec.drafters.logit_columns)."""
+        return self.token_map if self.token_map.numel() < self.vocab_size else None
 
 
 def is_medusa(path: str | Path) -> bool:

@@ -17,6 +17,7 @@ from specdec.cpu_linear import PackedLinear, pack_linears
 from specdec.draft_vocab import (RANKING_FILE, KeptTokensHead, Ranking, keep_frequent_tokens, rank_tokens,
                                  read_ranking, save_ranking)
 from specdec.drafter_factory import make_drafter
+from specdec.drafters import logit_columns
 from specdec.loading import load_draft, load_model
 
 
@@ -57,7 +58,7 @@ def test_a_ranking_is_read_back_and_a_bad_file_is_named(tmp_path):
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
-def test_the_cut_head_equals_the_whole_one_on_the_kept_ids_and_is_minus_infinity_elsewhere(bias, packed):
+def test_the_cut_heads_columns_are_the_whole_ones_at_the_kept_ids(bias, packed):
     torch.manual_seed(0)
     head = torch.nn.Linear(32, 100, bias=bias)
     kept = torch.tensor([0, 3, 17, 42, 99])
@@ -67,12 +68,9 @@ def test_the_cut_head_equals_the_whole_one_on_the_kept_ids_and_is_minus_infinity
         assert isinstance(cut.proj, PackedLinear)
     hidden = torch.randn(2, 3, 32)
     with torch.inference_mode():
-        whole, logits = head(hidden), cut(hidden)  # [2, 3, 100] each
-    assert logits.shape == whole.shape
-    torch.testing.assert_close(logits[..., kept], whole[..., kept], rtol=1e-5, atol=1e-5)
-    others = torch.ones(100, dtype=torch.bool)
-    others[kept] = False
-    assert torch.isneginf(logits[..., others]).all()
+        whole, logits = head(hidden), cut(hidden)  # [2, 3, 100], [2, 3, 5]
+    assert logits.shape == (2, 3, 5) and torch.equal(cut.logit_columns(), kept)
+    torch.testing.assert_close(logits, whole[..., kept], rtol=1e-5, atol=1e-5)
 
 
 def real_vocab_draft(path, vocab: int = 32_000):
@@ -96,12 +94,31 @@ def test_a_draft_folder_with_a_ranking_loads_drafting_among_its_kept_tokens(tmp_
     head = cut.get_output_embeddings()
     assert isinstance(head, KeptTokensHead) and head.kept.numel() == 4096
     assert isinstance(head.proj, PackedLinear if served else torch.nn.Linear)
+    assert torch.equal(logit_columns(cut), head.kept) and logit_columns(whole) is None
     ids = torch.tensor([[5, 100, 3999]])
     with torch.inference_mode():
-        full, some = whole(ids).logits[0], cut(ids).logits[0]  # [3, 32000]
-    torch.testing.assert_close(some[:, head.kept], full[:, head.kept], rtol=1e-4, atol=1e-4)
-    assert int(some.isfinite().sum(-1)[0]) == 4096
-    assert set(some.argmax(-1).tolist()) <= set(head.kept.tolist())
+        full, some = whole(ids).logits[0], cut(ids).logits[0]  # [3, 32000], [3, 4096]
+    assert some.shape == (3, 4096)
+    torch.testing.assert_close(some, full[:, head.kept], rtol=1e-4, atol=1e-4)
+
+
+def test_transformers_assisted_generation_gets_the_draft_over_the_whole_vocabulary(tmp_path):
+    """hf-assisted, the peer, runs transformers' assisted generation, which reads the draft's logits as the target's
+    vocabulary: a draft cut to its frequent tokens is loaded again whole for it, and without that build_modes says so."""
+    from specdec.bench import assistant_model, build_modes
+    from specdec.sampling import SamplingParams
+
+    path = real_vocab_draft(tmp_path / "draft")
+    whole = load_draft(str(path), target=None, served=True)
+    assert assistant_model(str(path), whole, torch.float32, "cpu") is whole  # nothing cut: the draft itself
+    save_ranking(path, rank_tokens(torch.arange(4000), 32_000, size=4096))
+    cut = load_draft(str(path), target=None, served=True)
+    assistant = assistant_model(str(path), cut, torch.float32, "cpu")
+    assert logit_columns(assistant) is None and isinstance(assistant.get_output_embeddings(), PackedLinear)
+    with torch.inference_mode():
+        assert assistant(torch.tensor([[5, 6]])).logits.shape == (1, 2, 32_000)
+    with pytest.raises(ValueError, match="hf-assisted needs the draft over the whole vocabulary"):
+        build_modes(None, cut, set(), 4, SamplingParams(), {"hf-assisted"})
 
 
 def test_greedy_with_a_draft_that_cannot_draft_every_token_equals_plain_decoding(target, model_dirs, reference):

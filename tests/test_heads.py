@@ -18,6 +18,7 @@ from specdec.eagle3_config import is_eagle3
 from specdec.errors import HeadMismatch
 from specdec.errors import UnsupportedModel
 from specdec.drafter_factory import draft_runner
+from specdec.drafters import logit_columns
 from specdec.head_drafter import HeadDrafter, MedusaDrafter
 from specdec.head_training import (evaluate_head, frequent_tokens, new_head, new_medusa, step_mask, train_head,
                                    train_medusa)
@@ -90,11 +91,11 @@ def test_a_published_head_loads_as_written(tmp_path, target, fmt):
     assert torch.equal(head.lm_head.weight, written["lm_head.weight"])
     assert head.get_input_embeddings() is target.get_input_embeddings()  # none of its own: the target's
     assert torch.equal(head.target_ids(), torch.nonzero(written["t2d"]).flatten())
-    # its logits live on its draft ids alone
+    # its logits cover its draft ids alone, which logit_columns names in the target's vocabulary
+    assert torch.equal(logit_columns(head), head.target_ids())
     with torch.no_grad():
         out = head(input_ids=torch.tensor([[3, 4]]), features=torch.randn(1, 2, target.config.hidden_size))
-    finite = torch.isfinite(out.logits[0, -1])
-    assert torch.equal(finite, written["t2d"])
+    assert out.logits.shape == (1, 2, 48) and torch.isfinite(out.logits).all()
 
 
 def test_without_aux_layer_ids_a_head_reads_eagle3s_default_layers(tmp_path, model_dirs):
@@ -343,15 +344,15 @@ def test_vllms_medusa_layout_loads_as_written(tmp_path, target):
     assert torch.equal(heads.blocks[2].layers[1].bias, written["blocks.2.layers.1.bias"])
     h = torch.randn(5, target.config.hidden_size)
     with torch.no_grad():
-        logits = heads(h)  # [5, 3, V]
+        logits = heads(h)  # [5, 3, 40]
         x = h
         for layer in range(2):
             x = x + torch.nn.functional.silu(x @ written[f"blocks.1.layers.{layer}.weight"].T
                                              + written[f"blocks.1.layers.{layer}.bias"])
         want = x @ written["lm_heads.1.weight"].T  # head 1 over its 40 ids
-    assert logits.shape == (5, 3, VOCAB)
-    torch.testing.assert_close(logits[:, 1, written["token_map"]], want)
-    assert torch.isinf(logits[:, :, [t for t in range(VOCAB) if t not in written["token_map"]]]).all()
+    assert logits.shape == (5, 3, 40)  # over its 40 ids, which logit_columns names
+    assert torch.equal(logit_columns(heads), written["token_map"])
+    torch.testing.assert_close(logits[:, 1], want)
 
 
 def test_fasterdecodings_medusa_layout_loads_as_vllms(tmp_path, target):

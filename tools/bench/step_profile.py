@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from specdec.bench import build_modes, modes_asked
+from specdec.bench import assistant_model, build_modes, modes_asked, wants
 from specdec.compute import on_compute, single_threaded
 from specdec.loading import check_draft_tokenizer, eos_ids, load_draft, load_served_model, load_tokenizer, parse_dtype
 from specdec.prompts import load_prompts
@@ -148,8 +148,9 @@ def main(argv=None) -> None:
         clock.watch(draft, "draft")
         if head is not None:
             clock.watch(head, "head")
+        assistant = assistant_model(args.draft, draft, dtype, args.device) if wants(only, "hf-assisted") else None
         modes = build_modes(target, draft, eos_ids(target.generation_config, tokenizer), args.max_new_tokens,
-                            SamplingParams(), only, head=head)
+                            SamplingParams(), only, head=head, assistant=assistant)
         prompts = [tokenizer(r["prompt"])["input_ids"] for r in load_prompts(args.prompts, args.limit, tokenizer)]
         print(f"# tools.bench.step_profile: {args.target} / {args.draft}"
               f"{' / ' + args.head if args.head else ''}, {len(prompts)} prompts of {args.prompts}, "
