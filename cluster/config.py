@@ -13,17 +13,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
-from specdec.drafter_kinds import DEFAULT_PROPOSAL_TOP_K, MAX_PROPOSAL_TOP_K, DrafterKind, DraftShape
+from specdec.drafter_kinds import (DEFAULT_PROPOSAL_TOP_K, MAX_DEPTH, MAX_PROPOSAL_TOP_K, MAX_TREE_WIDTH, DrafterKind,
+                                   DraftShape)
 from specdec.suffix import SuffixConfig
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Port = Annotated[int, Field(ge=1, le=65535)]
 NonEmpty = Annotated[str, Field(min_length=1)]
 
-# Upper bounds of the speculation's shape: a tree of tree_width branches per depth, max_k deep, costs a
-# B x T x T attention mask and a KV reservation per row; beyond these a config is a mistake, not a tuning.
-MAX_TREE_WIDTH = 16  # speculation.tree_width
-MAX_K = 32  # routing.*.max_k: tokens drafted per step (the tree's depth)
 MAX_REQUEST_BYTES = 2**31 - 1  # server.max_request_bytes: gRPC's own ceiling on a message
 
 # A task type (a request's task_type, a key of routing.task_types): the router keeps state per name and
@@ -93,9 +90,9 @@ _SUFFIX = SuffixConfig()
 class SuffixSection(_Section):
     """speculation.suffix: how the suffix drafters (suffix, model+suffix) guess (specdec.suffix)."""
 
-    max_depth: int = Field(_SUFFIX.max_depth, ge=1, le=MAX_K)  # the longest match used, and the deepest guess
+    max_depth: int = Field(_SUFFIX.max_depth, ge=1, le=MAX_DEPTH)  # the longest match used, and the deepest guess
     max_spec_factor: float = Field(_SUFFIX.max_spec_factor, gt=0, le=16)  # nodes <= factor x match + offset
-    max_spec_offset: float = Field(_SUFFIX.max_spec_offset, ge=0, le=MAX_K)
+    max_spec_offset: float = Field(_SUFFIX.max_spec_offset, ge=0, le=MAX_DEPTH)
     min_token_prob: float = Field(_SUFFIX.min_token_prob, ge=0, le=1)  # a guess estimated less likely is left out
     max_occurrences: int = Field(_SUFFIX.max_occurrences, ge=1, le=1024)  # a match's occurrences counted
     # each draft loop's store of recent outputs holds at most this many tokens (about 100 bytes each)
@@ -180,7 +177,7 @@ class Thresholds(_Section):
     min_samples: int = Field(20, ge=1)  # reports needed before the decision may switch
     probe_fraction: float = Field(0.05, ge=0, le=1)  # share of requests still speculative while off
     ema: float = Field(0.1, gt=0, le=1)  # weight of a new report in the alpha moving average
-    max_k: int = Field(8, ge=1, le=MAX_K)
+    max_k: int = Field(8, ge=1, le=MAX_DEPTH)
     draft_cost_ratio: float = Field(0.15, gt=0, lt=1)  # a drafted token's cost / a target step's, until measured
     speculation: Literal["auto", "on", "off"] = "auto"  # on/off: forced for AUTO requests of this task type
     # where speculation.drafter lists several: `auto` chooses among them by measured goodput; a kind pins it

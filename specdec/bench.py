@@ -7,6 +7,7 @@ speculation; `hf-*` are transformers' assisted modes, the peer. Speedup is token
 
 import contextlib
 import json
+import re
 import signal
 import sys
 import threading
@@ -23,7 +24,7 @@ from .drafter_factory import draft_runner, make_drafter
 from .drafters import logit_columns
 from .engine import SpecConfig, SpeculativeEngine
 from .kvcache import CachedLM
-from .drafter_kinds import HEAD_MODES
+from .drafter_kinds import HEAD_MODES, MAX_DEPTH, MAX_TREE_WIDTH
 from .loading import (check_draft_tokenizer, eos_ids, load_draft, load_model, load_served_model, load_tokenizer,
                       parse_dtype)
 from .plain import hf_generate
@@ -137,15 +138,18 @@ def build_modes(target, draft, eos, max_new, params, only: set[str] | None, corp
             raise ValueError("hf-assisted needs the draft over the whole vocabulary (assistant_model); this one drafts "
                              "among its frequent tokens")
         assistant = draft
+
     def dlm():
         return CachedLM(draft)
 
     def hlm():
         return draft_runner(head)
 
+    def shaped_spec(name: str):
+        on_head, width, depth = shaped(name)
+        return lambda: (make_drafter("model", hlm() if on_head else dlm(), width), SpecConfig(depth=depth))
+
     specs = {
-        "chain-k4": lambda: (make_drafter("model", dlm(), 1), SpecConfig(depth=4)),
-        "tree-2x4": lambda: (make_drafter("model", dlm(), 2), SpecConfig(depth=4)),
         "ngram-k8": lambda: (make_drafter("ngram", None), SpecConfig(depth=8)),
         "ngram-auto": lambda: (make_drafter("ngram", None), SpecConfig(depth=None)),
         "suffix-k16": lambda: (make_drafter("suffix", None), SpecConfig(depth=16)),
@@ -155,10 +159,12 @@ def build_modes(target, draft, eos, max_new, params, only: set[str] | None, corp
         "auto": lambda: (make_drafter("model", dlm(), 1), SpecConfig(depth=None)),
         "model+ngram-auto": lambda: (make_drafter("model+ngram", dlm(), 1), SpecConfig(depth=None)),
     }
+    # shaped modes: the defaults, and any other shape asked for by name
+    specs |= {name: shaped_spec(name) for name in ("chain-k4", "tree-2x4", *(only or ())) if shaped(name)}
     if head is not None:  # HEAD_MODES: an EAGLE-3 head or Medusa heads
         specs |= {
-            "head-k4": lambda: (make_drafter("model", hlm(), 1), SpecConfig(depth=4)),
-            "head-tree-2x4": lambda: (make_drafter("model", hlm(), 2), SpecConfig(depth=4)),
+            "head-k4": shaped_spec("head-k4"),
+            "head-tree-2x4": shaped_spec("head-tree-2x4"),
             "head-auto": lambda: (make_drafter("model", hlm(), 1), SpecConfig(depth=None)),
             "head+suffix-auto": lambda: (make_drafter("model+suffix", hlm(), 1), SpecConfig(depth=None, max_depth=16)),
         }
@@ -179,18 +185,45 @@ def build_modes(target, draft, eos, max_new, params, only: set[str] | None, corp
     return modes
 
 
+SHAPED_MODE = re.compile(r"(?:(?P<chain>chain|head)-k(?P<k>\d+)|(?P<head>head-)?tree-(?P<width>\d+)x(?P<depth>\d+))")
+
+
+def shaped(name: str) -> tuple[bool, int, int] | None:
+    """A mode named by its tree's shape -> (drafted by the head, width, depth): chain-kK and tree-WxK with the draft
+    model, head-kK and head-tree-WxK with the head (chain-k4, tree-2x4, head-k4, head-tree-2x4 run by default; any
+    other shape when named). None for other names."""
+    m = SHAPED_MODE.fullmatch(name)
+    if m is None:
+        return None
+    if m["chain"]:
+        return m["chain"] == "head", 1, int(m["k"])
+    return m["head"] is not None, int(m["width"]), int(m["depth"])
+
+
+def _bad_shape(name: str) -> str | None:
+    """Why a shaped mode cannot run (a width or depth past the served bounds), or None."""
+    _, width, depth = shaped(name)
+    if not (1 <= width <= MAX_TREE_WIDTH and 1 <= depth <= MAX_DEPTH):
+        return f"mode {name}: a tree's width must be in 1..{MAX_TREE_WIDTH} and its depth in 1..{MAX_DEPTH}"
+    return None
+
+
 def modes_asked(args) -> set[str] | None:
     """The modes `--modes` names (None: all), checked before any model loads: ValueError naming each one this
     run cannot run, and why."""
     if not args.modes:
         return None
     only = {m.strip() for m in args.modes.split(",") if m.strip()}
-    needs = {**dict.fromkeys(HEAD_MODES, "--head DIR"), "rest-auto": "--corpus PATH"}
+    if bad := [why for m in sorted(only) if shaped(m) and (why := _bad_shape(m))]:
+        raise ValueError("; ".join(bad))
+    head_shapes = {m for m in only if shaped(m) and shaped(m)[0]}
+    needs = {**dict.fromkeys((*HEAD_MODES, *head_shapes), "--head DIR"), "rest-auto": "--corpus PATH"}
     ready = {"plain", *ENGINE_MODES, *HF_MODES, *(HEAD_MODES if args.head else ()),
-             *(("rest-auto",) if args.corpus else ())}
+             *(("rest-auto",) if args.corpus else ()), *(m for m in only if shaped(m) and (args.head or not shaped(m)[0]))}
     unknown = sorted(m for m in only - ready if m not in needs)
     if unknown:
-        raise ValueError(f"unknown modes {', '.join(unknown)}; the modes: {', '.join(sorted(ready | set(needs)))}")
+        raise ValueError(f"unknown modes {', '.join(unknown)}; the modes: {', '.join(sorted(ready | set(needs)))}, "
+                         "and any shape as chain-kK, tree-WxK, head-kK, head-tree-WxK")
     if only - ready:
         raise ValueError("; ".join(f"mode {m} needs {needs[m]}" for m in sorted(only - ready)))
     return only

@@ -77,7 +77,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     b.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--limit", type=int, help="use only the first N prompts of each task type")
-    b.add_argument("--modes", help="comma-separated subset of modes to run (plain always runs)")
+    b.add_argument("--modes", help="comma-separated subset of modes to run (plain always runs); any tree shape by "
+                   "name too: chain-kK, tree-WxK, head-kK, head-tree-WxK")
     b.add_argument("--workload", choices=[w.value for w in Workload], default=Workload.SINGLE.value,
                    help="single: each prompt once; shared-prefix: each prompt once after one shared system prompt; "
                         "multi-turn: each prompt opens a conversation whose every turn resends the last prompt, its "

@@ -27,6 +27,11 @@ class DrafterKind(enum.StrEnum):
 # and auto K with suffix guesses grafted on (the head runs as the "model" of the drafter kinds)
 HEAD_MODES = ("head-k4", "head-tree-2x4", "head-auto", "head+suffix-auto")
 
+# Upper bounds of the speculation's shape: a tree of tree_width branches per depth, MAX_DEPTH deep, costs a
+# B x T x T attention mask and a KV reservation per row; beyond these a config is a mistake, not a tuning.
+MAX_TREE_WIDTH = 16  # speculation.tree_width
+MAX_DEPTH = 32  # routing.*.max_k: tokens drafted per step (the tree's depth)
+
 # A sampled draft draws each node's children from the `proposal_top_k` likeliest tokens of its q, renormalised,
 # and ships that q alone (specdec.tree.Proposal): a tree's bytes on the wire grow with nodes x proposal_top_k,
 # never with the vocabulary. 256 entries of 8 bytes: a tree of width 3, 8 deep (22 proposals) is ~45 KB.

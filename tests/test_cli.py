@@ -234,6 +234,8 @@ def test_riding_chunk_refuses_a_cached_part_past_its_prompt(dirs):
     ("chain-k4,chian-k4", "unknown modes chian-k4; the modes: "),  # a typo, with the modes there are
     ("head-k4", "mode head-k4 needs --head DIR"),
     ("rest-auto,suffix-auto", "mode rest-auto needs --corpus PATH"),
+    ("head-tree-3x5", "mode head-tree-3x5 needs --head DIR"),  # any shape, by name
+    ("tree-17x2,chain-k0", "mode chain-k0: a tree's width must be in 1..16 and its depth in 1..32; mode tree-17x2"),
 ])
 def test_bench_names_a_mode_it_cannot_run_before_loading_anything(modes, named, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
@@ -242,6 +244,17 @@ def test_bench_names_a_mode_it_cannot_run_before_loading_anything(modes, named, 
     with pytest.raises(SystemExit) as e:
         main(["bench", "--target", nowhere, "--draft", nowhere, "--prompts", str(prompts), "--modes", modes])
     assert named in str(e.value)
+
+
+def test_bench_runs_a_tree_shape_named_by_its_mode(dirs, capsys, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPT, "task_type": "code"}) + "\n")
+    out = run_json(capsys, ["bench", "--target", dirs["target"], "--draft", dirs["draft"], "--prompts", str(prompts),
+                            "--max-new-tokens", "8", "--modes", "tree-3x2,chain-k6", "--json"])
+    by = {r["mode"]: r for r in out["rows"]}
+    assert set(by) == {"plain", "tree-3x2", "chain-k6"}
+    assert by["tree-3x2"]["identical_to_plain"] is True and by["chain-k6"]["identical_to_plain"] is True
+    assert by["tree-3x2"]["mean_accepted_length"] <= 3 and by["chain-k6"]["mean_accepted_length"] <= 7
 
 
 def test_bench_multi_turn_with_suffix_and_a_corpus(dirs, capsys, tmp_path):

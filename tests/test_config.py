@@ -326,10 +326,11 @@ def test_shape_and_size_bounds_name_the_key(section, values, key, limit):
 
 
 def test_bounds_are_the_named_constants_and_their_edges_load():
-    from cluster.config import MAX_K, MAX_TREE_WIDTH
+    from specdec.drafter_kinds import MAX_DEPTH, MAX_TREE_WIDTH
 
-    assert (MAX_TREE_WIDTH, MAX_K) == (16, 32)
-    config = parse_config({**MINIMAL, "speculation": {"tree_width": MAX_TREE_WIDTH}, "routing": {"default": {"max_k": MAX_K}}})
+    assert (MAX_TREE_WIDTH, MAX_DEPTH) == (16, 32)
+    config = parse_config({**MINIMAL, "speculation": {"tree_width": MAX_TREE_WIDTH},
+                           "routing": {"default": {"max_k": MAX_DEPTH}}})
     assert (config.speculation.tree_width, config.routing.default.max_k) == (16, 32)
     assert config.server.max_request_bytes == 4 * 1024 * 1024 and config.routing.max_task_types == 64
     assert load_config(SHARED_PAIR).server.max_request_bytes == 4194304
