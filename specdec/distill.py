@@ -12,7 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from .device import HOST
 from .draft_vocab import DEFAULT_SIZE, rank_tokens, save_ranking
-from .training import Conversation, Heldout, Totals, TrainConfig, drafted_tokens, heldout_batches, train
+from .training import (Conversation, Heldout, Totals, TrainConfig, drafted_tokens, heldout_batches, resume_weights,
+                       train)
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".jsonl")
 
@@ -169,6 +170,7 @@ def distill(
     draft = LlamaForCausalLM(draft_config(target, layers, hidden)).to(target.device)
     if embedding_from_target:
         init_embedding(draft, target)
+    resume_weights(draft, out / "checkpoint", resume)
     before = evaluate(target, draft, heldout)
     result = train(draft, objective(target, draft), tokens, cfg, out / "checkpoint", resume, "distill", on_step)
     after = evaluate(target, draft, heldout)

@@ -22,7 +22,7 @@ from .cpu_linear import dense_weight
 from .device import HOST
 from .eagle3 import Eagle3Head, head_config, save_head, spread_aux_layers
 from .medusa import MedusaHeads, save_medusa
-from .training import Heldout, Totals, TrainConfig, heldout_batches, train
+from .training import Heldout, Totals, TrainConfig, heldout_batches, resume_weights, train
 
 STEP_DECAY = 0.8  # EAGLE-3's weight of the j-th step's loss
 
@@ -140,6 +140,7 @@ def train_head(target: PreTrainedModel, tokenizer, out_dir: str | Path, tokens: 
     target.eval().requires_grad_(False)
     torch.manual_seed(cfg.seed)
     head = new_head(target, frequent_tokens(tokens, V, draft_vocab_size))
+    resume_weights(head, out / "checkpoint", resume)
     before = evaluate_head(target, head, heldout, ttt_steps)
     result = train(head, ttt_loss(target, head, ttt_steps), tokens, cfg, out / "checkpoint", resume, "distill-head",
                    on_step)
@@ -217,6 +218,7 @@ def train_medusa(target: PreTrainedModel, tokenizer, out_dir: str | Path, tokens
     target.eval().requires_grad_(False)
     torch.manual_seed(cfg.seed)
     heads = new_medusa(target, num_heads, num_layers)
+    resume_weights(heads, out / "checkpoint", resume)
     before = evaluate_medusa(target, heads, heldout)
     result = train(heads, medusa_loss(target, heads), tokens, cfg, out / "checkpoint", resume, "distill-medusa", on_step)
     after = evaluate_medusa(target, heads, heldout)

@@ -189,6 +189,15 @@ def train(
     return {"steps": step, "loss": loss_ema, "tokens": seen, "seconds": time.perf_counter() - t0}
 
 
+def resume_weights(model: torch.nn.Module, checkpoint_dir: str | Path, resume: bool) -> None:
+    """Where a run resumes from a checkpoint, its weights into `model` now, so that what the run judges before it
+    trains on (the summary's "before") is what it resumes from, not a fresh model. train() loads the checkpoint
+    again, with its optimizer and sampler."""
+    ckpt = Path(checkpoint_dir) / CHECKPOINT
+    if resume and ckpt.exists():
+        model.load_state_dict(torch.load(ckpt, weights_only=False)["model"])
+
+
 def estimated_steps(step: int, done: int, t0: float, deadline: float) -> int:
     """For a time budget: the total step count the current pace reaches (sets the LR schedule). `done` steps of
     `step` ran since t0 (the rest before a resume), so they set the pace."""

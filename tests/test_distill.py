@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import specdec.fast_pair as fp
 from specdec.cli import main
-from specdec.distill import distill, draft_config, generated_corpus, split_heldout
+from specdec.distill import distill, draft_config, evaluate, generated_corpus, split_heldout
 from specdec.draft_vocab import read_ranking
 from specdec.engine import SpeculativeEngine
 from specdec.kvcache import CachedLM
@@ -66,6 +66,9 @@ def test_interrupted_distillation_resumes_from_its_checkpoint(setup, tmp_path):
     assert ckpt["step"] == 4  # the last checkpoint before the crash
     summary = distill(target, tokenizer, tmp_path / "resumed", tokens, heldout, 1, 32, cfg, resume=True)
     assert summary["steps"] == 8
+    at_crash = LlamaForCausalLM(draft_config(target, 1, 32))
+    at_crash.load_state_dict(ckpt["model"])
+    assert summary["before"] == evaluate(target, at_crash, heldout)  # judged before it trains on: what it resumed
     whole = AutoModelForCausalLM.from_pretrained(tmp_path / "whole").state_dict()
     resumed = AutoModelForCausalLM.from_pretrained(tmp_path / "resumed").state_dict()
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)

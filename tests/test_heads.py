@@ -300,6 +300,7 @@ def test_training_resumes_from_its_checkpoint(target, tmp_path):
     more = train_head(target, NoTokenizer(), tmp_path, tokens, tokens[:200], 32,
                       TrainConfig(steps=9, batch_size=4, seq_len=16), resume=True)
     assert more["steps"] == 9
+    assert more["before"] == first["after"]  # judged before it trains on: the head it resumed, not a fresh one
     assert load_head(tmp_path, target).d2t.numel() == 32
     with pytest.raises(ValueError, match="draft_vocab_size"):
         train_head(target, NoTokenizer(), tmp_path, tokens, tokens[:200], VOCAB + 1, cfg)
