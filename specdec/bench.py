@@ -159,12 +159,12 @@ def build_modes(target, draft, eos, max_new, params, only: set[str] | None, corp
         "auto": lambda: (make_drafter("model", dlm(), 1), SpecConfig(depth=None)),
         "model+ngram-auto": lambda: (make_drafter("model+ngram", dlm(), 1), SpecConfig(depth=None)),
     }
-    # shaped modes: the defaults, and any other shape asked for by name
-    specs |= {name: shaped_spec(name) for name in ("chain-k4", "tree-2x4", *(only or ())) if shaped(name)}
+    # shaped modes: the defaults, and any other shape asked for by name (a head's where there is a head)
+    defaults = ("chain-k4", "tree-2x4", *(("head-k4", "head-tree-2x4") if head is not None else ()))
+    specs |= {name: shaped_spec(name) for name in (*defaults, *(only or ()))
+              if (shape := shaped(name)) and (head is not None or not shape[0])}
     if head is not None:  # HEAD_MODES: an EAGLE-3 head or Medusa heads
         specs |= {
-            "head-k4": shaped_spec("head-k4"),
-            "head-tree-2x4": shaped_spec("head-tree-2x4"),
             "head-auto": lambda: (make_drafter("model", hlm(), 1), SpecConfig(depth=None)),
             "head+suffix-auto": lambda: (make_drafter("model+suffix", hlm(), 1), SpecConfig(depth=None, max_depth=16)),
         }
@@ -200,9 +200,8 @@ def shaped(name: str) -> tuple[bool, int, int] | None:
     return m["head"] is not None, int(m["width"]), int(m["depth"])
 
 
-def _bad_shape(name: str) -> str | None:
+def _bad_shape(name: str, width: int, depth: int) -> str | None:
     """Why a shaped mode cannot run (a width or depth past the served bounds), or None."""
-    _, width, depth = shaped(name)
     if not (1 <= width <= MAX_TREE_WIDTH and 1 <= depth <= MAX_DEPTH):
         return f"mode {name}: a tree's width must be in 1..{MAX_TREE_WIDTH} and its depth in 1..{MAX_DEPTH}"
     return None
@@ -214,12 +213,13 @@ def modes_asked(args) -> set[str] | None:
     if not args.modes:
         return None
     only = {m.strip() for m in args.modes.split(",") if m.strip()}
-    if bad := [why for m in sorted(only) if shaped(m) and (why := _bad_shape(m))]:
+    shapes = {m: shape for m in only if (shape := shaped(m))}
+    if bad := [why for m, (_, w, d) in sorted(shapes.items()) if (why := _bad_shape(m, w, d))]:
         raise ValueError("; ".join(bad))
-    head_shapes = {m for m in only if shaped(m) and shaped(m)[0]}
+    head_shapes = [m for m, (on_head, _, _) in shapes.items() if on_head]
     needs = {**dict.fromkeys((*HEAD_MODES, *head_shapes), "--head DIR"), "rest-auto": "--corpus PATH"}
     ready = {"plain", *ENGINE_MODES, *HF_MODES, *(HEAD_MODES if args.head else ()),
-             *(("rest-auto",) if args.corpus else ()), *(m for m in only if shaped(m) and (args.head or not shaped(m)[0]))}
+             *(("rest-auto",) if args.corpus else ()), *(m for m in shapes if args.head or m not in head_shapes)}
     unknown = sorted(m for m in only - ready if m not in needs)
     if unknown:
         raise ValueError(f"unknown modes {', '.join(unknown)}; the modes: {', '.join(sorted(ready | set(needs)))}, "

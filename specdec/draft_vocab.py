@@ -87,7 +87,6 @@ class KeptTokensHead(nn.Module):
 
     def __init__(self, head: nn.Linear, kept: torch.Tensor):
         super().__init__()
-        self.vocab_size = head.out_features
         self.proj = nn.Linear(head.in_features, kept.numel(), bias=head.bias is not None,
                               device=head.weight.device, dtype=head.weight.dtype)
         with torch.no_grad():

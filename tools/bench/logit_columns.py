@@ -7,25 +7,13 @@ logits; one torch thread, as the draft loop runs it. Median microseconds of a de
     python -m tools.bench.logit_columns [--nodes 2] [--repeats 300]
 """
 import argparse
-import statistics
-import time
 
 import torch
 
 from specdec.device import HOST
+from tools.bench.cpu_linear import timed
 
 SHAPES = ((8192, 4096), (49152, 16384), (152064, 32768))  # the bench pair, SmolLM2's with its draft, Qwen's
-
-
-def median_us(fn, repeats: int) -> float:
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(times)
 
 
 def main() -> None:
@@ -48,8 +36,8 @@ def main() -> None:
             _, top = logits.log_softmax(-1).topk(W, dim=-1)
             columns[top]
 
-        print(f"vocabulary {V}, draft columns {dv}: scattered to the vocabulary {median_us(scattered, args.repeats):.0f} us, "
-              f"among its own columns {median_us(own_columns, args.repeats):.0f} us a depth of {args.nodes} nodes")
+        print(f"vocabulary {V}, draft columns {dv}: scattered to the vocabulary {1e3 * timed(scattered, args.repeats):.0f} us, "
+              f"among its own columns {1e3 * timed(own_columns, args.repeats):.0f} us a depth of {args.nodes} nodes")
 
 
 if __name__ == "__main__":
