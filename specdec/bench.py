@@ -3,7 +3,9 @@
 Modes run interleaved prompt by prompt (so drift in machine speed hits all alike), after one
 warm-up generation each. Every mode runs the models as specdec serves them (on a CPU, their linear layers
 through oneDNN's packed weights: specdec.cpu_linear). `plain` is transformers' own generate() without
-speculation; `hf-*` are transformers' assisted modes, the peer. Speedup is tokens/s over plain's, per task type."""
+speculation; `off` is specdec's own loop without it (what a request served with speculation off gets); `hf-*` are
+transformers' assisted modes, the peer. Speedup is tokens/s over plain's, per task type, and over off's where off
+ran."""
 
 import contextlib
 import json
@@ -111,7 +113,7 @@ def hf_mode(name, target, eos, max_new, params, **kwargs):
     return Mode(name, run)
 
 
-ENGINE_MODES = ("chain-k4", "tree-2x4", "ngram-k8", "ngram-auto", "suffix-k16", "suffix-auto", "model+suffix-k4",
+ENGINE_MODES = ("off", "chain-k4", "tree-2x4", "ngram-k8", "ngram-auto", "suffix-k16", "suffix-auto", "model+suffix-k4",
                 "model+ngram-k4", "auto", "model+ngram-auto")  # build_modes' without heads or a corpus
 HF_MODES = ("hf-assisted", "hf-prompt-lookup")  # transformers' own assisted decoding, the peer
 
@@ -150,6 +152,7 @@ def build_modes(target, draft, eos, max_new, params, only: set[str] | None, corp
         return lambda: (make_drafter("model", hlm() if on_head else dlm(), width), SpecConfig(depth=depth))
 
     specs = {
+        "off": lambda: (None, SpecConfig(depth=0)),  # specdec's own plain decoding: its loop, speculation off
         "ngram-k8": lambda: (make_drafter("ngram", None), SpecConfig(depth=8)),
         "ngram-auto": lambda: (make_drafter("ngram", None), SpecConfig(depth=None)),
         "suffix-k16": lambda: (make_drafter("suffix", None), SpecConfig(depth=16)),
@@ -292,11 +295,15 @@ def run_bench(args) -> None:
 
 
 def report_rows(modes: list[Mode], params: SamplingParams) -> list[dict]:
+    """speedup: over `plain` (transformers' generate()); speedup_over_off: over `off` (specdec's own loop without
+    speculation, what a served request gets with speculation off) where `off` ran."""
     plain = modes[0].tallies
+    off = next((mode.tallies for mode in modes if mode.name == "off"), {})
     out = []
     for mode in modes:
         for task, t in sorted(mode.tallies.items()):
             tps = t.tokens / t.seconds
+            over_off = round(tps / (off[task].tokens / off[task].seconds), 3) if task in off else None
             is_engine = mode.name != "plain" and not mode.name.startswith("hf-")
             out.append({
                 "mode": mode.name,
@@ -305,6 +312,7 @@ def report_rows(modes: list[Mode], params: SamplingParams) -> list[dict]:
                 "alpha": round(t.accepted / t.tried, 4) if is_engine and t.tried else None,
                 "mean_accepted_length": round(t.tokens / t.steps, 3) if is_engine and t.steps else None,
                 "speedup": round(tps / (plain[task].tokens / plain[task].seconds), 3),
+                "speedup_over_off": over_off,
                 "identical_to_plain": t.identical if params.greedy and mode.name != "plain" else None,
             })
     return out
@@ -315,12 +323,14 @@ def print_table(rows: list[dict], args) -> None:
           f"({turns_of(args.workload, args.turns)} turns), max_new_tokens={args.max_new_tokens}, "
           f"temperature={args.temperature}, dtype={args.dtype}, draft dtype={args.draft_dtype or args.dtype}, device={args.device}, "
           f"torch threads={on_compute(args.device, torch.get_num_threads)}")  # the models' thread's
-    head = f"{'mode':<18} {'task':<6} {'tok/s':>8} {'alpha':>6} {'acc.len':>7} {'speedup':>7} identical"
-    print(head)
+    with_off = any(r["speedup_over_off"] is not None for r in rows)
+    print(f"{'mode':<18} {'task':<6} {'tok/s':>8} {'alpha':>6} {'acc.len':>7} {'speedup':>7}"
+          f"{' vs off' if with_off else ''} identical")
     for r in rows:
         fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        over_off = f" {r['speedup_over_off']:>5.2f}x" if with_off else ""
         print(f"{r['mode']:<18} {r['task_type']:<6} {r['tokens_per_s']:>8.1f} {fmt(r['alpha'], '.3f'):>6} "
-              f"{fmt(r['mean_accepted_length'], '.2f'):>7} {r['speedup']:>6.2f}x {fmt(r['identical_to_plain'], '')}")
+              f"{fmt(r['mean_accepted_length'], '.2f'):>7} {r['speedup']:>6.2f}x{over_off} {fmt(r['identical_to_plain'], '')}")
 
 
 def plot(rows: list[dict], path: str, args) -> None:

@@ -118,15 +118,20 @@ def test_bench_json_rows_and_plot(dirs, capsys, tmp_path):
     prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     plot = tmp_path / "speedup.png"
     out = run_json(capsys, ["bench", "--target", dirs["target"], "--draft", dirs["draft"], "--prompts", str(prompts),
-                            "--max-new-tokens", "8", "--modes", "chain-k4,model+ngram-auto,hf-prompt-lookup",
+                            "--max-new-tokens", "8", "--modes", "off,chain-k4,model+ngram-auto,hf-prompt-lookup",
                             "--json", "--plot", str(plot)])
     by = {(r["mode"], r["task_type"]): r for r in out["rows"]}
-    assert set(by) == {(m, t) for m in ("plain", "chain-k4", "model+ngram-auto", "hf-prompt-lookup")
+    assert set(by) == {(m, t) for m in ("plain", "off", "chain-k4", "model+ngram-auto", "hf-prompt-lookup")
                        for t in ("code", "prose")}
     for r in out["rows"]:
         assert set(r) == {"mode", "task_type", "tokens_per_s", "alpha", "mean_accepted_length", "speedup",
-                          "identical_to_plain"}
+                          "speedup_over_off", "identical_to_plain"}
         assert r["tokens_per_s"] > 0
+        off = by[("off", r["task_type"])]["tokens_per_s"]
+        assert r["speedup_over_off"] == pytest.approx(r["tokens_per_s"] / off, rel=0.01)
+    # specdec's own plain decoding: the same tokens as transformers', and no drafting
+    assert by[("off", "code")]["identical_to_plain"] is True and by[("off", "prose")]["identical_to_plain"] is True
+    assert by[("off", "code")]["alpha"] is None and by[("off", "code")]["speedup_over_off"] == 1.0
     assert by[("plain", "code")]["speedup"] == 1.0 and by[("plain", "code")]["identical_to_plain"] is None
     assert by[("plain", "code")]["alpha"] is None and by[("hf-prompt-lookup", "code")]["alpha"] is None
     assert by[("chain-k4", "code")]["identical_to_plain"] is True
