@@ -172,6 +172,7 @@ class _Join:
     params: SamplingParams
     stream: int
     tokens: int  # KV tokens it reserves
+    max_new_tokens: int = 0
     waiter: _Waiter = field(default_factory=_Waiter)
     plain: "_Plain | None" = None  # set for a plain request the loop decodes itself
     feature_layers: tuple[int, ...] = ()  # its verdicts carry the inputs of these layers (a draft head's)
@@ -312,6 +313,7 @@ class TargetScheduler:
         self._trees: dict[str, tuple[TokenTree, _Waiter]] = {}  # sent by replicas for the next forward
         self._plain: dict[str, _Plain] = {}
         self._reserved: dict[str, int] = {}  # admitted request -> KV tokens it holds
+        self._longest: dict[str, int] = {}  # admitted request -> the tokens its row may hold after a forward
         # open speculative row -> (when it was last heard from, forwards run by then), oldest first
         self._last_tree: dict[str, tuple[float, int]] = {}
         self._last_forward_end = time.monotonic()
@@ -338,7 +340,7 @@ class TargetScheduler:
         and prefilled, or `done(error)` when it never will be (closed while it waited, its prefill or its first
         token failed), on the loop's thread (it must not block). With feature_layers, its prompt's features
         wait for prompt_features (until taken, or until the request leaves)."""
-        self._join_all([_Join(rid, list(prompt), params, stream, self._cost(prompt, max_new_tokens),
+        self._join_all([_Join(rid, list(prompt), params, stream, self._cost(prompt, max_new_tokens), max_new_tokens,
                               waiter=_CallbackWaiter(done_callback=done), feature_layers=tuple(feature_layers),
                               keep_features=True)])
 
@@ -367,13 +369,13 @@ class TargetScheduler:
         its prompt features (the inputs of those layers at its prompt's tokens, [len(prompt), F]); raises the
         first error."""
         joins = [_Join(o.rid, list(o.prompt), o.params, o.stream, self._cost(o.prompt, o.max_new_tokens),
-                       feature_layers=tuple(o.feature_layers)) for o in openings]
+                       o.max_new_tokens, feature_layers=tuple(o.feature_layers)) for o in openings]
         return [waiter.wait() for waiter in self._join_all(joins)]
 
     def decode_many(self, openings: list[Opening], eos: set[int], sinks: list[Sink]) -> None:
         """decode() for a batch at once: queued together, admitted together; all are refused at the door or none."""
         self._join_all([_Join(o.rid, list(o.prompt), o.params, o.stream, self._cost(o.prompt, o.max_new_tokens),
-                              plain=_Plain(o.max_new_tokens, set(eos), sink, list(o.prompt)))
+                              o.max_new_tokens, plain=_Plain(o.max_new_tokens, set(eos), sink, list(o.prompt)))
                         for o, sink in zip(openings, sinks, strict=True)])
 
     def decode(self, rid: str, prompt: list[int], params: SamplingParams, max_new_tokens: int, eos: set[int],
@@ -536,7 +538,7 @@ class TargetScheduler:
             prefilling = [join for _, joins in self._prefilling for join in joins]
             plain, self._plain, self._prefilling = self._plain, {}, collections.deque()
             dropped = [rid for rid in self._reserved if rid not in plain]
-            self._reserved, self._last_tree, self._prompt_features = {}, {}, {}
+            self._reserved, self._longest, self._last_tree, self._prompt_features = {}, {}, {}, {}
             for rid in dropped:
                 self._dropped.add(rid)
             self._drop_error = error
@@ -635,6 +637,7 @@ class TargetScheduler:
             join = self._waiting.popleft()
             reserved_slots += self.budget.slots([join.tokens])
             self._reserved[join.rid] = join.tokens
+            self._longest[join.rid] = len(join.prompt) + join.max_new_tokens + self.budget.tree_room
             joining.append(join)
         return joining
 
@@ -647,6 +650,7 @@ class TargetScheduler:
                 else:
                     self._closed.add(rid)
                 self._reserved.pop(rid, None)
+                self._longest.pop(rid, None)
                 self._last_tree.pop(rid, None)
                 self._plain.pop(rid, None)
                 self._prompt_features.pop(rid, None)
@@ -795,6 +799,7 @@ class TargetScheduler:
         with self._cv:
             for j in joins:
                 self._reserved.pop(j.rid, None)
+                self._longest.pop(j.rid, None)
                 self._last_tree.pop(j.rid, None)
         for j in joins:
             j.waiter.finish(error=error)
@@ -807,18 +812,21 @@ class TargetScheduler:
         waiters = list({id(w): w for _, w in trees.values()}.values())
         batch = {rid: tree for rid, (tree, _) in trees.items() if rid in self.worker.requests}
         verified = [waiter for rid, (_, waiter) in trees.items() if rid in batch]  # closed requests get no verdict
+        overlong = self._past_reservation(batch)
+        batch = {rid: tree for rid, tree in batch.items() if rid not in overlong}
         batch |= {rid: TokenTree.root(p.seq[-1]) for rid, p in self._plain.items()}
         nodes = sum(map(len, batch.values()))
         budget = self._chunk_budget(nodes) if self._prefilling else 0
         if not batch:
             for waiter in waiters:
-                waiter.finish({})
+                waiter.finish(overlong)
             if self._prefilling:  # nothing steps: the chunks run on their own
                 self._prefill_alone(budget)
             return
         t0 = self._clock()
         try:
             outcomes, tokens = self._verify(batch, budget)
+            outcomes |= overlong
         except Exception as e:  # noqa: BLE001 - the forward itself failed: handed to each waiting caller
             for waiter in waiters:
                 waiter.finish(error=e)
@@ -853,6 +861,19 @@ class TargetScheduler:
                 ending[rid] = None
         self._finish_joined(ending)
         self._join_prefilled()
+
+    def _past_reservation(self, batch: dict[str, TokenTree]) -> dict[str, Exception]:
+        """The trees that would take their rows past what their requests reserved (prompt + max_new_tokens +
+        tree_room): a replica that goes on drafting after its request's last token, which would grow the shared
+        KV pool past its budget. Each gets InvalidArgument; the others step."""
+        refused = {}
+        for rid, tree in batch.items():
+            held = len(self.worker.requests[rid].seq) - 1 + len(tree)  # the cache after the forward: tree's root on
+            if held > (longest := self._longest.get(rid, held)):
+                refused[rid] = InvalidArgument("tree.tokens", f"request {rid!r}: its row would hold {held} tokens, past "
+                                                              f"the {longest} it reserved (its prompt, max_new_tokens "
+                                                              "and the tree room): it has finished")
+        return refused
 
     def _verify(self, batch: dict[str, TokenTree], budget: int) -> tuple[dict[str, Outcome], int]:
         """The worker's verify, with up to `budget` tokens of the joining prompts riding in its forward. Where

@@ -299,3 +299,34 @@ def test_a_loop_failure_outside_a_forward_ends_the_batch_and_the_loop_goes_on(ta
         getattr(follower, name)(*args)
     assert "drop_all" in [name for name, _ in sent]
     assert not follower.requests and follower.lm.pool.stats().used_tokens == 0
+
+
+def test_a_replica_that_drafts_past_its_requests_last_token_is_refused_within_its_reservation(target):
+    """A replica that never stops sending trees (a bug, or hostile) may not grow its row past what its request
+    reserved (prompt + max_new_tokens + tree room): the tree that would is refused, naming why, and the shared
+    block pool stays within the KV budget."""
+    budget = KvBudget(max_rows=2, max_tokens=256, tree_room=16)
+    scheduler = TargetScheduler(TargetWorker(CachedLM(target, budget.pool(target.config, 0))), budget,
+                                idle_timeout_s=None)
+    try:
+        prompt, max_new = [1, 2, 3, 4], 1
+        last = scheduler.open("runaway", prompt, GREEDY, 0, max_new).first.tokens[-1]
+        outcomes = []
+        for _ in range(100):
+            tree = TokenTree.root(last)
+            node = 0
+            for token in (1, 2, 3):  # a chain of 3 guesses each step
+                node = tree.add(node, token)
+            outcome = scheduler.verify({"runaway": tree})["runaway"]
+            outcomes.append(outcome)
+            if isinstance(outcome, Exception):
+                break
+            last = outcome.tokens[-1]
+        assert isinstance(outcomes[-1], InvalidArgument), outcomes[-1]
+        assert "past the 21 it reserved" in str(outcomes[-1]) and "runaway" in str(outcomes[-1])
+        held = len(scheduler.worker.requests["runaway"].seq)
+        assert held <= len(prompt) + max_new + 16  # what it reserved, at most
+        pool = scheduler.worker.lm.pool.stats()
+        assert pool.used_tokens <= scheduler.stats().kv_tokens_reserved and pool.allocated_tokens <= 256
+    finally:
+        scheduler.stop()
