@@ -314,6 +314,7 @@ class TargetScheduler:
         self._plain: dict[str, _Plain] = {}
         self._reserved: dict[str, int] = {}  # admitted request -> KV tokens it holds
         self._longest: dict[str, int] = {}  # admitted request -> the tokens its row may hold after a forward
+        self._closed_prefilling: set[str] = set()  # closed while their prompts were prefilled in chunks
         # open speculative row -> (when it was last heard from, forwards run by then), oldest first
         self._last_tree: dict[str, tuple[float, int]] = {}
         self._last_forward_end = time.monotonic()
@@ -539,6 +540,7 @@ class TargetScheduler:
             plain, self._plain, self._prefilling = self._plain, {}, collections.deque()
             dropped = [rid for rid in self._reserved if rid not in plain]
             self._reserved, self._longest, self._last_tree, self._prompt_features = {}, {}, {}, {}
+            self._closed_prefilling = set()
             for rid in dropped:
                 self._dropped.add(rid)
             self._drop_error = error
@@ -644,11 +646,15 @@ class TargetScheduler:
     def _remove(self, leaving: list[str]) -> None:
         self.worker.remove([rid for rid in set(leaving) if rid in self.worker.requests])
         with self._cv:
+            prefilling = {j.rid for _, joins in self._prefilling for j in joins}
             for rid in leaving:
                 if rid not in self._reserved:
                     self._close_early(rid)
                 else:
                     self._closed.add(rid)
+                if rid in prefilling:  # its KV is being written: it holds its reservation until that stops
+                    self._closed_prefilling.add(rid)
+                    continue
                 self._reserved.pop(rid, None)
                 self._longest.pop(rid, None)
                 self._last_tree.pop(rid, None)
@@ -656,6 +662,17 @@ class TargetScheduler:
                 self._prompt_features.pop(rid, None)
             if self._gather:
                 self._gather.forget(leaving)
+        self._stop_closed_prefills()
+
+    def _stop_closed_prefills(self) -> None:
+        """Joining groups whose every request was closed while its prompt was prefilled in chunks stop
+        prefilling: their blocks go back, and their reservations with them. (A group with some request still
+        open runs on; the closed ones leave as it joins, _complete.)"""
+        for handle, joins in [(h, js) for h, js in self._prefilling if all(j.rid in self._closed_prefilling for j in js)]:
+            self._prefilling.remove((handle, joins))
+            self.worker.abandon(handle)
+            names = ", ".join(repr(j.rid) for j in joins)
+            self._fail_joins(joins, UnknownRequest(f"request {names} was closed while its prompt was prefilled"))
 
     def _close_early(self, rid: str) -> None:
         """A close that came before its open: drop it from the admission queue, or refuse it later."""
@@ -766,7 +783,12 @@ class TargetScheduler:
         features = joined.features
         with self._cv:  # first tokens: committed by the forward that ran each prompt's last token
             self.committed_tokens += sum(len(v.tokens) for v in joined.first.values() if isinstance(v, Verdict))
-            closed = {j.rid for j in joins if j.rid not in self._reserved}
+            closed = {j.rid for j in joins if j.rid in self._closed_prefilling}
+            for rid in closed:
+                self._reserved.pop(rid, None)
+                self._longest.pop(rid, None)
+                self._last_tree.pop(rid, None)
+            self._closed_prefilling -= closed
             self._prompt_features |= {j.rid: features[j.rid] for j in joins
                                       if j.keep_features and j.rid in features and j.rid not in closed}
         if closed:
@@ -801,6 +823,7 @@ class TargetScheduler:
                 self._reserved.pop(j.rid, None)
                 self._longest.pop(j.rid, None)
                 self._last_tree.pop(j.rid, None)
+                self._closed_prefilling.discard(j.rid)
         for j in joins:
             j.waiter.finish(error=error)
             if j.plain:

@@ -288,7 +288,18 @@ def test_speculative_and_plain_outputs_are_unchanged_by_chunks(target, draft, re
 
 
 def test_a_request_closed_while_its_prompt_is_prefilled_leaves_and_its_caller_hears(target):
-    scheduler = TargetScheduler(TargetWorker(CachedLM(target)), KvBudget(), max_batched_tokens=4)
+    """...and its prompt stops being prefilled there: its blocks and its reservation go back at once (before,
+    the rest of its prompt ran on after the close, on room admission had already given to others)."""
+    worker = TargetWorker(CachedLM(target))
+    scheduler = TargetScheduler(worker, KvBudget(), max_batched_tokens=4)
+    prompt_tokens, verify = [], worker.verify
+
+    def counting_verify(*args, **kwargs):
+        outcomes, tokens = verify(*args, **kwargs)
+        prompt_tokens.append(tokens - sum(map(len, args[0].values())))  # the joining prompts' chunks in it
+        return outcomes, tokens
+
+    worker.verify = counting_verify
     running = Collect()
     scheduler.decode("running", [3, 4, 5], GREEDY, 200, set(), running)  # keeps the loop stepping
     errors = []
@@ -301,12 +312,16 @@ def test_a_request_closed_while_its_prompt_is_prefilled_leaves_and_its_caller_he
 
     opener = threading.Thread(target=open_long)
     opener.start()
-    while not scheduler._prefilling:  # admitted, its prompt being prefilled 4 tokens at a time
-        threading.Event().wait(0.001)
+    while not any(j.rid == "long" for _, joins in scheduler._prefilling for j in joins):  # admitted, its prompt
+        threading.Event().wait(0.001)  # being prefilled 4 tokens at a time ("running"'s was, a moment, too)
     scheduler.close(["long"])
+    ran_at_close = sum(prompt_tokens)
     opener.join(60)
     assert errors and "closed while its prompt was prefilled" in str(errors[0])
     assert "long" not in scheduler.worker.requests and not scheduler.worker._joining
+    wait_for(lambda: len(running.tokens) > 10, scheduler.stats)  # the loop steps on
+    assert sum(prompt_tokens) <= ran_at_close + 4  # at most the forward in flight at the close: of 199
+    assert scheduler.stats().kv_tokens_reserved == KvBudget().slots([3 + 200 + KvBudget.tree_room])  # "running"'s
     scheduler.close(["running"])
     wait_until_empty(scheduler)
     scheduler.stop()
