@@ -1,6 +1,7 @@
 """Sampling parameters and the logits warping applied alike to target (p) and draft (q)."""
 
 import math
+import struct
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +16,7 @@ MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)  # the wire carries floa
 MAX_TOP_K = 2**31 - 1  # the wire's int32
 SEED_RANGE = range(-(2**63), 2**63)  # the wire's int64
 MAX_REPETITION_PENALTY = 100.0  # past it every seen token's logit is scaled to about 0: no model needs more
+MIN_REPETITION_PENALTY = 1 / MAX_REPETITION_PENALTY  # below it a seen token's logit is scaled past float32's range
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI's range, and vLLM's)
 MAX_BIAS = 100.0  # a logit_bias value lies in [-100, 100] (OpenAI's range)
 MAX_LOGIT_BIAS = 300  # ids a logit_bias may name (OpenAI's limit): it travels with every Open on the wire
@@ -48,14 +50,16 @@ class SamplingParams:
     cache_salt: str | None = field(default=None, repr=False)  # a client's secret, as a key is: kept out of reprs
 
     def __post_init__(self):
-        """The one check of sampling fields, wherever they come from (CLI, gRPC, HTTP, another actor)."""
-        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):  # NaN fails too
+        """The one check of sampling fields, wherever they come from (CLI, gRPC, HTTP, another actor). The floats
+        are checked as the wire carries them (float32): a value the ingress accepts, its target accepts too."""
+        temperature = as_float32(self.temperature)
+        if not (temperature == 0 or as_float32(MIN_TEMPERATURE) <= temperature <= MAX_TEMPERATURE):  # NaN fails too
             raise InvalidArgument("temperature", f"must be 0 (greedy) or a number in [{MIN_TEMPERATURE}, "
                                                  f"{MAX_TEMPERATURE:.4g}], got {self.temperature}")
         if not 0 <= self.top_k <= MAX_TOP_K:
             raise InvalidArgument("top_k", f"must be in 0..{MAX_TOP_K} (0 turns it off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:  # NaN fails this too
-            raise InvalidArgument("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0 < as_float32(self.top_p) <= 1:  # NaN fails this too
+            raise InvalidArgument("top_p", f"must be in (0, 1] (and not 0 as a 32-bit float), got {self.top_p}")
         if self.seed is not None and self.seed not in SEED_RANGE:
             raise InvalidArgument("seed", f"must be a 64-bit signed integer, got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -69,9 +73,10 @@ class SamplingParams:
         self._check_processors()
 
     def _check_processors(self) -> None:
-        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:  # NaN fails this too
-            raise InvalidArgument("repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY:g}] (1 turns it "
-                                                        f"off), got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:  # NaN fails this too
+            raise InvalidArgument("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY:g}, "
+                                                        f"{MAX_REPETITION_PENALTY:g}] (1 turns it off), got "
+                                                        f"{self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
                 raise InvalidArgument(name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 turns it off), "
@@ -106,6 +111,14 @@ class SamplingParams:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
+def as_float32(x: float) -> float:
+    """x as a 32-bit float holds it (the wire's precision: protos/specdec_tree.proto): inf past its range."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Turn logits [..., V] into the sampling distribution [..., V] (float32): warp_'s weights, normalised."""
     w = warp_(logits.to(torch.float32, copy=True), params)
@@ -134,6 +147,7 @@ def warp_(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         ranked, order = x.sort(dim=-1, descending=True)
         # drop a token when the tokens ranked above it already reach top_p of the whole
         drop = (ranked.cumsum(-1) - ranked) >= params.top_p * x.sum(-1, keepdim=True)
+        drop[..., 0] = False  # the likeliest token stays, however small top_p (its product may round to 0)
         x.scatter_(-1, order, ranked.masked_fill_(drop, 0.0))
     return x
 

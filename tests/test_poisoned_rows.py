@@ -16,7 +16,7 @@ from specdec.drafters import Plan
 from specdec.drafter_factory import make_drafter
 from specdec.errors import InvalidArgument, RequestFailed, Unavailable
 from specdec.kvcache import CachedLM
-from specdec.sampling import MIN_TEMPERATURE, SamplingParams, make_generator, warp
+from specdec.sampling import MIN_REPETITION_PENALTY, MIN_TEMPERATURE, SamplingParams, make_generator, warp
 from specdec.scheduler import KvBudget, TargetScheduler
 from specdec.target import TargetWorker
 from specdec.tree import Proposal, TokenTree
@@ -32,6 +32,8 @@ SAMPLED = SamplingParams(temperature=0.8, seed=7)
     ("temperature", {"temperature": -1.0}), ("temperature", {"temperature": 1e300}),  # past float32: inf on the wire ("top_p", {"temperature": 1.0, "top_p": math.nan}),
     ("top_k", {"temperature": 1.0, "top_k": 2**31}), ("seed", {"temperature": 1.0, "seed": 2**63}),
     ("seed", {"temperature": 1.0, "seed": -(2**63) - 1}),
+    ("top_p", {"temperature": 1.0, "top_p": 1e-46}),  # 0 as the wire's float32 carries it
+    ("repetition_penalty", {"repetition_penalty": 1e-39}),  # a seen token's logit over it is inf
 ])
 def test_sampling_settings_that_cannot_make_a_distribution_are_refused(field, kwargs):
     with pytest.raises(InvalidArgument) as e:
@@ -49,6 +51,8 @@ def test_the_extremes_that_are_accepted_warp_to_a_distribution():
         p = warp(logits, params)
         assert torch.isfinite(p).all()
         torch.testing.assert_close(p, torch.nn.functional.one_hot(logits.argmax(-1), 4).float())
+    p = warp(logits[1:], SamplingParams(temperature=1.0, top_p=1e-44))  # top_p x the sum rounds to 0 in float32:
+    torch.testing.assert_close(p, torch.tensor([[0.0, 0.0, 0.0, 1.0]]))  # the likeliest token stays
     p = warp(logits[1:], SamplingParams(temperature=0.7))  # the shift by the maximum changes no distribution
     torch.testing.assert_close(p, (logits[1:] / 0.7).softmax(-1))
 
@@ -330,3 +334,15 @@ def test_a_replica_that_drafts_past_its_requests_last_token_is_refused_within_it
         assert pool.used_tokens <= scheduler.stats().kv_tokens_reserved and pool.allocated_tokens <= 256
     finally:
         scheduler.stop()
+
+
+@pytest.mark.parametrize("fields", [{"temperature": MIN_TEMPERATURE}, {"temperature": 1.0, "top_p": 1e-44},
+                                    {"repetition_penalty": MIN_REPETITION_PENALTY}])
+def test_settings_the_ingress_accepts_are_accepted_as_the_wire_carries_them(fields):
+    """The wire carries these floats as float32: MIN_TEMPERATURE itself rounds below MIN_TEMPERATURE there, so a
+    request the ingress admitted was refused by its target after admission, naming a value nobody sent."""
+    from actors.wire import sampling_from_proto, sampling_to_proto
+
+    params = SamplingParams(**fields)
+    assert sampling_from_proto(sampling_to_proto(params)).warp_settings[0] == pytest.approx(params.temperature)
+
