@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from specdec.chat import encode_prompt
 from specdec.errors import InvalidArgument, Unavailable
 from specdec.grammar import Grammars, ResponseFormat, grammar_of
-from specdec.sampling import SamplingParams, check_cache_salt
+from specdec.sampling import MAX_LOGIT_BIAS, SamplingParams, check_cache_salt
 
 from specdec.blocks import BLOCK_TOKENS
 from specdec.scheduler import KvBudget
@@ -186,9 +186,11 @@ class Admission:
                                              "with the router's choice, OFF ones not at all")
 
     def _check_logit_bias(self, bias: tuple[tuple[int, float], ...]) -> None:
-        if any(not 0 <= t < len(self.tokenizer) for t, _ in bias):
+        if len(bias) > MAX_LOGIT_BIAS:  # before listing any: the message names a few ids, never a body's worth
+            raise InvalidArgument("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}")
+        if outside := sorted(t for t, _ in bias if not 0 <= t < len(self.tokenizer)):
             raise InvalidArgument("logit_bias", f"token ids must be in the vocabulary [0, {len(self.tokenizer)}), "
-                                                f"got {sorted(t for t, _ in bias)}")
+                                                f"got {outside[:8]}{' and more' if len(outside) > 8 else ''}")
 
     def _check_response_format(self, req: Request) -> None:
         """A response format's grammar ends in the model's eos, so it asks for eos to end the row, and

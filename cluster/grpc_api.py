@@ -40,7 +40,9 @@ def response_format_from_proto(msg: api.ResponseFormat) -> ResponseFormat:
         return ResponseFormat(msg.type)
     try:
         return ResponseFormat(msg.type, json.loads(msg.json_schema))
-    except json.JSONDecodeError as e:
+    except RecursionError:
+        raise InvalidArgument("response_format.json_schema", "nests too deeply to read") from None
+    except ValueError as e:  # not JSON, or a number past Python's digit limit
         raise InvalidArgument("response_format.json_schema", f"is not JSON: {e}") from None
 
 

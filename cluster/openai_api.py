@@ -5,6 +5,7 @@ that clients send for them are accepted. Every error has OpenAI's shape."""
 
 import asyncio
 import json
+import re
 import sys
 import time
 import uuid
@@ -129,12 +130,15 @@ class ResponseFormatBody(BaseModel):
         return ResponseFormat(self.type, self.json_schema.schema_ if self.json_schema else None)
 
 
+TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,11}")
+
+
 def logit_bias_of(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     """OpenAI's logit_bias (token ids as JSON keys) -> (id, bias) pairs by id; InvalidArgument for a key that
     is no integer (the ranges are checked with the other sampling fields)."""
     pairs = []
     for key, value in (bias or {}).items():
-        if not key.lstrip("-").isdigit() or len(key) > 12:
+        if not TOKEN_ID_KEY.fullmatch(key):  # ASCII digits only: "²" is a digit to str.isdigit, not to int()
             raise InvalidArgument("logit_bias", f"keys are token ids, got {key[:32]!r}")
         pairs.append((int(key), value))
     return tuple(sorted(pairs))
@@ -271,7 +275,7 @@ class TokenizeBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = None  # unset: true for a prompt, false for messages (their template has its own)
     add_generation_prompt: bool = True  # with messages: end with the assistant's turn, as chat completions do
     return_token_strs: bool = False  # each token's own text too

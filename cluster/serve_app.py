@@ -49,6 +49,10 @@ class RequireApiKey:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] not in auth.OPEN_PATHS:
+            if (sent := sum(name == b"authorization" for name, _ in scope["headers"])) > 1:
+                # one key decides both who may call and whose cache scope it uses (cache_per_api_key): never two
+                await HttpError(400, f"send one Authorization header, got {sent}", None).response()(scope, receive, send)
+                return
             try:
                 auth.authorize(self.keys(), _header(scope, b"authorization"))
             except auth.Unauthenticated as e:

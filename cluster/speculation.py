@@ -15,8 +15,8 @@ class Speculation(enum.StrEnum):
     @classmethod
     def parse(cls, value: str, field_name: str = "speculation") -> "Speculation":
         """From a name in either case (HTTP, the CLI) or a proto enum name; ValueError naming the field."""
-        name = value.removeprefix("SPECULATION_").upper() if isinstance(value, str) else value
-        if name not in cls.__members__:
+        name = value.removeprefix("SPECULATION_").upper() if isinstance(value, str) else None
+        if name not in cls.__members__:  # a list or an object too (unhashable: a TypeError, not this error)
             raise ValueError(f"{field_name} must be one of {', '.join(cls.__members__)}, got {value!r}")
         return cls[name]
 

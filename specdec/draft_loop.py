@@ -8,6 +8,7 @@ draft's cache back, stream the tokens. Requests join and leave between iteration
 The target is a Target: a target rank's specdec.v1.TargetService over gRPC (actors.grpc_target), or
 a TargetScheduler in the same process (the in-process engine, specdec.engine)."""
 
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,8 @@ from .sinks import Sink, tell
 from .suffix import RecentOutputs
 from .target import Opened, Outcome
 from .tree import TokenTree
+
+log = logging.getLogger(__name__)
 
 
 class Target(Protocol):
@@ -273,12 +276,18 @@ class DraftLoop:
         return self.drafter.propose([r.seq for r in rows], plans, [r.params for r in rows], [r.gen for r in rows])
 
     def _fail(self, error: Exception) -> None:
-        """A step failed (the target is gone, say): every running request ends with the error."""
+        """A step failed (the target is gone, or its reply could not come back, or a drafter's bug): every running
+        request ends with the error, and is closed on the target where it still runs, so its row and its KV
+        reservation go back now, not after server.idle_row_timeout_s."""
         rows, self.rows = self.rows, []
         if self.drafter is not None:
             self.drafter.start(0)
         for r in rows:
             tell(r.rid, r.sink, [], r.out, True, error)
+        try:
+            self.target.close([r.rid for r in rows])
+        except Exception:  # noqa: BLE001 - a target that is gone holds no rows; its idle timeout covers the rest
+            log.warning("closing %d failed requests on the target failed too", len(rows), exc_info=True)
 
 
 def _take_first(r: DraftRequest) -> bool:

@@ -281,9 +281,26 @@ class RecentOutputs:
             return held
 
 
+CORPUS_PIECE_CHARS = 1 << 16  # a corpus file is read and encoded this many characters at a time
+
+
+def _pieces(f, size: int):
+    """A text file's text, `size` characters at a time, each piece cut after its last newline where it has one
+    (tokenizing the pieces apart changes the tokens at the cuts only)."""
+    rest = ""
+    while block := f.read(size):
+        text = rest + block
+        cut = text.rfind("\n") + 1 or len(text)
+        rest = text[cut:]
+        yield text[:cut]
+    if rest:
+        yield rest
+
+
 def read_corpus(path: str, encode: Callable[[str], list[int]], max_tokens: int) -> Texts:
     """A corpus as a store to draft from (REST): the text file at `path`, or every file under the folder (in
-    name order; files that are not UTF-8 text are skipped), encoded by `encode`, up to max_tokens tokens.
+    name order; files that are not UTF-8 text are skipped, from where they stop being), encoded by `encode` a piece
+    at a time, up to max_tokens tokens (a huge file costs what the cap reads, not its size).
     ValueError naming the path when it is missing or holds no text."""
     if not os.path.exists(path):
         raise ValueError(f"{path}: no such file or folder")
@@ -293,12 +310,14 @@ def read_corpus(path: str, encode: Callable[[str], list[int]], max_tokens: int) 
     for name in files:
         try:
             with open(name, encoding="utf-8") as f:
-                text = f.read()
+                for piece in _pieces(f, CORPUS_PIECE_CHARS):  # never a whole file at once
+                    tokens = encode(piece)[: max_tokens - held - 1]
+                    if tokens:
+                        held += store.append(tokens)
+                    if held >= max_tokens - 1:
+                        break
         except (UnicodeDecodeError, OSError):
             continue
-        tokens = encode(text)[: max_tokens - held - 1]
-        if tokens:
-            held += store.append(tokens)
         if held >= max_tokens - 1:
             break
     if not held:

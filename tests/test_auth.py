@@ -57,6 +57,33 @@ def test_bearer_keys_accept_only_their_keys():
             BearerKeys(bad)
 
 
+def test_two_authorization_headers_are_refused_before_any_route():
+    """The key that lets a request in is the one its cache scope comes from (security.cache_per_api_key): with two
+    headers the middleware read the last and the route the first, so a right key let a guessed one pick the scope."""
+    import asyncio
+
+    from cluster.serve_app import RequireApiKey
+
+    reached, sent = [], []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    async def send(message):
+        sent.append(message)
+
+    middleware = RequireApiKey(app, lambda: BearerKeys(["key-A"]))
+    headers = [(b"authorization", b"Bearer someone-elses-guess"), (b"authorization", b"Bearer key-A")]
+    asyncio.run(middleware({"type": "http", "path": "/v1/completions", "headers": headers}, receive, send))
+    assert not reached and sent[0]["status"] == 400
+    assert b"one Authorization header, got 2" in b"".join(m.get("body", b"") for m in sent)
+    asyncio.run(middleware({"type": "http", "path": "/v1/completions", "headers": headers[1:]}, receive, send))
+    assert reached == ["/v1/completions"]
+
+
 def test_api_keys_come_from_the_environment_else_the_file(tmp_path):
     path = tmp_path / "keys"
     path.write_text("#not-a-key\nfile-key-1\n\n  file-key-2  \n")

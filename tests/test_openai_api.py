@@ -464,7 +464,7 @@ def edge(tmp_path, monkeypatch, server: dict | None = None, routing: dict | None
                                                 "apply_chat_template": staticmethod(tokenizer.apply_chat_template),
                                                 "decode": staticmethod(tokenizer.decode),
                                                 "added_tokens_decoder": tokenizer.added_tokens_decoder,
-                                                "is_fast": True})()
+                                                "__len__": lambda self: len(tokenizer), "is_fast": True})()
     frontend.admission = Admission(cfg, frontend.tokenizer, frontend.context, frontend.router, kv_budget(cfg),
                                    SimpleNamespace(check=lambda: None))
     events = []
@@ -501,6 +501,14 @@ HUGE = [  # (the body's JSON, the field its 400 names)
     ('{"prompt": "w1 \\ud800 w2"}', "prompt"),  # valid JSON, not Unicode text: no tokenizer encodes it
     ('{"prompt": "w1", "stop": ["w2", "\\udfff"]}', "stop.1"),
     ('{"prompt": "w1", "\\ud83d": 1}', "body"),
+    ('{"prompt": "w1", "speculation": []}', "speculation"),  # unhashable: was a 500
+    ('{"prompt": "w1", "speculation": {}}', "speculation"),
+    ('{"prompt": "w1", "logit_bias": {"\u00b2": 5}}', "logit_bias"),  # a digit to str.isdigit, not to int()
+    ('{"prompt": "w1", "logit_bias": {"--1": 5}}', "logit_bias"),
+    ('{"prompt": "w1", "logit_bias": {%s}}' % ", ".join(f'"{100_000 + i}": 1' for i in range(5000)), "logit_bias"),
+    ('{"prompt": "w1", "logit_bias": {%s}}' % ", ".join(f'"{100_000 + i}": 1' for i in range(200)), "logit_bias"),
+    ('{"prompt": "w1", "temperature": 1, "top_p": 1e-46}', "top_p"),  # admitted, then failed its request
+    ('{"prompt": "w1", "temperature": 1, "repetition_penalty": 1e-39}', "repetition_penalty"),
 ]
 
 
@@ -922,3 +930,19 @@ def test_an_n_the_queue_could_never_hold_is_a_400_naming_n(tmp_path, monkeypatch
                                          "takes n places in the queue), got 5")
     status, reply = post(edge(tmp_path, monkeypatch, server={"max_n": 2}), {"prompt": "w1", "n": 3, "max_tokens": 2})
     assert status == 400 and reply["error"]["message"] == "n: must be in 1..2 (server.max_n), got 3", reply
+
+
+def test_tokenize_refuses_an_empty_conversation_naming_it(tmp_path, monkeypatch):
+    status, reply = post(edge(tmp_path, monkeypatch), {"messages": []}, "tokenize")  # was a 500 from the template
+    assert status == 400 and reply["error"]["param"] == "messages", reply
+
+
+@pytest.mark.parametrize("schema", ["[" * 100_000, '{"maximum": %s}' % ("9" * 5000), "{"])
+def test_a_grpc_json_schema_that_cannot_be_read_is_invalid_argument(schema):
+    """Nesting past Python's recursion limit, or a number past its digit limit, were INTERNAL over gRPC (HTTP's
+    body parser refused them with a 400 already)."""
+    from cluster.grpc_api import response_format_from_proto
+
+    with pytest.raises(InvalidArgument) as e:
+        response_format_from_proto(api.ResponseFormat(type="json_schema", json_schema=schema))
+    assert e.value.field == "response_format.json_schema"

@@ -346,3 +346,30 @@ def test_settings_the_ingress_accepts_are_accepted_as_the_wire_carries_them(fiel
     params = SamplingParams(**fields)
     assert sampling_from_proto(sampling_to_proto(params)).warp_settings[0] == pytest.approx(params.temperature)
 
+
+
+def test_a_failed_step_closes_its_requests_on_the_target():
+    """A step that fails where the target still runs (its reply over the message limit, a drafter's bug) ends
+    the loop's requests, and closes them on the target: their rows and KV reservations go back at once, not
+    after server.idle_row_timeout_s."""
+    from specdec.acceptance import Verdict
+    from specdec.errors import ResourceExhausted
+
+    class Target:
+        closed = []
+
+        def verify(self, trees):
+            raise ResourceExhausted("the reply is larger than the message limit")
+
+        def close(self, rids):
+            self.closed += rids
+
+    target, sink = Target(), Collect()
+    loop = DraftLoop(target, None)
+    try:
+        loop.join(DraftRequest("r1", [1, 2, 3], GREEDY, 50, set(), 4, sink, first=Verdict([0], [7])))
+        _, _, error = sink.wait(30)
+        assert isinstance(error, ResourceExhausted)
+        wait_for(lambda: target.closed == ["r1"], lambda: target.closed)
+    finally:
+        loop.stop()

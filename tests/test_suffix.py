@@ -275,3 +275,25 @@ def test_a_corpus_seeds_drafts_for_a_prompt_never_seen(tmp_path):
         read_corpus(str(tmp_path / "absent"), encode, 1000)
     with pytest.raises(ValueError, match="no UTF-8 text"):
         read_corpus(str(tmp_path / "docs" / "b.bin"), encode, 1000)
+
+
+def test_a_huge_corpus_file_costs_what_the_cap_reads_not_its_size(tmp_path):
+    """read_corpus read and encoded a whole file before cutting it to max_tokens (a 20 MiB file for 100 tokens:
+    426 MiB of Python memory); it reads and encodes pieces until the cap is reached, cut at newlines."""
+    from specdec.suffix import CORPUS_PIECE_CHARS, read_corpus
+
+    line = " ".join(str(i % 50) for i in range(40)) + "\n"
+    (tmp_path / "big.txt").write_text(line * (4 * CORPUS_PIECE_CHARS // len(line) + 10))
+    handed = []
+
+    def encode(text):
+        handed.append(len(text))
+        return [int(t) for t in text.split()]
+
+    corpus = read_corpus(str(tmp_path / "big.txt"), encode, 100)
+    assert corpus.held <= 100 and sum(handed) <= CORPUS_PIECE_CHARS
+    handed.clear()
+    whole = read_corpus(str(tmp_path / "big.txt"), encode, 10**9)  # read to the end, a piece at a time
+    assert len(handed) > 1 and max(handed) <= CORPUS_PIECE_CHARS + len(line) and sum(handed) == (tmp_path / "big.txt").stat().st_size
+    tokens = [t for t in whole if t >= 0]
+    assert len(tokens) == len((tmp_path / "big.txt").read_text().split())  # no token lost at the cuts
