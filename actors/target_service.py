@@ -55,12 +55,16 @@ class TargetService(tree_grpc.TargetServiceServicer):
 
     async def Verify(self, request, context):
         async with _status(context):
-            outcomes, trees = _convert(request.trees)
-            if trees:
-                verdicts = await asyncio.get_running_loop().run_in_executor(self._verifiers, self._verify, trees)
-                index = {m.request_id: i for i, m in enumerate(request.trees)}
-                outcomes |= {rid: _placed(o, index[rid]) for rid, o in verdicts.items()}
-            return tree_pb.VerifyResponse(results=[wire.result_to_proto(rid, o) for rid, o in outcomes.items()])
+            return await asyncio.get_running_loop().run_in_executor(self._verifiers, self._verify_message, request)
+
+    def _verify_message(self, request) -> tree_pb.VerifyResponse:
+        """Off the event loop, which every replica's Open, Verify and Close share: the trees read from the wire,
+        the forward waited for, and the verdicts' features read off the device."""
+        outcomes, trees = _convert(request.trees)
+        if trees:
+            index = {m.request_id: i for i, m in enumerate(request.trees)}
+            outcomes |= {rid: _placed(o, index[rid]) for rid, o in self._verify(trees).items()}
+        return tree_pb.VerifyResponse(results=[wire.result_to_proto(rid, o) for rid, o in outcomes.items()])
 
     def _verify(self, trees: dict) -> dict:
         """The scheduler's outcomes by request id (a verdict or the row's error); an error it raises for the

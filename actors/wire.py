@@ -17,7 +17,7 @@ from specdec.errors import (InvalidArgument, RequestExists, RequestFailed, Resou
                             UnknownRequest)
 from specdec.logprobs import TokenLogprob
 from specdec.sampling import SamplingParams
-from specdec.drafter_kinds import MAX_PROPOSAL_TOP_K
+from specdec.drafter_kinds import MAX_DEPTH, MAX_PROPOSAL_TOP_K, MAX_TREE_WIDTH
 from specdec.tree import DELTA, Proposal, TokenTree
 
 
@@ -81,7 +81,9 @@ def verify_requests(trees: dict[str, TokenTree], limit: int,
 
 # What the target takes from another process at most, before any work (held here, at the wire; the
 # target also holds each tree to its own `tree_room` and token ids to its vocabulary, which it knows).
-MAX_WIRE_TREE_NODES = 4096  # nodes of one candidate tree (a tree of n nodes costs an n x n mask per row)
+# nodes of one candidate tree: the largest any served shape drafts (a model's widest tree, and a lookup's guesses
+# merged in; the target holds each to its own tree_room), as a tree of n nodes costs an n x n mask per row
+MAX_WIRE_TREE_NODES = 1 + MAX_TREE_WIDTH * MAX_DEPTH + MAX_DEPTH
 MAX_WIRE_VOCAB = 1 << 20  # token ids a proposal may name: [0, MAX_WIRE_VOCAB) (the largest vocabularies are ~256k)
 PROB_SUM_TOLERANCE = 1e-3  # |sum(q) - 1| allowed: float32 sums of a softmax over ~10^5 entries stay well inside
 MAX_REQUEST_ID_CHARS = 128
@@ -125,12 +127,10 @@ def tree_from_proto(msg: tree_pb.CandidateTree, index: int = 0) -> tuple[str, To
     if ((pids != DELTA) & ((pids < 0) | (pids >= len(msg.proposals)))).any():
         raise InvalidArgument(f"{at}.proposal_ids",
                               f"a proposal id is neither -1 nor one of the {len(msg.proposals)} proposals")
-    proposals = [_proposal_from_proto(p, f"{at}.proposals[{i}]") for i, p in enumerate(msg.proposals)]
-    for i, q in enumerate(proposals):  # a drafted token was drawn from its proposal: q(token) > 0
-        drawn = tokens[1:][pids[1:] == i]  # the root is committed, not drawn
-        if not torch.isin(drawn, q.ids).all():
-            raise InvalidArgument(f"{at}.tokens", f"a node drawn from proposal {i} holds a token that proposal "
-                                                  "gives no probability")
+    proposals, owner, entry_ids = _proposals_from_proto(msg.proposals, at)
+    if (i := _drawn_outside(tokens[1:], pids[1:], owner, entry_ids)) is not None:  # the root is committed, not drawn
+        raise InvalidArgument(f"{at}.tokens", f"a node drawn from proposal {i} holds a token that proposal "
+                                              "gives no probability")
     depths = [0] * n
     for i in range(1, n):
         depths[i] = depths[msg.parents[i]] + 1
@@ -140,31 +140,62 @@ def tree_from_proto(msg: tree_pb.CandidateTree, index: int = 0) -> tuple[str, To
     return msg.request_id, tree
 
 
-def _proposal_from_proto(p: tree_pb.Proposal, field: str) -> Proposal:
-    """A proposal's q, checked to be a distribution: 1..MAX_PROPOSAL_TOP_K distinct ids in the wire's range,
-    each with a finite probability > 0, summing to 1."""
-    if len(p.ids) % 4 or not 1 <= len(p.ids) // 4 <= MAX_PROPOSAL_TOP_K:
-        raise InvalidArgument(f"{field}.ids", f"{len(p.ids)} bytes: must hold 1..{MAX_PROPOSAL_TOP_K} token ids "
-                                              "(int32: 4 bytes each)")
-    if len(p.probs) != len(p.ids):
-        raise InvalidArgument(f"{field}.probs", f"{len(p.probs)} bytes for {len(p.ids) // 4} ids "
-                                                "(float32: 4 bytes each, one per id)")
-    ids = torch.frombuffer(bytearray(p.ids), dtype=torch.int32).to(torch.long)  # [m]
-    if not ((ids >= 0) & (ids < MAX_WIRE_VOCAB)).all():
-        raise InvalidArgument(f"{field}.ids", f"token ids must be in 0..{MAX_WIRE_VOCAB - 1}")
-    if ids.unique().numel() != ids.numel():
-        raise InvalidArgument(f"{field}.ids", "a token id appears twice (each entry is one token's probability)")
-    q = torch.frombuffer(bytearray(p.probs), dtype=torch.float32)  # [m]
-    if not torch.isfinite(q).all():
-        raise InvalidArgument(f"{field}.probs", "probabilities must be finite (NaN or infinity found)")
-    if (q <= 0).any():
-        raise InvalidArgument(f"{field}.probs", f"probabilities must be > 0 (an id of none is left out), "
-                                                f"got {float(q.min())}")
-    total = float(q.sum(dtype=torch.float64))
-    if abs(total - 1) > PROB_SUM_TOLERANCE:
-        raise InvalidArgument(f"{field}.probs", f"probabilities must sum to 1 (within {PROB_SUM_TOLERANCE}), "
-                                                f"got {total:.6g}")
-    return Proposal(ids, q)
+def _drawn_outside(tokens: torch.Tensor, pids: torch.Tensor, owner: torch.Tensor, ids: torch.Tensor) -> int | None:
+    """The first proposal one of whose nodes holds a token it gives no probability (a drafted token was drawn from
+    its proposal: q(token) > 0), or None. tokens, pids [n] the nodes'; owner, ids [entries] every proposal's
+    entries, whose proposal and token: one isin, whatever the nodes and proposals."""
+    drawn = pids != DELTA
+    if not drawn.any():
+        return None
+    tokens, pids = tokens[drawn], pids[drawn]
+    held = (tokens < MAX_WIRE_VOCAB) & torch.isin(pids * MAX_WIRE_VOCAB + tokens, owner * MAX_WIRE_VOCAB + ids)
+    return None if held.all() else int(pids[~held][0])
+
+
+def _proposals_from_proto(msgs, at: str) -> tuple[list[Proposal], torch.Tensor, torch.Tensor]:
+    """A tree's proposals, each q checked to be a distribution: 1..MAX_PROPOSAL_TOP_K distinct ids in the wire's
+    range, each with a finite probability > 0, summing to 1 -> (the proposals, and every entry's proposal and id
+    [entries]). InvalidArgument naming the first proposal that is not. All of a tree's entries are checked at once
+    (a sampled tree carries a proposal a node): a few tensor ops a tree, not a few a proposal."""
+    for i, p in enumerate(msgs):
+        field = f"{at}.proposals[{i}]"
+        if len(p.ids) % 4 or not 1 <= len(p.ids) // 4 <= MAX_PROPOSAL_TOP_K:
+            raise InvalidArgument(f"{field}.ids", f"{len(p.ids)} bytes: must hold 1..{MAX_PROPOSAL_TOP_K} token ids "
+                                                  "(int32: 4 bytes each)")
+        if len(p.probs) != len(p.ids):
+            raise InvalidArgument(f"{field}.probs", f"{len(p.probs)} bytes for {len(p.ids) // 4} ids "
+                                                    "(float32: 4 bytes each, one per id)")
+    empty = torch.zeros(0, dtype=torch.long, device=HOST)
+    if not msgs:
+        return [], empty, empty
+    sizes = [len(p.ids) // 4 for p in msgs]
+    owner = torch.repeat_interleave(torch.arange(len(msgs), device=HOST),
+                                    torch.tensor(sizes, dtype=torch.long, device=HOST))  # [entries]
+    ids = torch.frombuffer(bytearray(b"".join(p.ids for p in msgs)), dtype=torch.int32).to(torch.long)  # [entries]
+    q = torch.frombuffer(bytearray(b"".join(p.probs for p in msgs)), dtype=torch.float32)  # [entries]
+
+    def first(bad: torch.Tensor) -> int | None:  # the first proposal with a bad entry
+        return int(owner[bad.nonzero()[0, 0]]) if bad.any() else None
+
+    if (i := first((ids < 0) | (ids >= MAX_WIRE_VOCAB))) is not None:
+        raise InvalidArgument(f"{at}.proposals[{i}].ids", f"token ids must be in 0..{MAX_WIRE_VOCAB - 1}")
+    keys = owner * MAX_WIRE_VOCAB + ids
+    sorted_keys, order = keys.sort()
+    if (i := first(torch.zeros_like(ids, dtype=torch.bool).index_fill_(
+            0, order[1:][sorted_keys[1:] == sorted_keys[:-1]], True))) is not None:
+        raise InvalidArgument(f"{at}.proposals[{i}].ids", "a token id appears twice (each entry is one token's "
+                                                          "probability)")
+    if (i := first(~torch.isfinite(q))) is not None:
+        raise InvalidArgument(f"{at}.proposals[{i}].probs", "probabilities must be finite (NaN or infinity found)")
+    if (i := first(q <= 0)) is not None:
+        raise InvalidArgument(f"{at}.proposals[{i}].probs", f"probabilities must be > 0 (an id of none is left out), "
+                                                            f"got {float(q[owner == i].min())}")
+    totals = torch.zeros(len(msgs), dtype=torch.float64, device=HOST).index_add_(0, owner, q.double())  # [P]
+    if ((totals - 1).abs() > PROB_SUM_TOLERANCE).any():
+        i = int(((totals - 1).abs() > PROB_SUM_TOLERANCE).nonzero()[0, 0])
+        raise InvalidArgument(f"{at}.proposals[{i}].probs", f"probabilities must sum to 1 (within "
+                                                            f"{PROB_SUM_TOLERANCE}), got {float(totals[i]):.6g}")
+    return [Proposal(a, b) for a, b in zip(ids.split(sizes), q.split(sizes))], owner, ids
 
 
 # --- the target's hidden states (a draft head's features) -----------------------------------------------------

@@ -322,6 +322,26 @@ def test_serve_checks_heads_against_the_target_before_the_actors_start(smooth, t
         check_served_models(cfg(str(other), trained_head.path))
 
 
+def test_verify_reads_its_trees_and_its_verdicts_features_off_the_event_loop(smooth, trained_head, monkeypatch):
+    """A Verify message's trees are read, and its verdicts' features copied off the device, on the service's
+    verify pool: the event loop every replica's Open, Verify and Close share never waits for them."""
+    model = load_replica_draft(trained_head.path, smooth.path, torch.float32, "cpu")
+    drafter = make_drafter("model", draft_runner(model), 1)
+    seen = {"tree_from_proto": set(), "features_to_proto": set()}
+    for name in seen:
+        real = getattr(wire, name)
+
+        def recording(*args, real=real, name=name, **kwargs):
+            seen[name].add(threading.current_thread().name.split("_")[0])
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(wire, name, recording)
+    with serving(smooth.model, limit=1 << 20) as (scheduler, remote, stub):
+        sinks = run_remote(remote, drafter, smooth.reference.prompts[:2], 6)
+    assert all(sink.error is None for sink in sinks)
+    assert seen == {"tree_from_proto": {"verify-rpc"}, "features_to_proto": {"verify-rpc"}}, seen
+
+
 def test_prompt_features_read_on_a_pool_thread_run_torch_on_one(smooth, trained_head):
     """open_async reads a prompt's features on a pool's thread (off the event loop); torch runs there on one
     thread, so that no second team of torch's threads makes the compute thread's forwards wait (specdec.compute),

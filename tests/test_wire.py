@@ -110,6 +110,12 @@ def hostile_trees():
     yield "trees[0].tokens", "over the most", dict(request_id="x", tokens=[1] * 4097, parents=[-1] + [0] * 4096,
                                                    proposal_ids=[-1] * 4097, from_model=[True] * 4097)
     yield "trees[0].proposals", "proposals for 2 nodes", dict(drawn, proposals=q(0.5, 0.5) * 3)
+    # a tree's proposals are checked together: the one named is the one that is wrong, not the first
+    two = dict(drawn, tokens=[5, 1, 1], parents=[-1, 0, 0], proposal_ids=[-1, 0, 1], from_model=[True] * 3)
+    yield "trees[0].proposals[1].probs", "sum to 1", dict(two, proposals=q(0.5, 0.5) + q(0.3, 0.3))
+    yield "trees[0].proposals[1].ids", "appears twice", dict(two, proposals=q(0.5, 0.5) + q(0.5, 0.5, ids=[1, 1]))
+    yield "trees[0].proposals[1].probs", "> 0", dict(two, proposals=q(0.5, 0.5) + q(1.5, -0.5))
+    yield "trees[0].tokens", "proposal 1 holds", dict(two, tokens=[5, 1, 3], proposals=q(0.5, 0.5) * 2)
     yield "trees[0].request_id", "must not be empty", dict(drawn, request_id="", proposal_ids=[-1, -1])
     yield "trees[0].request_id", "over 128", dict(drawn, request_id="r" * 129, proposal_ids=[-1, -1])
 
@@ -272,3 +278,21 @@ def test_a_whole_calls_invalid_argument_keeps_its_field():
     e = error_of_status(grpc.StatusCode.INVALID_ARGUMENT, "params.temperature: must be 0 (greedy) or ...")
     assert isinstance(e, InvalidArgument) and e.field == "params.temperature"
     assert not isinstance(error_of_status(grpc.StatusCode.INVALID_ARGUMENT, "no field here"), InvalidArgument)
+
+
+def test_the_largest_tree_a_served_shape_drafts_crosses_the_wire_and_one_more_node_does_not():
+    """The wire holds a tree to the most nodes any shape the config allows drafts (a tree_width x max_k model
+    tree and a lookup's max_k guesses merged in): a hostile tree costs at most that to read."""
+    from specdec.drafter_kinds import MAX_DEPTH, MAX_TREE_WIDTH, DraftShape, DrafterKind
+
+    largest = DraftShape(DrafterKind("model+suffix"), MAX_TREE_WIDTH).nodes(MAX_DEPTH)
+    assert largest == wire.MAX_WIRE_TREE_NODES
+    for n in (largest, largest + 1):
+        msg = tree_pb.CandidateTree(request_id="x", tokens=[1] * n, parents=[-1] + [0] * (n - 1),
+                                    proposal_ids=[-1] * n, from_model=[True] * n)
+        if n == largest:
+            assert len(wire.tree_from_proto(msg)[1]) == n
+        else:
+            with pytest.raises(InvalidArgument, match="over the most a tree may have"):
+                wire.tree_from_proto(msg)
+
