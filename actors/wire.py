@@ -15,7 +15,7 @@ from specdec.acceptance import Verdict
 from specdec.device import HOST
 from specdec.errors import (InvalidArgument, RequestExists, RequestFailed, ResourceExhausted, Unavailable,
                             UnknownRequest)
-from specdec.logprobs import TokenLogprob
+from specdec.logprobs import MAX_LOGPROBS, TokenLogprob
 from specdec.sampling import SamplingParams
 from specdec.drafter_kinds import MAX_DEPTH, MAX_PROPOSAL_TOP_K, MAX_TREE_WIDTH
 from specdec.tree import DELTA, Proposal, TokenTree
@@ -50,6 +50,13 @@ def _proposals_to_proto(proposals: list[Proposal]) -> list[tree_pb.Proposal]:
 
 # A tree's place in a VerifyRequest beyond its own bytes: its field's tag and length (a varint of <= 5 bytes).
 TREE_FRAMING_BYTES = 6
+# The most a tree's result may take in the VerifyResponse, beyond its features' rows (an upper bound, not a guess):
+# a few KiB a tree for its request id (<= 128 characters of UTF-8), its framing and the features' header, or its
+# RowError (field and message cut to MAX_ROW_ERROR_CHARS each); and for each node of its path its path index and
+# token (int32 varints, <= 5 bytes each) and a CommittedLogprob of up to MAX_LOGPROBS alternatives (<= 192 bytes).
+MAX_ROW_ERROR_CHARS = 512
+REPLY_TREE_BYTES = 4096
+REPLY_NODE_BYTES = 10 + 12 + 9 * MAX_LOGPROBS
 
 
 def verify_requests(trees: dict[str, TokenTree], limit: int,
@@ -58,12 +65,14 @@ def verify_requests(trees: dict[str, TokenTree], limit: int,
     as fit, and the requests whose tree alone is over the limit, each with its own error (RequestFailed,
     naming its size and the limit): it fails its request, never the others sent beside it. With
     `reply_bytes_per_node` (the features each verdict carries per node of its path), a tree also counts the
-    most its verdict may bring back, so that the reply to each request fits the limit too."""
+    most its verdict may bring back, so that the reply to each request fits the limit too: its logprobs and
+    ids as well as its features (REPLY_TREE_BYTES, REPLY_NODE_BYTES), as the requests' reply is one message."""
     messages, refused = [], {}
     batch, size = [], 0
     for rid, tree in trees.items():
         msg = tree_to_proto(rid, tree)
-        n = max(msg.ByteSize(), (tree.depth + 1) * reply_bytes_per_node) + TREE_FRAMING_BYTES
+        reply = REPLY_TREE_BYTES + (tree.depth + 1) * (REPLY_NODE_BYTES + reply_bytes_per_node)
+        n = max(msg.ByteSize() + TREE_FRAMING_BYTES, reply)
         if n > limit:
             refused[rid] = RequestFailed(f"its candidate tree ({len(tree)} nodes, {len(tree.proposals)} proposals) "
                                          f"is {n} bytes, over the draft-to-target link's message limit of {limit} "
@@ -382,8 +391,8 @@ def result_to_proto(request_id: str, outcome: Verdict | Exception) -> tree_pb.Ve
     if isinstance(outcome, Verdict):
         return verdict_to_proto(request_id, outcome)
     code, field, message = status_of(outcome)
-    return tree_pb.VerifyResult(request_id=request_id,
-                                error=tree_pb.RowError(code=code.value[0], field=field, message=message))
+    return tree_pb.VerifyResult(request_id=request_id, error=tree_pb.RowError(
+        code=code.value[0], field=field[:MAX_ROW_ERROR_CHARS], message=message[:MAX_ROW_ERROR_CHARS]))
 
 
 def result_from_proto(msg: tree_pb.VerifyResult) -> tuple[str, Verdict | Exception]:

@@ -296,3 +296,34 @@ def test_the_largest_tree_a_served_shape_drafts_crosses_the_wire_and_one_more_no
             with pytest.raises(InvalidArgument, match="over the most a tree may have"):
                 wire.tree_from_proto(msg)
 
+
+
+@pytest.mark.parametrize("row_bytes, depth, rows", [(3 * 4096 * 2, 7, 128), (3 * 5120 * 2, 5, 200), (0, 32, 400)])
+def test_every_verify_reply_fits_the_limit_its_request_was_packed_for(row_bytes, depth, rows):
+    """verify_requests packs trees so that each message's reply fits the link's limit too: features, and also the
+    path, tokens, logprobs (the most a request may ask) and request ids of every verdict, or an error's message.
+    Counting the features alone, a full-acceptance reply with logprobs came back over the limit (RESOURCE_EXHAUSTED:
+    every request of the draft loop ended, though the target had committed their verdicts)."""
+    from specdec.logprobs import MAX_LOGPROBS, TokenLogprob
+    from specdec.tree import TokenTree
+
+    limit, top = 16 << 20, 128_000
+    trees = {}
+    for i in range(rows):
+        tree = TokenTree.root(top)
+        tree.add_guesses([top - 1 - j for j in range(depth)], [-1, *range(depth - 1)], share_prefix=False)
+        trees["\u00e9" * 127 + str(i)] = tree  # the longest request ids, two bytes a character
+    messages, refused = wire.verify_requests(trees, limit, row_bytes)
+    assert not refused and len(messages) >= 1
+    for message in messages:
+        results = []
+        for i, tree in enumerate(message.trees):
+            n = depth + 1  # every node accepted, and the bonus token
+            if i == 0 and not row_bytes:  # an error in its place, with a long message
+                results.append(wire.result_to_proto(tree.request_id, InvalidArgument("tree.tokens", "x" * 10_000)))
+                continue
+            logprobs = [TokenLogprob(top, -0.123, [(top - 2 - j, -1.5 - j) for j in range(MAX_LOGPROBS)])] * n
+            features = torch.randn(n, row_bytes // 2, dtype=torch.bfloat16) if row_bytes else None
+            results.append(wire.result_to_proto(tree.request_id, Verdict(list(range(n)), [top] * n, logprobs,
+                                                                         features)))
+        assert tree_pb.VerifyResponse(results=results).ByteSize() <= limit
