@@ -114,11 +114,19 @@ class KvBudget:
         prompt being prefilled holds its whole length there until it has run)."""
         return self.max_rows * (window + self.tree_room + 2 * BLOCK_TOKENS)
 
+    def transient_room(self) -> int:
+        """KV slots beyond the rows' reservations that a forward may hold for a moment: a row's tree sits after the
+        batch's longest row (CachedLM._plan) until its verdict is committed at the row's own end (CachedLM.commit),
+        so a shorter row holds its tree there besides its reservation, in up to two partly filled blocks more."""
+        return self.max_rows * (self.tree_room + 1 + 2 * BLOCK_TOKENS)
+
     def pool(self, config, prefix_cache_tokens: int) -> BlockPool:
         """A served model's block pool (of this config; None for Medusa heads, which keep no KV): room made at
-        once for this budget's KV and the prefix cache's, so it never grows (copying) while requests run; a hybrid
-        model's sliding layers get their windows' room and the prefix cache's (window_room), where that is less."""
-        room = self.max_tokens + prefix_cache_tokens
+        once for this budget's KV, the trees' while they are verified (transient_room) and the prefix cache's, so
+        it never grows (copying every layer's KV, and on a GPU briefly holding it twice) while requests run; a
+        hybrid model's sliding layers get their windows' room and the prefix cache's (window_room), where that is
+        less."""
+        room = self.max_tokens + self.transient_room() + prefix_cache_tokens
         window = None if config is None else hybrid_window(config)
         return BlockPool(prefix_cache_tokens, reserve_tokens=room, window_reserve_tokens=None if window is None
                          else min(room, self.window_room(window) + prefix_cache_tokens))

@@ -108,3 +108,30 @@ def test_a_commit_moving_many_tokens_into_one_hole_takes_one_block(target):
     assert lm.pool.stats().used_tokens == held == (4 + 1) * lm.pool.block_tokens
     lm.select([])
     assert lm.pool.stats().used_tokens == 0
+
+
+def test_the_widest_trees_of_rows_of_different_lengths_never_grow_the_pool(target):
+    """A row's tree sits after the batch's longest row until its verdict is committed at the row's own end, so a
+    shorter row holds it besides its reservation for a moment. The served pool makes room for that
+    (KvBudget.transient_room): two rows whose reservations fill max_tokens, each sending the widest tree its
+    tree room holds, grew the pool (a copy of every layer's KV) before."""
+    from specdec.scheduler import KvBudget
+
+    budget = KvBudget(max_rows=2, max_tokens=0, tree_room=64)
+    budget = KvBudget(max_rows=2, max_tokens=budget.slots([budget.cost(3, 8), budget.cost(200, 8)]), tree_room=64)
+    lm = CachedLM(target, budget.pool(target.config, 0))
+    worker = TargetWorker(lm)
+    worker.complete(worker.begin([("a", [1, 2, 3], SamplingParams(), 0), ("b", [5] * 200, SamplingParams(), 0)],
+                                 decide_first=["a", "b"]))
+    room = lm.pool.stats().allocated_tokens
+
+    def star(root: int) -> TokenTree:
+        tree = TokenTree.root(root)
+        for token in range(64):
+            tree.add(0, token)
+        return tree
+
+    for _ in range(3):
+        outcomes, _ = worker.verify({rid: star(worker.last_token(rid)) for rid in ("a", "b")}, max_nodes=64)
+        assert all(not isinstance(o, Exception) for o in outcomes.values()), outcomes
+    assert lm.pool.stats().allocated_tokens == room

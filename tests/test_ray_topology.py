@@ -57,7 +57,9 @@ def test_every_actor_gets_its_own_gpu_and_requests_equal_plain_decoding(cluster,
         outs = [collect(run) for run in runs]
         assert [o["token_ids"] for o in outs] == reference.continuations[:6]
         assert sum(o["stats"].accepted for o in outs) > 0
-        room = cfg.server.max_kv_tokens + cfg.server.prefix_cache_tokens
+        from cluster.placement import kv_budget
+
+        room = cfg.server.max_kv_tokens + kv_budget(cfg).transient_room() + cfg.server.prefix_cache_tokens
         replicas = ray.get([d.kv_stats.remote() for d in topo.drafts])
         for pools in replicas:  # made at once, and never grown
             assert [p.allocated_tokens for p in pools.values()] == [room], pools
