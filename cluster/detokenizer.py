@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 from specdec.errors import InvalidArgument
 
-MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_STOP_STRINGS = 16  # OpenAI takes 4, vLLM any: lm-evaluation-harness sends a task's every `until` string
 MAX_STOP_CHARS = 256  # characters of one stop string: each step searches the text not yet sent for every one
 INCOMPLETE = "\ufffd"  # what decoding gives for the bytes of a character whose last bytes have not come yet
 SPLIT_AFTER = 16  # tokens waiting behind an incomplete character before the window looks for a place to split

@@ -151,7 +151,7 @@ class _Body(BaseModel):
     model: str | None = None  # accepted and ignored: the server serves one model
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: Int64 = 0
+    top_k: Int64 = 0  # 0 turns it off, and so does -1 (vLLM's "off", which clients written for it send)
     seed: Int64 | None = None
     n: Int64 = 1
     stop: str | list[str] | None = None
@@ -197,7 +197,7 @@ class _Body(BaseModel):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         max_new_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return Request(prompt=prompt, task_type=self.task_type, max_new_tokens=max_new_tokens,
-                       temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
+                       temperature=self.temperature, top_k=0 if self.top_k == -1 else self.top_k, top_p=self.top_p, seed=self.seed,
                        speculation=self.speculation, drafter=self.drafter, stop=stop, n=self.n, logprobs=logprobs, min_p=self.min_p,
                        min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                        stop_token_ids=tuple(self.stop_token_ids or ()),

@@ -946,3 +946,14 @@ def test_a_grpc_json_schema_that_cannot_be_read_is_invalid_argument(schema):
     with pytest.raises(InvalidArgument) as e:
         response_format_from_proto(api.ResponseFormat(type="json_schema", json_schema=schema))
     assert e.value.field == "response_format.json_schema"
+
+
+def test_what_vllm_clients_send_is_taken(tmp_path, monkeypatch):
+    """top_k -1 (vLLM's "off") and more than OpenAI's 4 stop strings (lm-evaluation-harness sends a task's every
+    `until` string) were 400s; they reach admission's end (the fake actors' answer) as the request asked."""
+    e = edge(tmp_path, monkeypatch)
+    for extra in ({"top_k": -1, "temperature": 1.0}, {"stop": [f"w{i}" for i in range(1, 9)]}):
+        status, reply = post(e, {"prompt": "w1", "max_tokens": 2, **extra})
+        assert reply.get("error", {}).get("param") not in ("top_k", "stop"), reply
+    status, reply = post(e, {"prompt": "w1", "top_k": -2, "temperature": 1.0})
+    assert status == 400 and reply["error"]["param"] == "top_k"
