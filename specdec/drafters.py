@@ -114,14 +114,18 @@ class NgramDrafter:
     def select(self, rows: list[int]) -> None:
         self.indexes = [self.indexes[r] for r in rows]
 
-    def assume(self, paths) -> list[NgramIndex]:
-        return [index.copy() for index in self.indexes]  # lookups in the assumed text extend the index
+    def assume(self, paths) -> list[int]:
+        return [index.checkpoint() for index in self.indexes]  # lookups in the assumed text extend the index
 
     def next_tokens(self, seqs) -> list[int | None]:
         return [first_guess(self.guess(row, seq, 1)) for row, seq in enumerate(seqs)]
 
-    def rollback(self, checkpoint: list[NgramIndex], kept) -> None:
-        self.indexes = [before if k is not None else now for now, before, k in zip(self.indexes, checkpoint, kept)]
+    def rollback(self, checkpoint: list[int], kept) -> None:
+        for index, indexed, k in zip(self.indexes, checkpoint, kept, strict=True):
+            if k is not None:
+                index.rollback(indexed)
+            else:
+                index.release()
 
 
 @dataclass

@@ -12,6 +12,7 @@ class NgramIndex:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.last_end: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # n-grams ending at positions < indexed are in the index
+        self._undo: list[tuple[tuple[int, ...], int | None]] | None = None  # since checkpoint: (n-gram, its old end)
 
     def match(self, tokens: list[int]) -> tuple[int, int]:
         """(n, end): the longest n-gram ending `tokens` seen before, and where that occurrence ends;
@@ -28,11 +29,25 @@ class NgramIndex:
         n, end = self.match(tokens)
         return self._copy(tokens, end, num_tokens) if n else []
 
-    def copy(self) -> "NgramIndex":
-        """An independent copy (to look up in a text that may yet be taken back)."""
-        twin = NgramIndex(self.max_ngram, self.min_ngram)
-        twin.last_end, twin.indexed = dict(self.last_end), self.indexed
-        return twin
+    def checkpoint(self) -> int:
+        """Before looking up in a text that may yet be taken back: what the index learns from here on can be undone
+        (rollback) or kept (release). It logs the entries it overwrites, so it costs what the new text indexes,
+        not what the index holds (a copy of it, each step, made a long request's drafting quadratic)."""
+        self._undo = []
+        return self.indexed
+
+    def rollback(self, indexed: int) -> None:
+        """Back to where checkpoint() was (which returned `indexed`), and stop logging."""
+        for key, end in reversed(self._undo or []):
+            if end is None:
+                del self.last_end[key]
+            else:
+                self.last_end[key] = end
+        self.indexed, self._undo = indexed, None
+
+    def release(self) -> None:
+        """Keep what was learnt since checkpoint(), and stop logging."""
+        self._undo = None
 
     @staticmethod
     def _copy(tokens: list[int], end: int, num_tokens: int) -> list[int]:
@@ -47,5 +62,8 @@ class NgramIndex:
         # index n-grams ending at every position up to len-1, so the text's own tail is never its match
         for end in range(max(self.indexed, 1), len(tokens)):
             for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
-                self.last_end[tuple(tokens[end - n : end])] = end
+                key = tuple(tokens[end - n : end])
+                if self._undo is not None:
+                    self._undo.append((key, self.last_end.get(key)))
+                self.last_end[key] = end
         self.indexed = max(self.indexed, len(tokens))

@@ -195,3 +195,28 @@ def test_ngram_reads_on_through_a_loop():
     assert idx.lookup([5, 6, 5, 6, 5], 5) == [6, 5, 6, 5, 6]
     idx = NgramIndex(max_ngram=3)
     assert idx.lookup([9, 1, 2, 3, 1, 2, 3], 7) == [1, 2, 3, 1, 2, 3, 1]
+
+
+def test_ngram_rollback_undoes_exactly_what_was_learnt_since_its_checkpoint():
+    """Drafting ahead looks up in an assumed text that may be taken back: the index logs what it overwrites from
+    its checkpoint on (it used to be copied whole each step: a long request's drafting was quadratic)."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(50):
+        text = [rng.randrange(6) for _ in range(rng.randint(2, 400))]
+        assumed = text + [rng.randrange(6) for _ in range(rng.randint(1, 12))]
+        idx = NgramIndex(max_ngram=3)
+        idx.lookup(text, 4)
+        before = (dict(idx.last_end), idx.indexed)
+        mark = idx.checkpoint()
+        idx.lookup(assumed, 4)
+        assert len(idx._undo) <= 3 * (len(assumed) - len(text))  # what the new text indexes, not the index
+        idx.rollback(mark)
+        assert (idx.last_end, idx.indexed) == before
+        kept = NgramIndex(max_ngram=3)
+        kept.lookup(assumed, 4)
+        mark = idx.checkpoint()
+        assert idx.lookup(assumed, 5) == kept.lookup(assumed, 5)
+        idx.release()
+        assert idx.last_end == kept.last_end and idx._undo is None
