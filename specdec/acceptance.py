@@ -224,8 +224,8 @@ class _Entries:
         nodes = [n for n, k in enumerate(kids) if len(k) > rank]
         children = [kids[n][rank] for n in nodes]
         m, empty = max(self.size[c] for c in children), len(self.ids) - 1
-        table = [[n, c, self.tokens[c], *range(self.start[c], self.start[c] + self.size[c]),
-                  *[empty] * (m - self.size[c])] for n, c in zip(nodes, children)]
-        table = host_tensor(table, torch.long, self.ids.device)  # [n, 3 + m]
-        entries = table[:, 3:]  # [n, m]
+        table = [[n, c, self.tokens[c], self.start[c], self.size[c]] for n, c in zip(nodes, children)]
+        table = host_tensor(table, torch.long, self.ids.device)  # [n, 5]: laid out per node, not per entry
+        slot = torch.arange(m, device=self.ids.device)  # [m]: one row's widest proposal need not cost every row's host time
+        entries = torch.where(slot < table[:, 4:5], table[:, 3:4] + slot, empty)  # [n, m]
         return table[:, 0], table[:, 1], table[:, 2], self.ids[entries], self.q[entries]

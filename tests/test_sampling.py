@@ -546,3 +546,31 @@ def test_make_generator_streams():
     d = torch.rand(4, generator=make_generator(8, 0))
     assert torch.equal(a, b)
     assert not torch.equal(a, c) and not torch.equal(a, d)
+
+
+def test_a_ranks_entries_are_each_proposals_own_padded_with_the_empty_one():
+    """_Entries.rank lays the children of a rank out per node and pads on the device: a row's wide proposal (the
+    wire allows 4096 entries) no longer costs every row's host time, and each row still reads its own q."""
+    from specdec.acceptance import _Entries
+    from specdec.tree import Proposal, TokenTree
+
+    V = 50
+    trees = []
+    for size in (3, 40, 1):
+        tree = TokenTree.root(0)
+        q = Proposal(torch.arange(size) + 2, torch.full((size,), 1.0 / size))
+        pid = tree.add_proposal(q)
+        tree.add(0, 2, pid, from_model=True)
+        tree.add(0, 99, -1)  # a guess past the vocabulary: its own entry, the spare id
+        trees.append(tree)
+    entries = _Entries.of(trees, V, torch.device("cpu"))
+    kids = [[1, 2], [], [], [4, 5], [], [], [7, 8], [], []]  # the three trees' nodes laid end to end
+    nodes, tried, x, ids, q = entries.rank(kids, 0)
+    assert nodes.tolist() == [0, 3, 6] and tried.tolist() == [1, 4, 7] and x.tolist() == [2, 2, 2]
+    assert ids.shape == q.shape == (3, 40)
+    for row, size in enumerate((3, 40, 1)):
+        assert ids[row, :size].tolist() == list(range(2, 2 + size))
+        assert torch.allclose(q[row, :size], torch.full((size,), 1.0 / size))
+        assert (ids[row, size:] == V).all() and (q[row, size:] == 0).all()  # the empty entry
+    _, _, x, ids, q = entries.rank(kids, 1)
+    assert x.tolist() == [99] * 3 and (ids[:, 0] == V).all() and (q[:, 0] == 1).all()  # each guess, q 1
