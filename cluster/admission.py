@@ -61,6 +61,7 @@ class Request:
     logit_bias: tuple[tuple[int, float], ...] = ()
     response_format: ResponseFormat = ResponseFormat()  # the output is held to it (specdec/grammar.py)
     drafter: str = ""  # with speculation ON: the drafter kind to speculate with (one served); "": the router's
+    prompt_token_ids: tuple[int, ...] = ()  # a prompt given as token ids (as completions take it): used as they are
     cache_salt: str | None = field(default=None, repr=False)  # see SamplingParams: whose cached work it may share
     tenant: str = field(default="", repr=False)  # set by the ingress, never by a client: its API key's scope
 
@@ -147,8 +148,11 @@ class Admission:
         limits = self.limits
         if problem := task_type_problem(req.task_type):
             raise InvalidArgument("task_type", problem)
-        if not req.prompt:
+        if not req.prompt and not req.prompt_token_ids:
             raise InvalidArgument("prompt", "must not be empty")
+        if len(req.prompt_token_ids) > limits.max_prompt_tokens:
+            raise InvalidArgument("prompt", f"is {len(req.prompt_token_ids)} tokens, over the limit of "
+                                            f"{limits.max_prompt_tokens}")
         most = min(limits.max_request_bytes, limits.max_prompt_tokens * MAX_CHARS_PER_TOKEN)
         if len(req.prompt) > most:
             raise InvalidArgument("prompt", f"is {len(req.prompt)} characters, over the {most} that a prompt of "
@@ -216,6 +220,11 @@ class Admission:
         CPU time: admit_async runs this off the event loop)."""
         if (grammar := grammar_of(req.response_format)) is not None:
             self.grammars.check(grammar)
+        if req.prompt_token_ids:
+            if outside := sorted({t for t in req.prompt_token_ids if not 0 <= t < len(self.tokenizer)}):
+                raise InvalidArgument("prompt", f"token ids must be in the vocabulary [0, {len(self.tokenizer)}), "
+                                                f"got {outside[:8]}{' and more' if len(outside) > 8 else ''}")
+            return list(req.prompt_token_ids)
         return encode_prompt(self.tokenizer, req.prompt, req.literal, req.add_special_tokens)
 
     def _admitted(self, req: Request, ids: list[int], task_type: str) -> Admitted:

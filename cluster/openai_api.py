@@ -9,7 +9,6 @@ import re
 import sys
 import time
 import uuid
-from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from itertools import accumulate
 from typing import Annotated, Literal, TypeVar
@@ -193,10 +192,12 @@ class _Body(BaseModel):
         """The body's name for the request's max_new_tokens."""
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
-    def request(self, prompt: str, logprobs: int | None, **more) -> Request:
+    def request(self, prompt: str | list[int], logprobs: int | None, **more) -> Request:
+        """prompt: text, or token ids (used as they are)."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         max_new_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return Request(prompt=prompt, task_type=self.task_type, max_new_tokens=max_new_tokens,
+        text, ids = (prompt, ()) if isinstance(prompt, str) else ("", tuple(prompt))
+        return Request(prompt=text, prompt_token_ids=ids, task_type=self.task_type, max_new_tokens=max_new_tokens,
                        temperature=self.temperature, top_k=0 if self.top_k == -1 else self.top_k, top_p=self.top_p, seed=self.seed,
                        speculation=self.speculation, drafter=self.drafter, stop=stop, n=self.n, logprobs=logprobs, min_p=self.min_p,
                        min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
@@ -209,13 +210,31 @@ class _Body(BaseModel):
                        cache_salt=self.cache_salt, **more)
 
 
-class CompletionBody(_Body):
-    """POST /v1/completions."""
+def _token_ids(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int and 0 <= t < 2**31 for t in value)
 
-    prompt: str
+
+class CompletionBody(_Body):
+    """POST /v1/completions. prompt, as OpenAI and vLLM take it: a text, token ids, or a list of either (several
+    prompts: the choices of prompt k are k * n .. k * n + n - 1)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]  # checked by _prompt_shape first
     max_tokens: Int64 | None = 16  # null: up to server.max_new_tokens and the model's context
     logprobs: Int64 | None = None  # the chosen token's logprob and the `logprobs` likeliest tokens' at each position
     echo: bool = False  # the prompt before the completion's text
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, prompt: object) -> object:
+        if isinstance(prompt, str) or _token_ids(prompt) or (isinstance(prompt, list) and prompt and (
+                all(isinstance(p, str) for p in prompt) or all(_token_ids(p) for p in prompt))):
+            return prompt
+        raise ValueError("must be a text, token ids (0 <= id < 2^31), or a non-empty list of texts or of token ids")
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt the body gives: a text or token ids."""
+        one = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
+        return [self.prompt] if one else list(self.prompt)
 
     @field_validator("echo")
     @classmethod
@@ -364,18 +383,22 @@ class _Completions:
     object = chunk_object = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, piece: Callable[[int], str], body: CompletionBody):
-        self.piece, self.logprobs = piece, body.logprobs is not None
-        self.echo = body.prompt if body.echo else ""
-        self.offsets: dict[int, int] = defaultdict(lambda: len(self.echo))  # sample -> its next token's text_offset
+    def __init__(self, piece: Callable[[int], str], body: CompletionBody, echoes: list[str] | None = None):
+        """echoes: with echo, each prompt's text (choice k * n + i is prompt k's)."""
+        self.piece, self.logprobs, self.n = piece, body.logprobs is not None, body.n
+        self.echoes = echoes or []
+        self.offsets: dict[int, int] = {}  # sample -> its next token's text_offset
         self.started: set[int] = set()
 
+    def echo(self, index: int) -> str:
+        return self.echoes[index // self.n] if self.echoes else ""
+
     def choice(self, s: Sample) -> dict:
-        return {"index": s.index, "text": self.echo + s.text, "token_ids": s.token_ids,
+        return {"index": s.index, "text": self.echo(s.index) + s.text, "token_ids": s.token_ids,
                 "finish_reason": s.finish_reason, "logprobs": self._logprobs(s.index, s.logprobs)}
 
     def chunk_choice(self, index: int, chunk: Chunk) -> dict:
-        echo = "" if index in self.started else self.echo
+        echo = "" if index in self.started else self.echo(index)
         self.started.add(index)
         return {"index": index, "text": echo + chunk.text, "token_ids": chunk.token_ids,
                 "finish_reason": chunk.finish_reason, "logprobs": self._logprobs(index, chunk.logprobs)}
@@ -385,7 +408,7 @@ class _Completions:
         if not self.logprobs:
             return None
         tokens = [self.piece(e.token) for e in entries]
-        offsets = list(accumulate((len(t) for t in tokens), initial=self.offsets[index]))
+        offsets = list(accumulate((len(t) for t in tokens), initial=self.offsets.get(index, len(self.echo(index)))))
         self.offsets[index] = offsets.pop()
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{self.piece(t): lp for t, lp in e.top} | {token: e.logprob}
@@ -453,11 +476,34 @@ class OpenAIServer:
         """tenant: the caller's API key's scope (Request.tenant), set by the ingress."""
         try:
             body = parse_body(raw, CompletionBody)
-            job = await self._admit(body.request(body.prompt, body.logprobs, tenant=tenant),
-                                    {"max_new_tokens": body.max_tokens_field()})
-            return await self._respond(job, body, _Completions(self._piece, body))
+            prompts = body.prompts()
+            places = min(self.frontend.cfg.server.max_n, self.frontend.cfg.server.max_queued_requests)
+            if len(prompts) > 1 and len(prompts) * body.n > places:  # one prompt: admission names n
+                raise HttpError(400, f"prompt: {len(prompts)} prompts x n {body.n} samples, over the {places} one "
+                                     "request may run (server.max_n, server.max_queued_requests)", "prompt")
+            jobs = await self._admit_all([body.request(p, body.logprobs, tenant=tenant) for p in prompts],
+                                         {"max_new_tokens": body.max_tokens_field()})
+            echoes = [await asyncio.to_thread(self._echo, job) for job in jobs] if body.echo else None
+            return await self._respond(jobs, body, _Completions(self._piece, body, echoes))
         except Exception as e:  # noqa: BLE001 - every error answers in OpenAI's shape, untyped ones as 500
             return HttpError.of(e).response()
+
+    async def _admit_all(self, requests: list[Request], names: dict[str, str]) -> list[Admitted]:
+        """Each prompt's request admitted, or none: a refusal gives back the places those before it took."""
+        jobs = []
+        try:
+            for request in requests:
+                jobs.append(await self._admit(request, names))
+        except BaseException:
+            for job in jobs:
+                for _ in range(job.request.n):
+                    self.frontend.admission.release()
+            raise
+        return jobs
+
+    def _echo(self, job: Admitted) -> str:
+        """What echo puts before a completion: its prompt's text (token ids given: their decoded text)."""
+        return job.request.prompt or self.frontend.tokenizer.decode(job.prompt_ids)
 
     async def tokenize(self, raw: bytes):
         """vLLM's /tokenize: {"count", "max_model_len", "tokens", "token_strs"}."""
@@ -493,7 +539,7 @@ class OpenAIServer:
                                    add_special_tokens=False, literal=chat.literal, tenant=tenant)
             names = {"max_new_tokens": body.max_tokens_field(), "prompt": "messages", "logprobs": "top_logprobs"}
             job = await self._admit(request, names)
-            return await self._respond(job, body, _Chat(self._piece, body))
+            return await self._respond([job], body, _Chat(self._piece, body))
         except Exception as e:  # noqa: BLE001 - as in completions
             return HttpError.of(e).response()
 
@@ -522,26 +568,29 @@ class OpenAIServer:
     def _piece(self, token: int) -> str:
         return token_text(self.frontend.tokenizer, token)
 
-    async def _respond(self, job: Admitted, body: _Body, shape: _Completions | _Chat):
+    async def _respond(self, jobs: list[Admitted], body: _Body, shape: _Completions | _Chat):
+        """jobs: the request's prompts' (one, but for a completions request of several prompts)."""
         head = {"id": f"{shape.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": body.model or self.model_name}
+        prompt_tokens = sum(len(job.prompt_ids) for job in jobs)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            chunks = run_samples(self.frontend, job)
+            chunks = run_samples(self.frontend, jobs)
             try:  # an error before the first token still gets its status (429, 503, 500)
                 first = await anext(chunks, None)
             except BaseException:
                 await chunks.aclose()
                 raise
-            return StreamingResponse(self._events(first, chunks, job, shape, head, usage, body.continuous_usage),
-                                     media_type="text/event-stream")
-        samples = await gather_samples(self.frontend, job)
+            return StreamingResponse(self._events(first, chunks, prompt_tokens, shape, head, usage,
+                                                  body.continuous_usage), media_type="text/event-stream")
+        samples = await gather_samples(self.frontend, jobs)
         return {**head, "object": shape.object, "choices": [shape.choice(s) for s in samples],
-                "usage": _usage(len(job.prompt_ids), sum(len(s.token_ids) for s in samples)),
+                "usage": _usage(prompt_tokens, sum(len(s.token_ids) for s in samples)),
                 "speculation": samples[0].stats.to_dict()}
 
-    async def _events(self, first: tuple[int, Chunk] | None, chunks: AsyncIterator[tuple[int, Chunk]], job: Admitted,
-                      shape: _Completions | _Chat, head: dict, usage: bool, continuous: bool) -> AsyncIterator[str]:
+    async def _events(self, first: tuple[int, Chunk] | None, chunks: AsyncIterator[tuple[int, Chunk]],
+                      prompt_tokens: int, shape: _Completions | _Chat, head: dict, usage: bool,
+                      continuous: bool) -> AsyncIterator[str]:
         """The stream's events from its first chunk on; an error after the first (the target group lost
         mid-stream, the request's row failed) ends it with an error event in OpenAI's shape, as the status
         has been sent (an untyped error as 500 with a generic message). `continuous`: every event carries
@@ -554,7 +603,7 @@ class OpenAIServer:
                 completion_tokens += len(chunk.token_ids)
                 event = {**head, "choices": [shape.chunk_choice(index, chunk)]}
                 if usage:
-                    event["usage"] = _usage(len(job.prompt_ids), completion_tokens) if continuous else None
+                    event["usage"] = _usage(prompt_tokens, completion_tokens) if continuous else None
                 yield _sse(event | ({"speculation": chunk.stats.to_dict()} if chunk.finish_reason else {}))
                 item = await anext(chunks, None)
         except Exception as e:  # noqa: BLE001 - ends the stream with its error, whatever it was
@@ -565,5 +614,5 @@ class OpenAIServer:
         finally:
             await chunks.aclose()
         if usage:
-            yield _sse({**head, "choices": [], "usage": _usage(len(job.prompt_ids), completion_tokens)})
+            yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
         yield _sse("[DONE]")

@@ -32,20 +32,22 @@ class Sample:
             self.finish_reason, self.stats = chunk.finish_reason, chunk.stats
 
 
-async def run_samples(frontend: Frontend, job: Admitted) -> AsyncIterator[tuple[int, Chunk]]:
-    """(sample index, chunk) for every sample's chunks as they come. Closing this early (the client
-    went away) stops every sample; an error in one stops the others and is raised here."""
+async def run_samples(frontend: Frontend, jobs: list[Admitted]) -> AsyncIterator[tuple[int, Chunk]]:
+    """(sample index, chunk) for every sample's chunks as they come: of each prompt's job (a completions request
+    may give several prompts; sample i of prompt k is index k * n + i). Closing this early (the client went
+    away) stops every sample; an error in one stops the others and is raised here."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index: int) -> None:
+    async def pump(job: Admitted, sample: int, index: int) -> None:
         try:
-            async for chunk in frontend.generate(job, index):
+            async for chunk in frontend.generate(job, sample):
                 queue.put_nowait((index, chunk))
             queue.put_nowait((index, None))
         except Exception as e:  # noqa: BLE001 - raised to the consumer below
             queue.put_nowait((index, e))
 
-    tasks = [asyncio.create_task(pump(i)) for i in range(job.request.n)]
+    tasks = [asyncio.create_task(pump(job, i, k * job.request.n + i))
+             for k, job in enumerate(jobs) for i in range(job.request.n)]
     try:
         running = len(tasks)
         while running:
@@ -62,9 +64,9 @@ async def run_samples(frontend: Frontend, job: Admitted) -> AsyncIterator[tuple[
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def gather_samples(frontend: Frontend, job: Admitted) -> list[Sample]:
-    """Every sample of the request, run to its end; by index."""
-    samples = [Sample(i) for i in range(job.request.n)]
-    async for index, chunk in run_samples(frontend, job):
+async def gather_samples(frontend: Frontend, jobs: list[Admitted]) -> list[Sample]:
+    """Every sample of the prompts' jobs, run to its end; by index (run_samples')."""
+    samples = [Sample(i) for i in range(sum(job.request.n for job in jobs))]
+    async for index, chunk in run_samples(frontend, jobs):
         samples[index].add(chunk)
     return samples

@@ -137,7 +137,7 @@ class SpecDecodeIngress:
         self._authorize_grpc(grpc_context)
         with _status(grpc_context):
             job = await self._admit_grpc(request, grpc_context)
-            first, *more = [self.responses.sample(s) for s in await gather_samples(self.frontend, job)]
+            first, *more = [self.responses.sample(s) for s in await gather_samples(self.frontend, [job])]
         first.more_samples.extend(more)
         return first
 
@@ -145,7 +145,7 @@ class SpecDecodeIngress:
         self._authorize_grpc(grpc_context)
         with _status(grpc_context):
             job = await self._admit_grpc(request, grpc_context)
-            async for index, chunk in run_samples(self.frontend, job):
+            async for index, chunk in run_samples(self.frontend, [job]):
                 yield self.responses.chunk(index, chunk)
 
     async def GetStats(self, request: api.GetStatsRequest, grpc_context) -> api.GetStatsResponse:

@@ -239,7 +239,7 @@ def test_implicit_defaults_of_unsupported_fields_are_accepted(client):
 
 
 BAD = [  # (endpoint, fields, the field the 400 names)
-    ("completions", {"logprobs": 21}, "logprobs"), ("completions", {"stop": ["a"] * 5}, "stop"),
+    ("completions", {"logprobs": 21}, "logprobs"), ("completions", {"stop": ["a"] * 17}, "stop"),
     ("completions", {"echo": True, "logprobs": 1}, "echo"), ("chat", {"top_logprobs": 2}, "top_logprobs"),
     ("chat", {"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
     ("chat", {"stream_options": {"include_usage": True}}, "stream_options"),
@@ -318,7 +318,7 @@ def test_specdec_client_flags(server, tokenizer, target, capsys):
     chunks = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert "".join(c["text"] for c in chunks if c["index"] == 1) == text
     with pytest.raises(SystemExit, match="INVALID_ARGUMENT: stop"):
-        main(["client", "--address", server.grpc, "--prompt", "w1", *["--stop", "x"] * 5])
+        main(["client", "--address", server.grpc, "--prompt", "w1", *["--stop", "x"] * 17])
 
 
 def test_client_stop_flags_read_escapes():
@@ -957,3 +957,36 @@ def test_what_vllm_clients_send_is_taken(tmp_path, monkeypatch):
         assert reply.get("error", {}).get("param") not in ("top_k", "stop"), reply
     status, reply = post(e, {"prompt": "w1", "top_k": -2, "temperature": 1.0})
     assert status == 400 and reply["error"]["param"] == "top_k"
+
+
+def test_completions_take_token_ids_and_several_prompts_as_openai_and_vllm_do(client, tokenizer, target):
+    """prompt as token ids, or a list of texts or of token ids (lm-evaluation-harness's local-completions sends
+    these): prompt k's n choices are k * n .. k * n + n - 1, streamed or not, usage summed over the prompts."""
+    other = "w9 w2 w4 w8"
+    ids = tokenizer(PROMPT)["input_ids"]
+    want = [tokenizer.decode(greedy(target, tokenizer, p, 6)) for p in (PROMPT, other)]
+    reply = client.completions.create(model="target", prompt=ids, max_tokens=6, temperature=0)
+    assert [c.text for c in reply.choices] == [want[0]] and reply.usage.prompt_tokens == len(ids)
+    for prompt in ([PROMPT, other], [ids, tokenizer(other)["input_ids"]]):
+        reply = client.completions.create(model="target", prompt=prompt + prompt[:1], max_tokens=6, temperature=0)
+        assert [(c.index, c.text) for c in reply.choices] == [(0, want[0]), (1, want[1]), (2, want[0])]
+        assert reply.usage.completion_tokens == 18
+        reply = client.completions.create(model="target", prompt=prompt[1:], max_tokens=6, temperature=0, n=2)
+        assert [(c.index, c.text) for c in reply.choices] == [(0, want[1]), (1, want[1])]
+        assert reply.usage.prompt_tokens == len(tokenizer(other)["input_ids"])
+    chunks = list(client.completions.create(model="target", prompt=[PROMPT, other], max_tokens=6, temperature=0,
+                                            stream=True))
+    assert ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+            for i in range(2)] == want
+    echoed = client.completions.create(model="target", prompt=ids, max_tokens=2, temperature=0, echo=True)
+    assert echoed.choices[0].text.startswith(tokenizer.decode(ids))
+
+
+def test_a_prompt_list_refused_anywhere_leaves_no_place_taken(tmp_path, monkeypatch):
+    e = edge(tmp_path, monkeypatch, server={"max_n": 4})
+    for prompt, why in [([[1, 2], [1, 10**6]], "vocabulary"), ([[1, 2], []], "a non-empty list"), ([], "a non-empty"),
+                        (["w1", ""], "must not be empty"), ([[1], "w1"], "list of texts or of token ids"),
+                        ([1, True], "token ids"), (["w1"] * 3, "3 prompts x n 2 samples, over the 4")]:
+        status, reply = post(e, {"prompt": prompt, "n": 2, "max_tokens": 2})
+        assert status == 400 and reply["error"]["param"] == "prompt" and why in reply["error"]["message"], reply
+        assert e.frontend.admission.in_flight == 0  # the first prompt's places were given back
