@@ -98,6 +98,9 @@ class RowGrammar:
     def allowed(self, tree: TokenTree) -> torch.Tensor:
         """[N, V] bool on the host: the tokens the grammar allows after each node of the tree (every token
         under a node it forbids, which is never accepted)."""
+        if self.m.is_error():  # e.g. llguidance's lexer past its limits on a pathological pattern: its mask would
+            raise InvalidArgument(FIELD, "its grammar cannot go on from this output (the output would end here, "  # allow
+                                         f"unfinished): {self.m.get_error()}")  # only the end, an output not held to it
         bits = torch.full((len(tree), self.words), -1, dtype=torch.int32, device=HOST)  # [N, W]: -1, all allowed
         kids = tree.children()
         self._fill(bits, 0)

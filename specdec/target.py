@@ -325,7 +325,7 @@ class TargetWorker:
                 raise
             raise ChunksFailed(f"the forward failed with {sum(ride)} prompt tokens riding in it: {e}") from e
         logits, last = logits[:nodes], logits[nodes:]
-        held = self._processed(logits, row_trees, sizes)  # what p is drawn from (logprobs: the raw logits)
+        held, failed = self._processed(logits, row_trees, sizes)  # what p is drawn from (logprobs: the raw logits)
         (argmax,) = to_host(held.argmax(-1)) if nodes else ([],)  # the forward's one wait for the device (greedy rows)
         deciding = [i for i, rid in enumerate(self.rows) if rid in trees]  # rows not given a tree sat out
         bounds = [0, *itertools.accumulate(sizes)]
@@ -333,7 +333,7 @@ class TargetWorker:
                                [argmax[bounds[i] : bounds[i + 1]] for i in deciding],
                                [held[bounds[i] : bounds[i + 1]] for i in deciding],
                                [logits[bounds[i] : bounds[i + 1]] for i in deciding])
-        outcome_of = dict(zip(deciding, decided))
+        outcome_of = dict(zip(deciding, decided)) | {i: failed[rid] for i, rid in enumerate(self.rows) if rid in failed}
         keep = []
         for i, rid in enumerate(self.rows):
             outcome = outcome_of.get(i)
@@ -349,15 +349,21 @@ class TargetWorker:
         self.lm.commit(keep + [list(range(start, start + n)) for n in ride])
         return nodes + sum(ride), last
 
-    def _processed(self, logits: torch.Tensor, row_trees: list[TokenTree], sizes: list[int]) -> torch.Tensor:
+    def _processed(self, logits: torch.Tensor, row_trees: list[TokenTree],
+                   sizes: list[int]) -> tuple[torch.Tensor, dict[Hashable, InvalidArgument]]:
         """The forward's logits [N, V] after each node as its row's settings make them from the node's own
-        history (specdec/processors.py); the same tensor when no row's settings change any."""
-        parts = logits.split(sizes)
-        held = [self._row_logits(rid, tree, part) if size else part
-                for rid, tree, part, size in zip(self.rows, row_trees, parts, sizes)]
+        history (specdec/processors.py); the same tensor when no row's settings change any. And the rows that
+        cannot go on (their grammar failed): each fails alone, with its error, its logits left as they were."""
+        parts, failed, held = logits.split(sizes), {}, []
+        for rid, tree, part, size in zip(self.rows, row_trees, parts, sizes):
+            try:
+                held.append(self._row_logits(rid, tree, part) if size else part)
+            except InvalidArgument as e:
+                failed[rid] = e
+                held.append(part)
         if all(h is part for h, part in zip(held, parts)):
-            return logits
-        return torch.cat([h.float() for h in held])
+            return logits, failed
+        return torch.cat([h.float() for h in held]), failed
 
     def _row_logits(self, rid: Hashable, tree: TokenTree, logits: torch.Tensor) -> torch.Tensor:
         req = self.requests[rid]

@@ -317,3 +317,35 @@ def test_a_bad_schema_or_format_is_refused_naming_response_format(json_pair):
         grammar_of(ResponseFormat("json_schema"))
     assert grammar_of(ResponseFormat("text")) is None and grammar_of(ResponseFormat("")) is None
 
+
+
+def test_a_grammar_that_cannot_go_on_fails_its_request_alone_naming_it(json_pair):
+    """A matcher past its limits (llguidance's lexer on a pattern like ((a|b){1,500}){1,500}c) allowed only the end
+    from there: the output ended unfinished, as "stop", not held to its schema. Its request fails instead, naming
+    response_format; the rows beside it in the forward step on."""
+    from specdec.errors import InvalidArgument
+    from specdec.target import TargetWorker
+
+    target, _, tokenizer = json_pair
+    worker = TargetWorker(CachedLM(target), Grammars(tokenizer, target.config.vocab_size, [tokenizer.eos_token_id]))
+    held = SamplingParams(grammar=grammar_of(ResponseFormat("json_object")), end_ids=(tokenizer.eos_token_id,))
+    prompt = tokenizer.encode("Person: ")
+    worker.add([("held", prompt, held, 0), ("free", prompt, SamplingParams(), 0)])
+    matcher = worker.requests["held"].grammar.m
+
+    class Stuck:  # the matcher, in its error state
+        def __getattr__(self, name):
+            return getattr(matcher, name)
+
+        def is_error(self):
+            return True
+
+        def get_error(self):
+            return "too many expressions constructed"
+
+    worker.requests["held"].grammar.m = Stuck()
+    before = list(worker.requests["held"].seq)
+    outcomes, _ = worker.verify({rid: TokenTree.root(worker.last_token(rid)) for rid in ("held", "free")})
+    assert isinstance(outcomes["held"], InvalidArgument) and outcomes["held"].field == "response_format"
+    assert "too many expressions" in str(outcomes["held"]) and worker.requests["held"].seq == before
+    assert not isinstance(outcomes["free"], Exception) and len(worker.requests["free"].seq) == len(prompt) + 1
