@@ -345,6 +345,17 @@ def _is_unicode(text: str) -> bool:
     return True
 
 
+PARSE_OFF_LOOP_BYTES = 64 << 10  # a body this large is read in a worker thread: up to max_request_bytes of JSON
+# (a 4 MiB list of tiny chat messages: about a second) would hold up every other stream on the event loop
+
+
+async def parsed(raw: bytes, model: type[Body]) -> Body:
+    """parse_body, off the event loop for a large body."""
+    if len(raw) > PARSE_OFF_LOOP_BYTES:
+        return await asyncio.to_thread(parse_body, raw, model)
+    return parse_body(raw, model)
+
+
 def parse_body(raw: bytes, model: type[Body]) -> Body:
     """The body as JSON whatever its content type (curl -d sends a form type); HttpError naming the field."""
     try:
@@ -475,7 +486,7 @@ class OpenAIServer:
     async def completions(self, raw: bytes, tenant: str = ""):
         """tenant: the caller's API key's scope (Request.tenant), set by the ingress."""
         try:
-            body = parse_body(raw, CompletionBody)
+            body = await parsed(raw, CompletionBody)
             prompts = body.prompts()
             places = min(self.frontend.cfg.server.max_n, self.frontend.cfg.server.max_queued_requests)
             if len(prompts) > 1 and len(prompts) * body.n > places:  # one prompt: admission names n
@@ -508,7 +519,7 @@ class OpenAIServer:
     async def tokenize(self, raw: bytes):
         """vLLM's /tokenize: {"count", "max_model_len", "tokens", "token_strs"}."""
         try:
-            body = parse_body(raw, TokenizeBody)
+            body = await parsed(raw, TokenizeBody)
             if body.text_field() == "messages":
                 chat = await asyncio.to_thread(self._chat_prompt, body.messages, body.add_generation_prompt)
             else:
@@ -523,7 +534,7 @@ class OpenAIServer:
     async def detokenize(self, raw: bytes):
         """vLLM's /detokenize: {"prompt": the tokens' text}."""
         try:
-            body = parse_body(raw, DetokenizeBody)
+            body = await parsed(raw, DetokenizeBody)
             vocab = len(self.frontend.tokenizer)
             if any(not 0 <= t < vocab for t in body.tokens):
                 raise HttpError(400, f"tokens: token ids must be in the vocabulary [0, {vocab})", "tokens")
@@ -533,7 +544,7 @@ class OpenAIServer:
 
     async def chat(self, raw: bytes, tenant: str = ""):
         try:
-            body = parse_body(raw, ChatBody)
+            body = await parsed(raw, ChatBody)
             chat = await asyncio.to_thread(self._chat_prompt, body.messages)  # a template over a long chat: off the loop
             request = body.request(chat.text, (body.top_logprobs or 0) if body.logprobs else None,
                                    add_special_tokens=False, literal=chat.literal, tenant=tenant)

@@ -990,3 +990,24 @@ def test_a_prompt_list_refused_anywhere_leaves_no_place_taken(tmp_path, monkeypa
         status, reply = post(e, {"prompt": prompt, "n": 2, "max_tokens": 2})
         assert status == 400 and reply["error"]["param"] == "prompt" and why in reply["error"]["message"], reply
         assert e.frontend.admission.in_flight == 0  # the first prompt's places were given back
+
+
+def test_a_large_body_is_read_off_the_event_loop(tmp_path, monkeypatch):
+    """Up to max_request_bytes of JSON (a 4 MiB list of tiny chat messages took about a second) is parsed in a
+    worker thread, not on the event loop every other stream shares; a small one where it is."""
+    import threading
+
+    from cluster import openai_api
+
+    read_on, parse = [], openai_api.parse_body
+
+    def recording(raw, model):
+        read_on.append(threading.current_thread())
+        return parse(raw, model)
+
+    monkeypatch.setattr(openai_api, "parse_body", recording)
+    e = edge(tmp_path, monkeypatch)
+    e.frontend.generate = fail_generate(RuntimeError("stop here"))
+    post(e, {"prompt": "w1 w2"})
+    post(e, {"messages": [{"role": "user", "content": "w1"}] * 8000}, "chat")  # ~330 KB
+    assert read_on[0] is threading.main_thread() and read_on[1] is not threading.main_thread()
