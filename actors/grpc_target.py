@@ -43,6 +43,7 @@ class GrpcTarget:
         self.stub = stub
         self.open_timeout_s, self.verify_timeout_s, self.limit = open_timeout_s, verify_timeout_s, message_limit
         self.feature_row_bytes = 0  # the widest features a verdict carries per node (of the requests opened)
+        self._logprobs: dict[str, int] = {}  # open requests that asked for logprobs -> how many (their replies' size)
         self._verify_seconds: collections.deque[float] = collections.deque(maxlen=VERIFY_HISTORY)  # round trips
 
     def verify_deadline_s(self) -> float:
@@ -50,6 +51,8 @@ class GrpcTarget:
         return max(self.verify_timeout_s, VERIFY_SLACK * max(self._verify_seconds, default=0.0))
 
     def _open_request(self, rid, prompt, params, stream, max_new_tokens, feature_layers) -> tree_pb.OpenRequest:
+        if params.logprobs is not None:
+            self._logprobs[rid] = params.logprobs
         return tree_pb.OpenRequest(request_id=rid, prompt=prompt, stream=stream, params=wire.sampling_to_proto(params),
                                    max_new_tokens=max_new_tokens, feature_layers=list(feature_layers))
 
@@ -61,6 +64,7 @@ class GrpcTarget:
             reply = self.stub.Open(self._open_request(rid, prompt, params, stream, max_new_tokens, feature_layers),
                                    timeout=self.open_timeout_s)
         except grpc.RpcError as e:
+            self._logprobs.pop(rid, None)
             raise self._open_error(e) from None
         return Opened(_first(rid, reply), self.prompt_features(rid) if feature_layers else None)
 
@@ -98,10 +102,12 @@ class GrpcTarget:
             await finished
         except asyncio.CancelledError:
             call.cancel()
+            self._logprobs.pop(rid, None)
             raise
         try:
             reply = call.result()
         except grpc.RpcError as e:
+            self._logprobs.pop(rid, None)
             raise self._open_error(e) from None
         return Opened(_first(rid, reply), await asyncio.to_thread(single_threaded_call, self.prompt_features, rid)
                       if feature_layers else None)
@@ -115,7 +121,7 @@ class GrpcTarget:
     def verify(self, trees: dict[str, TokenTree]) -> dict[str, Outcome]:
         """The trees in as few Verify calls as the link's message limit allows, sent at once (the target
         verifies what has come in its next forward); a tree over the limit by itself fails its own request."""
-        requests, outcomes = wire.verify_requests(trees, self.limit, self.feature_row_bytes)
+        requests, outcomes = wire.verify_requests(trees, self.limit, self.feature_row_bytes, self._logprobs)
         deadline, t0 = self.verify_deadline_s(), time.monotonic()
         calls = [self.stub.Verify.future(request, timeout=deadline) for request in requests]
         for call in calls:
@@ -130,6 +136,8 @@ class GrpcTarget:
         return outcomes
 
     def close(self, rids: list[str]) -> None:  # returns at once: the target closes them later
+        for rid in rids:
+            self._logprobs.pop(rid, None)
         try:
             self.stub.Close(tree_pb.CloseRequest(request_ids=rids), timeout=CLOSE_TIMEOUT_S)
         except grpc.RpcError as e:

@@ -15,7 +15,7 @@ from specdec.acceptance import Verdict
 from specdec.device import HOST
 from specdec.errors import (InvalidArgument, RequestExists, RequestFailed, ResourceExhausted, Unavailable,
                             UnknownRequest)
-from specdec.logprobs import MAX_LOGPROBS, TokenLogprob
+from specdec.logprobs import TokenLogprob
 from specdec.sampling import SamplingParams
 from specdec.drafter_kinds import MAX_DEPTH, MAX_PROPOSAL_TOP_K, MAX_TREE_WIDTH
 from specdec.tree import DELTA, Proposal, TokenTree
@@ -50,29 +50,44 @@ def _proposals_to_proto(proposals: list[Proposal]) -> list[tree_pb.Proposal]:
 
 # A tree's place in a VerifyRequest beyond its own bytes: its field's tag and length (a varint of <= 5 bytes).
 TREE_FRAMING_BYTES = 6
-# The most a tree's result may take in the VerifyResponse, beyond its features' rows (an upper bound, not a guess):
-# a few KiB a tree for its request id (<= 128 characters of UTF-8), its framing and the features' header, or its
-# RowError (field and message cut to MAX_ROW_ERROR_CHARS each); and for each node of its path its path index and
-# token (int32 varints, <= 5 bytes each) and a CommittedLogprob of up to MAX_LOGPROBS alternatives (<= 192 bytes).
-MAX_ROW_ERROR_CHARS = 512
-REPLY_TREE_BYTES = 4096
-REPLY_NODE_BYTES = 10 + 12 + 9 * MAX_LOGPROBS
+# The most a tree's result may take in the VerifyResponse (upper bounds from protobuf's encoding, not guesses):
+# its framing and request id; then a verdict's path and tokens headers and its features' header, and for each node
+# of its path its index and token (int32 varints, <= 5 bytes each), a CommittedLogprob where the request asked for
+# k logprobs (its header and logprob, and k ids and k floats) and the features' row; or a RowError, whose field
+# and message are cut to MAX_ROW_ERROR_BYTES each.
+MAX_ROW_ERROR_BYTES = 256
+REPLY_FRAMING_BYTES = 5 + 3  # the result's tag and length, the request id's tag and length
+VERDICT_HEADER_BYTES = 6 + 34  # path's and tokens' packed headers; the features message's header
+ERROR_REPLY_BYTES = 3 + 6 + 2 * (3 + MAX_ROW_ERROR_BYTES)
+NODE_ID_BYTES = 10
 
 
-def verify_requests(trees: dict[str, TokenTree], limit: int,
-                    reply_bytes_per_node: int = 0) -> tuple[list[tree_pb.VerifyRequest], dict[str, Exception]]:
+def logprob_bytes(k: int | None) -> int:
+    """A committed token's CommittedLogprob on the wire, at most, for a request that asked for k (None: none)."""
+    return 0 if k is None else 3 + 5 + 4 + 9 * k
+
+
+def reply_bytes(rid: str, nodes: int, per_node: int) -> int:
+    """The most a VerifyResult of a path of `nodes` may take, each node `per_node` bytes besides its ids."""
+    return REPLY_FRAMING_BYTES + len(rid.encode()) + max(ERROR_REPLY_BYTES,
+                                                         VERDICT_HEADER_BYTES + nodes * (NODE_ID_BYTES + per_node))
+
+
+def verify_requests(trees: dict[str, TokenTree], limit: int, reply_bytes_per_node: int = 0,
+                    logprobs: dict[str, int | None] | None = None) -> tuple[list[tree_pb.VerifyRequest],
+                                                                             dict[str, Exception]]:
     """The trees as VerifyRequests of at most `limit` bytes each (the link's message limit), in order, as few
     as fit, and the requests whose tree alone is over the limit, each with its own error (RequestFailed,
     naming its size and the limit): it fails its request, never the others sent beside it. With
     `reply_bytes_per_node` (the features each verdict carries per node of its path), a tree also counts the
-    most its verdict may bring back, so that the reply to each request fits the limit too: its logprobs and
-    ids as well as its features (REPLY_TREE_BYTES, REPLY_NODE_BYTES), as the requests' reply is one message."""
+    most its verdict may bring back, so that the reply to each request fits the limit too: its ids and, where
+    `logprobs` says the request asked for them (rid -> k), its logprobs as well as its features (reply_bytes)."""
     messages, refused = [], {}
     batch, size = [], 0
     for rid, tree in trees.items():
         msg = tree_to_proto(rid, tree)
-        reply = REPLY_TREE_BYTES + (tree.depth + 1) * (REPLY_NODE_BYTES + reply_bytes_per_node)
-        n = max(msg.ByteSize() + TREE_FRAMING_BYTES, reply)
+        per_node = reply_bytes_per_node + logprob_bytes((logprobs or {}).get(rid))
+        n = max(msg.ByteSize() + TREE_FRAMING_BYTES, reply_bytes(rid, tree.depth + 1, per_node))
         if n > limit:
             refused[rid] = RequestFailed(f"its candidate tree ({len(tree)} nodes, {len(tree.proposals)} proposals) "
                                          f"is {n} bytes, over the draft-to-target link's message limit of {limit} "
@@ -392,7 +407,12 @@ def result_to_proto(request_id: str, outcome: Verdict | Exception) -> tree_pb.Ve
         return verdict_to_proto(request_id, outcome)
     code, field, message = status_of(outcome)
     return tree_pb.VerifyResult(request_id=request_id, error=tree_pb.RowError(
-        code=code.value[0], field=field[:MAX_ROW_ERROR_CHARS], message=message[:MAX_ROW_ERROR_CHARS]))
+        code=code.value[0], field=_cut(field, MAX_ROW_ERROR_BYTES), message=_cut(message, MAX_ROW_ERROR_BYTES)))
+
+
+def _cut(text: str, most: int) -> str:
+    """text in at most `most` bytes of UTF-8, cut at a character."""
+    return text.encode()[:most].decode(errors="ignore")
 
 
 def result_from_proto(msg: tree_pb.VerifyResult) -> tuple[str, Verdict | Exception]:

@@ -315,6 +315,7 @@ def test_a_replica_that_drafts_past_its_requests_last_token_is_refused_within_it
     try:
         prompt, max_new = [1, 2, 3, 4], 1
         last = scheduler.open("runaway", prompt, GREEDY, 0, max_new).first.tokens[-1]
+        room = scheduler.worker.lm.pool.stats().allocated_tokens
         outcomes = []
         for _ in range(100):
             tree = TokenTree.root(last)
@@ -331,7 +332,7 @@ def test_a_replica_that_drafts_past_its_requests_last_token_is_refused_within_it
         held = len(scheduler.worker.requests["runaway"].seq)
         assert held <= len(prompt) + max_new + 16  # what it reserved, at most
         pool = scheduler.worker.lm.pool.stats()
-        assert pool.used_tokens <= scheduler.stats().kv_tokens_reserved and pool.allocated_tokens <= 256
+        assert pool.used_tokens <= scheduler.stats().kv_tokens_reserved and pool.allocated_tokens == room  # not grown
     finally:
         scheduler.stop()
 

@@ -182,7 +182,7 @@ INVALID = [
     ({"temperature": float("inf")}, "temperature"),
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -1}, "top_k"),
+    ({"top_k": -2}, "top_k"),  # -1 is vLLM's "off", which HTTP takes
 ]
 
 

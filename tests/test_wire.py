@@ -313,14 +313,14 @@ def test_every_verify_reply_fits_the_limit_its_request_was_packed_for(row_bytes,
         tree = TokenTree.root(top)
         tree.add_guesses([top - 1 - j for j in range(depth)], [-1, *range(depth - 1)], share_prefix=False)
         trees["\u00e9" * 127 + str(i)] = tree  # the longest request ids, two bytes a character
-    messages, refused = wire.verify_requests(trees, limit, row_bytes)
+    messages, refused = wire.verify_requests(trees, limit, row_bytes, dict.fromkeys(trees, MAX_LOGPROBS))
     assert not refused and len(messages) >= 1
     for message in messages:
         results = []
         for i, tree in enumerate(message.trees):
             n = depth + 1  # every node accepted, and the bonus token
             if i == 0 and not row_bytes:  # an error in its place, with a long message
-                results.append(wire.result_to_proto(tree.request_id, InvalidArgument("tree.tokens", "x" * 10_000)))
+                results.append(wire.result_to_proto(tree.request_id, InvalidArgument("tree.tokens", "\u00e9" * 10_000)))
                 continue
             logprobs = [TokenLogprob(top, -0.123, [(top - 2 - j, -1.5 - j) for j in range(MAX_LOGPROBS)])] * n
             features = torch.randn(n, row_bytes // 2, dtype=torch.bfloat16) if row_bytes else None

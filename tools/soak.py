@@ -142,7 +142,7 @@ BAD_GRPC = {  # what is wrong -> the request's fields
     "top_p above 1": lambda cap, n: {"top_p": 1.5},
     "negative temperature": lambda cap, n: {"temperature": -1.0},
     "n over server.max_n": lambda cap, n: {"n": n + 1},
-    "five stop strings": lambda cap, n: {"stop": ["a", "b", "c", "d", "e"]},
+    "seventeen stop strings": lambda cap, n: {"stop": [chr(ord("a") + i) for i in range(17)]},
     "empty prompt": lambda cap, n: {"prompt": ""},
 }
 BAD_HTTP = {  # what is wrong -> the body sent to /v1/completions
