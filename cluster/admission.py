@@ -126,6 +126,11 @@ class Admission:
             ids = await asyncio.to_thread(self._prompt_ids, req)
             return self._admitted(req, ids, task_type)
 
+    @property
+    def most_samples(self) -> int:
+        """The samples one request may run: each takes a queue place."""
+        return min(self.limits.max_n, self.limits.max_queued_requests)
+
     def release(self) -> None:
         """A sample has ended: its place is free."""
         self.in_flight -= 1
@@ -160,7 +165,7 @@ class Admission:
         if req.max_new_tokens is not None and not 0 < req.max_new_tokens <= limits.max_new_tokens:
             raise InvalidArgument("max_new_tokens", f"must be in 1..{limits.max_new_tokens}, got {req.max_new_tokens}")
         check_stop(req.stop)
-        most_n = min(limits.max_n, limits.max_queued_requests)  # each sample takes a queue place
+        most_n = self.most_samples
         if not 1 <= req.n <= most_n:
             bound = ("server.max_n" if limits.max_n <= limits.max_queued_requests else
                      "server.max_queued_requests: a request of n samples takes n places in the queue")
@@ -192,9 +197,13 @@ class Admission:
     def _check_logit_bias(self, bias: tuple[tuple[int, float], ...]) -> None:
         if len(bias) > MAX_LOGIT_BIAS:  # before listing any: the message names a few ids, never a body's worth
             raise InvalidArgument("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}")
-        if outside := sorted(t for t, _ in bias if not 0 <= t < len(self.tokenizer)):
-            raise InvalidArgument("logit_bias", f"token ids must be in the vocabulary [0, {len(self.tokenizer)}), "
-                                                f"got {outside[:8]}{' and more' if len(outside) > 8 else ''}")
+        self._check_in_vocabulary("logit_bias", [t for t, _ in bias])
+
+    def _check_in_vocabulary(self, name: str, ids) -> None:
+        """InvalidArgument naming `name` (and a few of the ids, never a body's worth) unless every id is a token's."""
+        if outside := sorted({t for t in ids if not 0 <= t < len(self.tokenizer)}):
+            raise InvalidArgument(name, f"token ids must be in the vocabulary [0, {len(self.tokenizer)}), "
+                                        f"got {outside[:8]}{' and more' if len(outside) > 8 else ''}")
 
     def _check_response_format(self, req: Request) -> None:
         """A response format's grammar ends in the model's eos, so it asks for eos to end the row, and
@@ -221,9 +230,7 @@ class Admission:
         if (grammar := grammar_of(req.response_format)) is not None:
             self.grammars.check(grammar)
         if req.prompt_token_ids:
-            if outside := sorted({t for t in req.prompt_token_ids if not 0 <= t < len(self.tokenizer)}):
-                raise InvalidArgument("prompt", f"token ids must be in the vocabulary [0, {len(self.tokenizer)}), "
-                                                f"got {outside[:8]}{' and more' if len(outside) > 8 else ''}")
+            self._check_in_vocabulary("prompt", req.prompt_token_ids)
             return list(req.prompt_token_ids)
         return encode_prompt(self.tokenizer, req.prompt, req.literal, req.add_special_tokens)
 

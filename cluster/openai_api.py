@@ -488,7 +488,7 @@ class OpenAIServer:
         try:
             body = await parsed(raw, CompletionBody)
             prompts = body.prompts()
-            places = min(self.frontend.cfg.server.max_n, self.frontend.cfg.server.max_queued_requests)
+            places = self.frontend.admission.most_samples
             if len(prompts) > 1 and len(prompts) * body.n > places:  # one prompt: admission names n
                 raise HttpError(400, f"prompt: {len(prompts)} prompts x n {body.n} samples, over the {places} one "
                                      "request may run (server.max_n, server.max_queued_requests)", "prompt")

@@ -663,14 +663,19 @@ class TargetScheduler:
                 if rid in prefilling:  # its KV is being written: it holds its reservation until that stops
                     self._closed_prefilling.add(rid)
                     continue
-                self._reserved.pop(rid, None)
-                self._longest.pop(rid, None)
-                self._last_tree.pop(rid, None)
+                self._unreserve(rid)
                 self._plain.pop(rid, None)
                 self._prompt_features.pop(rid, None)
             if self._gather:
                 self._gather.forget(leaving)
         self._stop_closed_prefills()
+
+    def _unreserve(self, rid: str) -> None:
+        """The request holds no room any more (under the lock)."""
+        self._reserved.pop(rid, None)
+        self._longest.pop(rid, None)
+        self._last_tree.pop(rid, None)
+        self._closed_prefilling.discard(rid)
 
     def _stop_closed_prefills(self) -> None:
         """Joining groups whose every request was closed while its prompt was prefilled in chunks stop
@@ -793,10 +798,7 @@ class TargetScheduler:
             self.committed_tokens += sum(len(v.tokens) for v in joined.first.values() if isinstance(v, Verdict))
             closed = {j.rid for j in joins if j.rid in self._closed_prefilling}
             for rid in closed:
-                self._reserved.pop(rid, None)
-                self._longest.pop(rid, None)
-                self._last_tree.pop(rid, None)
-            self._closed_prefilling -= closed
+                self._unreserve(rid)
             self._prompt_features |= {j.rid: features[j.rid] for j in joins
                                       if j.keep_features and j.rid in features and j.rid not in closed}
         if closed:
@@ -828,10 +830,7 @@ class TargetScheduler:
     def _fail_joins(self, joins: list[_Join], error: Exception) -> None:
         with self._cv:
             for j in joins:
-                self._reserved.pop(j.rid, None)
-                self._longest.pop(j.rid, None)
-                self._last_tree.pop(j.rid, None)
-                self._closed_prefilling.discard(j.rid)
+                self._unreserve(j.rid)
         for j in joins:
             j.waiter.finish(error=error)
             if j.plain:
