@@ -4,6 +4,7 @@ import json
 import re
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -211,6 +212,45 @@ def test_step_profile_splits_steps_into_the_models_forwards(dirs, capsys, tmp_pa
         assert m["forwards"]["target"]["calls"] + 2 == m["steps"], m
     assert "draft" not in by["ngram-k8"]["forwards"]
     assert by["chain-k4"]["forwards"]["draft"]["calls"] >= by["chain-k4"]["steps"]  # up to K=4 depths a step
+
+
+def test_step_profile_twin_runs_each_mode_on_narrow_copies_of_the_models(dirs, capsys, tmp_path):
+    """tools.bench.step_profile --twin: the target's, the draft's and an EAGLE-3 head's twins keep their layers,
+    attention heads and vocabularies (the head its draft vocabulary and the layers it reads) at a head size of 8,
+    load the way the models do, and run every mode; a Medusa head has no twin, said before anything runs."""
+    from transformers import AutoConfig
+
+    from specdec.eagle3 import Eagle3Head, head_config, save_head
+    from tools.bench import step_profile
+
+    real = AutoConfig.from_pretrained(dirs["target"])
+    save_head(Eagle3Head(head_config(real, 24, (0, 1, 1))), tmp_path / "head")
+    target, draft, head = step_profile.build_twins(dirs["target"], dirs["draft"], str(tmp_path / "head"),
+                                                   str(tmp_path / "twins"))
+    for twin, original in ((target, dirs["target"]), (draft, dirs["draft"])):
+        t, o = AutoConfig.from_pretrained(twin), AutoConfig.from_pretrained(original)
+        assert (t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads, t.vocab_size) == \
+               (o.num_hidden_layers, o.num_attention_heads, o.num_key_value_heads, o.vocab_size)
+        assert t.head_dim == step_profile.TWIN_HEAD_SIZE and t.hidden_size == 8 * t.num_attention_heads < o.hidden_size
+    h = json.loads((Path(head) / "config.json").read_text())
+    assert h["draft_vocab_size"] == 24 and h["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 1]
+    assert h["target_hidden_size"] == AutoConfig.from_pretrained(target).hidden_size
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPT, "task_type": "code"}) + "\n")
+    step_profile.main(["--target", dirs["target"], "--draft", dirs["draft"], "--head", str(tmp_path / "head"),
+                       "--prompts", str(prompts), "--max-new-tokens", "8", "--modes", "chain-k4,head-k4", "--twin",
+                       "--json"])
+    out = capsys.readouterr().out
+    assert "the twins of" in out.splitlines()[0]
+    by = {m["mode"]: m for m in json.loads(out.strip().splitlines()[-1])["modes"]}
+    assert set(by) == {"plain", "chain-k4", "head-k4"} and all(m["tokens"] > 0 for m in by.values())
+    assert by["head-k4"]["forwards"]["head"]["calls"] > 0 and by["chain-k4"]["forwards"]["draft"]["calls"] > 0
+
+    (tmp_path / "medusa").mkdir()
+    (tmp_path / "medusa" / "config.json").write_text(json.dumps({"medusa_num_heads": 4}))
+    with pytest.raises(ValueError, match="not an EAGLE-3 head"):
+        step_profile.build_twins(dirs["target"], dirs["draft"], str(tmp_path / "medusa"), str(tmp_path / "t2"))
 
 
 @pytest.mark.parametrize("cached", [0, 32])

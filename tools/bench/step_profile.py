@@ -5,25 +5,37 @@ specdec's attention and block tables, the kernel launches) and, on a GPU, the wa
 Where host time is nearly all of it, a forward costs the same whatever its layers do, and fewer forwards or
 CUDA graphs are the lever, not faster kernels.
 
+`--twin` runs the same modes on the models' width-shrunk twins: the same families, layers, attention heads and
+vocabularies, a head size of 8 and random weights (a draft head's twin keeps its draft vocabulary and the layers it
+reads), so a step's arithmetic is almost nothing and what it costs is the host's floor: the modules in Python,
+specdec's trees, plans and hand-offs. Beside the real models' split it says how much of a step no faster kernel
+can take. Random weights accept different drafts, so compare a fixed shape's ms a step (chain-k4, head-k4), not
+tokens a step.
+
 On a GPU each forward is followed by a synchronize, so no forward overlaps the next one's launches. Wall time a
 step is then a little above the bench's, so compare tokens/s with `specdec bench`.
 
     python -m tools.bench.step_profile --target DIR --draft DIR [--head DIR] [--device cuda] \\
-        --prompts FILE [--limit N] [--modes chain-k4,ngram-k8] [--torch-profile] [--json]
+        --prompts FILE [--limit N] [--modes chain-k4,ngram-k8] [--twin] [--torch-profile] [--json]
 """
 import argparse
 import json
+import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
 from specdec.bench import assistant_model, build_modes, modes_asked, wants
 from specdec.compute import on_compute, single_threaded
+from specdec.eagle3 import Eagle3Head, head_config, save_head
 from specdec.loading import check_draft_tokenizer, eos_ids, load_draft, load_served_model, load_tokenizer, parse_dtype
 from specdec.prompts import load_prompts
 from specdec.sampling import SamplingParams
+
+TWIN_HEAD_SIZE = 8  # a twin's attention head size: the least the CPU kernel takes (a multiple of 8)
 
 
 PREFILL_TOKENS = 32  # a forward of more query tokens than this is a prompt's prefill, counted apart
@@ -94,6 +106,40 @@ def profile_mode(mode, prompts: list[list[int]], clock: ForwardClock) -> StepSpl
     return StepSplit(mode.name, tokens, steps, per(wall), forwards, per(other))
 
 
+def twin_config(config):
+    """A model's config made narrow: its layers, attention heads and vocabulary, each head TWIN_HEAD_SIZE wide, an
+    MLP twice the hidden size."""
+    twin = config.__class__.from_dict(config.to_dict())
+    text = twin.get_text_config()
+    text.head_dim = TWIN_HEAD_SIZE
+    text.hidden_size = text.num_attention_heads * TWIN_HEAD_SIZE
+    text.intermediate_size = 2 * text.hidden_size
+    return twin
+
+
+def build_twins(target: str, draft: str, head: str | None, folder: str) -> tuple[str, str, str | None]:
+    """The target's, the draft's and the head's twins (twin_config, random weights, seeded), written to `folder`
+    and loaded back the way the models are -> their folders. A Medusa head has no twin here (ValueError)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    out = {}
+    for name, path in (("target", target), ("draft", draft)):
+        config = twin_config(AutoConfig.from_pretrained(path))
+        AutoModelForCausalLM.from_config(config).save_pretrained(f"{folder}/{name}")
+        out[name] = f"{folder}/{name}"
+    out["head"] = None
+    if head is not None:
+        real = json.loads((Path(head) / "config.json").read_text())
+        if "draft_vocab_size" not in real:
+            raise ValueError(f"--twin: {head} is not an EAGLE-3 head (only those have a twin here)")
+        aux = tuple(real.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids", ())) or None
+        twin = Eagle3Head(head_config(AutoConfig.from_pretrained(out["target"]), real["draft_vocab_size"], aux))
+        save_head(twin, f"{folder}/head")
+        out["head"] = f"{folder}/head"
+    return out["target"], out["draft"], out["head"]
+
+
 def torch_profile(mode, ids: list[int], device: torch.device) -> str:
     """One generation under torch.profiler: its operators by self CPU time (a GPU's launches among them). The
     profiler records the operators of the thread that starts it, so on a CPU it starts on the compute thread,
@@ -129,6 +175,8 @@ def main(argv=None) -> None:
     p.add_argument("--limit", type=int, help="the first N prompts of each task type")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--modes", default="chain-k4,ngram-k8", help="`specdec bench` modes (plain always runs)")
+    p.add_argument("--twin", action="store_true", help="run the models' width-shrunk twins (random weights): the "
+                                                          "host's floor of each mode's step")
     p.add_argument("--torch-profile", action="store_true", help="also print torch.profiler's operator table per mode")
     p.add_argument("--json", action="store_true", help="end with one JSON line {'modes': [...]}")
     args = p.parse_args(argv)
@@ -139,10 +187,12 @@ def main(argv=None) -> None:
     device, dtype = torch.device(args.device), parse_dtype(args.dtype)
     tokenizer = load_tokenizer(args.target)
     check_draft_tokenizer(tokenizer, args.draft)
-    with torch.inference_mode():
-        target = load_served_model(args.target, dtype, args.device)
-        draft = load_draft(args.draft, target, dtype, args.device, served=True)
-        head = load_draft(args.head, target, dtype, args.device, served=True) if args.head else None
+    with tempfile.TemporaryDirectory() as folder, torch.inference_mode():
+        paths = build_twins(args.target, args.draft, args.head, folder) if args.twin else (args.target, args.draft,
+                                                                                            args.head)
+        target = load_served_model(paths[0], dtype, args.device)
+        draft = load_draft(paths[1], target, dtype, args.device, served=True)
+        head = load_draft(paths[2], target, dtype, args.device, served=True) if args.head else None
         clock = ForwardClock(device)
         clock.watch(target, "target")
         clock.watch(draft, "draft")
@@ -152,7 +202,7 @@ def main(argv=None) -> None:
         modes = build_modes(target, draft, eos_ids(target.generation_config, tokenizer), args.max_new_tokens,
                             SamplingParams(), only, head=head, assistant=assistant)
         prompts = [tokenizer(r["prompt"])["input_ids"] for r in load_prompts(args.prompts, args.limit, tokenizer)]
-        print(f"# tools.bench.step_profile: {args.target} / {args.draft}"
+        print(f"# tools.bench.step_profile: {'the twins of ' if args.twin else ''}{args.target} / {args.draft}"
               f"{' / ' + args.head if args.head else ''}, {len(prompts)} prompts of {args.prompts}, "
               f"{args.max_new_tokens} greedy tokens, {args.dtype}, device {args.device}; per forward model: "
               f"host + device wait a step, x forwards a step")
