@@ -494,7 +494,11 @@ class OpenAIServer:
                                      "request may run (server.max_n, server.max_queued_requests)", "prompt")
             jobs = await self._admit_all([body.request(p, body.logprobs, tenant=tenant) for p in prompts],
                                          {"max_new_tokens": body.max_tokens_field()})
-            echoes = [await asyncio.to_thread(self._echo, job) for job in jobs] if body.echo else None
+            try:  # until its samples start, the request's places are this handler's to give back
+                echoes = [await asyncio.to_thread(self._echo, job) for job in jobs] if body.echo else None
+            except BaseException:  # a client gone meanwhile (its handler cancelled) among them
+                self._give_back(jobs)
+                raise
             return await self._respond(jobs, body, _Completions(self._piece, body, echoes))
         except Exception as e:  # noqa: BLE001 - every error answers in OpenAI's shape, untyped ones as 500
             return HttpError.of(e).response()
@@ -506,11 +510,15 @@ class OpenAIServer:
             for request in requests:
                 jobs.append(await self._admit(request, names))
         except BaseException:
-            for job in jobs:
-                for _ in range(job.request.n):
-                    self.frontend.admission.release()
+            self._give_back(jobs)
             raise
         return jobs
+
+    def _give_back(self, jobs: list[Admitted]) -> None:
+        """The places admitted jobs took, given back: none of their samples started (each gives back its own)."""
+        for job in jobs:
+            for _ in range(job.request.n):
+                self.frontend.admission.release()
 
     def _echo(self, job: Admitted) -> str:
         """What echo puts before a completion: its prompt's text (token ids given: their decoded text)."""

@@ -1011,3 +1011,34 @@ def test_a_large_body_is_read_off_the_event_loop(tmp_path, monkeypatch):
     post(e, {"prompt": "w1 w2"})
     post(e, {"messages": [{"role": "user", "content": "w1"}] * 8000}, "chat")  # ~330 KB
     assert read_on[0] is threading.main_thread() and read_on[1] is not threading.main_thread()
+
+
+def test_a_client_gone_while_its_echo_is_decoded_leaves_no_place_taken(tmp_path, monkeypatch):
+    """A completions request with echo holds its n places from admission on; a client that hangs up while the
+    echo is decoded (Serve cancels its handler) gives them back, as one gone before admission or after its samples
+    started does. Before, each such hang-up kept n places for good, and max_queued_requests / n of them refused
+    every later request with 429."""
+    import threading
+
+    e = edge(tmp_path, monkeypatch)
+    decoding, release = threading.Event(), threading.Event()
+
+    def slow_echo(job):
+        decoding.set()
+        release.wait(5)
+        return "w1"
+
+    monkeypatch.setattr(e.server, "_echo", slow_echo)
+
+    async def hang_up():
+        task = asyncio.create_task(e.server.completions(json.dumps({"prompt": "w1 w2", "echo": True, "n": 4}).encode()))
+        while not decoding.is_set():
+            await asyncio.sleep(0.001)
+        assert e.frontend.admission.in_flight == 4  # admitted: the places are taken
+        task.cancel()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(hang_up())
+    assert e.frontend.admission.in_flight == 0
