@@ -138,7 +138,7 @@ class Relay:
         """The sample on a draft replica, K deep with the decision's drafter; returns without a last chunk when
         the replica was lost (the caller goes on plain)."""
         drafts = self.topology.drafts
-        index = self.replicas.choose(job.prompt_ids, len(drafts))
+        index = self.replicas.choose(job.prompt_ids, len(drafts), job.params.cache_salt)
         self.served.followed_conversation = self.replicas.followed
         replica = drafts[index]
         steps = self.feeds.steps(replica, rid, lambda feed: replica.generate.remote(
@@ -159,7 +159,7 @@ class Relay:
             meter.event("fallback")
         finally:
             meter.drafts(progress.drafted, progress.accepted)
-            self.replicas.done(index, job.prompt_ids + done)
+            self.replicas.done(index, job.prompt_ids + done, job.params.cache_salt)
 
     async def _relay(self, actor, rid: str, steps: AsyncIterator[StepUpdate], text: Detokenizer, done: list[int],
                      progress: Progress, before: Progress | None = None) -> AsyncIterator[Chunk]:

@@ -51,3 +51,20 @@ def test_memory_is_bounded():
         serve_turn(chooser, tokens(160, seed), tokens(160, seed + 1000))
     assert len(chooser._served) == 100
     assert all(count == 0 for count in chooser.in_flight.values())  # every request was counted out
+
+
+def test_requests_of_another_cache_salt_never_follow_a_conversation():
+    """With security.cache_per_api_key each key's requests carry their own cache salt: they share no cached work,
+    and no affinity either. Another key resending a conversation's exact text goes round robin and is not counted
+    as following it (the count is in /v1/stats, which any key may read: a hit would tell it the text was sent);
+    the same key, or two requests of no salt, still follow."""
+    chooser = ReplicaChooser()
+    prompt, answer = tokens(100, 1), tokens(60, 2)
+    index = chooser.choose(prompt, 4, "tenant-a")
+    chooser.done(index, prompt + answer, "tenant-a")
+    for salt in ("tenant-b", None):
+        chooser.done(chooser.choose(prompt + answer, 4, salt), prompt + answer, salt)
+    assert chooser.followed == 0
+    assert chooser.choose(prompt + answer + tokens(20, 3), 4, "tenant-a") == index and chooser.followed == 1
+    chooser.choose(prompt + answer + tokens(20, 4), 4)  # no salt: follows the no-salt request above
+    assert chooser.followed == 2
