@@ -114,17 +114,17 @@ class Admission:
         """Check every field (InvalidArgument names the first bad one), that the target group is up
         (Unavailable), and take a queue place (QueueFull). Tokenizes in the caller's thread: on the
         event loop, use admit_async."""
-        with self._counted(req) as task_type:
+        with self._counted(req):
             self._check(req)
-            return self._admitted(req, self._prompt_ids(req), task_type)
+            return self._admitted(req, self._prompt_ids(req))
 
     async def admit_async(self, req: Request) -> Admitted:
         """admit, with the prompt tokenized in a worker thread: a long prompt holds up no other request's
         stream (the checks that need no tokens come first, and bound the prompt's length)."""
-        with self._counted(req) as task_type:
+        with self._counted(req):
             self._check(req)
             ids = await asyncio.to_thread(self._prompt_ids, req)
-            return self._admitted(req, ids, task_type)
+            return self._admitted(req, ids)
 
     @property
     def most_samples(self) -> int:
@@ -137,16 +137,22 @@ class Admission:
 
     @contextlib.contextmanager
     def _counted(self, req: Request):
-        """-> the name the request's task type is routed and counted under (Router.fold; default for an
-        invalid one); a refusal is counted under it."""
-        task_type = DEFAULT_TASK if task_type_problem(req.task_type) else self.router.fold(req.task_type or DEFAULT_TASK)
-        if task_type != (req.task_type or DEFAULT_TASK) and not task_type_problem(req.task_type):
-            metrics.task_types_folded().inc()
+        """A refusal is counted under the name the router tracks the request's task type by already (Router.tracked;
+        default for an invalid or untracked one)."""
         try:
-            yield task_type
+            yield
         except (InvalidArgument, Unavailable, QueueFull) as e:
-            metrics.count_event(task_type, event_of(e))
+            name = DEFAULT_TASK if task_type_problem(req.task_type) else self.router.tracked(req.task_type or DEFAULT_TASK)
+            metrics.count_event(name, event_of(e))
             raise
+
+    def _routed_as(self, req: Request) -> str:
+        """The name an admitted request's task type is routed and counted under (Router.fold: tracked from now on,
+        or folded into default once routing.max_task_types names are)."""
+        name = self.router.fold(req.task_type or DEFAULT_TASK)
+        if name != (req.task_type or DEFAULT_TASK):
+            metrics.task_types_folded().inc()
+        return name
 
     def _check(self, req: Request) -> None:
         """The checks that need no tokens."""
@@ -234,7 +240,7 @@ class Admission:
             return list(req.prompt_token_ids)
         return encode_prompt(self.tokenizer, req.prompt, req.literal, req.add_special_tokens)
 
-    def _admitted(self, req: Request, ids: list[int], task_type: str) -> Admitted:
+    def _admitted(self, req: Request, ids: list[int]) -> Admitted:
         limits = self.limits
         if not ids:
             raise InvalidArgument("prompt", "encodes to no tokens")
@@ -259,6 +265,7 @@ class Admission:
             raise QueueFull(f"{self.in_flight} requests are queued or running (max_queued_requests "
                             f"{limits.max_queued_requests}, a request of n samples takes n); retry later")
         self.in_flight += req.n  # each sample gives its place back as it ends (release)
+        task_type = self._routed_as(req)
         return Admitted(replace(req, max_new_tokens=max_new_tokens), ids, req.sampling(self.eos),
                         "" if task_type == DEFAULT_TASK else task_type)
 

@@ -188,6 +188,14 @@ class Router:
             self._state(name)
             return name
 
+    def tracked(self, task_type: str) -> str:
+        """The name a request of this task type is counted under before it is admitted: its own where the router
+        tracks it already (or it is configured, or default), else DEFAULT_TASK; nothing is tracked or counted
+        here, so requests refused at the door take none of routing.max_task_types' names."""
+        with self._lock:
+            known = task_type in self._tasks or task_type in self._routing.task_types
+            return task_type if known else DEFAULT_TASK
+
     def _fold(self, task_type: str) -> str:
         routing = self._routing
         if task_type in self._tasks or task_type in routing.task_types or task_type == DEFAULT_TASK:

@@ -572,15 +572,24 @@ def test_a_chat_cannot_forge_its_templates_special_tokens(tmp_path, monkeypatch)
 
 
 def test_refusals_count_under_the_folded_task_type(tmp_path, monkeypatch):
-    """An invalid task type is counted as default; beyond routing.max_task_types new ones fold into
-    default (counted), so the labels of refused requests stay bounded too."""
+    """An invalid task type is counted as default; so is a valid one the router does not track yet, as a refused
+    request takes none of routing.max_task_types' names (the labels of refused requests stay bounded too). Before,
+    requests refused at the door with new task types each took one for good, and a real task type was then routed
+    as default for the life of the server."""
+    from cluster.admission import Request
+
     e = edge(tmp_path, monkeypatch, routing={"max_task_types": 3})
     post(e, {"prompt": "w1", "task_type": "x" * 1000})
     for i in range(5):
         post(e, {"prompt": "", "task_type": f"t{i}"})
-    assert e.events == [("default", "refused_invalid"), ("t0", "refused_invalid"), ("t1", "refused_invalid")] + \
-        [("default", "refused_invalid")] * 3
-    assert e.frontend.router.folded == 3 and set(e.frontend.router.stats()) == {"default", "t0", "t1"}
+    assert e.events == [("default", "refused_invalid")] * 6
+    assert e.frontend.router.folded == 0 and set(e.frontend.router.stats()) <= {"default"}
+    admit = e.frontend.admission.admit_async
+    for name in ("code", "prose", "chat"):  # admitted: each takes a name while there is one (3 with default)
+        asyncio.run(admit(Request(prompt="w1 w2", max_new_tokens=2, task_type=name)))
+    assert e.frontend.router.folded == 1 and set(e.frontend.router.stats()) == {"default", "code", "prose"}
+    post(e, {"prompt": "", "task_type": "code"})  # a tracked name's refusal is counted under it
+    assert e.events[-1] == ("code", "refused_invalid")
 
 
 def test_prompts_are_tokenized_off_the_event_loop_and_bounded_before(tmp_path, monkeypatch):
@@ -1042,3 +1051,4 @@ def test_a_client_gone_while_its_echo_is_decoded_leaves_no_place_taken(tmp_path,
 
     asyncio.run(hang_up())
     assert e.frontend.admission.in_flight == 0
+
