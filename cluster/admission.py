@@ -154,6 +154,19 @@ class Admission:
             metrics.task_types_folded().inc()
         return name
 
+    def check_prompt_text(self, text: str, field: str) -> None:
+        """InvalidArgument(field) for a text longer than a prompt of max_prompt_tokens tokens may be: checked before
+        it is tokenized, which costs its length."""
+        most = min(self.limits.max_request_bytes, self.limits.max_prompt_tokens * MAX_CHARS_PER_TOKEN)
+        if len(text) > most:
+            raise InvalidArgument(field, f"is {len(text)} characters, over the {most} that a prompt of "
+                                         f"max_prompt_tokens {self.limits.max_prompt_tokens} tokens may have")
+
+    def check_prompt_tokens(self, tokens: int, field: str) -> None:
+        """InvalidArgument(field) for a prompt of more than max_prompt_tokens tokens."""
+        if tokens > self.limits.max_prompt_tokens:
+            raise InvalidArgument(field, f"is {tokens} tokens, over the limit of {self.limits.max_prompt_tokens}")
+
     def _check(self, req: Request) -> None:
         """The checks that need no tokens."""
         limits = self.limits
@@ -161,13 +174,8 @@ class Admission:
             raise InvalidArgument("task_type", problem)
         if not req.prompt and not req.prompt_token_ids:
             raise InvalidArgument("prompt", "must not be empty")
-        if len(req.prompt_token_ids) > limits.max_prompt_tokens:
-            raise InvalidArgument("prompt", f"is {len(req.prompt_token_ids)} tokens, over the limit of "
-                                            f"{limits.max_prompt_tokens}")
-        most = min(limits.max_request_bytes, limits.max_prompt_tokens * MAX_CHARS_PER_TOKEN)
-        if len(req.prompt) > most:
-            raise InvalidArgument("prompt", f"is {len(req.prompt)} characters, over the {most} that a prompt of "
-                                            f"max_prompt_tokens {limits.max_prompt_tokens} tokens may have")
+        self.check_prompt_tokens(len(req.prompt_token_ids), "prompt")
+        self.check_prompt_text(req.prompt, "prompt")
         if req.max_new_tokens is not None and not 0 < req.max_new_tokens <= limits.max_new_tokens:
             raise InvalidArgument("max_new_tokens", f"must be in 1..{limits.max_new_tokens}, got {req.max_new_tokens}")
         check_stop(req.stop)
@@ -244,8 +252,7 @@ class Admission:
         limits = self.limits
         if not ids:
             raise InvalidArgument("prompt", "encodes to no tokens")
-        if len(ids) > limits.max_prompt_tokens:
-            raise InvalidArgument("prompt", f"is {len(ids)} tokens, over the limit of {limits.max_prompt_tokens}")
+        self.check_prompt_tokens(len(ids), "prompt")
         max_new_tokens = req.max_new_tokens or self._room(len(ids))
         if req.min_tokens > max_new_tokens:
             raise InvalidArgument("min_tokens", f"is {req.min_tokens}, over the {max_new_tokens} new tokens this "

@@ -532,10 +532,13 @@ class OpenAIServer:
                 chat = await asyncio.to_thread(self._chat_prompt, body.messages, body.add_generation_prompt)
             else:
                 chat = ChatPrompt(body.prompt, ())
+            admission, field = self.frontend.admission, body.text_field()
+            admission.check_prompt_text(chat.text, field)  # what the completions would take, no more
             special = body.add_special_tokens if body.add_special_tokens is not None else body.messages is None
             ids = await asyncio.to_thread(encode_prompt, self.frontend.tokenizer, chat.text, chat.literal, special)
-            return {"count": len(ids), "max_model_len": self.frontend.context, "tokens": ids,
-                    "token_strs": [self._piece(t) for t in ids] if body.return_token_strs else None}
+            admission.check_prompt_tokens(len(ids), field)
+            strs = await asyncio.to_thread(lambda: [self._piece(t) for t in ids]) if body.return_token_strs else None
+            return {"count": len(ids), "max_model_len": self.frontend.context, "tokens": ids, "token_strs": strs}
         except Exception as e:  # noqa: BLE001 - as in completions
             return HttpError.of(e).response()
 
@@ -543,7 +546,11 @@ class OpenAIServer:
         """vLLM's /detokenize: {"prompt": the tokens' text}."""
         try:
             body = await parsed(raw, DetokenizeBody)
-            vocab = len(self.frontend.tokenizer)
+            vocab, limits = len(self.frontend.tokenizer), self.frontend.admission.limits
+            most = limits.max_prompt_tokens + limits.max_new_tokens  # a request's whole sequence, at most
+            if len(body.tokens) > most:
+                raise HttpError(400, f"tokens: {len(body.tokens)} tokens, over the {most} of a request's prompt and "
+                                     "answer (server.max_prompt_tokens + server.max_new_tokens)", "tokens")
             if any(not 0 <= t < vocab for t in body.tokens):
                 raise HttpError(400, f"tokens: token ids must be in the vocabulary [0, {vocab})", "tokens")
             return {"prompt": await asyncio.to_thread(self.frontend.tokenizer.decode, body.tokens)}

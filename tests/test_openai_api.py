@@ -946,6 +946,36 @@ def test_tokenize_refuses_an_empty_conversation_naming_it(tmp_path, monkeypatch)
     assert status == 400 and reply["error"]["param"] == "messages", reply
 
 
+def test_tokenize_and_detokenize_are_bounded_as_a_request_is_and_tokenize_off_the_event_loop(tmp_path, monkeypatch):
+    """/tokenize takes what a completions request may (max_prompt_tokens; past that many characters it is refused
+    before it is tokenized) and builds token_strs in a worker thread: a 4 MiB prompt was tokenized whole (1M tokens,
+    no queue place) and its token_strs held the event loop every stream shares for 2.6 s. /detokenize takes at most a
+    request's prompt and answer."""
+    import threading
+
+    from cluster.admission import MAX_CHARS_PER_TOKEN
+
+    e = edge(tmp_path, monkeypatch, server={"max_prompt_tokens": 8, "max_new_tokens": 8})
+    pieces_on, piece = [], e.server._piece
+
+    def recording(token):
+        pieces_on.append(threading.current_thread())
+        return piece(token)
+
+    monkeypatch.setattr(e.server, "_piece", recording)
+    reply = asyncio.run(e.server.tokenize(json.dumps({"prompt": "w1 w2", "return_token_strs": True}).encode()))
+    assert reply["count"] == len(reply["token_strs"]) > 0 and threading.main_thread() not in pieces_on
+    for prompt, why in [(" ".join(["w1"] * 9), "9 tokens, over the limit of 8"),
+                        ("w1" * (8 * MAX_CHARS_PER_TOKEN + 1), "characters, over the")]:
+        status, reply = post(e, {"prompt": prompt}, "tokenize")
+        assert status == 400 and reply["error"]["param"] == "prompt" and why in reply["error"]["message"], reply
+    status, reply = post(e, {"messages": [{"role": "user", "content": " ".join(["w1"] * 9)}]}, "tokenize")
+    assert status == 400 and reply["error"]["param"] == "messages", reply
+    assert asyncio.run(e.server.detokenize(json.dumps({"tokens": [1] * 16}).encode()))["prompt"]
+    status, reply = post(e, {"tokens": [1] * 17}, "detokenize")
+    assert status == 400 and reply["error"]["param"] == "tokens" and "over the 16" in reply["error"]["message"]
+
+
 @pytest.mark.parametrize("schema", ["[" * 100_000, '{"maximum": %s}' % ("9" * 5000), "{"])
 def test_a_grpc_json_schema_that_cannot_be_read_is_invalid_argument(schema):
     """Nesting past Python's recursion limit, or a number past its digit limit, were INTERNAL over gRPC (HTTP's
