@@ -12,8 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from .device import HOST
 from .draft_vocab import DEFAULT_SIZE, rank_tokens, save_ranking
-from .training import (Conversation, Heldout, Totals, TrainConfig, drafted_tokens, heldout_batches, resume_weights,
-                       train)
+from .training import (Conversation, Heldout, Totals, TrainConfig, check_corpus, drafted_tokens, heldout_batches,
+                       resume_weights, target_digest, train)
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".jsonl")
 
@@ -163,6 +163,7 @@ def distill(
 ) -> dict:
     """Train a draft for `target` and save it (with the tokenizer, and its tokens ranked by their frequency in
     `tokens`: specdec.draft_vocab) to out_dir; returns a summary."""
+    check_corpus(tokens, heldout, cfg.seq_len)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     target.eval().requires_grad_(False)
@@ -170,9 +171,12 @@ def distill(
     draft = LlamaForCausalLM(draft_config(target, layers, hidden)).to(target.device)
     if embedding_from_target:
         init_embedding(draft, target)
-    resume_weights(draft, out / "checkpoint", resume)
+    trained_for = {"target": target_digest(target), "kind": "draft", "layers": layers, "hidden": hidden,
+                   "vocab": draft.config.vocab_size}
+    resume_weights(draft, out / "checkpoint", resume, trained_for, cfg.steps)
     before = evaluate(target, draft, heldout)
-    result = train(draft, objective(target, draft), tokens, cfg, out / "checkpoint", resume, "distill", on_step)
+    result = train(draft, objective(target, draft), tokens, cfg, out / "checkpoint", resume, "distill", on_step,
+                   trained_for)
     after = evaluate(target, draft, heldout)
     draft.save_pretrained(out)
     tokenizer.save_pretrained(out)

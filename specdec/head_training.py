@@ -22,7 +22,7 @@ from .cpu_linear import dense_weight
 from .device import HOST
 from .eagle3 import Eagle3Head, head_config, save_head, spread_aux_layers
 from .medusa import MedusaHeads, save_medusa
-from .training import Heldout, Totals, TrainConfig, heldout_batches, resume_weights, train
+from .training import Heldout, Totals, TrainConfig, check_corpus, heldout_batches, resume_weights, target_digest, train
 
 STEP_DECAY = 0.8  # EAGLE-3's weight of the j-th step's loss
 
@@ -135,15 +135,18 @@ def train_head(target: PreTrainedModel, tokenizer, out_dir: str | Path, tokens: 
     V = target.config.get_text_config().vocab_size
     if not 1 <= draft_vocab_size <= V:
         raise ValueError(f"draft_vocab_size must be in 1..{V} (the target's vocabulary), got {draft_vocab_size}")
+    check_corpus(tokens, heldout, cfg.seq_len)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     target.eval().requires_grad_(False)
     torch.manual_seed(cfg.seed)
     head = new_head(target, frequent_tokens(tokens, V, draft_vocab_size))
-    resume_weights(head, out / "checkpoint", resume)
+    trained_for = {"target": target_digest(target), "kind": "eagle3", "draft_vocab": draft_vocab_size,
+                   "aux_layers": list(head.aux_layers)}
+    resume_weights(head, out / "checkpoint", resume, trained_for, cfg.steps)
     before = evaluate_head(target, head, heldout, ttt_steps)
     result = train(head, ttt_loss(target, head, ttt_steps), tokens, cfg, out / "checkpoint", resume, "distill-head",
-                   on_step)
+                   on_step, trained_for)
     after = evaluate_head(target, head, heldout, ttt_steps)
     save_head(head, out)
     tokenizer.save_pretrained(out)
@@ -213,14 +216,17 @@ def train_medusa(target: PreTrainedModel, tokenizer, out_dir: str | Path, tokens
                  on_step=None) -> dict:
     """Train Medusa heads for `target` on a token stream and save them (vLLM's layout, with the tokenizer) to
     out_dir; resumable. -> a summary with held-out alpha per head before and after"""
+    check_corpus(tokens, heldout, cfg.seq_len)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     target.eval().requires_grad_(False)
     torch.manual_seed(cfg.seed)
     heads = new_medusa(target, num_heads, num_layers)
-    resume_weights(heads, out / "checkpoint", resume)
+    trained_for = {"target": target_digest(target), "kind": "medusa", "heads": num_heads, "layers": num_layers}
+    resume_weights(heads, out / "checkpoint", resume, trained_for, cfg.steps)
     before = evaluate_medusa(target, heads, heldout)
-    result = train(heads, medusa_loss(target, heads), tokens, cfg, out / "checkpoint", resume, "distill-medusa", on_step)
+    result = train(heads, medusa_loss(target, heads), tokens, cfg, out / "checkpoint", resume, "distill-medusa", on_step,
+                   trained_for)
     after = evaluate_medusa(target, heads, heldout)
     save_medusa(heads, out)
     tokenizer.save_pretrained(out)

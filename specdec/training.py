@@ -1,8 +1,13 @@
 """A small training loop shared by distillation and the default target's pretraining: random
 windows of a token stream, AdamW with warm-up and cosine decay, resumable checkpoints (weights,
-optimizer, step and the data sampler's random state), a progress bar with loss and tokens/s."""
+optimizer, step, the data sampler's random state and what they were trained for), a progress bar
+with loss and tokens/s."""
 
+import hashlib
+import json
+import logging
 import math
+import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,6 +19,8 @@ from .device import HOST
 from tqdm import tqdm
 
 CHECKPOINT = "checkpoint.pt"
+REMEDY = "delete it or drop --resume"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -127,6 +134,30 @@ class Totals:
         return self.total / max(self.count, 1)
 
 
+def check_corpus(tokens: torch.Tensor, heldout: Heldout, seq_len: int) -> None:
+    """Refuse text too short to train on (more than seq_len tokens) or to judge on (at least 2 held out)."""
+    train_n, held_n = tokens.numel(), drafted_tokens(heldout).numel()
+    if train_n <= seq_len or held_n < 2:
+        raise ValueError(f"the training text (--corpus) has {train_n} tokens and {held_n} are held out: training "
+                         f"needs more than --seq-len={seq_len} and at least 2 held out; give a larger --corpus or a "
+                         "smaller --seq-len")
+
+
+def target_digest(target: torch.nn.Module) -> str:
+    """A short digest of a target: its config (less where it was read from, its dtype and the transformers version)
+    and 16 of its embedding rows rounded to bfloat16 (the same target in another dtype keeps its digest)."""
+    config = json.dumps(_lasting(target.config.to_dict()), sort_keys=True, default=str)
+    weight = target.get_input_embeddings().weight
+    rows = weight[torch.linspace(0, weight.shape[0] - 1, 16).long().to(weight.device)]
+    sample = rows.detach().to(HOST, torch.bfloat16).float().numpy().tobytes()
+    return hashlib.sha256(config.encode() + sample).hexdigest()[:16]
+
+
+def _lasting(config: dict) -> dict:
+    volatile = ("_name_or_path", "dtype", "torch_dtype", "transformers_version")
+    return {k: _lasting(v) if isinstance(v, dict) else v for k, v in config.items() if k not in volatile}
+
+
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     warm = max(1, int(cfg.warmup * total))
     if step < warm:
@@ -144,6 +175,7 @@ def train(
     resume: bool = False,
     desc: str = "train",
     on_step: Callable[[int], None] | None = None,
+    trained_for: dict | None = None,  # saved in the checkpoint; a resumed one must match (read_checkpoint)
 ) -> dict:
     """Train `model` in place; returns {"steps", "loss", "tokens", "seconds"}."""
     gen = torch.Generator(device=HOST).manual_seed(cfg.seed)
@@ -153,8 +185,8 @@ def train(
                             lr=cfg.lr, betas=(0.9, 0.95))
     step, ckpt = 0, Path(checkpoint_dir) / CHECKPOINT if checkpoint_dir else None
     if resume and ckpt is not None and ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        model.load_state_dict(state["model"])
+        state = read_checkpoint(ckpt, trained_for, cfg.steps)
+        load_weights(model, state, ckpt)
         opt.load_state_dict(state["optimizer"])
         gen.set_state(state["generator"])
         step = state["step"]
@@ -179,23 +211,55 @@ def train(
         bar.update()
         bar.set_postfix(loss=f"{loss_ema:.3f}", tok_s=f"{seen / (time.perf_counter() - t0):.0f}")
         if ckpt is not None and (step % cfg.checkpoint_every == 0 or step == total):
-            save_checkpoint(ckpt, model, opt, gen, step)
+            save_checkpoint(ckpt, model, opt, gen, step, trained_for)
         if on_step is not None:
             on_step(step)
     bar.close()
     if ckpt is not None:
-        save_checkpoint(ckpt, model, opt, gen, step)
+        save_checkpoint(ckpt, model, opt, gen, step, trained_for)
     model.eval()
     return {"steps": step, "loss": loss_ema, "tokens": seen, "seconds": time.perf_counter() - t0}
 
 
-def resume_weights(model: torch.nn.Module, checkpoint_dir: str | Path, resume: bool) -> None:
+def resume_weights(model: torch.nn.Module, checkpoint_dir: str | Path, resume: bool, trained_for: dict | None = None,
+                   steps: int | None = None) -> None:
     """Where a run resumes from a checkpoint, its weights into `model` now, so that what the run judges before it
     trains on (the summary's "before") is what it resumes from, not a fresh model. train() loads the checkpoint
     again, with its optimizer and sampler."""
     ckpt = Path(checkpoint_dir) / CHECKPOINT
     if resume and ckpt.exists():
-        model.load_state_dict(torch.load(ckpt, weights_only=False)["model"])
+        load_weights(model, read_checkpoint(ckpt, trained_for, steps), ckpt)
+
+
+def read_checkpoint(ckpt: Path, trained_for: dict | None, steps: int | None) -> dict:
+    """A checkpoint to resume, read as tensors and plain values only (a planted pickle runs nothing); refused if it
+    was trained for another `trained_for` (another target or draft shape) or already reaches `steps` (None: a time
+    budget, which a resumed run spends again)."""
+    try:
+        state = torch.load(ckpt, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{ckpt} holds more than tensors and plain values, so it is not specdec's checkpoint: "
+                         f"{REMEDY}") from e
+    made_for = state.get("trained_for")
+    if trained_for is not None and made_for is None:
+        log.warning("%s does not say what it was trained for (written by an older specdec): resuming it unchecked",
+                    ckpt)
+    elif trained_for is not None and made_for != trained_for:
+        keys = sorted(k for k in made_for.keys() | trained_for.keys() if made_for.get(k) != trained_for.get(k))
+        was, now = (", ".join(f"{k}={d.get(k)}" for k in keys) for d in (made_for, trained_for))
+        what = " (target: a digest of the target's config and embedding)" if "target" in keys else ""
+        raise ValueError(f"{ckpt} was trained for {was}, but this run is for {now}{what}: {REMEDY}")
+    if steps is not None and state["step"] >= steps:
+        raise ValueError(f"{ckpt} is at step {state['step']}, which already reaches --steps {steps}: raise --steps "
+                         f"past it to train on, or {REMEDY}")
+    return state
+
+
+def load_weights(model: torch.nn.Module, state: dict, ckpt: Path) -> None:
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        raise ValueError(f"{ckpt} does not fit this model ({REMEDY}): {e}") from e
 
 
 def estimated_steps(step: int, done: int, t0: float, deadline: float) -> int:
@@ -207,9 +271,10 @@ def estimated_steps(step: int, done: int, t0: float, deadline: float) -> int:
     return step + int((deadline - time.monotonic()) / (elapsed / done))
 
 
-def save_checkpoint(path: Path, model, opt, gen: torch.Generator, step: int) -> None:
+def save_checkpoint(path: Path, model, opt, gen: torch.Generator, step: int, trained_for: dict | None = None) -> None:
+    """Tensors and plain values only, so that read_checkpoint reads it with weights_only."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
-                "step": step}, tmp)
+                "step": step, "trained_for": trained_for}, tmp)
     tmp.replace(path)  # atomic: an interrupted save leaves the previous checkpoint

@@ -1,6 +1,9 @@
 """Distillation and the fast pair, at tiny scale (seconds)."""
 
 import json
+import logging
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from specdec.cli import main
 from specdec.distill import distill, draft_config, evaluate, generated_corpus, split_heldout
 from specdec.draft_vocab import read_ranking
 from specdec.engine import SpeculativeEngine
+from specdec.head_training import train_medusa
 from specdec.kvcache import CachedLM
 from specdec.loading import load_model, load_tokenizer
 from specdec.training import TrainConfig
@@ -62,7 +66,7 @@ def test_interrupted_distillation_resumes_from_its_checkpoint(setup, tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         distill(target, tokenizer, tmp_path / "resumed", tokens, heldout, 1, 32, cfg, on_step=crash)
-    ckpt = torch.load(tmp_path / "resumed" / "checkpoint" / "checkpoint.pt", weights_only=False)
+    ckpt = torch.load(tmp_path / "resumed" / "checkpoint" / "checkpoint.pt", weights_only=True)  # optimizer too
     assert ckpt["step"] == 4  # the last checkpoint before the crash
     summary = distill(target, tokenizer, tmp_path / "resumed", tokens, heldout, 1, 32, cfg, resume=True)
     assert summary["steps"] == 8
@@ -89,6 +93,75 @@ def test_distill_cli(setup, tmp_path, capsys):
     assert summary["heldout_kept"] == 1.0
     with pytest.raises(SystemExit, match="does not exist"):
         main(["distill", "--target", target_dir, "--out", str(tmp_path / "e"), "--corpus", str(tmp_path / "missing")])
+
+
+class Planted:
+    """What a planted checkpoint.pt could hold: unpickling it writes a file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.write_text, (self.marker, "unpickled")
+
+
+def test_resume_reads_a_checkpoint_as_tensors_only(setup, tmp_path):
+    _, target, tokenizer, tokens, heldout = setup
+    ckpt = tmp_path / "d" / "checkpoint" / "checkpoint.pt"
+    ckpt.parent.mkdir(parents=True)
+    torch.save({"model": Planted(tmp_path / "ran")}, ckpt)
+    with pytest.raises(ValueError, match=re.escape(str(ckpt)) + " holds more than tensors.*delete it or drop --resume"):
+        distill(target, tokenizer, tmp_path / "d", tokens, heldout, 1, 32, small_cfg(2), resume=True)
+    assert not (tmp_path / "ran").exists()
+
+
+def test_resume_refuses_a_checkpoint_made_for_another_target_or_shape_or_past_steps(setup, tmp_path):
+    _, target, tokenizer, tokens, heldout = setup
+    out, ckpt = tmp_path / "d", tmp_path / "d" / "checkpoint" / "checkpoint.pt"
+    distill(target, tokenizer, out, tokens, heldout, 1, 32, small_cfg(2))
+    torch.manual_seed(9)
+    other = LlamaForCausalLM(target.config).eval()  # the same config, other weights
+    at = re.escape(str(ckpt))
+    with pytest.raises(ValueError, match=f"{at} was trained for target=.*, but this run is for target=.*: delete it"):
+        distill(other, tokenizer, out, tokens, heldout, 1, 32, small_cfg(4), resume=True)
+    with pytest.raises(ValueError, match="trained for hidden=32, but this run is for hidden=16: delete it or drop"):
+        distill(target, tokenizer, out, tokens, heldout, 1, 16, small_cfg(4), resume=True)
+    with pytest.raises(ValueError, match="at step 2, which already reaches --steps 2: raise --steps"):
+        distill(target, tokenizer, out, tokens, heldout, 1, 32, small_cfg(2), resume=True)
+    # a time budget is spent again on resuming, whatever the step
+    budget = TrainConfig(steps=None, minutes=0.002, batch_size=8, seq_len=32)
+    assert distill(target, tokenizer, out, tokens, heldout, 1, 32, budget, resume=True)["steps"] > 2
+    train_medusa(target, tokenizer, tmp_path / "m", tokens, heldout, num_heads=2, cfg=small_cfg(1))
+    with pytest.raises(ValueError, match="trained for heads=2, but this run is for heads=3"):
+        train_medusa(target, tokenizer, tmp_path / "m", tokens, heldout, num_heads=3, cfg=small_cfg(2), resume=True)
+
+
+def test_a_checkpoint_from_before_it_said_what_it_was_trained_for_resumes_with_a_warning(setup, tmp_path, caplog):
+    _, target, tokenizer, tokens, heldout = setup
+    out, ckpt = tmp_path / "d", tmp_path / "d" / "checkpoint" / "checkpoint.pt"
+    distill(target, tokenizer, out, tokens, heldout, 1, 32, small_cfg(2))
+    state = torch.load(ckpt, weights_only=True)
+    del state["trained_for"]
+    torch.save(state, ckpt)
+    with caplog.at_level(logging.WARNING, "specdec.training"):
+        assert distill(target, tokenizer, out, tokens, heldout, 1, 32, small_cfg(3), resume=True)["steps"] == 3
+    assert f"{ckpt} does not say what it was trained for" in caplog.text
+    torch.save(state, ckpt)
+    with pytest.raises(ValueError, match=re.escape(f"{ckpt} does not fit this model (delete it or drop --resume)")):
+        distill(target, tokenizer, out, tokens, heldout, 1, 16, small_cfg(3), resume=True)
+
+
+def test_text_too_short_to_train_or_judge_on_is_refused_before_anything_is_built(setup, tmp_path):
+    target_dir, target, tokenizer, tokens, heldout = setup
+    with pytest.raises(ValueError, match="--corpus\\) has 10 tokens and 40 are held out.*--seq-len=32"):
+        distill(target, tokenizer, tmp_path / "d", tokens[:10], heldout[:40], 1, 32, small_cfg(1))
+    with pytest.raises(ValueError, match="1 are held out: .*at least 2 held out"):
+        train_medusa(target, tokenizer, tmp_path / "m", tokens, heldout[:1], cfg=small_cfg(1))
+    assert not (tmp_path / "d").exists() and not (tmp_path / "m").exists()
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(SystemExit, match="has 0 tokens.*give a larger --corpus or a smaller --seq-len"):
+        main(["distill", "--target", target_dir, "--out", str(tmp_path / "e"), "--corpus", str(empty), "--steps", "1"])
 
 
 TINY = fp.FastSpec(seed=3, vocab_size=300, target_layers=1, target_hidden=32, target_steps=3, draft_layers=1,
