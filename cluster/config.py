@@ -4,7 +4,7 @@ the live part (routing) that Serve's reconfigure applies, and the command-line o
 import difflib
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -22,6 +22,12 @@ Port = Annotated[int, Field(ge=1, le=65535)]
 NonEmpty = Annotated[str, Field(min_length=1)]
 
 MAX_REQUEST_BYTES = 2**31 - 1  # server.max_request_bytes: gRPC's own ceiling on a message
+# Ceilings on server's counts, far past any machine's, so that a typo (1e23) is named at load, not met as an
+# allocation at start (the target makes its KV pool from max_kv_tokens and max_running_requests at once)
+MAX_TOKENS = 10_000_000  # a prompt's, or an answer's
+MAX_KV_TOKENS = 2**32
+MAX_RUNNING = 65_536
+MAX_REQUESTS = 1_000_000
 
 # A task type (a request's task_type, a key of routing.task_types): the router keeps state per name and
 # metrics label by it, so names are short and plain.
@@ -43,11 +49,12 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_enum_values=True)  # enums kept as their values: dumps are plain YAML
+    # enums kept as their values: dumps are plain YAML; no float is infinite or NaN (`.inf` parses in YAML)
+    model_config = ConfigDict(extra="forbid", use_enum_values=True, allow_inf_nan=False)
 
 
 class ModelSpec(_Section):
-    path: str
+    path: NonEmpty
     dtype: Dtype = "float32"
 
 
@@ -55,6 +62,16 @@ class ModelsConfig(_Section):
     target: ModelSpec
     draft: ModelSpec | None = None
     task_drafts: dict[str, ModelSpec] = Field(default_factory=dict)  # a draft of its own per task type
+
+    @field_validator("task_drafts")
+    @classmethod
+    def _task_type_names(cls, task_drafts: dict[str, "ModelSpec"]) -> dict[str, "ModelSpec"]:
+        for name in task_drafts:
+            if name in ("", "default"):
+                raise ValueError(f"task type {name!r}: the draft of requests of no task type is models.draft")
+            if problem := task_type_problem(name):
+                raise ValueError(f"task type {name[:80]!r}: {problem}")
+        return task_drafts
 
     def drafts(self) -> dict[str, tuple[str, str]]:
         """task type -> (path, dtype) of its draft; the "" entry is for every other task type."""
@@ -244,15 +261,15 @@ class RoutingConfig(_Section):
 class ServerConfig(_Section):
     grpc_port: Port = 9000
     http_port: Port = Field(8000, validate_default=True)
-    max_prompt_tokens: int = Field(4096, ge=1)
-    max_new_tokens: int = Field(1024, ge=1)
-    max_queued_requests: int = Field(256, ge=1)  # per ingress replica: admitted and unfinished requests
+    max_prompt_tokens: int = Field(4096, ge=1, le=MAX_TOKENS)
+    max_new_tokens: int = Field(1024, ge=1, le=MAX_TOKENS)
+    max_queued_requests: int = Field(256, ge=1, le=MAX_REQUESTS)  # per ingress replica: admitted and unfinished requests
     # the target's KV budget: requests it holds at once, and KV tokens (each request counted at its most:
     # prompt + max_new_tokens + room for a tree); beyond either, requests wait for room in arrival order,
     # and beyond max_waiting_requests waiting the target refuses them (RESOURCE_EXHAUSTED)
-    max_running_requests: int = Field(64, ge=1)
-    max_kv_tokens: int = Field(65536, ge=1)
-    max_waiting_requests: int = Field(256, ge=0)
+    max_running_requests: int = Field(64, ge=1, le=MAX_RUNNING)
+    max_kv_tokens: int = Field(65536, ge=1, le=MAX_KV_TOKENS)
+    max_waiting_requests: int = Field(256, ge=0, le=MAX_REQUESTS)
     # prefix cache: the KV of prompts and outputs kept after their requests end, on the target and on each
     # draft replica (per draft model), for later prompts that begin the same way (a shared system prompt, a
     # conversation's next turn); up to this many tokens each, in blocks of 16, least recently used evicted
@@ -268,7 +285,7 @@ class ServerConfig(_Section):
     # (specdec.scheduler.TreeGather). false: a forward runs as soon as any row is ready.
     gather_trees: bool = True
     idle_row_timeout_s: float = Field(30.0, gt=0)  # a speculative row with no tree for this long is closed
-    max_n: int = Field(8, ge=1)  # most samples one request may ask for (OpenAI's n)
+    max_n: int = Field(8, ge=1, le=MAX_REQUESTS)  # most samples one request may ask for (OpenAI's n)
     # the largest request body (HTTP) or message (gRPC, RAY_SERVE_GRPC_MAX_MESSAGE_SIZE of Serve's proxy), in
     # bytes; a prompt of more characters is refused before it is tokenized. Also caps gRPC replies.
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=MAX_REQUEST_BYTES)
@@ -400,9 +417,30 @@ def parse_config(text_or_dict: str | Mapping, source: str = "<string>") -> Serve
         raise ConfigError("\n".join(problems)) from None
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """yaml.safe_load's loader, but a key given twice in one mapping is an error: YAML's loaders keep the last one
+    and drop the first silently (a second `server:` section dropped the whole first)."""
+
+
+def _unique_mapping(loader: _UniqueKeys, node: yaml.MappingNode, deep: bool = False) -> dict:
+    first: dict = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # `<<: *anchor` merges keys that the mapping may override
+        key = loader.construct_object(key_node, deep=deep)
+        if isinstance(key, Hashable) and key in first:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r} (first at line "
+                                                                f"{first[key] + 1})", key_node.start_mark)
+        first[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep)
+
+
+_UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
 def _parse_yaml(text: str, source: str) -> Any:
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeys)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source

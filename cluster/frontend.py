@@ -18,6 +18,7 @@ from specdec.kvcache import window_of_every_layer
 from specdec.loading import check_draft, check_model, eos_ids, load_tokenizer
 
 from specdec.scheduler import HELD
+from specdec.suffix import corpus_files
 
 from . import metrics
 from .admission import Admission, Admitted
@@ -54,6 +55,11 @@ def check_served_models(cfg: ServeConfig):
     target = check_model(cfg.models.target.path)
     for path, _ in cfg.models.drafts().values():
         check_draft(path, target)  # a draft model, or heads made for this target
+    for task, path in cfg.speculation.suffix.corpora.items():  # each draft replica reads them at its start
+        try:
+            corpus_files(path)
+        except ValueError as e:
+            raise ValueError(f"speculation.suffix.corpora.{task}: {e}") from None
     return target
 
 

@@ -297,17 +297,26 @@ def _pieces(f, size: int):
         yield rest
 
 
+def corpus_files(path: str) -> list[str]:
+    """The regular files of a corpus: `path` itself, or every one under the folder, in name order (a named pipe or
+    a device there would block its reader: left out). ValueError naming the path when there is none."""
+    if not os.path.exists(path):
+        raise ValueError(f"{path}: no such file or folder")
+    files = [path] if os.path.isfile(path) else sorted(
+        name for root, _, names in os.walk(path) for name in (os.path.join(root, n) for n in names)
+        if os.path.isfile(name))
+    if not files:
+        raise ValueError(f"{path}: holds no regular file to read")
+    return files
+
+
 def read_corpus(path: str, encode: Callable[[str], list[int]], max_tokens: int) -> Texts:
     """A corpus as a store to draft from (REST): the text file at `path`, or every file under the folder (in
     name order; files that are not UTF-8 text are skipped, from where they stop being), encoded by `encode` a piece
     at a time, up to max_tokens tokens (a huge file costs what the cap reads, not its size).
     ValueError naming the path when it is missing or holds no text."""
-    if not os.path.exists(path):
-        raise ValueError(f"{path}: no such file or folder")
-    files = [path] if os.path.isfile(path) else sorted(
-        os.path.join(root, name) for root, _, names in os.walk(path) for name in names)
     store, held = Texts(), 0
-    for name in files:
+    for name in corpus_files(path):
         try:
             with open(name, encoding="utf-8") as f:
                 for piece in _pieces(f, CORPUS_PIECE_CHARS):  # never a whole file at once

@@ -1,10 +1,12 @@
 """Operator config: validation with errors naming the file, key path and reason; the live part
 (routing, Serve's user_config); the command-line models and overrides."""
 
+import re
 from pathlib import Path
 
 import pytest
 import yaml
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from cluster.config import ConfigError, app_config, load_config, parse_config, parse_live_config
 
@@ -320,6 +322,10 @@ def test_serve_flags_override_the_file_and_are_checked_again(tmp_path):
     ("routing", {"default": {"max_k": 33}}, "routing.default.max_k", 32),
     ("routing", {"task_types": {"code": {"max_k": 1000}}}, "routing.task_types.code.max_k", 32),
     ("server", {"max_request_bytes": 2**31}, "server.max_request_bytes", 2**31 - 1),
+    ("server", {"max_running_requests": 10**23}, "server.max_running_requests", 65536),  # a pool made at start
+    ("server", {"max_kv_tokens": 2**40}, "server.max_kv_tokens", 2**32),
+    ("server", {"max_new_tokens": 10**9}, "server.max_new_tokens", 10_000_000),
+    ("server", {"max_n": 10**7}, "server.max_n", 1_000_000),
 ])
 def test_shape_and_size_bounds_name_the_key(section, values, key, limit):
     assert f"ops.yaml: {key}: must be less than or equal to {limit}" in config_error(with_section(section, values))
@@ -390,3 +396,58 @@ def test_suffix_corpora_are_named_by_task_type():
     assert "speculation.suffix.corpora: task type 'a b'" in config_error(
         {**base, "speculation": {"drafter": "suffix", "suffix": {"corpora": {"a b": "/x"}}}})
 
+
+
+@pytest.mark.parametrize("section, values, key", [
+    ("placement", {"gpus_per_actor": float("inf")}, "placement.gpus_per_actor"),
+    ("server", {"idle_row_timeout_s": float("inf")}, "server.idle_row_timeout_s"),
+    ("routing", {"default": {"ema": float("nan")}}, "routing.default.ema"),
+])
+def test_no_float_is_infinite_or_nan(section, values, key):
+    """YAML reads `.inf` and `.nan`: an infinite timeout or share passed, and a NaN passed where no bound was."""
+    assert f"ops.yaml: {key}: must be a finite number" in config_error(with_section(section, values))
+
+
+@pytest.mark.parametrize("text, where, key", [
+    ("models: {target: {path: t}}\nserver: {max_n: 2}\nserver: {max_n: 3}\n", "3:1", "'server' (first at line 2)"),
+    ("models:\n  target: {path: t}\nrouting:\n  task_types:\n    code: {max_k: 2}\n    code: {}\n", "6:5",
+     "'code' (first at line 5)"),
+])
+def test_a_key_given_twice_is_refused_naming_both_lines(text, where, key):
+    """YAML's loaders keep a repeated key's last value and drop the first silently: a second server section
+    dropped the whole first one."""
+    with pytest.raises(ConfigError, match=f"^ops.yaml:{where}: YAML syntax error: duplicate key {re.escape(key)}$"):
+        parse_config(text, "ops.yaml")
+    anchors = "shared: &s {max_n: 2}\nmodels: {target: {path: t}}\nserver: {<<: *s, max_n: 3}\n"
+    assert "shared: extra key not allowed" in config_error(anchors)  # a merge key's keys may be overridden
+
+
+@pytest.mark.parametrize("name, why", [("", "models.draft"), ("default", "models.draft"),
+                                       ("code review", "may hold only")])
+def test_a_task_draft_is_for_a_task_type_a_request_can_name(name, why):
+    """models.task_drafts "" replaced models.draft silently, and a name no request may give was accepted."""
+    data = {"models": {"target": {"path": "t"}, "task_drafts": {name: {"path": "d"}}}}
+    assert "ops.yaml: models.task_drafts: " in config_error(data) and why in config_error(data)
+
+
+def test_a_model_path_is_not_empty():
+    assert "ops.yaml: models.target.path: " in config_error({"models": {"target": {"path": ""}}})
+
+
+def test_a_corpus_that_is_missing_or_holds_no_file_is_named_before_the_actors_start(tmp_path):
+    """Each draft replica reads its corpora as it starts, after the target took its GPUs: check_served_models
+    names a missing one before (the replica's own error was clear, but late)."""
+    import os
+
+    from cluster.frontend import check_served_models
+
+    target = tmp_path / "target"
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(target)
+    (tmp_path / "pipes").mkdir()
+    os.mkfifo(tmp_path / "pipes" / "fifo")  # a named pipe is no file to read: opening it waits for a writer
+    for path, why in [(tmp_path / "nowhere", "no such file or folder"), (tmp_path / "pipes", "holds no regular file")]:
+        cfg = parse_config({"models": {"target": {"path": str(target)}},
+                            "speculation": {"drafter": "suffix", "suffix": {"corpora": {"code": str(path)}}}})
+        with pytest.raises(ValueError, match=f"^speculation.suffix.corpora.code: {re.escape(str(path))}: {why}"):
+            check_served_models(cfg)

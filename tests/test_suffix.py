@@ -296,3 +296,15 @@ def test_a_huge_corpus_file_costs_what_the_cap_reads_not_its_size(tmp_path):
     whole = read_corpus(str(tmp_path / "big.txt"), encode, 10**9)  # read to the end, a piece at a time
     assert len(handed) > 1 and max(handed) <= CORPUS_PIECE_CHARS + len(line) and sum(handed) == (tmp_path / "big.txt").stat().st_size
     assert whole.held - len(whole.starts) == len((tmp_path / "big.txt").read_text().split())  # none lost at the cuts
+
+
+def test_a_named_pipe_in_a_corpus_folder_is_passed_over(tmp_path):
+    """os.walk lists a named pipe as a file, and opening it waits for a writer: a draft replica's start hung on
+    one. Only regular files are read."""
+    import os
+
+    from specdec.suffix import read_corpus
+
+    os.mkfifo(tmp_path / "a-pipe")
+    (tmp_path / "b.txt").write_text("1 2 3\n")
+    assert read_corpus(str(tmp_path), lambda text: [int(t) for t in text.split()], 100).held == 3
