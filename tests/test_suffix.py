@@ -307,4 +307,4 @@ def test_a_named_pipe_in_a_corpus_folder_is_passed_over(tmp_path):
 
     os.mkfifo(tmp_path / "a-pipe")
     (tmp_path / "b.txt").write_text("1 2 3\n")
-    assert read_corpus(str(tmp_path), lambda text: [int(t) for t in text.split()], 100).held == 3
+    assert read_corpus(str(tmp_path), lambda text: [int(t) for t in text.split()], 100).held == 3 + 1  # a separator
