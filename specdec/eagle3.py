@@ -26,10 +26,8 @@ from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaMLP, 
 
 from .cpu_linear import weight_dtype
 from .device import HOST
-from .eagle3_config import ARCHITECTURES, default_aux_layers, read_config
+from .eagle3_config import ARCHITECTURES, WEIGHTS, default_aux_layers, read_config
 from .errors import HeadMismatch
-
-WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 
 
 def spread_aux_layers(target_layers: int) -> tuple[int, int, int]:
@@ -166,12 +164,21 @@ def load_head(path: str | Path, target: PreTrainedModel, dtype: torch.dtype | No
     weights.pop("t2d", None)
     with torch.device("meta"):
         head = Eagle3Head(config)
+    shared = "embed_tokens.weight" not in weights
+    _check_layout(head.state_dict(), weights, shared, path)  # on the meta device: nothing sized from the config yet
     head = head.to_empty(device=target.device).to(dtype or target.dtype)
     head.rotary_emb = LlamaRotaryEmbedding(config=config).to(target.device)  # its inv_freq: not in the weights
-    shared = "embed_tokens.weight" not in weights
     if shared:
         head.embed_tokens = target.get_input_embeddings()
-    state = head.state_dict()
+    head.load_state_dict(weights, strict=False)
+    head.d2t.copy_(weights["d2t"].long())
+    _check_mapping(head, path)
+    return head.eval()
+
+
+def _check_layout(state: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], shared: bool, path) -> None:
+    """HeadMismatch unless the weights are the head's (its state on any device: names and shapes), embed_tokens
+    aside where it shares the target's."""
     missing = sorted(k for k in state if k not in weights and not (shared and k.startswith("embed_tokens.")))
     extra = sorted(k for k in weights if k not in state)
     if missing or extra:
@@ -181,10 +188,6 @@ def load_head(path: str | Path, target: PreTrainedModel, dtype: torch.dtype | No
         if state[name].shape != tensor.shape:
             raise HeadMismatch(f"the head in {str(path)!r}: {name} is {tuple(tensor.shape)}, expected "
                                f"{tuple(state[name].shape)} from its config")
-    head.load_state_dict(weights, strict=False)
-    head.d2t.copy_(weights["d2t"].long())
-    _check_mapping(head, path)
-    return head.eval()
 
 
 def _check_mapping(head: Eagle3Head, path) -> None:

@@ -6,13 +6,19 @@ import fcntl
 import hashlib
 import os
 import shutil
-from contextlib import contextmanager
+import struct
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from .cache_dir import cache_root
 from .errors import UnsupportedModel
 
 GGUF_MAGIC = b"GGUF"
+# GGUF's value types (gguf's GGUFValueType): the byte size of each scalar one, and the two that are not scalars
+SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+STRING, ARRAY = 8, 9
+MIN_KV_SIZE = 8 + 4 + 1  # a key's length, its value's type, the smallest value
+MIN_TENSOR_INFO_SIZE = 8 + 4 + 4 + 8  # a name's length, its dimension count, its type, its offset
 SUFFIX = ".gguf"
 FORMAT = 1  # bump when the conversion changes what it writes
 
@@ -111,15 +117,84 @@ def convert(file: Path, out: Path, eos_token_ids: list[int] | None = None) -> No
 def _gguf_architecture(file: Path) -> str:
     """The file's general.architecture ("unknown" when it has none); ValueError naming the file when gguf's
     reader cannot parse it (truncated or corrupt), before transformers fails on it less clearly."""
-    from gguf import GGUFReader
+    from gguf import GGUFReader, GGUFValueType
 
+    check_header(file)
     try:
         fields = GGUFReader(file).fields
     except Exception as e:  # noqa: BLE001 (struct.error, ValueError, IndexError ... from a damaged file)
         raise ValueError(f"{str(file)!r} is not a readable GGUF file (truncated or corrupt? {type(e).__name__}: "
                          f"{e})") from None
     field = fields.get("general.architecture")
-    return bytes(field.parts[field.data[0]]).decode() if field is not None else "unknown"
+    if field is None:
+        return "unknown"
+    if field.types == [GGUFValueType.STRING]:
+        with suppress(UnicodeDecodeError):
+            return bytes(field.parts[field.data[0]]).decode()
+    types = " of ".join(t.name for t in field.types)
+    raise ValueError(f"{str(file)!r} is not a readable GGUF file: its general.architecture (a {types} field) is not a "
+                     "UTF-8 string")
+
+
+def check_header(file: Path) -> None:
+    """Walk the file's header (GGUF's layout: gguf's gguf_reader.py) and refuse a count of keys, tensors,
+    bytes or array items that claims more bytes than the file has left, which gguf's reader would loop over
+    item by item, unbounded: ValueError naming the file, the key and the numbers."""
+    with open(file, "rb") as f:
+        header = _Header(f, file)
+        if f.read(4) != GGUF_MAGIC:
+            header.refuse(f"it does not start with {GGUF_MAGIC!r}")
+        if header.number("I") & 0xFFFF == 0:  # the version, written big-endian (as gguf's reader tells)
+            header.order = ">"
+        tensors, kvs = header.number("Q"), header.number("Q")
+        for _ in range(header.count("kv_count", kvs, MIN_KV_SIZE)):
+            key = header.key()
+            header.skip_value(key, header.number("I"))
+        header.count("tensor_count", tensors, MIN_TENSOR_INFO_SIZE)
+
+
+class _Header:
+    """A GGUF header read in order: its numbers and keys read, its values skipped, each count checked against
+    the bytes the file has left."""
+
+    def __init__(self, f, file: Path):
+        self.f, self.file, self.size, self.order = f, file, file.stat().st_size, "<"
+
+    def refuse(self, why: str):
+        raise ValueError(f"{str(self.file)!r} is not a readable GGUF file (truncated or corrupt? {why})")
+
+    def number(self, fmt: str) -> int:
+        raw = self.f.read(struct.calcsize(fmt))
+        if len(raw) < struct.calcsize(fmt):
+            self.refuse(f"its header ends with the file, at byte {self.size}")
+        return struct.unpack(self.order + fmt, raw)[0]
+
+    def count(self, what: str, n: int, each: int) -> int:
+        """n, unless n items of at least `each` bytes do not fit in the rest of the file."""
+        left = self.size - self.f.tell()
+        if n * each > left:
+            self.refuse(f"{what} is {n}, at least {n * each} bytes, and the file has {left} bytes left")
+        return n
+
+    def key(self) -> str:
+        return self.f.read(self.count("a key's length", self.number("Q"), 1)).decode(errors="replace")
+
+    def skip_value(self, key: str, kind: int) -> None:
+        if kind == STRING:
+            self.f.seek(self.count(f"the length of {key}", self.number("Q"), 1), 1)
+        elif kind == ARRAY:
+            item, n = self.number("I"), self.number("Q")
+            if item == STRING:
+                for _ in range(self.count(f"the item count of {key}", n, 8)):
+                    self.skip_value(key, STRING)
+            elif item in SCALAR_SIZES:
+                self.f.seek(self.count(f"the item count of {key}", n, SCALAR_SIZES[item]) * SCALAR_SIZES[item], 1)
+            else:  # an array of arrays, which llama.cpp does not read either
+                self.refuse(f"{key} is an array of value type {item}")
+        elif kind in SCALAR_SIZES:
+            self.f.seek(SCALAR_SIZES[kind], 1)
+        else:
+            self.refuse(f"{key} has the unknown value type {kind}")
 
 
 @contextmanager

@@ -12,7 +12,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from .compute import on_compute
 from .cpu_linear import pack_linears
 from .draft_vocab import keep_frequent_tokens, read_ranking
-from .eagle3_config import is_eagle3
+from .eagle3_config import config_json, is_eagle3
 from .eagle3_config import read_config as read_eagle3_config
 from .medusa import check_fits as medusa_fits
 from .medusa import is_medusa, load_medusa
@@ -49,6 +49,7 @@ OWN_ATTENTION = frozenset({
     "xlnet", "xlm", "big_bird", "rembert", "roformer", "prophetnet", "mvp", "trocr", "fuyu", "got_ocr2",
 })
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})  # config.layer_types specdec runs
+POSITIVE = ("vocab_size", "num_hidden_layers", "num_attention_heads", "hidden_size", "max_position_embeddings")
 
 
 def check_supported(config: PretrainedConfig) -> None:
@@ -80,9 +81,20 @@ def check_model(path: str) -> PretrainedConfig:
     if is_head(local_folder(path)):  # an EAGLE-3 head's config is a Llama's: transformers would load a Llama, its weights unread
         raise UnsupportedModel("draft head", f"{path!r} holds draft heads (EAGLE-3 or Medusa), not a causal LM: they "
                                              "draft for their target (load_draft, or a draft replica's models.draft)")
+    _check_sizes(local_folder(path))
     config = AutoConfig.from_pretrained(local_folder(path))
     check_supported(config)
     return config
+
+
+def _check_sizes(folder: str) -> None:
+    """ValueError naming the file, the key and its value when config.json gives a size (POSITIVE) that is not
+    positive, which transformers would build a broken model from or divide by."""
+    raw = config_json(folder) or {}  # a hub id has no local config.json
+    for key in POSITIVE:
+        value = raw.get(key)
+        if isinstance(value, int | float) and value <= 0:
+            raise ValueError(f"{str(Path(folder) / 'config.json')!r}: {key} is {value}; it must be positive")
 
 
 def attention_for(config: PretrainedConfig) -> str:
@@ -96,9 +108,27 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu
     """A causal LM from a local folder (or a hub id, for users with network), in eval mode; a model specdec
     cannot decode exactly is refused (UnsupportedModel) before its weights load."""
     config = check_model(path)
-    model = AutoModelForCausalLM.from_pretrained(local_folder(path), dtype=dtype,
-                                                 attn_implementation=attention_for(config))
+    model = _from_pretrained(path, config, dtype)
     return model.to(device).eval()
+
+
+def _from_pretrained(path: str, config: PretrainedConfig, dtype: torch.dtype, **kwargs) -> "PreTrainedModel":
+    """AutoModelForCausalLM.from_pretrained, refusing weights that do not fill the model the config describes
+    (transformers would fill what is missing or of another shape at random): ValueError naming the folder and
+    the first keys missing, unexpected or of another shape. A tied LM head and buffers not saved (rotary
+    inv_freq) are no gaps: transformers leaves them out of its loading info."""
+    folder = local_folder(path)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype, attn_implementation=attention_for(config), output_loading_info=True,
+        ignore_mismatched_sizes=True, **kwargs)  # refused below, named, rather than by transformers' report
+    reshaped = [f"{k} ({tuple(saved)} in the weights, {tuple(built)} from the config)"
+                for k, saved, built in sorted(info["mismatched_keys"])]
+    gaps = [f"{len(keys)} {what}, first {keys[:4]}" for what, keys in (
+        ("missing", sorted(info["missing_keys"])), ("unexpected", sorted(info["unexpected_keys"])),
+        ("of another shape", reshaped)) if keys]
+    if gaps:
+        raise ValueError(f"the weights in {folder!r} are not the model its config.json describes: {'; '.join(gaps)}")
+    return model
 
 
 def load_served_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "PreTrainedModel":
@@ -202,9 +232,7 @@ def load_sharded_model(path: str, dtype: torch.dtype = torch.float32) -> "PreTra
     """This rank's shard of a causal LM, split by transformers' own tensor-parallel plan across the
     ranks of the default torch.distributed group (which the caller has initialised)."""
     config = check_model(path)
-    model = AutoModelForCausalLM.from_pretrained(local_folder(path), dtype=dtype,
-                                                 attn_implementation=attention_for(config),
-                                                 distributed_config=DistributedConfig(tp_plan="auto"))
+    model = _from_pretrained(path, config, dtype, distributed_config=DistributedConfig(tp_plan="auto"))
     return model.eval()
 
 

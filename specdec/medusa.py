@@ -18,6 +18,7 @@ from torch import nn
 
 from .cpu_linear import dense_weight, weight_dtype
 from .device import HOST
+from .eagle3_config import config_json
 from .errors import HeadMismatch
 
 if TYPE_CHECKING:  # transformers' modeling code takes seconds to import; heads are read without it
@@ -25,6 +26,7 @@ if TYPE_CHECKING:  # transformers' modeling code takes seconds to import; heads 
 
 VLLM_FILES = ("model.safetensors", "pytorch_model.bin")
 ORIGINAL_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+TOKEN_MAP_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 class ResidualBlock(nn.Module):
@@ -86,24 +88,39 @@ class MedusaHeads(nn.Module):
 
 def is_medusa(path: str | Path) -> bool:
     """Whether the folder holds Medusa heads (vLLM's layout or FasterDecoding's)."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
+    raw = config_json(path)
+    if raw is None:
         return False
-    raw = json.loads(config.read_text())
     return "medusa_num_heads" in raw or raw.get("model_type") == "medusa" or "MedusaModel" in (raw.get("architectures") or ())
 
 
-def _read(path: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor] | None:
-    for name in names:
-        if (path / name).is_file():
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
-                return load_file(path / name)
-            return torch.load(path / name, map_location="cpu", weights_only=True)
-    return None
+def _read(file: Path, names_only: bool) -> dict[str, torch.Tensor | None]:
+    """A weights file's tensors, or with names_only its names alone (values None, nothing loaded)."""
+    if file.suffix == ".safetensors":
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        if names_only:
+            with safe_open(file, "pt") as f:
+                return dict.fromkeys(f.keys())
+        return load_file(file)
+    weights = torch.load(file, map_location="cpu", weights_only=True, mmap=names_only)
+    return dict.fromkeys(weights) if names_only else weights
 
 
-def _from_original(raw: dict, weights: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+def _layout(path: Path, raw: dict, names_only: bool = False) -> tuple[dict, dict[str, torch.Tensor | None]]:
+    """The heads' config and weights in vLLM's layout, whichever layout the folder holds (_read: names_only)."""
+    original = "medusa_num_heads" in raw
+    names = ORIGINAL_FILES if original else VLLM_FILES
+    file = next((path / name for name in names if (path / name).is_file()), None)
+    if file is None:
+        raise FileNotFoundError(f"the Medusa heads in {str(path)!r}: no weights ({' or '.join(names)})")
+    weights = _read(file, names_only)
+    config, weights = _from_original(raw, weights) if original else (raw, weights)
+    return config, {k.removeprefix("medusa_heads."): v for k, v in weights.items()}
+
+
+def _from_original(raw: dict, weights: dict) -> tuple[dict, dict]:
     """FasterDecoding's layout as vLLM's: {i}.{l}.linear.* -> blocks.{i}.layers.{l}.*, {i}.{L}.weight -> lm_heads.{i}.weight."""
     L = int(raw["medusa_num_layers"])
     renamed = {}
@@ -119,8 +136,9 @@ def _from_original(raw: dict, weights: dict[str, torch.Tensor]) -> tuple[dict, d
 
 def check_fits(path: str | Path, target_config) -> tuple[int, int]:
     """HeadMismatch unless the Medusa heads in `path` were made for a target of this config (hidden size,
-    vocabulary; FasterDecoding's config names neither, only its base model) -> (hidden size, vocabulary)."""
-    raw = json.loads((Path(path) / "config.json").read_text())
+    vocabulary; FasterDecoding's config names neither, only its base model) and their config's counts are their
+    weights' (read without loading them) -> (hidden size, vocabulary)."""
+    raw = config_json(path)
     tc = target_config.get_text_config()
     where = f"the Medusa heads in {str(path)!r}"
     hidden, vocab = int(raw.get("hidden_size", tc.hidden_size)), int(raw.get("vocab_size", tc.vocab_size))
@@ -130,7 +148,28 @@ def check_fits(path: str | Path, target_config) -> tuple[int, int]:
     if vocab != tc.vocab_size:
         raise HeadMismatch(f"{where} draft over a vocabulary of {vocab} ids; the target's has {tc.vocab_size}: they "
                            "were made for another target")
+    _check_counts(where, *_layout(Path(path), raw, names_only=True))
     return hidden, vocab
+
+
+def _check_counts(where: str, config: dict, weights: dict) -> None:
+    """HeadMismatch unless the config's num_heads and num_hidden_layers are what its weights hold (checked before
+    they size anything)."""
+    heads = {k.split(".")[1] for k in weights if k.startswith(("blocks.", "lm_heads."))}
+    layers = {k.split(".")[3] for k in weights if k.startswith("blocks.0.layers.")}
+    counts = [("num_heads", config["num_heads"], len(heads))] if heads else []  # none named: no layers, one LM head
+    counts.append(("num_hidden_layers", config.get("num_hidden_layers", 1), len(layers)))
+    for key, value, held in counts:
+        if int(value) != held:
+            raise HeadMismatch(f"{where}: its config's {key} is {value}, but its weights hold {held}")
+
+
+def _check_token_map(where: str, token_map: torch.Tensor, vocab: int) -> None:
+    if token_map.dtype not in TOKEN_MAP_DTYPES or token_map.numel() == 0:
+        raise HeadMismatch(f"{where}: token_map must be one or more integer ids; it is {token_map.dtype} of "
+                           f"{token_map.numel()} elements")
+    if token_map.min() < 0 or token_map.max() >= vocab or token_map.unique().numel() != token_map.numel():
+        raise HeadMismatch(f"{where}: token_map names ids outside the target's vocabulary [0, {vocab}) or one twice")
 
 
 def load_medusa(path: str | Path, target: "PreTrainedModel", dtype: torch.dtype | None = None) -> MedusaHeads:
@@ -138,27 +177,15 @@ def load_medusa(path: str | Path, target: "PreTrainedModel", dtype: torch.dtype 
     made for another target (hidden size, vocabulary) or weights that do not fit their config."""
     path = Path(path)
     hidden, vocab = check_fits(path, target.config)
-    raw = json.loads((path / "config.json").read_text())
+    config, weights = _layout(path, config_json(path))
     tc = target.config.get_text_config()
     where = f"the Medusa heads in {str(path)!r}"
-    if "medusa_num_heads" in raw:
-        weights = _read(path, ORIGINAL_FILES)
-        if weights is None:
-            raise FileNotFoundError(f"{where}: no weights ({' or '.join(ORIGINAL_FILES)})")
-        config, weights = _from_original(raw, weights)
-    else:
-        weights = _read(path, VLLM_FILES)
-        if weights is None:
-            raise FileNotFoundError(f"{where}: no weights ({' or '.join(VLLM_FILES)})")
-        config = raw
-    weights = {k.removeprefix("medusa_heads."): v for k, v in weights.items()}
     token_map = weights.pop("token_map", None)
     truncated = config.get("truncated_vocab_size")
     if truncated and truncated < vocab and token_map is None:
         raise HeadMismatch(f"{where}: truncated_vocab_size {truncated} but no token_map")
-    if token_map is not None and (token_map.min() < 0 or token_map.max() >= vocab
-                                  or token_map.unique().numel() != token_map.numel()):
-        raise HeadMismatch(f"{where}: token_map names ids outside the target's vocabulary [0, {vocab}) or one twice")
+    if token_map is not None:
+        _check_token_map(where, token_map, vocab)
     shared = bool(config.get("original_lm_head", False))
     heads = MedusaHeads(hidden, vocab, int(config["num_heads"]), int(config.get("num_hidden_layers", 1)),
                         bool(config.get("medusa_fc_bias", False)), shared,

@@ -7,6 +7,7 @@ cannot be served is refused naming the file and why."""
 
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -356,3 +357,46 @@ def test_specdec_serve_with_a_gguf_target(ref, tmp_path):
         stop_cleanly(server, log)
     finally:
         kill_if_running(server)
+
+
+# --- a header that claims more than the file holds, or a bad architecture: refused before gguf reads it --------
+
+def gguf_string(text: bytes) -> bytes:
+    return struct.pack("<Q", len(text)) + text
+
+
+def write_header(path: Path, kvs: list[bytes], tensor_count: int = 0, kv_count: int | None = None) -> str:
+    """A GGUF file of a header alone (version 3), its key-value pairs written as given -> its path."""
+    counts = struct.pack("<IQQ", 3, tensor_count, len(kvs) if kv_count is None else kv_count)
+    path.write_bytes(b"GGUF" + counts + b"".join(kvs))
+    return str(path)
+
+
+ARCH = gguf_string(b"general.architecture") + struct.pack("<I", 8) + gguf_string(b"llama")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kvs, counts, words", [
+    ([gguf_string(b"tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 4, 2**40) + bytes(64)], {},
+     "the item count of tokenizer.ggml.tokens is 1099511627776, at least 4398046511104 bytes"),
+    ([ARCH], dict(kv_count=2**40), "kv_count is 1099511627776"),
+    ([ARCH], dict(tensor_count=2**40), "tensor_count is 1099511627776"),
+    ([struct.pack("<Q", 2**62) + b"general"], {}, "a key's length is 4611686018427387904"),
+], ids=["array items", "keys", "tensors", "key length"])
+def test_a_header_claiming_more_than_the_file_holds(tmp_path, cache, kvs, counts, words):
+    path = write_header(tmp_path / "huge.gguf", kvs, **counts)
+    with pytest.raises(ValueError, match="huge.gguf' is not a readable GGUF file") as e:
+        load_model(path)
+    assert words in str(e.value) and "bytes left" in str(e.value)
+    assert converted_folders(cache) == []
+
+
+@pytest.mark.parametrize("value, words", [
+    (struct.pack("<I", 4) + struct.pack("<I", 0x616D616C), "a UINT32 field"),  # "lama" as a number
+    (struct.pack("<I", 8) + gguf_string(b"\xff\xfe"), "a STRING field"),  # not UTF-8
+], ids=["uint32", "not utf-8"])
+def test_an_architecture_that_is_no_string(tmp_path, value, words):
+    path = write_header(tmp_path / "arch.gguf", [gguf_string(b"general.architecture") + value])
+    with pytest.raises(ValueError, match="arch.gguf' is not a readable GGUF file: its general.architecture") as e:
+        load_model(path)
+    assert words in str(e.value)

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from specdec import CachedLM, SamplingParams, SpecConfig, SpeculativeEngine
 from specdec.cpu_linear import PackedLinear
 from specdec.drafter_factory import make_drafter
-from specdec.eagle3 import load_head, save_head
+from specdec.eagle3 import Eagle3Head, load_head, save_head
 from specdec.eagle3_config import is_eagle3
 from specdec.errors import HeadMismatch
 from specdec.errors import UnsupportedModel
@@ -23,7 +23,7 @@ from specdec.head_drafter import HeadDrafter, MedusaDrafter
 from specdec.head_training import (evaluate_head, frequent_tokens, new_head, new_medusa, step_mask, train_head,
                                    train_medusa)
 from specdec.medusa import MedusaHeads, is_medusa, load_medusa, save_medusa
-from specdec.loading import load_draft, load_model
+from specdec.loading import check_draft, load_draft, load_model
 from specdec.target import TargetWorker
 from specdec.training import TrainConfig
 from specdec.tree import TokenTree
@@ -150,6 +150,39 @@ def test_a_head_missing_weights_or_mapping_twice_is_refused(tmp_path, target):
     with pytest.raises(HeadMismatch, match="two onto one"):
         load_head(tmp_path / "head", target)
     assert load_file(tmp_path / "head" / "model.safetensors")["d2t"][1] == -1
+
+
+def refuse_to_build(*args, **kwargs):
+    raise AssertionError("sized from the config before its weights were compared")
+
+
+@pytest.mark.parametrize("aux", [[0.5, 1.5, 1.5], ["0", "1", "1"], [0, True, 1]], ids=["floats", "strings", "bool"])
+def test_aux_layer_ids_that_are_not_integers_are_refused(tmp_path, target, aux):
+    write_published_head(tmp_path / "head", target, draft_vocab=32, aux=aux)
+    words = "eagle_aux_hidden_state_layer_ids .* must be integers"
+    with pytest.raises(HeadMismatch, match=words) as e:
+        check_draft(str(tmp_path / "head"), target.config)
+    assert repr(aux) in str(e.value)
+    with pytest.raises(HeadMismatch, match=words):
+        load_head(tmp_path / "head", target)
+
+
+def test_a_head_config_is_compared_with_its_weights_before_anything_is_allocated(tmp_path, target, monkeypatch):
+    """A config's sizes beyond its weights' are refused by the pre-start check (from the weights' shapes
+    alone) and by load_head, which compares every weight on the meta device before it allocates the head."""
+    I, H = target.config.intermediate_size, target.config.hidden_size
+    write_published_head(tmp_path / "big", target, draft_vocab=32, aux=[0, 1, 1], intermediate_size=20_000_000)
+    words = rf"config's intermediate_size is 20000000, but its weights' midlayer.mlp.gate_proj.weight is \({I}, {H}\)"
+    with pytest.raises(HeadMismatch, match=words):
+        check_draft(str(tmp_path / "big"), target.config)
+    monkeypatch.setattr(Eagle3Head, "to_empty", refuse_to_build)
+    with pytest.raises(HeadMismatch, match=words):
+        load_head(tmp_path / "big", target)
+    weights = write_published_head(tmp_path / "odd", target, draft_vocab=32, aux=[0, 1, 1])
+    weights["midlayer.mlp.down_proj.weight"] = torch.zeros(H, 2 * I)  # no size the config check reads
+    save_file(weights, tmp_path / "odd" / "model.safetensors")
+    with pytest.raises(HeadMismatch, match=rf"down_proj.weight is \({H}, {2 * I}\), expected \({H}, {I}\)"):
+        load_head(tmp_path / "odd", target)
 
 
 def test_a_head_is_no_causal_lm_to_load(tmp_path, target):
@@ -384,10 +417,34 @@ def test_medusa_for_another_target_or_out_of_layout_is_refused(tmp_path, target)
     with pytest.raises(HeadMismatch, match="vocabulary of 100"):
         load_medusa(tmp_path / "m", target)
     (tmp_path / "m" / "config.json").write_text(json.dumps(config | {"num_heads": 3}))
-    with pytest.raises(HeadMismatch, match="missing"):
+    with pytest.raises(HeadMismatch, match="num_heads is 3, but its weights hold 2"):
         load_medusa(tmp_path / "m", target)
     with pytest.raises(UnsupportedModel, match="draft heads"):
         load_model(str(tmp_path / "m"))
+
+
+@pytest.mark.parametrize("key, value, held", [("num_heads", 200_000, 2), ("num_hidden_layers", 100_000, 1)])
+def test_medusa_counts_beyond_its_weights_are_refused_before_anything_is_built(tmp_path, target, monkeypatch,
+                                                                               key, value, held):
+    write_vllm_medusa(tmp_path / "m", target, heads=2, layers=1)
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config | {key: value}))
+    words = f"its config's {key} is {value}, but its weights hold {held}"
+    with pytest.raises(HeadMismatch, match=words):
+        check_draft(str(tmp_path / "m"), target.config)
+    monkeypatch.setattr("specdec.medusa.MedusaHeads", refuse_to_build)
+    with pytest.raises(HeadMismatch, match=words):
+        load_medusa(tmp_path / "m", target)
+
+
+@pytest.mark.parametrize("token_map", [torch.zeros(0, dtype=torch.long), torch.arange(40) + 0.9],
+                         ids=["empty", "floats"])
+def test_a_token_map_of_no_ids_or_not_integers_is_refused(tmp_path, target, token_map):
+    weights = write_vllm_medusa(tmp_path / "m", target, heads=2, layers=1, truncated=40)
+    save_file(weights | {"token_map": token_map}, tmp_path / "m" / "model.safetensors")
+    with pytest.raises(HeadMismatch, match=f"token_map must be one or more integer ids; it is {token_map.dtype} of "
+                                           f"{token_map.numel()} elements"):
+        load_medusa(tmp_path / "m", target)
 
 
 def test_medusa_saved_here_is_vllms_layout(tmp_path, target):

@@ -1,10 +1,14 @@
 """Loading models and tokenizers, and the shared-vocabulary check."""
 
+import json
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from conftest import save_tokenizer
-from specdec.loading import check_same_vocabulary, load_model, load_tokenizer, parse_dtype
+from specdec.loading import check_model, check_same_vocabulary, load_draft, load_model, load_tokenizer, parse_dtype
 
 WORDS = ["the", "cat", "sat", "on", "mat", "dog", "ran"]
 
@@ -61,3 +65,53 @@ def test_parse_dtype():
     assert parse_dtype("float16") is torch.float16
     with pytest.raises(ValueError, match="dtype"):
         parse_dtype("fp8")
+
+
+def copy_model(source: str, path, **config_changes) -> str:
+    """A copy of a model's folder, its config.json changed -> the copy's path."""
+    shutil.copytree(source, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | config_changes))
+    return str(path)
+
+
+def test_weights_that_do_not_fill_the_model_are_refused(model_dirs, small_target, tmp_path):
+    """transformers would fill the gaps at random; each is refused naming the folder and the first keys."""
+    dropped = copy_model(model_dirs.small_target, tmp_path / "dropped")
+    weights = load_file(f"{dropped}/model.safetensors")
+    save_file({k: v for k, v in weights.items() if not k.startswith("model.layers.1.")},
+              f"{dropped}/model.safetensors", metadata={"format": "pt"})
+    layers = small_target.config.num_hidden_layers
+    cases = [(dropped, "missing, first ['model.layers.1."),
+             (copy_model(model_dirs.small_target, tmp_path / "deeper", num_hidden_layers=layers + 2),
+              f"missing, first ['model.layers.{layers}."),
+             (copy_model(model_dirs.small_target, tmp_path / "shallower", num_hidden_layers=layers - 1),
+              f"unexpected, first ['model.layers.{layers - 1}."),
+             (copy_model(model_dirs.small_target, tmp_path / "wider", vocab_size=small_target.config.vocab_size * 2),
+              "2 of another shape, first ['lm_head.weight ((8, 32) in the weights, (16, 32) from the config)'")]
+    for folder, words in cases:
+        with pytest.raises(ValueError, match="not the model its config.json describes") as e:
+            load_model(folder)
+        assert f"the weights in {folder!r}" in str(e.value) and words in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match="missing"):
+        load_draft(dropped, small_target)  # a draft model loads as a model does
+
+
+@pytest.mark.parametrize("text, words", [("{not json", "is not valid JSON"), ("[1, 2]", "holds a JSON list")],
+                         ids=["not json", "a list"])
+def test_a_config_that_is_no_json_object_is_refused(model_dirs, tmp_path, text, words):
+    folder = copy_model(model_dirs.small_target, tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=words) as e:
+        check_model(folder)
+    assert f"{folder}/config.json" in str(e.value)
+
+
+@pytest.mark.parametrize("key, value", [("vocab_size", 0), ("num_hidden_layers", 0), ("num_attention_heads", 0),
+                                        ("hidden_size", -64), ("max_position_embeddings", 0),
+                                        ("max_position_embeddings", -5)])
+def test_a_size_that_is_not_positive_is_refused(model_dirs, tmp_path, key, value):
+    folder = copy_model(model_dirs.small_target, tmp_path / "m", **{key: value})
+    with pytest.raises(ValueError, match=f"{key} is {value}; it must be positive") as e:
+        check_model(folder)
+    assert f"{folder}/config.json" in str(e.value)

@@ -94,7 +94,9 @@ def test_tp_loading_passes_no_deprecated_argument(tmp_path):
     """load_sharded_model asks transformers for its TP plan through DistributedConfig: no `tp_plan` keyword
     (deprecated, "will be removed"), and transformers' own argument check raises no warning for it."""
     LlamaConfig(**SMALL).save_pretrained(tmp_path)
-    with unittest.mock.patch.object(loading.AutoModelForCausalLM, "from_pretrained") as from_pretrained:
+    no_gaps = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": []}  # output_loading_info's
+    with unittest.mock.patch.object(loading.AutoModelForCausalLM, "from_pretrained",
+                                    return_value=(unittest.mock.MagicMock(), no_gaps)) as from_pretrained:
         loading.load_sharded_model(str(tmp_path))
     (path,), kwargs = from_pretrained.call_args
     assert "tp_plan" not in kwargs and "tp_size" not in kwargs
