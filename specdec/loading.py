@@ -1,6 +1,7 @@
 """Loading a target and a draft through transformers, and checking they share one vocabulary."""
 
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -124,11 +125,22 @@ def _from_pretrained(path: str, config: PretrainedConfig, dtype: torch.dtype, **
     reshaped = [f"{k} ({tuple(saved)} in the weights, {tuple(built)} from the config)"
                 for k, saved, built in sorted(info["mismatched_keys"])]
     gaps = [f"{len(keys)} {what}, first {keys[:4]}" for what, keys in (
-        ("missing", sorted(info["missing_keys"])), ("unexpected", sorted(info["unexpected_keys"])),
+        ("missing", sorted(info["missing_keys"])), ("unexpected", _surplus(model, info["unexpected_keys"])),
         ("of another shape", reshaped)) if keys]
     if gaps:
         raise ValueError(f"the weights in {folder!r} are not the model its config.json describes: {'; '.join(gaps)}")
     return model
+
+
+def _surplus(model: "PreTrainedModel", unexpected) -> list[str]:
+    """The unexpected weights that are more of the model's own (a layer past those its config builds: the config
+    says fewer layers or experts than the weights hold), not leftovers its architecture does not read (GPT-2's
+    old attn.masked_bias buffers, which hub checkpoints still carry)."""
+    own = {_LAYER_INDEX.sub(".N.", k) for k in model.state_dict()}
+    return sorted(k for k in unexpected if _LAYER_INDEX.sub(".N.", k) in own)
+
+
+_LAYER_INDEX = re.compile(r"\.\d+\.")
 
 
 def load_served_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "PreTrainedModel":

@@ -97,6 +97,18 @@ def test_weights_that_do_not_fill_the_model_are_refused(model_dirs, small_target
         load_draft(dropped, small_target)  # a draft model loads as a model does
 
 
+def test_leftover_weights_the_architecture_does_not_read_are_no_gap(tmp_path):
+    """GPT-2 checkpoints on the hub still carry attn.bias and attn.masked_bias, buffers today's GPT-2 does not
+    read: they load (a layer past the config's, the same names at another index, does not: above)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2)).save_pretrained(tmp_path)
+    weights = load_file(f"{tmp_path}/model.safetensors")
+    weights |= {"transformer.h.0.attn.bias": torch.ones(1, 1, 4, 4), "transformer.h.0.attn.masked_bias": torch.tensor(-1e4)}
+    save_file(weights, f"{tmp_path}/model.safetensors", metadata={"format": "pt"})
+    assert load_model(str(tmp_path)).config.model_type == "gpt2"
+
+
 @pytest.mark.parametrize("text, words", [("{not json", "is not valid JSON"), ("[1, 2]", "holds a JSON list")],
                          ids=["not json", "a list"])
 def test_a_config_that_is_no_json_object_is_refused(model_dirs, tmp_path, text, words):
