@@ -14,8 +14,12 @@ def load_prompts(path: str, limit: int | None = None, tokenizer=None) -> list[di
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")
     rows, seen = [], defaultdict(int)
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start})") from None
             if not line.strip():
                 continue
             row = _parse_row(line, f"{path}:{n}", tokenizer)

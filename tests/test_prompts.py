@@ -1,6 +1,7 @@
 """Prompt files: text rows, and chat rows rendered by the target's chat template as the chat API renders them."""
 
 import json
+import re
 
 import pytest
 
@@ -44,3 +45,11 @@ def test_chat_rows_without_a_template_or_malformed_are_refused_naming_the_line(t
             load_prompts(write(tmp_path, [{"task_type": "chat", "messages": bad}]), tokenizer=tokenizer)
     with pytest.raises(ValueError, match="'prompt' string or chat 'messages'"):
         load_prompts(write(tmp_path, [{"task_type": "chat"}]))
+
+
+def test_a_line_that_is_not_utf8_is_named_by_its_file_and_line(tmp_path):
+    """A Latin-1 prompt file raised a bare UnicodeDecodeError that named neither."""
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"task_type": "code", "prompt": "ok"}\n{"task_type": "code", "prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}:2: not UTF-8 text"):
+        load_prompts(str(path))
