@@ -148,7 +148,7 @@ def target_digest(target: torch.nn.Module) -> str:
     and 16 of its embedding rows rounded to bfloat16 (the same target in another dtype keeps its digest)."""
     config = json.dumps(_lasting(target.config.to_dict()), sort_keys=True, default=str)
     weight = target.get_input_embeddings().weight
-    rows = weight[torch.linspace(0, weight.shape[0] - 1, 16).long().to(weight.device)]
+    rows = weight[torch.linspace(0, weight.shape[0] - 1, 16, device=weight.device).long()]
     sample = rows.detach().to(HOST, torch.bfloat16).float().numpy().tobytes()
     return hashlib.sha256(config.encode() + sample).hexdigest()[:16]
 
