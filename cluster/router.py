@@ -193,12 +193,15 @@ class Router:
         tracks it already (or it is configured, or default), else DEFAULT_TASK; nothing is tracked or counted
         here, so requests refused at the door take none of routing.max_task_types' names."""
         with self._lock:
-            known = task_type in self._tasks or task_type in self._routing.task_types
-            return task_type if known else DEFAULT_TASK
+            return task_type if self._known(task_type) else DEFAULT_TASK
+
+    def _known(self, task_type: str) -> bool:
+        """Tracked already, configured, or default."""
+        return task_type in self._tasks or task_type in self._routing.task_types or task_type == DEFAULT_TASK
 
     def _fold(self, task_type: str) -> str:
         routing = self._routing
-        if task_type in self._tasks or task_type in routing.task_types or task_type == DEFAULT_TASK:
+        if self._known(task_type):
             return task_type
         named = self._tasks.keys() | routing.task_types.keys() | {DEFAULT_TASK}
         if len(named) < routing.max_task_types:

@@ -26,7 +26,7 @@ from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaMLP, 
 
 from .cpu_linear import weight_dtype
 from .device import HOST
-from .eagle3_config import ARCHITECTURES, WEIGHTS, default_aux_layers, read_config
+from .eagle3_config import ARCHITECTURES, default_aux_layers, read_config, weights_file
 from .errors import HeadMismatch
 
 
@@ -144,13 +144,11 @@ def head_config(target_config, draft_vocab_size: int, aux_layers: tuple[int, ...
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
-    for name in WEIGHTS:
-        if (path / name).is_file():
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
-                return load_file(path / name)
-            return torch.load(path / name, map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"no weights ({' or '.join(WEIGHTS)}) in the head's folder {str(path)!r}")
+    file = weights_file(path)
+    if file.suffix == ".safetensors":
+        from safetensors.torch import load_file
+        return load_file(file)
+    return torch.load(file, map_location="cpu", weights_only=True)
 
 
 def load_head(path: str | Path, target: PreTrainedModel, dtype: torch.dtype | None = None) -> Eagle3Head:

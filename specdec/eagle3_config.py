@@ -78,22 +78,26 @@ def _check_fits(config: LlamaConfig, tc, path) -> None:
         raise HeadMismatch(f"{where}: draft_vocab_size {config.draft_vocab_size} must be in 1..{config.vocab_size}")
 
 
-def weight_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
-    """The head's weights' names (without a "model." prefix) and shapes, read without loading them;
-    FileNotFoundError naming the folder when it has none."""
+def weights_file(path: str | Path) -> Path:
+    """The head's weights file (the first of WEIGHTS its folder has); FileNotFoundError naming the folder."""
     for name in WEIGHTS:
-        file = Path(path) / name
-        if file.is_file():
-            if name.endswith(".safetensors"):
-                from safetensors import safe_open
-
-                with safe_open(file, "pt") as f:
-                    shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-            else:
-                weights = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-                shapes = {k: tuple(v.shape) for k, v in weights.items()}
-            return {k.removeprefix("model."): s for k, s in shapes.items()}
+        if (file := Path(path) / name).is_file():
+            return file
     raise FileNotFoundError(f"no weights ({' or '.join(WEIGHTS)}) in the head's folder {str(path)!r}")
+
+
+def weight_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """The head's weights' names (without a "model." prefix) and shapes, read without loading them."""
+    file = weights_file(path)
+    if file.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(file, "pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    else:
+        weights = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        shapes = {k: tuple(v.shape) for k, v in weights.items()}
+    return {k.removeprefix("model."): s for k, s in shapes.items()}
 
 
 def _check_sizes(config: LlamaConfig, shapes: dict[str, tuple[int, ...]], path) -> None:
