@@ -198,7 +198,7 @@ class BlockPool:
             return []
         with self._cond:
             while len(self._free) < n:
-                self._grow(n - len(self._free))
+                self._grow(n)
             ids = [heapq.heappop(self._free) for _ in range(n)]
             for b in ids:
                 self._refs[b] = 1
@@ -213,7 +213,7 @@ class BlockPool:
     def _window_storage(self, ids: list[int]) -> list[int]:
         """Window storage for these new blocks, each held once -> its ids; with the lock held."""
         while len(self._wfree) < len(ids):
-            self._grow_window(len(ids) - len(self._wfree))
+            self._grow_window(len(ids))
         stored = [heapq.heappop(self._wfree) for _ in ids]
         for b, w in zip(ids, stored):
             self._wmap[b], self._wrefs[b] = w, 1
@@ -255,12 +255,15 @@ class BlockPool:
         """Whether a block has more than one holder (so it must be copied before it is written)."""
         return self._refs[block] > 1
 
-    def _grow(self, at_least: int) -> None:
-        """More blocks (doubling), once no thread is inside using(); called with the lock held."""
+    def _grow(self, wanted: int) -> None:
+        """More blocks (doubling), once no thread is inside using(), unless `wanted` are free by then (another
+        thread waiting to grow the pool grew it first); called with the lock held."""
         while self._in_flight:
             self._cond.wait()
+        if len(self._free) >= wanted:
+            return
         old = len(self._refs)
-        new = max(FIRST_BLOCKS, 2 * old, old + at_least)
+        new = max(FIRST_BLOCKS, 2 * old, old + wanted - len(self._free))
         self._kv = [kv if self.windowed(i) else (_grown(kv[0], new), _grown(kv[1], new))
                     for i, kv in enumerate(self._kv)]
         self._refs += [0] * (new - old)
@@ -270,12 +273,14 @@ class BlockPool:
         for b in range(old, new):
             heapq.heappush(self._free, b)
 
-    def _grow_window(self, at_least: int) -> None:
+    def _grow_window(self, wanted: int) -> None:
         """More window storage (doubling), as _grow."""
         while self._in_flight:
             self._cond.wait()
+        if len(self._wfree) >= wanted:
+            return
         old = self._wblocks
-        new = max(FIRST_BLOCKS, 2 * old, old + at_least)
+        new = max(FIRST_BLOCKS, 2 * old, old + wanted - len(self._wfree))
         self._kv = [(_grown(kv[0], new), _grown(kv[1], new)) if self.windowed(i) else kv
                     for i, kv in enumerate(self._kv)]
         self._wblocks = new

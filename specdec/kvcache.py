@@ -189,6 +189,11 @@ class Prefilled:
             chunks += p.chunks
         return Prefilled(chunks, lm, wants_last=wants_last if any(wants_last) else [], last=last, salts=salts)
 
+    def drop(self) -> None:
+        """These sequences will not join: their blocks, the cached prefix's among them, go back now (not when
+        whatever still refers to them, a failed prefill's error, say, is collected)."""
+        self.lm.reset(0)
+
     def ran(self) -> None:
         """Some of the chunks ran (advance, or riding in a batch's forward: CachedLM.carrying); once all have,
         their blocks go to the prefix cache."""
@@ -875,7 +880,11 @@ class CachedLM:
         if not hidden:  # the hidden states of indexed tokens are not kept
             fresh._reuse([chunk[:-1] if last else chunk for chunk, last in zip(chunks, wants_last)], salts)
         prefilled = Prefilled(chunks, fresh, wants_last=wants_last, salts=salts)
-        prefilled.advance(budget, hidden)
+        try:
+            prefilled.advance(budget, hidden)
+        except BaseException:
+            prefilled.drop()
+            raise
         return prefilled
 
     def _reuse(self, chunks: list[list[int]], salts: list[str | None]) -> None:

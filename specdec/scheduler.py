@@ -938,7 +938,7 @@ class TargetScheduler:
         more = emit(plain.out, plain.seq, verdict, plain.max_new_tokens, plain.eos)
         if not more:  # before its last step goes out: a finished request holds nothing
             with self._cv:
-                self._reserved.pop(rid, None)
+                self._unreserve(rid)
         # a sink that failed ends its request: nobody is left to hear the rest
         return tell(rid, plain.sink, plain.out.token_ids[before:], plain.out, not more, None) and more
 
@@ -954,5 +954,4 @@ class TargetScheduler:
         self.worker.remove(list(ending))
         with self._cv:
             for rid in ending:
-                self._reserved.pop(rid, None)
-                self._last_tree.pop(rid, None)
+                self._unreserve(rid)

@@ -169,8 +169,10 @@ class TargetWorker:
         return self._joining[handle].prefilled.remaining
 
     def abandon(self, handle: int) -> None:
-        """begin's requests will not join (their prefill failed, say); nothing if they already did."""
-        self._joining.pop(handle, None)
+        """begin's requests will not join (their prefill failed, say): their blocks go back now; nothing if they
+        already joined."""
+        if (pending := self._joining.pop(handle, None)) is not None:
+            pending.prefilled.drop()
 
     def complete(self, handle: int) -> Joined:
         """begin's requests join the batch, their prompts prefilled -> add's features, and the first verdicts

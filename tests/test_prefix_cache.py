@@ -112,6 +112,33 @@ def test_the_least_recently_used_leaf_is_let_go_within_the_cap():
         assert pool.take(p).blocks
 
 
+def test_threads_that_wait_to_grow_the_pool_grow_it_as_much_as_one_after_another_would():
+    """Allocations that find too few free blocks while a forward reads the pool wait for it to end before growing
+    it; each then grows it only if the blocks it wants are still not free (the first may have grown it for all),
+    so six waiting threads leave the pool the size six allocations one after another do, not doubled six times."""
+    import threading
+    import time
+
+    def pool_after(concurrent: bool) -> int:
+        pool = BlockPool(reserve_tokens=64 * BT, block_tokens=BT)
+        pool.layer(0, torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8))  # the layer's tensors made
+        if not concurrent:
+            for _ in range(6):
+                pool.allocate(80)
+            return pool.stats().allocated_tokens
+        with pool.using():  # a forward is reading: every allocation below must wait for it to grow the pool
+            threads = [threading.Thread(target=pool.allocate, args=(80,)) for _ in range(6)]
+            for t in threads:
+                t.start()
+            time.sleep(0.3)
+        for t in threads:
+            t.join()
+        assert pool.stats().used_tokens == 6 * 80 * BT
+        return pool.stats().allocated_tokens
+
+    assert pool_after(concurrent=True) == pool_after(concurrent=False)
+
+
 def test_a_prompt_longer_than_the_cap_keeps_what_fits():
     pool = BlockPool(prefix_tokens=2 * BT, block_tokens=BT)
     p = list(range(5 * BT))
@@ -297,3 +324,68 @@ def test_a_stopped_scheduler_gives_every_block_back_to_the_pool_it_shares(target
     stats = pool.stats()
     assert stats.used_tokens == stats.cached_tokens > 0, stats  # only the index holds blocks, both prompts' among them
     assert len(waited) == 1 and isinstance(waited[0], Unavailable), waited
+
+
+def test_a_prefill_that_fails_gives_back_the_cached_prefix_it_took_at_once(target, monkeypatch):
+    """A prompt whose prefill fails (out of memory, say) after taking a cached prefix's blocks gives them back when
+    the error is raised, not when the error (whose traceback holds its batch) is collected: once the index lets
+    the prefix go, the pool holds nothing of it while a caller still keeps the error."""
+    rng = random.Random(6)
+    prefix = [rng.randrange(VOCAB) for _ in range(48)]  # 3 blocks
+    pool = BlockPool(prefix_tokens=48)
+    lm = CachedLM(target, pool)
+    lm.prefill_alone([prefix + [1]])  # indexed: its 3 whole blocks
+    assert pool.stats().cached_tokens == 48
+    forward = type(target).forward
+
+    def out_of_memory(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("out of memory (simulated)")
+
+    monkeypatch.setattr(type(target), "forward", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError) as kept:
+        lm.prefill_alone([prefix + [2, 3]])
+    monkeypatch.setattr(type(target), "forward", forward)
+    other = [rng.randrange(VOCAB) for _ in range(48)]
+    lm.prefill_alone([other + [4]])  # the index holds 3 blocks at most: the first prefix's go
+    stats = pool.stats()
+    assert stats.evicted_tokens == 48 and stats.used_tokens == stats.cached_tokens == 48, stats
+    assert kept.value is not None  # the error, and the frames of the failed prefill, are still held here
+
+
+def test_finished_requests_leave_no_trace_in_the_scheduler(target, draft):
+    """Once plain and speculative requests have ended (done, or closed early), nothing in the target's loop or its
+    worker still names them: a server that runs for months holds no state per request it has served."""
+    from specdec.draft_loop import DraftLoop, DraftRequest
+    from specdec.scheduler import KvBudget, Opening, TargetScheduler
+    from specdec.target import TargetWorker
+    from scheduling import Collect, wait_until_empty
+
+    rng = random.Random(8)
+    scheduler = TargetScheduler(TargetWorker(CachedLM(target, BlockPool(256))), KvBudget(), idle_timeout_s=None)
+    loop = DraftLoop(scheduler, make_drafter("model", draft_runner(draft)), overlap=False)
+    rids, sinks = [], []
+    for i in range(6):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(5, 40))]
+        sink, rid = Collect(), f"plain-{i}"
+        scheduler.decode(rid, prompt, SamplingParams(), rng.randint(1, 12), set(), sink)
+        rids.append(rid), sinks.append(sink)
+        sink, rid, new = Collect(), f"spec-{i}", rng.randint(1, 12)
+        (opened,) = scheduler.open_many([Opening(rid, prompt, SamplingParams(), 0, new)])
+        loop.join(DraftRequest(rid, prompt, SamplingParams(), new, set(), 2, sink, first=opened.first))
+        rids.append(rid), sinks.append(sink)
+    scheduler.close(["plain-5"])  # its caller ends its sink (actors/target_rank.py): nothing more is told to it
+    for sink in sinks[:-2] + sinks[-1:]:
+        sink.wait()
+    wait_until_empty(scheduler)
+    loop.stop()
+
+    def naming(obj) -> list[str]:
+        found = []
+        for name, value in vars(obj).items():
+            items = list(value) if isinstance(value, (dict, set, list, tuple)) else []
+            if any(isinstance(item, str) and item in rids for item in items):
+                found.append(name)
+        return found
+
+    assert naming(scheduler) == [] and naming(scheduler.worker) == []
+    scheduler.stop()
