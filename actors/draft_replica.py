@@ -2,7 +2,8 @@
 requests it is given, sending all their token trees to the target group in one message per step."""
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import ray
@@ -14,7 +15,7 @@ from specdec.drafter_factory import draft_runner, make_drafter
 from specdec.suffix import RecentOutputs, TextIndex, read_corpus
 from specdec.errors import Unavailable
 from specdec.loading import TargetParts, is_head, load_draft, load_served_model, load_tokenizer, local_folder, parse_dtype
-from specdec.blocks import PrefixStats
+from specdec.blocks import BlockPool, PrefixStats
 from specdec.scheduler import KvBudget
 from specdec.sampling import SamplingParams
 
@@ -81,6 +82,7 @@ class DraftReplica:
         self.running: dict[str, DraftLoop] = {}  # request id -> its loop
         self.cancelled_early = RecentlyClosed()  # cancelled before their generate call began here
         self.feeds = StepFeeds()  # each ingress's steps (actors.streams)
+        self.prefills_ahead = PrefillsAhead()
 
     def ready(self) -> bool:
         return True
@@ -119,13 +121,18 @@ class DraftReplica:
         loop = self.running[request_id] = self._loop_for(task_type, drafter)  # from here on it can be cancelled
         sink = RequestSink(request_id, self.feeds.of(feed))
         try:
-            # the draft runs the prompt while the target does (each on its own device); a head's prompt runs
-            # with the target's features, which come with the open
-            # the open awaits admission holding no thread (the target may keep it waiting for room)
+            # the draft runs the prompt while the target does (each on its own device), where its pool has the
+            # room (PrefillsAhead); a head's prompt runs with the target's features, which come with the open.
+            # The open awaits admission holding no thread (the target may keep it waiting for room)
             layers = loop.drafter.feature_layers if loop.drafter is not None else ()
-            opened, (prefilled,) = await asyncio.gather(
-                self.target.open_async(request_id, prompt, params, stream, max_new_tokens, layers),
-                asyncio.to_thread(single_threaded_call, loop.prefill, [prompt], [params.cache_salt]))
+            opening = self.target.open_async(request_id, prompt, params, stream, max_new_tokens, layers)
+            prefilling = lambda: asyncio.to_thread(single_threaded_call, loop.prefill, [prompt], [params.cache_salt])  # noqa: E731
+            with self.prefills_ahead.take(self._pool_for(task_type, drafter), len(prompt)) as ahead:
+                if ahead:
+                    opened, (prefilled,) = await asyncio.gather(opening, prefilling())
+            if not ahead:  # after the target has admitted it: its rows' KV is within the target's budget
+                opened = await opening
+                (prefilled,) = await prefilling()
             loop.join(DraftRequest(request_id, prompt, params, max_new_tokens, set(eos), depth, sink, stream,
                                    draft_prefill=prefilled, features=opened.features, first=opened.first))
             return await sink.result()
@@ -151,20 +158,59 @@ class DraftReplica:
 
     def _loop_for(self, task_type: str, drafter: str | None) -> DraftLoop:
         key = task_type if task_type in self.models or task_type in self.corpora else ""
-        kind = DrafterKind(drafter) if drafter is not None else next(iter(self.shapes))
-        if kind not in self.shapes:
-            raise ValueError(f"drafter {kind.value!r} is not run by this replica ({', '.join(map(str, self.shapes))})")
+        kind = self._kind(drafter)
         if (key, kind) not in self.loops:
             task = key if key in self.models else ""
             self.loops[(key, kind)] = DraftLoop(self.target, self._make_drafter(task, kind, self.corpora.get(key)),
                                                 on_step=self.step_timer, overlap=self.overlap, outputs=self.outputs)
         return self.loops[(key, kind)]
 
+    def _kind(self, drafter: str | None) -> DrafterKind:
+        kind = DrafterKind(drafter) if drafter is not None else next(iter(self.shapes))
+        if kind not in self.shapes:
+            raise ValueError(f"drafter {kind.value!r} is not run by this replica ({', '.join(map(str, self.shapes))})")
+        return kind
+
+    def _pool_for(self, task_type: str, drafter: str | None) -> BlockPool | None:
+        """The block pool a request's draft prefill takes blocks from; None where its drafter runs no model."""
+        if not self._kind(drafter).uses_model:
+            return None
+        return self.pools.get(task_type if task_type in self.models else "")
+
     def _make_drafter(self, task: str, kind: DrafterKind, corpus: TextIndex | None = None) -> Drafter | None:
         """task: the task type whose draft model it drafts with ("": the rest's)."""
         shape, model = self.shapes[kind], self.models.get(task)
         return make_drafter(kind, draft_runner(model, self.pools[task]) if model is not None else None, shape.width,
                             shape.proposal_top_k, shape.suffix, corpus, self.outputs)
+
+
+class PrefillsAhead:
+    """A request's draft prefill runs while the target opens it, before the target has admitted it: a request the
+    target keeps waiting for room would hold draft KV that no budget counts (a burst of 60 such requests grew a
+    replica's pool to 65 times the room it made at start, for good: a pool never shrinks). So a prompt is
+    prefilled ahead only while the prompts prefilled ahead fit in the room its pool has free; else once the
+    target has admitted it. Used from the replica's event loop only."""
+
+    def __init__(self):
+        self._tokens: dict[int, int] = {}  # pool (by id) -> tokens of the prompts being prefilled ahead into it
+
+    @contextlib.contextmanager
+    def take(self, pool: BlockPool | None, tokens: int) -> Iterator[bool]:
+        """-> whether a prompt of this many tokens is prefilled ahead (its room held until the block ends) or after
+        its open. Always ahead where the drafter keeps no KV (pool None)."""
+        if pool is None:
+            yield True
+            return
+        need = -(-tokens // pool.block_tokens) * pool.block_tokens
+        held, stats = self._tokens.get(id(pool), 0), pool.stats()
+        ahead = stats.used_tokens + held + need <= stats.allocated_tokens
+        if ahead:
+            self._tokens[id(pool)] = held + need
+        try:
+            yield ahead
+        finally:
+            if ahead:
+                self._tokens[id(pool)] -= need
 
 
 def suffix_store(shapes: dict[DrafterKind, DraftShape]) -> RecentOutputs | None:

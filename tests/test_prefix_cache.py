@@ -139,6 +139,26 @@ def test_threads_that_wait_to_grow_the_pool_grow_it_as_much_as_one_after_another
     assert pool_after(concurrent=True) == pool_after(concurrent=False)
 
 
+def test_a_draft_replica_prefills_ahead_of_admission_only_within_its_pools_free_room():
+    """A draft replica runs a prompt while the target opens its request, before the target has admitted it, only
+    while the prompts run ahead fit in the room its pool has free (so a burst the target keeps waiting cannot
+    grow the pool); the rest wait for their opens. Room held ahead comes back when the prefill is done."""
+    from actors.draft_replica import PrefillsAhead
+
+    pool, ahead = BlockPool(reserve_tokens=10 * 16), PrefillsAhead()  # 10 blocks of 16 tokens made
+    assert pool.stats().allocated_tokens == 160
+    with ahead.take(pool, 64) as first, ahead.take(pool, 65) as second, ahead.take(pool, 17) as third:
+        assert first and second and not third  # 4 + 5 blocks held ahead; 2 more would not fit
+    with ahead.take(pool, 160) as whole:
+        assert whole  # the room came back
+    pool.allocate(5)  # running rows hold half of it
+    with ahead.take(pool, 96) as over, ahead.take(pool, 80) as fits:
+        assert not over and fits
+    with ahead.take(None, 10**6) as no_kv:
+        assert no_kv  # a drafter that keeps no KV (suffix, n-gram) always runs ahead
+    assert pool.stats().allocated_tokens == 160
+
+
 def test_a_prompt_longer_than_the_cap_keeps_what_fits():
     pool = BlockPool(prefix_tokens=2 * BT, block_tokens=BT)
     p = list(range(5 * BT))
