@@ -9,6 +9,11 @@ MAX_STOP_CHARS = 256  # characters of one stop string: each step searches the te
 INCOMPLETE = "\ufffd"  # what decoding gives for the bytes of a character whose last bytes have not come yet
 SPLIT_AFTER = 16  # tokens waiting behind an incomplete character before the window looks for a place to split
 SPLIT_TRIES = 8  # places looked at, from the end; then again after as many more tokens
+# A run of byte-fallback tokens is decoded together, so its text is final only where it ends; a run longer than
+# this (no character takes more than 4 bytes) is cut at a character's first byte, and a step decodes a bounded
+# window even when a client biases a model to emit them without end (decoding the whole run each step was
+# quadratic: 8192 of them, 15 s of the ingress's event loop).
+MAX_RUN_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,8 @@ class Detokenizer:
     the next one can still change the run's text). Special tokens are left out before decoding, as
     skip_special_tokens does. Text that keeps ending in undecodable bytes (a model repeating a lone
     continuation byte) would keep the window growing: past SPLIT_AFTER tokens it is split where decoding
-    the two parts apart gives the same text (see _split); a run of byte-fallback tokens is not split.
+    the two parts apart gives the same text (see _split); a run of byte-fallback tokens is split only past
+    MAX_RUN_TOKENS, at a character's first byte (_cut_run).
 
     With stop strings, the request ends at the first token after which the text contains one: the text
     is cut where that stop string starts, and text that may still turn into one is held back until it
@@ -95,6 +101,8 @@ class Detokenizer:
             self._tail = tail
             if len(self._window) - self._read >= self._split_at:
                 self._split(text)
+            if len(self._window) - self._read > MAX_RUN_TOKENS:
+                self._cut_run()
             return
         self._unsent, self._tail = self._unsent + tail, ""
         del self._window[:self._read]  # this step's tokens are the next prefix
@@ -120,6 +128,28 @@ class Detokenizer:
                 self._read, self._prefix_text, self._split_at = 0, "", SPLIT_AFTER
                 return
         self._split_at = len(window) - self._read + SPLIT_TRIES  # none here: look again later
+
+    def _cut_run(self) -> None:
+        """A run of byte-fallback tokens past MAX_RUN_TOKENS: its text up to its last character's first byte becomes
+        final and the window starts there, with no prefix. The one place the text may differ from the whole
+        decoding: sentencepiece decodes a run that is not all UTF-8 to one U+FFFD a byte, where the parts apart
+        may each be UTF-8 (a run of repeated invalid bytes, what a biased model emits, decodes the same)."""
+        window, start = self._window, len(self._window)
+        while start > self._read and self._byte_fallback(window[start - 1]):
+            start -= 1
+        if len(window) - start <= MAX_RUN_TOKENS:
+            return
+        r = next((r for r in range(len(window) - 1, start, -1) if not 0x80 <= self._byte_of(window[r]) < 0xC0),
+                 len(window) - 1)  # continuation bytes only: none is the start of a character
+        first = self._window_text(window[:r])
+        self._unsent += first[len(self._prefix_text):]
+        del window[:r]
+        self._tail = self._window_text(window)
+        self._read, self._prefix_text, self._split_at = 0, "", SPLIT_AFTER
+
+    def _byte_of(self, token: int) -> int:
+        """The byte a byte-fallback token "<0xAB>" stands for."""
+        return int(self.tokenizer.convert_ids_to_tokens(token)[3:5], 16)
 
     def _window_text(self, ids: list[int]) -> str:
         """The tokenizer's decode of some tokens (special ones were left out already). A tokenizer whose

@@ -366,3 +366,32 @@ def _byte_char(b: int) -> str:
     if b in printable:
         return chr(b)
     return chr(256 + sorted(set(range(256)) - set(printable)).index(b))
+
+
+@pytest.mark.parametrize("name", ["llama", "metaspace"])
+@pytest.mark.parametrize("stop", [(), ("\n\n", "never in it")])
+def test_a_long_byte_fallback_run_decodes_a_bounded_window(name, stop):
+    """A model biased to emit one byte-fallback token without end (logit_bias on "<0x80>"), or text whose every
+    character is byte-fallback tokens: a run is decoded together, so before, every step decoded the whole run
+    (quadratic: 8192 of them took 15 s). A run longer than MAX_RUN_TOKENS is cut at a character's first byte, so a
+    step decodes a bounded number of tokens, and the text is still the whole decoding, here for runs of repeated
+    invalid bytes and of whole characters."""
+    import random
+
+    from cluster.detokenizer import MAX_RUN_TOKENS
+
+    tokenizer = sentencepiece_like(name)
+    byte = lambda b: tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>")  # noqa: E731
+    rng = random.Random(5)
+    euro = [byte(b) for b in "€".encode()]
+    word = tokenizer("the", add_special_tokens=False)["input_ids"]
+    for ids in ([byte(0x80)] * 2000, euro * 700, word + euro * 300 + word + [byte(0xC3)] * 500):
+        counting = CountingDecodes(tokenizer)
+        detok, sent, per_step = Detokenizer(counting, stop), "", []
+        for step in random_steps(rng, ids):
+            before = counting.decoded
+            sent += detok.add(step)[1]
+            per_step.append((counting.decoded - before) / len(step))
+        sent += detok.add([], final=True)[1]
+        assert sent == whole(tokenizer, ids)
+        assert max(per_step[-200:]) <= 3 * MAX_RUN_TOKENS, max(per_step[-200:])  # 2000 a step at the end before
