@@ -310,6 +310,17 @@ class CountingDecodes:
         return self.tokenizer.decode(ids, **kwargs)
 
 
+def decoded_in_steps(tokenizer, ids: list[int], rng, stop: tuple[str, ...] = ()) -> tuple[str, list[float]]:
+    """ids through a Detokenizer in random steps -> (the text sent, the tokens decoded per token of each step)."""
+    counting = CountingDecodes(tokenizer)
+    detok, sent, per_step = Detokenizer(counting, stop), "", []
+    for step in random_steps(rng, ids):
+        before = counting.decoded
+        sent += detok.add(step)[1]
+        per_step.append((counting.decoded - before) / len(step))
+    return sent + detok.add([], final=True)[1], per_step
+
+
 @pytest.mark.parametrize("stop", [(), ("\n\n\n\n", "never in it")])
 def test_a_step_decodes_a_bounded_number_of_tokens(byte_level, stop):
     """A 2000-token generation of real text (code, accents, emoji split across tokens), in steps of 1 to
@@ -320,13 +331,7 @@ def test_a_step_decodes_a_bounded_number_of_tokens(byte_level, stop):
     rng = random.Random(3)
     ids = byte_level(("".join(training_texts()[:3]) + PROSE) * 2)["input_ids"][:2000]
     assert len(ids) == 2000
-    counting = CountingDecodes(byte_level)
-    detok, sent, per_step = Detokenizer(counting, stop), "", []
-    for step in random_steps(rng, ids):
-        before = counting.decoded
-        sent += detok.add(step)[1]
-        per_step.append((counting.decoded - before) / len(step))
-    sent += detok.add([], final=True)[1]
+    sent, per_step = decoded_in_steps(byte_level, ids, rng, stop)
     assert sent == whole(byte_level, ids)
     assert max(per_step) <= 20, max(per_step)  # tokens decoded per token of a step: 2000 at the end before
     first, last = per_step[:100], per_step[-100:]
@@ -349,13 +354,7 @@ def test_text_that_keeps_ending_in_undecodable_bytes_still_decodes_a_bounded_win
     rng = random.Random(4)
     for pattern in ([0x80], [0xE2], [0xF0, 0x80], [0xE2, 0x80, 0xE2]):
         ids = [byte[pattern[i % len(pattern)]] for i in range(1000)]
-        counting = CountingDecodes(tokenizer)
-        detok, sent, per_step = Detokenizer(counting), "", []
-        for step in random_steps(rng, ids):
-            before = counting.decoded
-            sent += detok.add(step)[1]
-            per_step.append((counting.decoded - before) / len(step))
-        sent += detok.add([], final=True)[1]
+        sent, per_step = decoded_in_steps(tokenizer, ids, rng)
         assert sent == whole(tokenizer, ids), pattern
         assert sum(per_step[-100:]) / 100 <= 50, (pattern, per_step[-20:])  # 1000 at the end without a split
 
@@ -386,12 +385,6 @@ def test_a_long_byte_fallback_run_decodes_a_bounded_window(name, stop):
     euro = [byte(b) for b in "€".encode()]
     word = tokenizer("the", add_special_tokens=False)["input_ids"]
     for ids in ([byte(0x80)] * 2000, euro * 700, word + euro * 300 + word + [byte(0xC3)] * 500):
-        counting = CountingDecodes(tokenizer)
-        detok, sent, per_step = Detokenizer(counting, stop), "", []
-        for step in random_steps(rng, ids):
-            before = counting.decoded
-            sent += detok.add(step)[1]
-            per_step.append((counting.decoded - before) / len(step))
-        sent += detok.add([], final=True)[1]
+        sent, per_step = decoded_in_steps(tokenizer, ids, rng, stop)
         assert sent == whole(tokenizer, ids)
         assert max(per_step[-200:]) <= 3 * MAX_RUN_TOKENS, max(per_step[-200:])  # 2000 a step at the end before
