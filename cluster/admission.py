@@ -29,6 +29,7 @@ from .supervisor import TargetSupervisor
 # tokenizer that maps an unknown word of any length to one token is the exception: such prompts are refused.
 MAX_CHARS_PER_TOKEN = 256
 MAX_STOP_TOKEN_IDS = 64  # stop_token_ids a request may give
+CONTEXT_EXCEEDED = "context_length_exceeded"  # OpenAI's code for a prompt and answer past the model's context
 
 
 @dataclass(frozen=True)
@@ -259,7 +260,7 @@ class Admission:
                                                 "prompt leaves room for")
         if self.context and len(ids) + max_new_tokens > self.context:
             raise InvalidArgument("prompt", f"{len(ids)} prompt tokens + max_new_tokens {max_new_tokens} exceed "
-                                           f"the model's context of {self.context} tokens")
+                                           f"the model's context of {self.context} tokens", CONTEXT_EXCEEDED)
         if (cost := self.budget.cost(len(ids), max_new_tokens)) > self.budget.max_tokens:
             held = (f"{len(ids)} prompt tokens + max_new_tokens {max_new_tokens} + {self.budget.tree_room} for a tree"
                     if self.budget.window is None else

@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from itertools import accumulate
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Literal, TypeVar, get_args
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
@@ -31,6 +31,9 @@ from .router import Speculation
 from .samples import Sample, gather_samples, run_samples
 from .statuses import RequestTooLarge, client_error
 
+# OpenAI fields that change nothing specdec returns (where to store it, tags, a billing tier, tool calls in parallel
+# when no tools are served): accepted and ignored, as vLLM does.
+IGNORED = ("store", "metadata", "service_tier", "parallel_tool_calls")
 # OpenAI fields specdec does not implement -> the values that leave them unused (null always does).
 UNSUPPORTED = {
     "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
@@ -147,7 +150,7 @@ class _Body(BaseModel):
     """The fields both endpoints take: OpenAI's that specdec serves, plus task_type, speculation, top_k."""
 
     model_config = ConfigDict(extra="forbid")
-    model: str | None = None  # accepted and ignored: the server serves one model
+    model: str | None = None  # the served model's name, or none (check_model)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: Int64 = 0  # 0 turns it off, and so does -1 (vLLM's "off", which clients written for it send)
@@ -373,8 +376,10 @@ def parse_body(raw: bytes, model: type[Body]) -> Body:
         value = data.pop(name, None)
         if value is not None and value not in unused:
             raise HttpError(400, f"{name} is not supported by specdec", name)
+    for name in IGNORED:
+        data.pop(name, None)
     try:
-        return model.model_validate(data)
+        return model.model_validate(_nulls_unset(data, model))
     except ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(part) for part in err["loc"])
@@ -383,6 +388,14 @@ def parse_body(raw: bytes, model: type[Body]) -> Body:
         else:
             reason = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
         raise HttpError(400, f"{field}: {reason}", field) from None
+
+
+def _nulls_unset(data: dict, model: type[BaseModel]) -> dict:
+    """The body with null dropped where its field takes no null: OpenAI's clients send null for a field they
+    leave at its default (temperature, n, stream...), and OpenAI and vLLM take it so."""
+    fields = model.model_fields
+    return {k: v for k, v in data.items()
+            if not (v is None and k in fields and type(None) not in get_args(fields[k].annotation))}
 
 
 # --- responses ---------------------------------------------------------------------------------------
@@ -479,6 +492,12 @@ class OpenAIServer:
     def models(self) -> dict:
         return {"object": "list", "data": [self.model_card()]}
 
+    def check_model(self, name: str | None) -> None:
+        """HttpError 404 (OpenAI's model_not_found) for a model other than the one served; none named: that one."""
+        if name is not None and name != self.model_name:
+            raise HttpError(404, f"model {name!r} is not served here (it serves {self.model_name!r})", "model",
+                            code="model_not_found")
+
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specdec",
                 "max_model_len": self.frontend.context}
@@ -487,6 +506,7 @@ class OpenAIServer:
         """tenant: the caller's API key's scope (Request.tenant), set by the ingress."""
         try:
             body = await parsed(raw, CompletionBody)
+            self.check_model(body.model)
             prompts = body.prompts()
             places = self.frontend.admission.most_samples
             if len(prompts) > 1 and len(prompts) * body.n > places:  # one prompt: admission names n
@@ -560,6 +580,7 @@ class OpenAIServer:
     async def chat(self, raw: bytes, tenant: str = ""):
         try:
             body = await parsed(raw, ChatBody)
+            self.check_model(body.model)
             chat = await asyncio.to_thread(self._chat_prompt, body.messages)  # a template over a long chat: off the loop
             request = body.request(chat.text, (body.top_logprobs or 0) if body.logprobs else None,
                                    add_special_tokens=False, literal=chat.literal, tenant=tenant)
@@ -589,7 +610,8 @@ class OpenAIServer:
             return await self.frontend.admission.admit_async(request)
         except InvalidArgument as e:
             name = names.get(e.field, e.field)
-            raise HttpError(400, f"{name}: {e.reason}", name) from None
+            reason = e.reason.replace("max_new_tokens", names.get("max_new_tokens", "max_new_tokens"))
+            raise HttpError(400, f"{name}: {reason}", name, code=e.code) from None
 
     def _piece(self, token: int) -> str:
         return token_text(self.frontend.tokenizer, token)
@@ -597,7 +619,7 @@ class OpenAIServer:
     async def _respond(self, jobs: list[Admitted], body: _Body, shape: _Completions | _Chat):
         """jobs: the request's prompts' (one, but for a completions request of several prompts)."""
         head = {"id": f"{shape.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
-                "model": body.model or self.model_name}
+                "model": self.model_name}
         prompt_tokens = sum(len(job.prompt_ids) for job in jobs)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
@@ -635,7 +657,8 @@ class OpenAIServer:
         except Exception as e:  # noqa: BLE001 - ends the stream with its error, whatever it was
             error = HttpError.of(e)
             yield _sse({"error": {"message": error.message, "type": error.kind, "param": error.param,
-                                  "code": error.status}})
+                                  "code": error.code}})
+            yield _sse("[DONE]")  # as vLLM: a client reading to the end finds it
             return
         finally:
             await chunks.aclose()

@@ -181,9 +181,10 @@ class SpecDecodeIngress:
 
     @http_app.get("/v1/models/{model:path}")
     async def model(self, model: str):
-        if model != self.openai.model_name:
-            return HttpError(404, f"model {model!r} is not served here (it serves {self.openai.model_name!r})",
-                             "model").response()
+        try:
+            self.openai.check_model(model)
+        except HttpError as e:
+            return e.response()
         return self.openai.model_card()
 
     @http_app.post("/v1/completions")

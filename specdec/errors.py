@@ -2,14 +2,15 @@
 
 
 class InvalidArgument(ValueError):
-    """A bad value of a named field (gRPC INVALID_ARGUMENT, HTTP 400); `field` names it."""
+    """A bad value of a named field (gRPC INVALID_ARGUMENT, HTTP 400); `field` names it, `code` (OpenAI's error
+    code, where it has one) says what kind of bad it is."""
 
-    def __init__(self, field: str, reason: str):
+    def __init__(self, field: str, reason: str, code: str | None = None):
         super().__init__(f"{field}: {reason}")
-        self.field, self.reason = field, reason
+        self.field, self.reason, self.code = field, reason, code
 
     def __reduce__(self):  # crosses process boundaries (Ray) intact
-        return type(self), (self.field, self.reason)
+        return type(self), (self.field, self.reason, self.code)
 
 
 class RequestExists(ValueError):

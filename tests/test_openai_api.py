@@ -1083,3 +1083,46 @@ def test_a_client_gone_while_its_echo_is_decoded_leaves_no_place_taken(tmp_path,
     asyncio.run(hang_up())
     assert e.frontend.admission.in_flight == 0
 
+
+
+def test_what_openai_clients_send_is_taken_and_what_they_expect_is_answered(tmp_path, monkeypatch):
+    """As OpenAI and vLLM: null for a field that takes none is its default (openai-python sends null for what its
+    caller passes as None); store, metadata, service_tier and parallel_tool_calls are taken and change nothing; a
+    model other than the served one is a 404 with code model_not_found (it was answered, under the name asked);
+    a prompt and answer past the context are context_length_exceeded, in the body's own field names."""
+    e = edge(tmp_path, monkeypatch, server={"max_new_tokens": 512})
+    e.frontend.generate = fail_generate(RuntimeError("admitted"))  # past admission: the fake actors' 500
+    nulls = dict.fromkeys(("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", "echo"))
+    ignored = {"store": True, "metadata": {"run": "7"}, "service_tier": "auto", "parallel_tool_calls": True}
+    assert post(e, {"prompt": "w1", "model": "target", **nulls, **ignored})[0] == 500
+    chat = {"messages": [{"role": "user", "content": "w1"}], "logprobs": None, "temperature": None}
+    assert post(e, {**chat, **ignored}, "chat")[0] == 500
+    for endpoint, body in (("completions", {"prompt": "w1"}), ("chat", chat)):
+        status, reply = post(e, {**body, "model": "gpt-4o"}, endpoint)
+        assert status == 404 and reply["error"]["code"] == "model_not_found" and reply["error"]["param"] == "model"
+    status, reply = post(e, {"prompt": "w1 w2", "max_tokens": 255})
+    error = reply["error"]
+    assert status == 400 and error["code"] == "context_length_exceeded" and error["param"] == "prompt", reply
+    assert "max_tokens 255" in error["message"] and "max_new_tokens" not in error["message"]
+
+
+def test_an_error_mid_stream_ends_with_an_error_event_then_done(tmp_path, monkeypatch):
+    """A stream whose request fails after its first chunk (its status sent already) ends with an error event in
+    the shape of the non-streamed ones (code a string or null, not the HTTP status) and then [DONE], as vLLM."""
+    from cluster.relay import Chunk
+
+    async def generate(job, sample=0):
+        yield Chunk([5], "w5")
+        raise RuntimeError("the target group was lost")
+
+    e = edge(tmp_path, monkeypatch)
+    e.frontend.generate = generate
+
+    async def events() -> list[str]:
+        reply = await e.server.completions(json.dumps({"prompt": "w1", "max_tokens": 4, "stream": True}).encode())
+        return [event async for event in reply.body_iterator]
+
+    received = asyncio.run(events())
+    error = json.loads(received[-2].removeprefix("data: "))["error"]
+    assert error["type"] == "internal_error" and error["code"] is None, error
+    assert received[-1] == "data: [DONE]\n\n" and json.loads(received[0].removeprefix("data: "))["choices"]
