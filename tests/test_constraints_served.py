@@ -24,6 +24,7 @@ from specdec.loading import load_model, load_tokenizer
 from test_constraints import SCHEMA, save_json_pair
 
 PROMPT = "Describe a person as JSON: "
+MODEL = "json_target"  # the served model's name: its folder's (save_json_pair)
 PENALTIES = {"repetition_penalty": 1.5, "presence_penalty": 0.7, "frequency_penalty": 0.4}
 
 
@@ -51,7 +52,7 @@ def served(tmp_path_factory):
 
 
 def complete(client, speculation: str, max_tokens: int = 24, **fields):
-    reply = client.completions.create(model="target", prompt=PROMPT, max_tokens=max_tokens, temperature=0,
+    reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0,
                                       extra_body={"speculation": speculation, **fields.pop("extra", {})}, **fields)
     return reply.choices[0]
 
@@ -87,7 +88,7 @@ def test_json_schema_chat_validates_and_speculation_equals_plain(served):
     replies = {}
     for speculation in ("on", "off"):
         chat = client.chat.completions.create(
-            model="target", messages=[{"role": "user", "content": [{"type": "text", "text": PROMPT}]}],
+            model=MODEL, messages=[{"role": "user", "content": [{"type": "text", "text": PROMPT}]}],
             max_tokens=96, temperature=0, response_format=fmt, extra_body={"speculation": speculation})
         replies[speculation] = chat.choices[0]
         assert chat.choices[0].finish_reason == "stop"
@@ -115,7 +116,7 @@ def test_json_schema_chat_validates_and_speculation_equals_plain(served):
 def test_bad_settings_are_a_400_naming_the_field(served, fields, param):
     client, stub, _ = served
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="target", prompt=PROMPT, max_tokens=4, extra_body=fields)
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body=fields)
     assert e.value.param == param, e.value.message
 
 
