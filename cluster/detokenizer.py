@@ -1,5 +1,6 @@
 """A request's text as its tokens come, and where its stop strings end it."""
 
+import functools
 from dataclasses import dataclass, field
 
 from specdec.errors import InvalidArgument
@@ -243,3 +244,31 @@ def check_stop(stop: tuple[str, ...]) -> None:
 def token_text(tokenizer, token: int) -> str:
     """One token's own text (special tokens included), as logprobs show it."""
     return tokenizer.decode([token])
+
+
+def token_bytes(tokenizer, token: int) -> bytes:
+    """One token's own bytes (OpenAI's logprobs `bytes`: what a client joins to rebuild a character split across
+    tokens): a sentencepiece byte-fallback token's byte, a byte-level BPE token's bytes through its alphabet;
+    else its text's UTF-8. Its text alone would give U+FFFD's bytes for part of a character."""
+    piece = tokenizer.convert_ids_to_tokens(token)
+    if isinstance(piece, str):
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        alphabet = _byte_alphabet()
+        if _byte_level(tokenizer) and all(c in alphabet for c in piece):
+            return bytes(alphabet[c] for c in piece)
+    return token_text(tokenizer, token).encode()
+
+
+def _byte_level(tokenizer) -> bool:
+    """Whether the tokenizer decodes byte-level BPE (GPT-2's bytes as characters: SmolLM2, Qwen, Llama 3...)."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    return type(decoder).__name__ == "ByteLevel"
+
+
+@functools.cache
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's bytes_to_unicode, reversed: each byte-level character's byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}

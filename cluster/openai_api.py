@@ -23,7 +23,7 @@ from specdec.errors import InvalidArgument
 from specdec.grammar import ResponseFormat
 from specdec.logprobs import TokenLogprob
 
-from .detokenizer import token_text
+from .detokenizer import token_bytes, token_text
 from .admission import Admitted, Request
 from .frontend import Frontend
 from .relay import Chunk
@@ -446,8 +446,8 @@ class _Chat:
     object, chunk_object = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, piece: Callable[[int], str], body: ChatBody):
-        self.piece, self.logprobs = piece, body.logprobs
+    def __init__(self, piece: Callable[[int], str], body: ChatBody, token_bytes: Callable[[int], bytes]):
+        self.piece, self.logprobs, self.token_bytes = piece, body.logprobs, token_bytes
         self.started: set[int] = set()
 
     def choice(self, s: Sample) -> dict:
@@ -467,8 +467,7 @@ class _Chat:
                             for e in entries]}
 
     def _entry(self, token: int, logprob: float) -> dict:
-        text = self.piece(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": self.piece(token), "logprob": logprob, "bytes": list(self.token_bytes(token))}
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -586,7 +585,7 @@ class OpenAIServer:
                                    add_special_tokens=False, literal=chat.literal, tenant=tenant)
             names = {"max_new_tokens": body.max_tokens_field(), "prompt": "messages", "logprobs": "top_logprobs"}
             job = await self._admit(request, names)
-            return await self._respond([job], body, _Chat(self._piece, body))
+            return await self._respond([job], body, _Chat(self._piece, body, self._bytes))
         except Exception as e:  # noqa: BLE001 - as in completions
             return HttpError.of(e).response()
 
@@ -615,6 +614,9 @@ class OpenAIServer:
 
     def _piece(self, token: int) -> str:
         return token_text(self.frontend.tokenizer, token)
+
+    def _bytes(self, token: int) -> bytes:
+        return token_bytes(self.frontend.tokenizer, token)
 
     async def _respond(self, jobs: list[Admitted], body: _Body, shape: _Completions | _Chat):
         """jobs: the request's prompts' (one, but for a completions request of several prompts)."""

@@ -388,3 +388,25 @@ def test_a_long_byte_fallback_run_decodes_a_bounded_window(name, stop):
         sent, per_step = decoded_in_steps(tokenizer, ids, rng, stop)
         assert sent == whole(tokenizer, ids)
         assert max(per_step[-200:]) <= 3 * MAX_RUN_TOKENS, max(per_step[-200:])  # 2000 a step at the end before
+
+
+@pytest.mark.parametrize("name", ["byte_level", "llama", "metaspace", "bench"])
+def test_each_tokens_bytes_join_into_the_texts_bytes(name, request):
+    """OpenAI's logprobs `bytes` are a token's own bytes, so a client rebuilds a character split across tokens by
+    joining them: an emoji's tokens joined give its UTF-8 (each token's text alone decodes to U+FFFD, whose bytes
+    they were), for byte-level BPE (GPT-2's alphabet) and sentencepiece byte fallback alike."""
+    from cluster.detokenizer import token_bytes
+
+    if name == "bench" and not SHARED_TOKENIZER.exists():
+        pytest.skip(f"{SHARED_TOKENIZER} is absent (the shared bench models)")
+    tokenizer = {"byte_level": lambda: request.getfixturevalue("byte_level"),
+                 "bench": lambda: load_tokenizer(str(SHARED_TOKENIZER))}.get(name, lambda: sentencepiece_like(name))()
+    text = "naïve café 😀 ok"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    joined = b"".join(token_bytes(tokenizer, t) for t in ids)
+    if name in ("byte_level", "bench"):
+        assert joined == text.encode()
+    else:  # sentencepiece: a word's leading space is its "▁", which a token's own text drops
+        assert joined.replace(b" ", b"") == text.replace(" ", "").encode()
+    split = [t for t in ids if whole(tokenizer, [t]) == "\ufffd"]  # the emoji's parts: no text of their own
+    assert split and all(token_bytes(tokenizer, t) != "\ufffd".encode() for t in split)

@@ -24,6 +24,7 @@ from ray import serve
 from cluster.local import GRPC_MESSAGE_SIZE_ENV, serving_environment
 from cluster.config import ServerConfig
 from cluster.openai_api import OpenAIServer
+from cluster.detokenizer import token_bytes
 from cluster.serve_app import build_app
 from conftest import CHAT_ROLES, SERVED_WORDS, save_tokenizer, served_target, start_serving
 from cluster.local import free_port
@@ -192,6 +193,7 @@ def test_logprobs_are_the_targets_own(client, tokenizer, target, speculation):
     expected = target_logprobs(target, chat_prompt, chat_want)
     content = chat.choices[0].logprobs.content
     assert [c.token for c in content] == [tokenizer.decode([t]) for t in chat_want]
+    assert [bytes(c.bytes) for c in content] == [token_bytes(tokenizer, t) for t in chat_want]
     assert [c.logprob for c in content] == pytest.approx([float(expected[i, t]) for i, t in enumerate(chat_want)],
                                                          abs=1e-4)
     assert [[t.token for t in c.top_logprobs] for c in content] == \
