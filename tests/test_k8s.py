@@ -323,6 +323,9 @@ def test_tls_ingress_routes_to_the_serve_ports():
         annotations = ingress["metadata"].get("annotations", {})
         protocol = annotations.get("nginx.ingress.kubernetes.io/backend-protocol", "HTTP")
         backends[protocol] = (path["backend"]["service"]["name"], path["backend"]["service"]["port"]["name"])
+        # nginx's own cap (1m) would refuse what the server takes: its bound on a request, in nginx's units
+        limit = operator_config("overlays/gpu").server.max_request_bytes
+        assert annotations.get("nginx.ingress.kubernetes.io/proxy-body-size") == f"{limit // 2**20}m", protocol
     assert backends == {"HTTP": (f"{name}-serve-svc", "serve"), "GRPC": (f"{name}-head-svc", "serve-grpc")}
     assert head_ports["serve"] == serve["http_options"]["port"]
     assert head_ports["serve-grpc"] == serve["grpc_options"]["port"]
@@ -334,8 +337,13 @@ def test_tls_ingress_routes_to_the_serve_ports():
 RELEASE_LABEL = "app.kubernetes.io/instance"
 ROLE_LABEL = "app.kubernetes.io/component"
 # The peers a NetworkPolicy may admit besides the release's own pods, each to named ports only.
-OPERATOR_PEER = {"namespaceSelector": {}, "podSelector": {"matchLabels": {ROLE_LABEL: "kuberay-operator"}}}
-PROMETHEUS_PEER = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+# Each in its own namespace, named (kubernetes.io/metadata.name is the API server's): a pod label alone is anyone's
+# to set, in any namespace, and the dashboard the operator reaches takes Ray jobs.
+NAMESPACE = "kubernetes.io/metadata.name"
+OPERATOR_PEER = {"namespaceSelector": {"matchLabels": {NAMESPACE: "ray-system"}},
+                 "podSelector": {"matchLabels": {ROLE_LABEL: "kuberay-operator"}}}
+PROMETHEUS_PEER = {"namespaceSelector": {"matchLabels": {NAMESPACE: "monitoring"}},
+                   "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
 
 
 def selects(selector: dict, labels: dict) -> bool:
@@ -438,6 +446,8 @@ def test_one_network_policy_per_role_admits_only_the_public_api_from_outside(pro
     ("head", lambda spec: spec["ingress"][2].pop("ports"), "kuberay-operator reaches None"),
     ("target", lambda spec: spec["ingress"].append({"from": [OPERATOR_PEER]}), "kuberay-operator admitted"),
     ("draft", lambda spec: spec["ingress"][0]["from"][0].update(namespaceSelector={}), "unknown form"),
+    ("head", lambda spec: spec["ingress"][2]["from"][0].update(namespaceSelector={}), "unknown form"),  # any namespace
+    ("target", lambda spec: spec["ingress"][2]["from"][0].pop("namespaceSelector"), "unknown form"),
     ("head", lambda spec: spec["ingress"].append({"from": [{"ipBlock": {"cidr": "0.0.0.0/0"}}],
                                                   "ports": [{"port": 6379}]}), "unknown form"),
     ("head", lambda spec: spec["ingress"].pop(1), "the public API from anywhere"),
@@ -504,6 +514,21 @@ def test_what_ray_writes_is_on_writable_volumes(profile):
             for path in WRITTEN + [env[name] for name in CACHE_ENV]:
                 assert any(path == root or path.startswith(root + "/") for root in writable), (group["groupName"], path)
             assert volumes[mounts["/dev/shm"]["name"]]["emptyDir"].get("medium") == "Memory"
+            # what is written to disk is capped, and the container's ephemeral storage holds it: a pod whose logs
+            # or spilled objects run away is evicted, not the node's disk filled
+            on_disk = [volumes[mounts[path]["name"]]["emptyDir"] for path in writable]
+            on_disk = [d for d in on_disk if d.get("medium") != "Memory"]
+            assert on_disk and all("sizeLimit" in d for d in on_disk), (group["groupName"], on_disk)
+            resources = container["resources"]
+            capped = sum(gibibytes(d["sizeLimit"]) for d in on_disk)
+            assert gibibytes(resources["limits"]["ephemeral-storage"]) >= capped, group["groupName"]
+            assert "ephemeral-storage" in resources["requests"], group["groupName"]
+
+
+def gibibytes(quantity: str) -> float:
+    """A Kubernetes quantity of bytes (Gi, Mi) in GiB."""
+    units = {"Gi": 1.0, "Mi": 1 / 1024}
+    return float(quantity[:-2]) * units[quantity[-2:]]
 
 
 def image_tag(reference: str) -> str:
