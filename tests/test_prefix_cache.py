@@ -378,7 +378,7 @@ def test_finished_requests_leave_no_trace_in_the_scheduler(target, draft):
     from specdec.draft_loop import DraftLoop, DraftRequest
     from specdec.scheduler import KvBudget, Opening, TargetScheduler
     from specdec.target import TargetWorker
-    from scheduling import Collect, wait_until_empty
+    from scheduling import Collect, wait_for, wait_until_empty
 
     rng = random.Random(8)
     scheduler = TargetScheduler(TargetWorker(CachedLM(target, BlockPool(256))), KvBudget(), idle_timeout_s=None)
@@ -407,5 +407,7 @@ def test_finished_requests_leave_no_trace_in_the_scheduler(target, draft):
                 found.append(name)
         return found
 
-    assert naming(scheduler) == [] and naming(scheduler.worker) == []
+    # the loop lets go of the last of them as it wakes for their leaving: soon, not at once
+    wait_for(lambda: naming(scheduler) == naming(scheduler.worker) == [], lambda: (naming(scheduler),
+                                                                                     naming(scheduler.worker)))
     scheduler.stop()

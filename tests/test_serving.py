@@ -451,9 +451,10 @@ def test_a_killed_target_rank_fails_fast_and_the_group_is_rebuilt(server, target
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "target group" in e.value.details()
         status, reply = whole.result(timeout=10)
         assert status == 503 and "target group" in reply["error"]["message"], reply
-        last = [line for line in events.read().decode().splitlines() if line.startswith("data: ")][-1]
+        *_, last, done = [line for line in events.read().decode().splitlines() if line.startswith("data: ")]
         error = json.loads(last.removeprefix("data: "))["error"]
-        assert error["code"] == 503 and "target group" in error["message"], error
+        assert error["type"] == "service_unavailable" and "target group" in error["message"], error
+        assert done == "data: [DONE]"  # after the error event, as vLLM ends a stream
         failed_after = time.monotonic() - killed
     reasons, vllm_down = [], False
     while (health := http(server, "/healthz"))[0] != 200:
