@@ -126,7 +126,10 @@ class DraftReplica:
             # The open awaits admission holding no thread (the target may keep it waiting for room)
             layers = loop.drafter.feature_layers if loop.drafter is not None else ()
             opening = self.target.open_async(request_id, prompt, params, stream, max_new_tokens, layers)
-            prefilling = lambda: asyncio.to_thread(single_threaded_call, loop.prefill, [prompt], [params.cache_salt])  # noqa: E731
+
+            def prefilling():
+                return asyncio.to_thread(single_threaded_call, loop.prefill, [prompt], [params.cache_salt])
+
             with self.prefills_ahead.take(self._pool_for(task_type, drafter), len(prompt)) as ahead:
                 if ahead:
                     opened, (prefilled,) = await asyncio.gather(opening, prefilling())
@@ -160,8 +163,8 @@ class DraftReplica:
         key = task_type if task_type in self.models or task_type in self.corpora else ""
         kind = self._kind(drafter)
         if (key, kind) not in self.loops:
-            task = key if key in self.models else ""
-            self.loops[(key, kind)] = DraftLoop(self.target, self._make_drafter(task, kind, self.corpora.get(key)),
+            self.loops[(key, kind)] = DraftLoop(self.target, self._make_drafter(self._model_task(key), kind,
+                                                                                self.corpora.get(key)),
                                                 on_step=self.step_timer, overlap=self.overlap, outputs=self.outputs)
         return self.loops[(key, kind)]
 
@@ -175,7 +178,11 @@ class DraftReplica:
         """The block pool a request's draft prefill takes blocks from; None where its drafter runs no model."""
         if not self._kind(drafter).uses_model:
             return None
-        return self.pools.get(task_type if task_type in self.models else "")
+        return self.pools.get(self._model_task(task_type))
+
+    def _model_task(self, task_type: str) -> str:
+        """The task type whose draft model drafts for this one ("": the one for the rest)."""
+        return task_type if task_type in self.models else ""
 
     def _make_drafter(self, task: str, kind: DrafterKind, corpus: TextIndex | None = None) -> Drafter | None:
         """task: the task type whose draft model it drafts with ("": the rest's)."""

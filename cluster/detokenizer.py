@@ -148,9 +148,9 @@ class Detokenizer:
         self._tail = self._window_text(window)
         self._read, self._prefix_text, self._split_at = 0, "", SPLIT_AFTER
 
-    def _byte_of(self, token: int) -> int:
-        """The byte a byte-fallback token "<0xAB>" stands for."""
-        return int(self.tokenizer.convert_ids_to_tokens(token)[3:5], 16)
+    def _byte_of(self, token: int) -> int | None:
+        """The byte a byte-fallback token "<0xAB>" stands for; None for another token."""
+        return _fallback_byte(self.tokenizer.convert_ids_to_tokens(token))
 
     def _window_text(self, ids: list[int]) -> str:
         """The tokenizer's decode of some tokens (special ones were left out already). A tokenizer whose
@@ -161,8 +161,7 @@ class Detokenizer:
 
     def _byte_fallback(self, token: int) -> bool:
         """A sentencepiece byte-fallback token "<0xAB>": its run with the next ones decodes together."""
-        piece = self.tokenizer.convert_ids_to_tokens(token)
-        return isinstance(piece, str) and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
+        return self._byte_of(token) is not None
 
     def _find_stop(self) -> int | None:
         """Where the text ends at the earliest stop string in the unsent text past the quiet part (text
@@ -251,13 +250,19 @@ def token_bytes(tokenizer, token: int) -> bytes:
     tokens): a sentencepiece byte-fallback token's byte, a byte-level BPE token's bytes through its alphabet;
     else its text's UTF-8. Its text alone would give U+FFFD's bytes for part of a character."""
     piece = tokenizer.convert_ids_to_tokens(token)
-    if isinstance(piece, str):
-        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-            return bytes([int(piece[3:5], 16)])
-        alphabet = _byte_alphabet()
-        if _byte_level(tokenizer) and all(c in alphabet for c in piece):
-            return bytes(alphabet[c] for c in piece)
+    if (byte := _fallback_byte(piece)) is not None:
+        return bytes([byte])
+    alphabet = _byte_alphabet()
+    if isinstance(piece, str) and _byte_level(tokenizer) and all(c in alphabet for c in piece):
+        return bytes(alphabet[c] for c in piece)
     return token_text(tokenizer, token).encode()
+
+
+def _fallback_byte(piece) -> int | None:
+    """The byte a sentencepiece byte-fallback piece "<0xAB>" stands for; None for any other piece."""
+    if isinstance(piece, str) and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return int(piece[3:5], 16)
+    return None
 
 
 def _byte_level(tokenizer) -> bool:
@@ -268,7 +273,7 @@ def _byte_level(tokenizer) -> bool:
 
 @functools.cache
 def _byte_alphabet() -> dict[str, int]:
-    """GPT-2's bytes_to_unicode, reversed: each byte-level character's byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+    """GPT-2's bytes_to_unicode (transformers'), reversed: each byte-level character's byte."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
