@@ -7,13 +7,19 @@ from two sources every machine has:
   them), its docstrings' paragraphs (summarise, rewrite, correct them) and its modules (ask about them);
 - questions the target poses itself: the chat template's user-turn prefix, sampled at temperature 1 until the
   turn ends (Magpie, arXiv 2406.08464), so the general chat a user brings is covered too.
-The target then answers every prompt greedily, as it answers a greedy request when served."""
+The target then answers every prompt greedily, as it answers a greedy request when served.
+
+A target without a chat template (a code model, a base model) is served continuations instead: `continuations`
+cuts prompts out of a corpus and lets the target continue each greedily, so its drafter learns the text the target
+writes after the text users send, not the corpus's own next tokens."""
 
 import ast
 import random
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from .training import Conversation
 
@@ -189,5 +195,51 @@ def chat_corpus(target, tokenizer, conversations: int, seed: int, max_tokens: in
         return greedy_answers(engine, tokenizer, asks, max_tokens, batch, progress)
 
 
-__all__ = ["chat_corpus", "chat_instructions", "chat_prompts", "greedy_answers", "self_posed_questions", "stdlib_text",
+def continuation_prompts(stream: torch.Tensor, count: int, seed: int, lengths: tuple[int, int]) -> list[list[int]]:
+    """`count` windows of a token stream [N], each of a length drawn from `lengths` (inclusive) at a seeded
+    random start: the prompts the target continues."""
+    lo, hi = lengths
+    if not 1 <= lo <= hi or stream.numel() <= hi:
+        raise ValueError(f"prompts of {lo}-{hi} tokens need a corpus of more than {hi} tokens, got {stream.numel()}")
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        n = rng.randint(lo, hi)
+        start = rng.randrange(stream.numel() - n)
+        prompts.append(stream[start : start + n].tolist())
+    return prompts
+
+
+def continuations(target, tokenizer, stream: torch.Tensor, count: int, seed: int, max_tokens: int = 128,
+                  prompt_tokens: tuple[int, int] = (32, 256), batch: int = 64) -> list[Conversation]:
+    """The target's greedy continuations of `count` windows of a corpus's token stream [N] -> one conversation
+    (window + continuation) each, in the windows' seeded order. Windows end at most max_tokens before the
+    target's context does."""
+    from tqdm import tqdm
+
+    from .engine import SpeculativeEngine
+    from .kvcache import CachedLM
+    from .loading import eos_ids
+    from .sampling import SamplingParams
+
+    room = target.config.get_text_config().max_position_embeddings - max_tokens
+    lengths = (min(prompt_tokens[0], room), min(prompt_tokens[1], room))
+    if lengths[0] < 1:
+        raise ValueError(f"the target's context ({room + max_tokens} positions) leaves no room for a prompt before "
+                         f"{max_tokens} new tokens")
+    engine = SpeculativeEngine(CachedLM(target), None, eos_token_ids=eos_ids(target.generation_config, tokenizer))
+    prompts = continuation_prompts(stream, count, seed, lengths)
+    order = sorted(range(count), key=lambda i: len(prompts[i]))
+    out: list[Conversation | None] = [None] * count
+    with tqdm(total=count, desc="target continues", unit="text", mininterval=2.0) as bar:
+        for start in range(0, count, batch):
+            rows = order[start : start + batch]
+            outs = engine.generate([prompts[i] for i in rows], max_tokens, SamplingParams(temperature=0.0))
+            for i, o in zip(rows, outs):
+                out[i] = Conversation(prompts[i] + o.token_ids, len(prompts[i]))
+            bar.update(len(rows))
+    return out
+
+
+__all__ = ["chat_corpus", "continuation_prompts", "continuations", "chat_instructions", "chat_prompts", "greedy_answers", "self_posed_questions", "stdlib_text",
            "user_turn_prefix"]

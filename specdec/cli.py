@@ -108,11 +108,18 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     d.add_argument("--medusa-layers", type=int, default=1, help="--head medusa: residual layers per head (default 1)")
     d.add_argument("--corpus", nargs="*", default=[], help="text files or folders; none (and no --chat): text the "
                    "target generates")
-    d.add_argument("--chat", type=int, metavar="N", help="learn (also) from the target's greedy answers to N chat "
-                   "prompts: instructions over the standard library and questions it poses itself (specdec.chat_corpus); "
-                   "written once into --out/chat-corpus.json and read from there again. The last 5%% are held out: "
-                   "the held-out alpha is then measured on their answers, each read from its first token")
-    d.add_argument("--chat-tokens", type=int, default=192, help="--chat: at most this many tokens an answer")
+    written = d.add_mutually_exclusive_group()
+    written.add_argument("--chat", type=int, metavar="N", help="learn (also) from the target's greedy answers to N "
+                         "chat prompts: instructions over the standard library and questions it poses itself "
+                         "(specdec.chat_corpus); written once into --out/chat-corpus.json and read from there again. "
+                         "The last 5%% are held out: the held-out alpha is then measured on their answers, each read "
+                         "from its first token")
+    written.add_argument("--continuations", type=int, metavar="N", help="learn also from the target's greedy "
+                         "continuations of N windows of --corpus (32-256 tokens each, for a target without a chat "
+                         "template); written once into --out/continuations.json. The last 5%% are held out and judged "
+                         "on their continuations, as --chat's answers")
+    d.add_argument("--chat-tokens", type=int, default=192, help="--chat, --continuations: at most this many tokens "
+                   "an answer")
     d.add_argument("--layers", type=int, default=1)
     d.add_argument("--hidden", type=int, default=256)
     budget = d.add_mutually_exclusive_group()
@@ -252,11 +259,16 @@ def cmd_distill(args) -> None:
     if args.chat is not None:  # the target as served writes them, first; the last ones held out, judged on answers
         chat_stream, heldout = split_conversations(chat_conversations(args, tokenizer))
         parts.append(chat_stream)
-    target = load_model(args.target, parse_dtype(args.dtype), args.device)
     if args.corpus:
         files = corpus_files(args.corpus)
         parts.append(encode_texts([f.read_text(encoding="utf-8", errors="replace") for f in files], tokenizer))
         log(f"specdec: {len(files)} corpus files, {parts[-1].numel()} tokens")
+    if args.continuations is not None:  # after the corpus they are cut from; the last ones held out
+        if not args.corpus:
+            raise SystemExit("specdec distill: --continuations continues windows of --corpus: name the corpus")
+        continued, heldout = split_conversations(continued_corpus(args, tokenizer, parts[-1]))
+        parts.append(continued)
+    target = load_model(args.target, parse_dtype(args.dtype), args.device)
     if parts:
         tokens = torch.cat(parts)
     else:
@@ -307,6 +319,34 @@ def chat_conversations(args, tokenizer) -> "list[Conversation]":
     log(f"specdec: {len(chats)} chat answers, {answers} answer tokens ({sum(len(c.tokens) for c in chats)} with their "
         "prompts)")
     return chats
+
+
+def continued_corpus(args, tokenizer, stream) -> "list[Conversation]":
+    """--continuations' training text: the target's greedy continuations of windows of the corpus's token stream
+    [N], read from --out/continuations.json when it holds the same request, else written there."""
+    from .cache_dir import write_json
+    from .chat_corpus import continuations
+    from .loading import load_served_model
+    from .training import Conversation
+
+    if args.continuations < 2 or args.chat_tokens < 1:
+        raise SystemExit(f"specdec distill: --continuations must be at least 2 (one is held out) and --chat-tokens "
+                         f"positive, got {args.continuations} and {args.chat_tokens}")
+    path = Path(args.out) / "continuations.json"
+    asked = {"target": str(Path(args.target).resolve()), "corpus": sorted(str(Path(c).resolve()) for c in args.corpus),
+             "corpus_tokens": stream.numel(), "continuations": args.continuations, "seed": args.seed,
+             "max_tokens": args.chat_tokens}
+    cached = json.loads(path.read_text()) if path.is_file() else {}
+    if cached.get("asked") == asked:
+        return [Conversation(t, a) for t, a in zip(cached["texts"], cached["answer_starts"], strict=True)]
+    log(f"specdec: the target continues {args.continuations} windows of the corpus (greedy, at most "
+        f"{args.chat_tokens} tokens each)")
+    texts = continuations(load_served_model(args.target, device=args.device), tokenizer, stream, args.continuations,
+                          args.seed, args.chat_tokens)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, {"asked": asked, "texts": [c.tokens for c in texts], "answer_starts": [c.answer_start for c in texts]})
+    log(f"specdec: {sum(len(c.tokens) - c.answer_start for c in texts)} continuation tokens")
+    return texts
 
 
 def distill_head(args, target, tokenizer, tokens, heldout, cfg) -> None:

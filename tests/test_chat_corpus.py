@@ -4,6 +4,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 import specdec.chat_corpus as cc
 from conftest import CHAT_TEMPLATE, SERVED_WORDS, save_tokenizer
@@ -11,6 +12,7 @@ from specdec.cli import main
 from specdec.engine import SpeculativeEngine
 from specdec.kvcache import CachedLM
 from specdec.loading import eos_ids, load_model, load_tokenizer
+from specdec.sampling import SamplingParams
 
 EOS = 7  # "w7" ends a turn in these tests
 
@@ -92,3 +94,56 @@ def test_distill_chat_writes_its_corpus_once_and_reads_it_back(chat_target, tmp_
         main(args("13"))  # another request: written anew
     with pytest.raises(SystemExit, match="--chat and --chat-tokens must be positive"):
         main(args("0"))
+
+
+def test_continuation_prompts_are_seeded_windows_of_the_stream():
+    stream = torch.arange(1000)
+    prompts = cc.continuation_prompts(stream, 50, seed=3, lengths=(5, 40))
+    assert prompts == cc.continuation_prompts(stream, 50, seed=3, lengths=(5, 40))
+    assert prompts != cc.continuation_prompts(stream, 50, seed=4, lengths=(5, 40))
+    for p in prompts:  # a window: consecutive tokens of the stream
+        assert 5 <= len(p) <= 40 and p == list(range(p[0], p[0] + len(p)))
+    assert len({len(p) for p in prompts}) > 10  # lengths drawn, not fixed
+    with pytest.raises(ValueError, match="corpus of more than 40 tokens, got 40"):
+        cc.continuation_prompts(stream[:40], 1, seed=0, lengths=(5, 40))
+
+
+def test_continuations_are_the_targets_greedy_text_after_each_window(chat_target):
+    engine, tokenizer = engine_for(chat_target)
+    stream = torch.arange(8, 60).repeat(20)  # no turn's end (w7) in the text itself
+    texts = cc.continuations(engine.target.model, tokenizer, stream, 6, seed=2, max_tokens=9, prompt_tokens=(4, 30),
+                             batch=4)
+    assert len(texts) == 6
+    for prompt, text in zip(cc.continuation_prompts(stream, 6, seed=2, lengths=(4, 30)), texts):
+        alone = engine.generate([prompt], 9, SamplingParams(temperature=0.0))[0].token_ids
+        assert text.tokens == prompt + alone and text.answer_start == len(prompt)  # batched as alone, in order
+
+
+def test_distill_continuations_writes_its_text_once_from_the_corpus(chat_target, tmp_path, capsys, monkeypatch):
+    out, corpus = tmp_path / "head", tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(f"w{8 + i % 50}" for i in range(600)))
+
+    def args(*extra: str) -> list[str]:
+        return ["distill", "--head", "eagle3", "--target", chat_target, "--out", str(out), "--corpus", str(corpus),
+                "--chat-tokens", "6", "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--json", *extra]
+
+    main(args("--continuations", "10"))
+    saved = json.loads((out / "continuations.json").read_text())
+    assert saved["asked"]["continuations"] == 10 and len(saved["texts"]) == 10
+    assert all(0 < a < len(t) <= a + 6 for t, a in zip(saved["texts"], saved["answer_starts"]))
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == 2
+
+    def written_again(*a, **k):
+        raise AssertionError("the continuations were written again")
+
+    monkeypatch.setattr(cc, "continuations", written_again)
+    main(args("--continuations", "10"))  # the same request: read back
+    with pytest.raises(AssertionError, match="written again"):
+        main(args("--continuations", "10", "--seed", "1"))  # another request: written anew
+    with pytest.raises(SystemExit, match="--continuations must be at least 2"):
+        main(args("--continuations", "1"))
+    with pytest.raises(SystemExit, match="continues windows of --corpus: name the corpus"):
+        main(["distill", "--head", "eagle3", "--target", chat_target, "--out", str(out), "--continuations", "4"])
+    with pytest.raises(SystemExit):  # one source of the target's own text at a time
+        main(args("--continuations", "4", "--chat", "4"))
+    assert "not allowed with argument" in capsys.readouterr().err
