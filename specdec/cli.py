@@ -114,10 +114,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                          "(specdec.chat_corpus); written once into --out/chat-corpus.json and read from there again. "
                          "The last 5%% are held out: the held-out alpha is then measured on their answers, each read "
                          "from its first token")
-    written.add_argument("--continuations", type=int, metavar="N", help="learn also from the target's greedy "
-                         "continuations of N windows of --corpus (32-256 tokens each, for a target without a chat "
-                         "template); written once into --out/continuations.json. The last 5%% are held out and judged "
-                         "on their continuations, as --chat's answers")
+    written.add_argument("--continuations", type=int, metavar="N", help="learn from the target's greedy "
+                         "continuations of N windows of --corpus (32-256 tokens each) instead of the corpus itself: for "
+                         "a target without a chat template; written once into --out/continuations.json. The last 5%% "
+                         "are held out and judged on their continuations, as --chat's answers")
     d.add_argument("--chat-tokens", type=int, default=192, help="--chat, --continuations: at most this many tokens "
                    "an answer")
     d.add_argument("--layers", type=int, default=1)
@@ -266,8 +266,8 @@ def cmd_distill(args) -> None:
     if args.continuations is not None:  # after the corpus they are cut from; the last ones held out
         if not args.corpus:
             raise SystemExit("specdec distill: --continuations continues windows of --corpus: name the corpus")
-        continued, heldout = split_conversations(continued_corpus(args, tokenizer, parts[-1]))
-        parts.append(continued)
+        continued, heldout = split_conversations(continued_corpus(args, tokenizer, parts.pop()))
+        parts.append(continued)  # in the corpus's place: the windows are in it, continued as the target would
     target = load_model(args.target, parse_dtype(args.dtype), args.device)
     if parts:
         tokens = torch.cat(parts)
