@@ -52,6 +52,32 @@ def paged_kernel_built():
     paged_kernel.paged_attention()
 
 
+@pytest.fixture(autouse=True)
+def loops_end_with_their_test(monkeypatch):
+    """A draft loop or target scheduler a test starts and leaves running is stopped when the test ends, draft loops
+    first (they step against their target), so its thread and the models and KV it holds do not outlive the test.
+    One that still has requests to step (a test that left a request open) is given two seconds and then left."""
+    from specdec.draft_loop import DraftLoop
+    from specdec.scheduler import TargetScheduler
+
+    started: list = []
+    for cls in (DraftLoop, TargetScheduler):
+        def init(self, *args, _init=cls.__init__, **kwargs):
+            _init(self, *args, **kwargs)
+            started.append(self)
+
+        monkeypatch.setattr(cls, "__init__", init)
+    yield
+    for loop in sorted(started, key=lambda x: not isinstance(x, DraftLoop)):
+        if loop._thread.is_alive():
+            with loop._cv:
+                loop._stopped = True
+                loop._cv.notify()
+            loop._thread.join(timeout=2.0)
+        if isinstance(loop, DraftLoop) and loop._verifier is not None and not loop._thread.is_alive():
+            loop._verifier.shutdown(wait=False)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
     """The session's result is in and reported: the process ends with its exit status now, without the
