@@ -155,9 +155,14 @@ def chat_prompts(tokenizer, asks: list[str]) -> list[list[int]]:
 
 def greedy_answers(engine, tokenizer, asks: list[str], max_tokens: int, batch: int, progress=None) -> list[Conversation]:
     """The target's greedy answers -> one conversation (prompt + answer) per ask (asks batched by length)."""
+    return greedy_texts(engine, chat_prompts(tokenizer, asks), max_tokens, batch, progress)
+
+
+def greedy_texts(engine, prompts: list[list[int]], max_tokens: int, batch: int, progress=None) -> list[Conversation]:
+    """The target's greedy text after each prompt -> one conversation (prompt + what it wrote) per prompt, in
+    the prompts' order (run in batches of neighbouring lengths). progress(rows, tokens) after each batch."""
     from .sampling import SamplingParams
 
-    prompts = chat_prompts(tokenizer, asks)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     texts: list[Conversation | None] = [None] * len(prompts)
     for start in range(0, len(order), batch):
@@ -220,7 +225,6 @@ def continuations(target, tokenizer, stream: torch.Tensor, count: int, seed: int
     from .engine import SpeculativeEngine
     from .kvcache import CachedLM
     from .loading import eos_ids
-    from .sampling import SamplingParams
 
     room = target.config.get_text_config().max_position_embeddings - max_tokens
     lengths = (min(prompt_tokens[0], room), min(prompt_tokens[1], room))
@@ -229,17 +233,9 @@ def continuations(target, tokenizer, stream: torch.Tensor, count: int, seed: int
                          f"{max_tokens} new tokens")
     engine = SpeculativeEngine(CachedLM(target), None, eos_token_ids=eos_ids(target.generation_config, tokenizer))
     prompts = continuation_prompts(stream, count, seed, lengths)
-    order = sorted(range(count), key=lambda i: len(prompts[i]))
-    out: list[Conversation | None] = [None] * count
     with tqdm(total=count, desc="target continues", unit="text", mininterval=2.0) as bar:
-        for start in range(0, count, batch):
-            rows = order[start : start + batch]
-            outs = engine.generate([prompts[i] for i in rows], max_tokens, SamplingParams(temperature=0.0))
-            for i, o in zip(rows, outs):
-                out[i] = Conversation(prompts[i] + o.token_ids, len(prompts[i]))
-            bar.update(len(rows))
-    return out
+        return greedy_texts(engine, prompts, max_tokens, batch, lambda rows, tokens: bar.update(rows))
 
 
-__all__ = ["chat_corpus", "continuation_prompts", "continuations", "chat_instructions", "chat_prompts", "greedy_answers", "self_posed_questions", "stdlib_text",
-           "user_turn_prefix"]
+__all__ = ["chat_corpus", "chat_instructions", "chat_prompts", "continuation_prompts", "continuations", "greedy_answers",
+           "greedy_texts", "self_posed_questions", "stdlib_text", "user_turn_prefix"]
