@@ -294,57 +294,61 @@ def cmd_distill(args) -> None:
 def chat_conversations(args, tokenizer) -> "list[Conversation]":
     """--chat's training text: the target's greedy answers (specdec.chat_corpus) with their prompts, read from
     --out/chat-corpus.json when it holds the same request, else written there."""
-    from .cache_dir import write_json
     from .chat_corpus import chat_corpus
     from .loading import load_served_model
-    from .training import Conversation
 
     if args.chat < 1 or args.chat_tokens < 1:
         raise SystemExit(f"specdec distill: --chat and --chat-tokens must be positive, got {args.chat} and "
                          f"{args.chat_tokens}")
-    path = Path(args.out) / "chat-corpus.json"
     asked = {"target": str(Path(args.target).resolve()), "conversations": args.chat, "seed": args.seed,
              "max_tokens": args.chat_tokens}
-    cached = json.loads(path.read_text()) if path.is_file() else {}
-    if cached.get("asked") == asked and "answer_starts" in cached:
-        chats = [Conversation(t, a) for t, a in zip(cached["texts"], cached["answer_starts"], strict=True)]
-    else:
+
+    def write():
         log(f"specdec: the target answers {args.chat} chat prompts (greedy, at most {args.chat_tokens} tokens each)")
-        chats = chat_corpus(load_served_model(args.target, device=args.device), tokenizer, args.chat, args.seed,
-                            args.chat_tokens)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, {"asked": asked, "texts": [c.tokens for c in chats],
-                          "answer_starts": [c.answer_start for c in chats]})
+        return chat_corpus(load_served_model(args.target, device=args.device), tokenizer, args.chat, args.seed,
+                           args.chat_tokens)
+
+    chats = written_once(Path(args.out) / "chat-corpus.json", asked, write)
     answers = sum(len(c.tokens) - c.answer_start for c in chats)
     log(f"specdec: {len(chats)} chat answers, {answers} answer tokens ({sum(len(c.tokens) for c in chats)} with their "
         "prompts)")
     return chats
 
 
+def written_once(path: Path, asked: dict, write) -> "list[Conversation]":
+    """The conversations saved at `path` for the same `asked` request, else write() -> saved there."""
+    from .cache_dir import write_json
+    from .training import Conversation
+
+    cached = json.loads(path.read_text()) if path.is_file() else {}
+    if cached.get("asked") == asked and "answer_starts" in cached:
+        return [Conversation(t, a) for t, a in zip(cached["texts"], cached["answer_starts"], strict=True)]
+    texts = write()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, {"asked": asked, "texts": [c.tokens for c in texts], "answer_starts": [c.answer_start for c in texts]})
+    return texts
+
+
 def continued_corpus(args, tokenizer, stream) -> "list[Conversation]":
     """--continuations' training text: the target's greedy continuations of windows of the corpus's token stream
     [N], read from --out/continuations.json when it holds the same request, else written there."""
-    from .cache_dir import write_json
     from .chat_corpus import continuations
     from .loading import load_served_model
-    from .training import Conversation
 
     if args.continuations < 2 or args.chat_tokens < 1:
         raise SystemExit(f"specdec distill: --continuations must be at least 2 (one is held out) and --chat-tokens "
                          f"positive, got {args.continuations} and {args.chat_tokens}")
-    path = Path(args.out) / "continuations.json"
     asked = {"target": str(Path(args.target).resolve()), "corpus": sorted(str(Path(c).resolve()) for c in args.corpus),
              "corpus_tokens": stream.numel(), "continuations": args.continuations, "seed": args.seed,
              "max_tokens": args.chat_tokens}
-    cached = json.loads(path.read_text()) if path.is_file() else {}
-    if cached.get("asked") == asked:
-        return [Conversation(t, a) for t, a in zip(cached["texts"], cached["answer_starts"], strict=True)]
-    log(f"specdec: the target continues {args.continuations} windows of the corpus (greedy, at most "
-        f"{args.chat_tokens} tokens each)")
-    texts = continuations(load_served_model(args.target, device=args.device), tokenizer, stream, args.continuations,
-                          args.seed, args.chat_tokens)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json(path, {"asked": asked, "texts": [c.tokens for c in texts], "answer_starts": [c.answer_start for c in texts]})
+
+    def write():
+        log(f"specdec: the target continues {args.continuations} windows of the corpus (greedy, at most "
+            f"{args.chat_tokens} tokens each)")
+        return continuations(load_served_model(args.target, device=args.device), tokenizer, stream, args.continuations,
+                             args.seed, args.chat_tokens)
+
+    texts = written_once(Path(args.out) / "continuations.json", asked, write)
     log(f"specdec: {sum(len(c.tokens) - c.answer_start for c in texts)} continuation tokens")
     return texts
 
