@@ -306,6 +306,21 @@ def test_security_files_come_from_secrets_in_every_pod(profile):
                 assert mounts.get(posixpath.dirname(path), (None,))[0] == secret, (group["groupName"], path)
 
 
+@pytest.mark.parametrize("profile", PROFILES)
+def test_secret_files_are_readable_by_the_server_alone(profile):
+    """Every pod's Secret volumes hold their files at 0440 (not Kubernetes' default 0644, which any user in
+    the container reads), and the pod's fsGroup, which those files get as their group, is the group its
+    containers run as: the server reads its keys, no other user does."""
+    for group in pod_groups(rayservice(profile)):
+        pod = group["template"]["spec"]
+        secrets = [volume for volume in pod["volumes"] if "secret" in volume]
+        assert secrets, group["groupName"]
+        for volume in secrets:
+            assert volume["secret"].get("defaultMode") == 0o440, (group["groupName"], volume["name"])
+        run_as = {container["securityContext"]["runAsGroup"] for container in pod["containers"]}
+        assert run_as == {pod["securityContext"]["runAsGroup"]} == {pod["securityContext"]["fsGroup"]}, group["groupName"]
+
+
 def test_tls_ingress_routes_to_the_serve_ports():
     """The GPU profile terminates TLS at an Ingress: HTTPS to the serve Service's `serve` port, gRPC
     (backend protocol GRPC) to the head Service's port that Serve's gRPC proxy listens on."""
