@@ -13,8 +13,8 @@ import yaml
 
 from conftest import served_target
 from tools.served_bench import AGREEMENT_FLOOR, GreedyReferences
-from tools.soak import (HOSTILE, MemoryWatch, Outcome, Shot, SoakPlan, build_report, draw_shot, greedy_references,
-                        judge, text_report)
+from tools.soak import (HOSTILE, MemoryWatch, Outcome, Sender, Shot, SoakPlan, build_report, draw_shot,
+                        greedy_references, judge, text_report)
 
 REFERENCES = GreedyReferences([[5, 6, 7, 8, 9, 10]])  # float32: greedy output must equal it
 BF16_REFERENCES = GreedyReferences([[5, 6, 7, 8, 9, 10]], dtype="bfloat16")
@@ -87,6 +87,24 @@ def test_unavailable_is_clear_only_while_the_target_group_is_down():
     assert judge(outcome("HTTP 503 in stream", "lost", at=21.0), REFERENCES, down) is None
     assert "while the target group was serving" in judge(outcome("UNAVAILABLE", "x", at=10.0), REFERENCES, down)
     assert "without a message" in judge(outcome("UNAVAILABLE", "", at=25.0), REFERENCES, down)
+
+
+def test_an_error_event_mid_stream_is_judged_by_its_type():
+    """The server's error event mid-stream carries OpenAI's type and a code that is a string or null, not the HTTP
+    status: a target group lost mid-stream (service_unavailable) is an outage's 503, clear while it is down."""
+    def events(error: dict) -> Outcome:
+        out = outcome("", at=21.0)
+        lines = [b'data: {"choices": [{"token_ids": [5], "finish_reason": null}]}\n',
+                 b"data: " + json.dumps({"error": error}).encode() + b"\n", b"data: [DONE]\n"]
+        Sender._http_events(out.shot, lines, out)
+        return out
+
+    lost = events({"message": "the target group is down", "type": "service_unavailable", "param": None, "code": None})
+    assert lost.status == "HTTP 503 in stream" and lost.tokens == [5]
+    assert judge(lost, REFERENCES, [(20.0, 30.0)]) is None
+    assert "while the target group was serving" in judge(lost, REFERENCES, [])
+    failed = events({"message": "internal error; see the server log, id 1", "type": "internal_error", "code": None})
+    assert failed.status == "HTTP 500 in stream" and judge(failed, REFERENCES, [(20.0, 30.0)]) is not None
 
 
 @pytest.mark.parametrize("status, fault, broken", [

@@ -50,6 +50,7 @@ import ray
 
 from cluster.local import Endpoints, free_port, serve_locally
 from cluster.placement import NAMESPACE
+from cluster.statuses import STATUSES
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
 
@@ -584,7 +585,7 @@ class Sender:
                 return
             event = json.loads(data)
             if "error" in event:
-                out.status, out.detail = f"HTTP {event['error'].get('code')} in stream", event["error"].get("message", "")
+                out.status, out.detail = stream_error_status(event["error"]), event["error"].get("message", "")
                 return
             choice = event["choices"][0]
             out.tokens.extend(choice["token_ids"])
@@ -594,6 +595,14 @@ class Sender:
                 out.status = "CANCELLED"  # the client hangs up: closing the connection is all it does
                 return
         out.status, out.detail = "stream ended early", "the event stream ended without [DONE]"
+
+
+def stream_error_status(error: dict) -> str:
+    """An error event's outcome, "HTTP <status> in stream": the status that its OpenAI type has in a response
+    that is not streamed (cluster.statuses; its `code` is OpenAI's string or null, never the status), as a
+    stream's own status, 200, went out before it failed."""
+    kind = error.get("type")  # an unknown one is named as it is, and judged broken
+    return f"HTTP {next((s.http for _, s in STATUSES if s.kind == kind), kind)} in stream"
 
 
 class LinkSource:
