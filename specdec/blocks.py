@@ -28,11 +28,12 @@ the global layers and about a window in the sliding ones. The window storage's i
 import collections
 import contextlib
 import heapq
+import itertools
 import math
 import mmap
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,6 +68,9 @@ class _Indexed:
     key: tuple[int | str, tuple[int, ...]]  # (parent block, or at the root its sequence's salt: _root; its tokens)
     children: int = 0
     window: bool = False  # the index holds the block's window storage too (a hybrid model's, while it had it)
+    # a draft head's features of its tokens (the target's hidden states at these layers), where a prompt prefilled
+    # for a head stored them: layers -> [size, F], on the model's device; they go with the entry
+    features: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,7 @@ class Taken:
 
     blocks: list[int]
     window_from: int = 0
+    features: torch.Tensor | None = None  # taken with layers: the blocks' features [len(blocks) * size, F]
 
 
 class BlockPool:
@@ -317,16 +322,20 @@ class BlockPool:
                                self.prefix_capacity * size, used * size, (len(self._refs) - TRASH - 1) * size,
                                windowed[0] * size, windowed[1] * size)
 
-    def take(self, tokens: Sequence[int], salt: str | None = None) -> Taken:
+    def take(self, tokens: Sequence[int], salt: str | None = None, layers: tuple[int, ...] | None = None) -> Taken:
         """The blocks of the longest indexed prefix of `tokens` (whole blocks) stored with the same `salt` (None:
         stored with none) that the sequence can go on from,
         each now held once more by the caller, root first (none when the index is off). A hybrid model's
         sliding layers see the window behind the prefix's end: the prefix ends where those blocks' window
-        storage is held, and the caller holds that storage too."""
+        storage is held, and the caller holds that storage too. layers: a draft head's row, which needs the
+        features of every token it does not run: the prefix ends where the blocks' features at these layers
+        were stored (store), and Taken.features holds them."""
         if not self.prefix_capacity:
             return Taken([])
         with self._cond:
             path = self._match(tokens, salt)
+            if layers is not None:
+                path = list(itertools.takewhile(lambda b: layers in self._indexed[b].features, path))
             window_from = 0
             if self._windowed:
                 path, window_from = self._window_held(path)
@@ -337,7 +346,10 @@ class BlockPool:
                 self._refs[b] += 1
             for b in path[window_from:]:
                 self._wrefs[b] += 1
-            return Taken(path, window_from)
+            features = None
+            if layers is not None and path:
+                features = torch.cat([self._indexed[b].features[layers] for b in path])
+            return Taken(path, window_from, features)
 
     def _window_held(self, path: list[int]) -> tuple[list[int], int]:
         """The longest beginning of `path` whose last window's blocks have their window storage, and the first
@@ -349,11 +361,13 @@ class BlockPool:
                 return path[:n], first
         return [], 0
 
-    def store(self, tokens: Sequence[int], table: Sequence[int], salt: str | None = None) -> None:
+    def store(self, tokens: Sequence[int], table: Sequence[int], salt: str | None = None,
+              features: tuple[tuple[int, ...], torch.Tensor] | None = None) -> None:
         """Index the whole blocks of `tokens`, whose KV is in blocks `table` (a sequence's table: block i holds
         tokens [i * size, (i + 1) * size)), for sequences of this `salt` only. A block whose tokens are indexed
         already is left as it is; the index then holds the rest of the table's blocks once more each, up to its
-        cap."""
+        cap. features: (layers, [>= the blocks' tokens, F]): a draft head's features of these tokens, kept with
+        each indexed block that has none at these layers yet (take gives them to a head's row)."""
         n = min(len(tokens) // self.block_tokens, len(table))
         if not self.prefix_capacity or n == 0:
             return
@@ -377,6 +391,9 @@ class BlockPool:
                         self._indexed[parent].children += 1
                 path.append(block)
                 parent = block
+                if (features is not None and features[0] not in self._indexed[block].features
+                        and features[1].shape[0] >= (i + 1) * size):
+                    self._indexed[block].features[features[0]] = features[1][i * size : (i + 1) * size].clone()
             self._touch(path)
 
     def _match(self, tokens: Sequence[int], salt: str | None) -> list[int]:

@@ -20,7 +20,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .compute import on_compute
 from .device import HOST, host_tensor, to_device
 from . import paged_flex, paged_kernel
-from .blocks import NULL, TRASH, BlockPool
+from .blocks import NULL, TRASH, BlockPool, Taken
 
 if TYPE_CHECKING:  # transformers' modeling code takes seconds to import: loaded with the first model, not here
     from transformers import PreTrainedModel
@@ -134,6 +134,10 @@ class Prefilled:
     wants_last: list[bool] = field(default_factory=list)  # rows whose last token's logits are kept (all False if empty)
     last: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> its last token's logits [V], once run
     salts: list[str | None] = field(default_factory=list)  # each sequence's cache salt (BlockPool.take), one a chunk
+    reused: list[int] = field(default_factory=list)  # each row's tokens taken from the prefix cache, not run
+    # with hidden=True: each row's features of its reused tokens at the layers it asked (prefill_alone's layers),
+    # from the prefix cache [reused[b], F]; None where it reused none
+    cached: list[torch.Tensor | None] = field(default_factory=list)
 
     def ends(self, b: int, n: int) -> bool:
         """Whether running n more tokens of row b ends it, and its last token's logits are to be kept."""
@@ -165,7 +169,8 @@ class Prefilled:
         if self.hidden:
             raise ValueError("sequences prefilled with their hidden states join together: those are packed row after row")
         return [Prefilled([chunk], lm, wants_last=[last] if self.wants_last else [],
-                          last={0: self.last[b]} if b in self.last else {}, salts=[salt])
+                          last={0: self.last[b]} if b in self.last else {}, salts=[salt],
+                          reused=self.reused[b : b + 1])
                 for b, (chunk, lm, last, salt) in enumerate(zip(self.chunks, self.lm.split(),
                                                                 self.wants_last or [False] * len(self.chunks),
                                                                 self.salts, strict=True))]
@@ -179,15 +184,17 @@ class Prefilled:
         if any(p.hidden for p in parts):
             raise ValueError("sequences prefilled with their hidden states join as they were prefilled")
         lm = parts[0].lm
-        chunks, wants_last, last, salts = [], [], {}, []
+        chunks, wants_last, last, salts, reused = [], [], {}, [], []
         for p in parts:
             if p.lm is not lm:
                 lm.take_rows(p.lm)
             last |= {len(chunks) + b: logits for b, logits in p.last.items()}
             wants_last += p.wants_last or [False] * len(p.chunks)
             salts += p.salts
+            reused += p.reused or [0] * len(p.chunks)
             chunks += p.chunks
-        return Prefilled(chunks, lm, wants_last=wants_last if any(wants_last) else [], last=last, salts=salts)
+        return Prefilled(chunks, lm, wants_last=wants_last if any(wants_last) else [], last=last, salts=salts,
+                         reused=reused)
 
     def drop(self) -> None:
         """These sequences will not join: their blocks, the cached prefix's among them, go back now (not when
@@ -207,7 +214,8 @@ class Prefilled:
         """Run up to `budget` more of the chunks' tokens (None: all of them), row after row, in one forward
         of their own -> tokens run. hidden: keep their hidden states (Prefilled.hidden; only for a prefill run
         whole)."""
-        if hidden and (budget is not None or any(self.lm.lengths)):
+        reused = self.reused or [0] * len(self.chunks)
+        if hidden and (budget is not None or any(n > r for n, r in zip(self.lm.lengths, reused))):
             raise ValueError("hidden states are kept only for a prefill run whole, in one forward")
         if not self.remaining:  # done (or all taken from the prefix cache, which holds it already)
             return 0
@@ -863,23 +871,30 @@ class CachedLM:
 
     @torch.inference_mode()
     def prefill_alone(self, chunks: list[list[int]], hidden: bool = False, budget: int | None = None,
-                      wants_last: list[bool] | None = None, salts: list[str | None] | None = None) -> "Prefilled":
+                      wants_last: list[bool] | None = None, salts: list[str | None] | None = None,
+                      layers: list[tuple[int, ...] | None] | None = None) -> "Prefilled":
         """These sequences prefilled on their own, to join this batch later (join): the batch is not
         touched, so another thread may run this while the batch steps. hidden: keep the model's hidden
-        states of their tokens too (Prefilled.hidden). budget: run at most this many tokens now (chunked
+        states of the tokens run too (Prefilled.hidden). budget: run at most this many tokens now (chunked
         prefill), the rest by Prefilled.advance; None: all. wants_last: rows whose last token's logits are
         kept (Prefilled.last; that token always runs, even where the prefix cache holds it). salts: each
         sequence's cache salt: it reuses, and leaves for later, only the cached KV of sequences of the same salt
-        (None: of none; BlockPool.take)."""
+        (None: of none; BlockPool.take). layers (with hidden): each row's feature layers (a draft head's), or
+        None: such a row reuses a cached prefix only as far as its features at those layers were kept
+        (keep_features), and Prefilled.cached holds them; with hidden, a row without layers reuses none."""
         wants_last = wants_last or [False] * len(chunks)
         salts = salts or [None] * len(chunks)
         fresh = CachedLM(self.model, self.pool)
         fresh.reset(len(chunks))
         fresh.rewind = self.rewind
         fresh.frees = not self.pool.prefix_capacity  # with the index on, the prompt's blocks are indexed first (ran)
-        if not hidden:  # the hidden states of indexed tokens are not kept
-            fresh._reuse([chunk[:-1] if last else chunk for chunk, last in zip(chunks, wants_last)], salts)
-        prefilled = Prefilled(chunks, fresh, wants_last=wants_last, salts=salts)
+        reusable = [chunk[:-1] if last else chunk for chunk, last in zip(chunks, wants_last)]
+        if hidden:  # the hidden states of indexed tokens are not kept: only their features at a head's layers
+            reusable = [chunk if row_layers else [] for chunk, row_layers in
+                        zip(reusable, layers or [None] * len(chunks), strict=True)]
+        cached = fresh._reuse(reusable, salts, layers if hidden else None)
+        prefilled = Prefilled(chunks, fresh, wants_last=wants_last, salts=salts, reused=list(fresh.lengths),
+                              cached=cached if hidden else [])
         try:
             prefilled.advance(budget, hidden)
         except BaseException:
@@ -887,14 +902,25 @@ class CachedLM:
             raise
         return prefilled
 
-    def _reuse(self, chunks: list[list[int]], salts: list[str | None]) -> None:
+    def _reuse(self, chunks: list[list[int]], salts: list[str | None],
+               layers: list[tuple[int, ...] | None] | None = None) -> list[torch.Tensor | None]:
         """An empty batch takes, as each row's first committed tokens, the longest prefix of its chunk indexed
-        under its salt: its blocks, shared, not copied."""
-        taken = [self.pool.take(chunk, salt) for chunk, salt in zip(chunks, salts, strict=True)]
+        under its salt: its blocks, shared, not copied. layers: each row's feature layers (None: its KV alone)
+        -> each row's features of the tokens taken [n, F] (None where it took none, or has no layers)."""
+        layers = layers or [None] * len(chunks)
+        taken = [self.pool.take(chunk, salt, row_layers) if chunk else Taken([])
+                 for chunk, salt, row_layers in zip(chunks, salts, layers, strict=True)]
         self.tables = [t.blocks for t in taken]
         self.window_from = [t.window_from for t in taken]
         self.lengths = [len(t) * self.pool.block_tokens for t in self.tables]
         self._slots.n = max(self.lengths, default=0)
+        return [t.features for t in taken]
+
+    def keep_features(self, b: int, tokens: list[int], salt: str | None, layers: tuple[int, ...],
+                      features: torch.Tensor) -> None:
+        """Keep row b's features [len(tokens), F] at these layers (a draft head's) with the indexed blocks of its
+        first tokens, for the rows of later prompts that begin the same way (prefill_alone's layers)."""
+        self.pool.store(tokens[: min(len(tokens), self.lengths[b])], self.tables[b], salt, (layers, features))
 
     @torch.inference_mode()
     def remember(self, rows: list[int], tokens: list[list[int]], salts: list[str | None]) -> None:

@@ -155,7 +155,8 @@ class TargetWorker:
         chunks = [prompt if last else prompt[:-1] for (_, prompt, _, _), last in zip(joining, first)]
         hidden = bool(feature_layers)
         prefilled = self.lm.prefill_alone(chunks, hidden=hidden, budget=None if hidden else budget, wants_last=first,
-                                          salts=[params.cache_salt for _, _, params, _ in joining])
+                                          salts=[params.cache_salt for _, _, params, _ in joining],
+                                          layers=[feature_layers.get(rid) for rid, _, _, _ in joining])
         handle = next(self._handles)
         self._joining[handle] = _Joining(joining, feature_layers, grammars, prefilled)
         return handle
@@ -180,18 +181,24 @@ class TargetWorker:
         pending = self._joining.pop(handle)
         joining, feature_layers, grammars, prefilled = (pending.joining, pending.feature_layers, pending.grammars,
                                                         pending.prefilled)
-        self.lm.join(prefilled)  # ValueError while some of it is not prefilled (advance)
+        prefilled.check_ran()  # ValueError while some of it is not prefilled (advance)
         features, first, offset = {}, {}, 0
-        for b, ((rid, prompt, params, stream), chunk) in enumerate(zip(joining, prefilled.chunks)):
+        for b, ((rid, _, params, _), chunk) in enumerate(zip(joining, prefilled.chunks)):
+            ran = len(chunk) - prefilled.reused[b]  # the rest came from the prefix cache (with its features)
+            if layers := tuple(feature_layers.get(rid, ())):
+                features[rid] = _features(prefilled.hidden, layers, list(range(offset, offset + ran)), self.lm)
+                if prefilled.cached[b] is not None:
+                    features[rid] = torch.cat([prefilled.cached[b], features[rid]])
+                prefilled.lm.keep_features(b, chunk, params.cache_salt, layers, features[rid])
+            offset += ran
+        self.lm.join(prefilled)
+        for b, (rid, prompt, params, stream) in enumerate(joining):
             gen = make_generator(params.seed, stream, self.lm.device, role="target")
             layers = tuple(feature_layers.get(rid, ()))
             self.requests[rid] = _Request(list(prompt), params, gen, len(prompt), grammars.get(rid), layers)
             self.rows.append(rid)
-            if layers:
-                features[rid] = _features(prefilled.hidden, layers, list(range(offset, offset + len(chunk))), self.lm)
             if prefilled.wants_last[b]:
                 first[rid] = self._first_verdict(rid, prefilled.last[b])
-            offset += len(chunk)
         return Joined(features, first)
 
     def _first_verdict(self, rid: Hashable, logits: torch.Tensor) -> Outcome:

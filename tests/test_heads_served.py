@@ -6,7 +6,6 @@ sampling keeps the target's distribution."""
 
 import asyncio
 import contextlib
-import json
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +24,7 @@ from conftest import NEW_TOKENS, VOCAB, threads_for_new_threads
 from protos import specdec_tree_pb2 as tree_pb
 from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.acceptance import Verdict
+from specdec.blocks import BlockPool
 from specdec.draft_loop import DraftLoop, DraftRequest
 from specdec.drafter_factory import draft_runner, make_drafter
 from specdec.errors import InvalidArgument
@@ -72,10 +72,10 @@ class CountingStub:
 
 
 @contextlib.contextmanager
-def serving(model, limit: int, **budget):
-    """The model's scheduler behind a real TargetService on loopback with this message limit -> (scheduler,
-    a GrpcTarget with the same limit, its counting stub)."""
-    scheduler = TargetScheduler(TargetWorker(CachedLM(model)), KvBudget(**budget))
+def serving(model, limit: int, pool: BlockPool | None = None, **budget):
+    """The model's scheduler (its KV in `pool`, else a pool without a prefix cache) behind a real TargetService on
+    loopback with this message limit -> (scheduler, a GrpcTarget with the same limit, its counting stub)."""
+    scheduler = TargetScheduler(TargetWorker(CachedLM(model, pool)), KvBudget(**budget))
     server, port = serve_target(TargetService(scheduler, message_limit=limit), tree_grpc.add_TargetServiceServicer_to_server,
                                 "127.0.0.1", LinkSecurity(SECRET))
     channel = target_channel(f"127.0.0.1:{port}", LinkSecurity(SECRET))
@@ -122,6 +122,24 @@ def test_heads_over_grpc_equal_plain_decoding(smooth, heads, width, request):
         assert remote.feature_row_bytes == len(drafter.feature_layers) * 64 * 2  # bfloat16 on the wire
     accepted = sum(s.stats.accepted for s in sinks)
     assert accepted > 0 and accepted < sum(s.stats.drafted for s in sinks)
+
+
+def test_a_heads_rows_take_cached_prompts_with_their_features_and_equal_plain_decoding(smooth, trained_head):
+    """The same prompts twice through a target whose prefix cache is on: the second time the head's rows take
+    the prompts' cached blocks with the features kept beside them (the target runs only the rest), and the
+    output is plain decoding's both times."""
+    model = load_replica_draft(trained_head.path, smooth.path, torch.float32, "cpu")
+    drafter = make_drafter("model", draft_runner(model), 1)
+    pool = BlockPool(4096)
+    with serving(smooth.model, limit=1 << 20, pool=pool) as (scheduler, remote, stub):
+        first = run_remote(remote, drafter, smooth.reference.prompts, NEW_TOKENS)
+        assert [s.wait() for s in first] == smooth.reference.continuations
+        before = pool.stats().hit_tokens
+        again = run_remote(remote, drafter, smooth.reference.prompts, NEW_TOKENS, prefix="again")
+        assert [s.wait() for s in again] == smooth.reference.continuations
+    whole = sum((len(p) - 1) // 16 * 16 for p in smooth.reference.prompts)
+    assert whole and pool.stats().hit_tokens - before >= whole  # every whole block of every prompt was taken
+    assert sum(s.stats.accepted for s in again) > 0
 
 
 def test_a_4000_token_prompt_with_a_head_is_served(smooth, trained_head, tmp_path):

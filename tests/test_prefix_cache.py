@@ -411,3 +411,39 @@ def test_finished_requests_leave_no_trace_in_the_scheduler(target, draft):
     wait_for(lambda: naming(scheduler) == naming(scheduler.worker) == [], lambda: (naming(scheduler),
                                                                                      naming(scheduler.worker)))
     scheduler.stop()
+
+
+def test_a_heads_row_takes_a_cached_prefix_with_the_features_kept_beside_it(target):
+    """A draft head's row needs the target's features of every prompt token, so its prefill reuses a cached prefix
+    only as far as a head's row left its features there (at the same layers), and gets them with the KV: the
+    features it returns equal those of the prompt prefilled whole, and later rows of the same prefix skip its
+    forward (BlockPool.take with layers)."""
+    from specdec.target import TargetWorker
+
+    layers, other_layers = (0, 1, 2), (1, 1, 2)
+    system, ask = conversations(seed=9, count=1)[0][:40], lambda *tail: system + list(tail)
+    cached, whole = TargetWorker(CachedLM(target, BlockPool(4096))), TargetWorker(CachedLM(target))
+    stats = cached.lm.prefix.stats
+
+    def features(worker, rid, prompt, row_layers=layers):
+        return worker.add([(rid, prompt, SamplingParams(), 0)], {rid: row_layers} if row_layers else {}).get(rid)
+
+    features(cached, "kv only", ask(5, 6, 7), row_layers=None)  # indexes the system prompt's blocks, with no features
+    before = stats().hit_tokens
+    first = features(cached, "a", ask(8, 9))
+    assert stats().hit_tokens == before  # a head's row takes no block whose features were never kept
+    torch.testing.assert_close(first, features(whole, "a", ask(8, 9)))
+
+    before = stats().hit_tokens
+    again = features(cached, "b", ask(10, 11, 12))  # the features of the system prompt's blocks are kept now
+    assert stats().hit_tokens - before == 32  # its two whole blocks (BLOCK_TOKENS = 16)
+    assert again.shape == (len(ask(10, 11, 12)) - 1, first.shape[1])
+    torch.testing.assert_close(again, features(whole, "b", ask(10, 11, 12)), atol=1e-5, rtol=1e-5)
+
+    before = stats().hit_tokens
+    elsewhere = features(cached, "c", ask(13), row_layers=other_layers)  # another head's layers: kept apart
+    assert stats().hit_tokens == before
+    torch.testing.assert_close(elsewhere, features(whole, "c", ask(13), row_layers=other_layers))
+    before = stats().hit_tokens
+    features(cached, "kv only again", ask(14, 15), row_layers=None)  # a row without a head takes the KV alone
+    assert stats().hit_tokens - before == 32
