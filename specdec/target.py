@@ -42,6 +42,9 @@ class _Request:
     prompt_len: int  # len(seq) when it joined: the tokens after it are the ones it generated
     grammar: RowGrammar | None = None  # its response_format's matcher, at the tokens it has committed
     feature_layers: tuple[int, ...] = ()  # the layers whose inputs its verdicts carry (a draft head's)
+    # with feature_layers and the prefix cache on: the features of its committed tokens but the last (its prompt's,
+    # then each verdict's), kept with its blocks when it leaves, for a conversation's next turn
+    features: list[torch.Tensor] | None = None
 
     @property
     def history(self) -> History:
@@ -195,7 +198,8 @@ class TargetWorker:
         for b, (rid, prompt, params, stream) in enumerate(joining):
             gen = make_generator(params.seed, stream, self.lm.device, role="target")
             layers = tuple(feature_layers.get(rid, ()))
-            self.requests[rid] = _Request(list(prompt), params, gen, len(prompt), grammars.get(rid), layers)
+            kept = [features[rid]] if layers and self.lm.prefix is not None else None
+            self.requests[rid] = _Request(list(prompt), params, gen, len(prompt), grammars.get(rid), layers, kept)
             self.rows.append(rid)
             if prefilled.wants_last[b]:
                 first[rid] = self._first_verdict(rid, prefilled.last[b])
@@ -229,6 +233,9 @@ class TargetWorker:
         # what they ran stays for prompts that begin the same way (a conversation's next turn)
         leaving_requests = [self.requests[self.rows[row]] for row in ending]
         self.lm.remember(ending, [r.seq for r in leaving_requests], [r.params.cache_salt for r in leaving_requests])
+        for row, r in zip(ending, leaving_requests):
+            if r.features and sum(f.shape[0] for f in r.features) == len(r.seq) - 1:
+                self.lm.keep_features(row, r.seq, r.params.cache_salt, r.feature_layers, torch.cat(r.features))
         self.lm.select(keep)
         self.rows = [self.rows[row] for row in keep]
         for rid in gone:
@@ -350,6 +357,8 @@ class TargetWorker:
                 self.requests[rid].commit(outcome.tokens)
                 if layers := self.requests[rid].feature_layers:
                     outcome.features = _features(states, layers, [bounds[i] + n for n in outcome.path], self.lm)
+                    if (kept := self.requests[rid].features) is not None:
+                        kept.append(outcome.features)
                 keep.append([start + n for n in outcome.path])
             else:
                 keep.append([])  # sat this step out, or failed: nothing committed

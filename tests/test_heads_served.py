@@ -124,22 +124,30 @@ def test_heads_over_grpc_equal_plain_decoding(smooth, heads, width, request):
     assert accepted > 0 and accepted < sum(s.stats.drafted for s in sinks)
 
 
-def test_a_heads_rows_take_cached_prompts_with_their_features_and_equal_plain_decoding(smooth, trained_head):
-    """The same prompts twice through a target whose prefix cache is on: the second time the head's rows take
-    the prompts' cached blocks with the features kept beside them (the target runs only the rest), and the
-    output is plain decoding's both times."""
+def test_a_heads_next_turn_takes_its_prompt_and_answer_cached_with_their_features(smooth, trained_head):
+    """Conversations through a target whose prefix cache is on: each one's second turn (its first prompt, the
+    answer and a follow-up) takes the first turn's blocks, answer included, with the features kept beside them
+    (the target runs only the follow-up), and both turns' outputs are plain decoding's."""
+    from conftest import MIN_GAP
+    from specdec.plain import hf_greedy_margin
+
     model = load_replica_draft(trained_head.path, smooth.path, torch.float32, "cpu")
     drafter = make_drafter("model", draft_runner(model), 1)
     pool = BlockPool(4096)
     with serving(smooth.model, limit=1 << 20, pool=pool) as (scheduler, remote, stub):
         first = run_remote(remote, drafter, smooth.reference.prompts, NEW_TOKENS)
-        assert [s.wait() for s in first] == smooth.reference.continuations
+        answers = [s.wait() for s in first]
+        assert answers == smooth.reference.continuations
+        turns = [p + a + [1, 2, 3] for p, a in zip(smooth.reference.prompts, answers)]
+        plain = [hf_greedy_margin(smooth.model, t, NEW_TOKENS) for t in turns]
+        kept = [i for i, (_, gap) in enumerate(plain) if gap >= MIN_GAP]  # no near-tie on the way: a fair demand
+        assert len(kept) >= len(turns) // 2
         before = pool.stats().hit_tokens
-        again = run_remote(remote, drafter, smooth.reference.prompts, NEW_TOKENS, prefix="again")
-        assert [s.wait() for s in again] == smooth.reference.continuations
-    whole = sum((len(p) - 1) // 16 * 16 for p in smooth.reference.prompts)
-    assert whole and pool.stats().hit_tokens - before >= whole  # every whole block of every prompt was taken
-    assert sum(s.stats.accepted for s in again) > 0
+        second = run_remote(remote, drafter, [turns[i] for i in kept], NEW_TOKENS, prefix="turn 2 ")
+        assert [s.wait() for s in second] == [plain[i][0] for i in kept]
+    held = sum((len(smooth.reference.prompts[i]) + len(answers[i]) - 1) // 16 * 16 for i in kept)
+    assert pool.stats().hit_tokens - before >= held  # every whole block of each first turn, its answer's too
+    assert sum(s.stats.accepted for s in second) > 0
 
 
 def test_a_4000_token_prompt_with_a_head_is_served(smooth, trained_head, tmp_path):

@@ -447,3 +447,26 @@ def test_a_heads_row_takes_a_cached_prefix_with_the_features_kept_beside_it(targ
     before = stats().hit_tokens
     features(cached, "kv only again", ask(14, 15), row_layers=None)  # a row without a head takes the KV alone
     assert stats().hit_tokens - before == 32
+
+
+def test_a_heads_answer_is_kept_with_its_features_for_the_next_turn(target):
+    """A head's row that leaves keeps its answer's features (its verdicts') with its blocks too, so the next turn
+    of its conversation takes the prompt and the answer from the cache, with features equal to a whole
+    prefill's."""
+    from specdec.target import TargetWorker
+    from specdec.tree import TokenTree
+
+    layers = (0, 1, 2)
+    cached, whole = TargetWorker(CachedLM(target, BlockPool(4096))), TargetWorker(CachedLM(target))
+    prompt = conversations(seed=11, count=1)[0]
+    cached.add([("turn 1", prompt, SamplingParams(), 0)], {"turn 1": layers})
+    for _ in range(30):  # plain steps: each verdict commits a token and carries the features of the one before
+        cached.verify({"turn 1": TokenTree.root(cached.requests["turn 1"].seq[-1])})
+    seq = list(cached.requests["turn 1"].seq)
+    cached.remove(["turn 1"])
+    before = cached.lm.prefix.stats().hit_tokens
+    follow_up = seq + [1, 2, 3]
+    again = cached.add([("turn 2", follow_up, SamplingParams(), 0)], {"turn 2": layers})["turn 2"]
+    assert cached.lm.prefix.stats().hit_tokens - before == (len(seq) - 1) // 16 * 16 > len(prompt)
+    fresh = whole.add([("turn 2", follow_up, SamplingParams(), 0)], {"turn 2": layers})["turn 2"]
+    torch.testing.assert_close(again, fresh, atol=1e-4, rtol=1e-4)
