@@ -125,17 +125,27 @@ class DraftReplica:
             # room (PrefillsAhead); a head's prompt runs with the target's features, which come with the open.
             # The open awaits admission holding no thread (the target may keep it waiting for room)
             layers = loop.drafter.feature_layers if loop.drafter is not None else ()
-            opening = self.target.open_async(request_id, prompt, params, stream, max_new_tokens, layers)
 
             def prefilling():
                 return asyncio.to_thread(single_threaded_call, loop.prefill, [prompt], [params.cache_salt])
 
-            with self.prefills_ahead.take(self._pool_for(task_type, drafter), len(prompt)) as ahead:
-                if ahead:
-                    opened, (prefilled,) = await asyncio.gather(opening, prefilling())
-            if not ahead:  # after the target has admitted it: its rows' KV is within the target's budget
-                opened = await opening
-                (prefilled,) = await prefilling()
+            if layers:  # a head: the pairs its prefix index holds first (nothing runs), then the target sends the
+                (prefilled,) = await prefilling()  # features of the rest only
+                try:
+                    opened = await self.target.open_async(request_id, prompt, params, stream, max_new_tokens, layers,
+                                                          features_from=prefilled.lm.lengths[0] if prefilled else 0)
+                except BaseException:
+                    if prefilled is not None:
+                        prefilled.drop()
+                    raise
+            else:
+                opening = self.target.open_async(request_id, prompt, params, stream, max_new_tokens, layers)
+                with self.prefills_ahead.take(self._pool_for(task_type, drafter), len(prompt)) as ahead:
+                    if ahead:
+                        opened, (prefilled,) = await asyncio.gather(opening, prefilling())
+                if not ahead:  # after the target has admitted it: its rows' KV is within the target's budget
+                    opened = await opening
+                    (prefilled,) = await prefilling()
             loop.join(DraftRequest(request_id, prompt, params, max_new_tokens, set(eos), depth, sink, stream,
                                    draft_prefill=prefilled, features=opened.features, first=opened.first))
             return await sink.result()

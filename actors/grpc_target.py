@@ -57,20 +57,22 @@ class GrpcTarget:
                                    max_new_tokens=max_new_tokens, feature_layers=list(feature_layers))
 
     def open(self, rid: str, prompt: list[int], params: SamplingParams, stream: int = 0,
-             max_new_tokens: int = 0, feature_layers: tuple[int, ...] = ()) -> Opened:
-        """Open the request -> its first verdict and, with feature_layers, its prompt's features [len(prompt), F]
-        (on the host)."""
+             max_new_tokens: int = 0, feature_layers: tuple[int, ...] = (), features_from: int = 0) -> Opened:
+        """Open the request -> its first verdict and, with feature_layers, its prompt's features from position
+        `features_from` (the head holds those before: its prefix index) [len(prompt) - features_from, F] (on the
+        host)."""
         try:
             reply = self.stub.Open(self._open_request(rid, prompt, params, stream, max_new_tokens, feature_layers),
                                    timeout=self.open_timeout_s)
         except grpc.RpcError as e:
             self._logprobs.pop(rid, None)
             raise self._open_error(e) from None
-        return Opened(_first(rid, reply), self.prompt_features(rid) if feature_layers else None)
+        return Opened(_first(rid, reply), self.prompt_features(rid, features_from) if feature_layers else None)
 
-    def prompt_features(self, rid: str) -> torch.Tensor:
-        """An opened request's prompt features, in as many PromptFeatures calls as the message limit needs."""
-        chunks, start, total = [], 0, None
+    def prompt_features(self, rid: str, start: int = 0) -> torch.Tensor:
+        """An opened request's prompt features from row `start`, in as many PromptFeatures calls as the message
+        limit needs."""
+        chunks, total = [], None
         while total is None or start < total:
             try:
                 reply = self.stub.PromptFeatures(tree_pb.PromptFeaturesRequest(request_id=rid, start=start),
@@ -88,7 +90,8 @@ class GrpcTarget:
         return features
 
     async def open_async(self, rid: str, prompt: list[int], params: SamplingParams, stream: int = 0,
-                         max_new_tokens: int = 0, feature_layers: tuple[int, ...] = ()) -> Opened:
+                         max_new_tokens: int = 0, feature_layers: tuple[int, ...] = (),
+                         features_from: int = 0) -> Opened:
         """open() awaited on an event loop, holding no thread while the target keeps it waiting for room;
         cancelling it cancels the call (the target then drops the request from its queue). Its prompt's
         features, once it is admitted, are read on a thread (a few calls, none of them waiting for room)."""
@@ -109,8 +112,8 @@ class GrpcTarget:
         except grpc.RpcError as e:
             self._logprobs.pop(rid, None)
             raise self._open_error(e) from None
-        return Opened(_first(rid, reply), await asyncio.to_thread(single_threaded_call, self.prompt_features, rid)
-                      if feature_layers else None)
+        return Opened(_first(rid, reply), await asyncio.to_thread(single_threaded_call, self.prompt_features, rid,
+                                                                  features_from) if feature_layers else None)
 
     def _open_error(self, e: grpc.RpcError) -> Exception:
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:

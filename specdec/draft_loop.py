@@ -175,9 +175,10 @@ class DraftLoop:
                 prefilled = [r for r in joining if r.draft_prefill is not None]
                 joining = prefilled + [r for r in joining if r.draft_prefill is None]
                 if prefilled:
-                    self.drafter.add_rows(len(prefilled), Prefilled.together([r.draft_prefill for r in prefilled]))
+                    self.drafter.add_rows(len(prefilled), Prefilled.together([r.draft_prefill for r in prefilled]),
+                                          features=[r.features for r in prefilled])
                 for r in prefilled:
-                    r.draft_prefill = None  # the batch holds it now
+                    r.draft_prefill = r.features = None  # the batch holds them now
                 if len(prefilled) < len(joining):
                     fresh = joining[len(prefilled):]
                     self.drafter.add_rows(len(fresh), features=[r.features for r in fresh])
@@ -198,9 +199,9 @@ class DraftLoop:
         ending = [i for i, r in enumerate(self.rows) if id(r) in gone]
         keep = compacting(len(self.rows), ending)  # the last rows fill the gaps: the draft's cache copies only them
         if self.drafter is not None:
-            if (lm := self.drafter.draft_lm) is not None:  # what the draft ran stays for prompts that begin the same way
-                lm.remember(ending, [self.rows[i].seq[:-1] for i in ending],
-                            [self.rows[i].params.cache_salt for i in ending])
+            if self.drafter.draft_lm is not None:  # what the draft ran stays for prompts that begin the same way
+                self.drafter.remember(ending, [self.rows[i].seq for i in ending],
+                                      [self.rows[i].params.cache_salt for i in ending])
             self.drafter.select(keep)
         self.rows = [self.rows[i] for i in keep]
         if close:

@@ -59,8 +59,10 @@ def _is_eagle3_head(model: torch.nn.Module) -> bool:
 def draft_runner(model: torch.nn.Module, pool: BlockPool | None = None):
     """What make_drafter takes as a draft: a model's CachedLM (a draft model, an EAGLE-3 head), Medusa heads
     as they are (they keep no cache). pool: a draft model's block pool, shared by its drafters, with its
-    prefix index (a head's KV depends on the target's features as well as the tokens: it keeps a pool of its
-    own, indexing nothing)."""
+    prefix index; an EAGLE-3 head's KV has other shapes, so it gets a pool of its own with an index of the same
+    cap (its pairs keyed as specdec.head_drafter.pair_salt says)."""
     if isinstance(model, MedusaHeads):
         return model
-    return CachedLM(model, None if _is_eagle3_head(model) else pool)
+    if _is_eagle3_head(model):
+        return CachedLM(model, BlockPool(pool.prefix_capacity * pool.block_tokens) if pool is not None else None)
+    return CachedLM(model, pool)

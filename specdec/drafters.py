@@ -62,7 +62,11 @@ class Drafter(Protocol):
         request's SamplingParams.cache_salt): it reuses only the draft KV of prompts with the same salt."""
     def add_rows(self, n: int, prefilled: Prefilled | None = None, features: list[torch.Tensor | None] | None = None) -> None:
         """n rows join the batch: empty, or the prompts of `prefilled` (prefill_alone) already run; `features`:
-        each row's prompt features from the target (feature_layers), for a drafter that reads them."""
+        each row's prompt features from the target (feature_layers), for a drafter that reads them (from the
+        first prompt position `prefilled` leaves to run)."""
+    def remember(self, rows: list[int], seqs: list[list[int]], salts: list[str | None]) -> None:
+        """Rows leaving with these committed tokens: what the draft ran of them stays in its prefix index (when on);
+        a drafter with a draft_lm has it."""
     def propose(
         self, seqs: list[list[int]], plans: list[Plan], params: list[SamplingParams], gens: list[torch.Generator]
     ) -> list[TokenTree]: ...
@@ -387,6 +391,11 @@ class ModelDrafter(TreeGrower):
             self.lm.join(prefilled)
         self.slot_of += [{} for _ in range(n)]
 
+    def remember(self, rows: list[int], seqs: list[list[int]], salts: list[str | None]) -> None:
+        """What these rows ran stays in the draft's prefix index (when on) for prompts that begin the same way: the
+        KV of each seq but its last token (the next root)."""
+        self.lm.remember(rows, [seq[:-1] for seq in seqs], salts)
+
     def select(self, rows: list[int]) -> None:
         self.slot_of = [self.slot_of[r] for r in rows]
         self._hold_pending()
@@ -546,6 +555,9 @@ class MergedDrafter:
     def add_rows(self, n: int, prefilled: Prefilled | None = None, features=None) -> None:
         self.model.add_rows(n, prefilled, features)
         self.lookup.add_rows(n)
+
+    def remember(self, rows: list[int], seqs: list[list[int]], salts: list[str | None]) -> None:
+        self.model.remember(rows, seqs, salts)
 
     def select(self, rows: list[int]) -> None:
         self.model.select(rows)

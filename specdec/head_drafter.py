@@ -50,20 +50,44 @@ class HeadDrafter(_NoDraftingAhead, ModelDrafter):
         super().start(batch_size)
         self.pending = [[] for _ in range(batch_size)]
 
-    def prefill_alone(self, prompts: list[list[int]], salts: list[str | None]) -> None:
-        return None  # its prompt runs with the target's features, which come with the row (add_rows)
+    def prefill_alone(self, prompts: list[list[int]], salts: list[str | None]) -> Prefilled | None:
+        """Each prompt's pairs the head's prefix index holds (the head's KV of an earlier row that began the same
+        way), taken, nothing run -> those rows (their lengths: the first prompt position whose feature the
+        head needs from the target, PromptFeatures' start), or None without an index. The rest runs with the
+        target's features, which come with the row (add_rows)."""
+        if self.lm.prefix is None:
+            return None
+        held = CachedLM(self.head, self.lm.pool)
+        held.reset(len(prompts))
+        held.rewind = self.lm.rewind
+        pairs = [self._readable([p[1:]])[0] for p in prompts]  # pair t reads x_{t+1}: the prompt's pairs' tokens
+        head_salts = [pair_salt(salt, p) for salt, p in zip(salts, prompts)]
+        held._reuse(pairs, head_salts)
+        return Prefilled([p[:n] for p, n in zip(pairs, held.lengths)], held, salts=head_salts,
+                         reused=list(held.lengths))
 
     def add_rows(self, n: int, prefilled: Prefilled | None = None, features=None) -> None:
+        """n rows join: with their pairs taken from the prefix index (prefilled, prefill_alone's), their features
+        (each [len(prompt) - 1 - taken, F]: from the first pair not taken) waiting to run."""
         features = features if features is not None else [None] * n
         if len(features) != n:
             raise ValueError(f"{n} rows joined with {len(features)} prompts' features")
-        self.lm.add_rows(n)
+        if prefilled is None:
+            self.lm.add_rows(n)
+        else:
+            self.lm.join(prefilled)
         self.slot_of += [{} for _ in range(n)]
         self.pending += [[f] if f is not None and f.shape[0] else [] for f in features]
 
     def select(self, rows: list[int]) -> None:
         super().select(rows)
         self.pending = [self.pending[r] for r in rows]
+
+    def remember(self, rows: list[int], seqs: list[list[int]], salts: list[str | None]) -> None:
+        """Index these rows' pairs in the head's pool (when its index is on), keyed by the tokens they read
+        (pair t: x_{t+1}) under their sequence's first token and salt (pair_salt)."""
+        self.lm.remember(rows, self._readable([seq[1:] for seq in seqs]),
+                         [pair_salt(salt, seq) for salt, seq in zip(salts, seqs)])
 
     def commit(self, paths: list[list[int]], features=None) -> None:
         """Drop the tree's nodes from the head's cache (they ran on its own features); the path's tokens run
@@ -111,6 +135,12 @@ class HeadDrafter(_NoDraftingAhead, ModelDrafter):
         packed, states = self.lm.forward_hidden(tokens, block, positions, visible, sizes=sizes, features=features)
         W = tokens.shape[1]
         return _unpacked(packed, sizes, W), _unpacked(states[0], sizes, W)
+
+
+def pair_salt(salt: str | None, seq: list[int]) -> str:
+    """The key under which a head's pairs of a sequence are indexed: pair t = (f_t, x_{t+1}) depends on x_0 .. x_{t+1},
+    so the pairs are keyed by the tokens they read (x_1 ..) under the first token and the sequence's salt."""
+    return f"{salt!r} after {seq[0] if seq else None}"
 
 
 class MedusaDrafter(_NoDraftingAhead, TreeGrower):

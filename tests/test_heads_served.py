@@ -95,9 +95,12 @@ def run_remote(remote: GrpcTarget, drafter, prompts, new_tokens, params=GREEDY, 
 
     def start(i: int) -> None:
         rid = f"{prefix}{i}"
-        opened = remote.open(rid, prompts[i], params, i, new_tokens, drafter.feature_layers)
+        # a head's pairs its prefix index holds (if it has one), as a replica takes them before it opens
+        (held,) = loop.prefill([prompts[i]], [params.cache_salt]) if drafter.feature_layers else (None,)
+        opened = remote.open(rid, prompts[i], params, i, new_tokens, drafter.feature_layers,
+                             features_from=held.lm.lengths[0] if held is not None else 0)
         loop.join(DraftRequest(rid, prompts[i], params, new_tokens, set(), depth, sinks[i], stream=i,
-                               features=opened.features, first=opened.first))
+                               draft_prefill=held, features=opened.features, first=opened.first))
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(start, range(len(prompts))))
@@ -127,26 +130,33 @@ def test_heads_over_grpc_equal_plain_decoding(smooth, heads, width, request):
 def test_a_heads_next_turn_takes_its_prompt_and_answer_cached_with_their_features(smooth, trained_head):
     """Conversations through a target whose prefix cache is on: each one's second turn (its first prompt, the
     answer and a follow-up) takes the first turn's blocks, answer included, with the features kept beside them
-    (the target runs only the follow-up), and both turns' outputs are plain decoding's."""
+    (the target runs only the follow-up); the head takes its own pairs of the first turn from its index, so the
+    target sends the features after them only; and both turns' outputs are plain decoding's."""
     from conftest import MIN_GAP
     from specdec.plain import hf_greedy_margin
 
     model = load_replica_draft(trained_head.path, smooth.path, torch.float32, "cpu")
-    drafter = make_drafter("model", draft_runner(model), 1)
+    drafter = make_drafter("model", draft_runner(model, BlockPool(4096)), 1)  # the head's pool: its own index
     pool = BlockPool(4096)
     with serving(smooth.model, limit=1 << 20, pool=pool) as (scheduler, remote, stub):
+        starts, read = [], remote.prompt_features
+        remote.prompt_features = lambda rid, start=0: (starts.append(start), read(rid, start))[1]
         first = run_remote(remote, drafter, smooth.reference.prompts, NEW_TOKENS)
+        assert starts == [0] * len(first)  # nothing cached yet: every prompt's features from its first token
         answers = [s.wait() for s in first]
         assert answers == smooth.reference.continuations
         turns = [p + a + [1, 2, 3] for p, a in zip(smooth.reference.prompts, answers)]
         plain = [hf_greedy_margin(smooth.model, t, NEW_TOKENS) for t in turns]
         kept = [i for i, (_, gap) in enumerate(plain) if gap >= MIN_GAP]  # no near-tie on the way: a fair demand
         assert len(kept) >= len(turns) // 2
-        before = pool.stats().hit_tokens
+        before, head_before, starts[:] = pool.stats().hit_tokens, drafter.lm.pool.stats().hit_tokens, []
         second = run_remote(remote, drafter, [turns[i] for i in kept], NEW_TOKENS, prefix="turn 2 ")
         assert [s.wait() for s in second] == [plain[i][0] for i in kept]
     held = sum((len(smooth.reference.prompts[i]) + len(answers[i]) - 1) // 16 * 16 for i in kept)
     assert pool.stats().hit_tokens - before >= held  # every whole block of each first turn, its answer's too
+    # the head took its own pairs of each first turn too, so the target sent only the features after them
+    prompt_pairs = sum((len(smooth.reference.prompts[i]) - 1) // 16 * 16 for i in kept)
+    assert drafter.lm.pool.stats().hit_tokens - head_before == sum(starts) >= prompt_pairs > 0
     assert sum(s.stats.accepted for s in second) > 0
 
 
