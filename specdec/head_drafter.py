@@ -60,7 +60,8 @@ class HeadDrafter(_NoDraftingAhead, ModelDrafter):
         held = CachedLM(self.head, self.lm.pool)
         held.reset(len(prompts))
         held.rewind = self.lm.rewind
-        pairs = [self._readable([p[1:]])[0] for p in prompts]  # pair t reads x_{t+1}: the prompt's pairs' tokens
+        pairs = [p[1:] for p in prompts]  # pair t reads x_{t+1}: the prompt's pairs' tokens (as the target has them:
+        # f_t comes from them, whatever the head's embedding reads)
         head_salts = [pair_salt(salt, p) for salt, p in zip(salts, prompts)]
         held._reuse(pairs, head_salts)
         return Prefilled([p[:n] for p, n in zip(pairs, held.lengths)], held, salts=head_salts,
@@ -86,8 +87,7 @@ class HeadDrafter(_NoDraftingAhead, ModelDrafter):
     def remember(self, rows: list[int], seqs: list[list[int]], salts: list[str | None]) -> None:
         """Index these rows' pairs in the head's pool (when its index is on), keyed by the tokens they read
         (pair t: x_{t+1}) under their sequence's first token and salt (pair_salt)."""
-        self.lm.remember(rows, self._readable([seq[1:] for seq in seqs]),
-                         [pair_salt(salt, seq) for salt, seq in zip(salts, seqs)])
+        self.lm.remember(rows, [seq[1:] for seq in seqs], [pair_salt(salt, seq) for salt, seq in zip(salts, seqs)])
 
     def commit(self, paths: list[list[int]], features=None) -> None:
         """Drop the tree's nodes from the head's cache (they ran on its own features); the path's tokens run
