@@ -175,9 +175,12 @@ def test_a_4000_token_prompt_with_a_head_is_served(smooth, trained_head, tmp_pat
         assert stub.feature_calls >= 4000 * 3 * 64 * 2 // 65536
 
 
-def test_heads_sampling_over_grpc_keeps_the_targets_distribution(small_target, model_dirs, tmp_path):
+@pytest.mark.parametrize("cached", [False, True], ids=["no cache", "prefix cache"])
+def test_heads_sampling_over_grpc_keeps_the_targets_distribution(small_target, model_dirs, tmp_path, cached):
     """Seeded samples drafted by a random EAGLE-3 head over gRPC (features in bfloat16): the joint of their
-    first 3 tokens is the target's (chi-square against enumeration)."""
+    first 3 tokens is the target's (chi-square against enumeration). With the prefix caches on (the target's
+    and the head's), a prompt of a whole block and more: every request after the first few takes its first
+    block's KV and features from the target's cache and its pairs from the head's."""
     from specdec.eagle3 import save_head
     from test_sampling import P_MIN, PROMPT, chi_square_pvalue, exact_joint
 
@@ -187,15 +190,18 @@ def test_heads_sampling_over_grpc_keeps_the_targets_distribution(small_target, m
             if p.dim() >= 2 and not name.startswith("embed_tokens"):
                 p.normal_(0, 0.3)
     save_head(head, tmp_path / "head")
-    drafter = make_drafter("model", draft_runner(load_replica_draft(str(tmp_path / "head"), model_dirs.small_target,
-                                                                    torch.float32, "cpu")), 2)
+    replica = load_replica_draft(str(tmp_path / "head"), model_dirs.small_target, torch.float32, "cpu")
+    drafter = make_drafter("model", draft_runner(replica, BlockPool(4096) if cached else None), 2)
+    prompt, pool = (PROMPT * 4, BlockPool(4096)) if cached else (PROMPT, None)  # 20 tokens: one whole block
     m, n_tokens, params = 1200, 3, SamplingParams(temperature=1.0, seed=5)
-    with serving(small_target, limit=1 << 20, max_rows=m) as (scheduler, remote, _):
-        sinks = run_remote(remote, drafter, [PROMPT] * m, n_tokens, params, depth=2, prefix="s")
+    with serving(small_target, limit=1 << 20, pool=pool, max_rows=m) as (scheduler, remote, _):
+        sinks = run_remote(remote, drafter, [prompt] * m, n_tokens, params, depth=2, prefix="s")
         outcomes = Counter(tuple(s.wait()) for s in sinks)
         assert scheduler.stats().largest_batch > 8
+    if cached:
+        assert pool.stats().hit_tokens >= 16 * (m // 2) and drafter.lm.pool.stats().hit_tokens >= 16 * (m // 2)
     assert sum(s.stats.accepted for s in sinks) > 0
-    assert chi_square_pvalue(outcomes, exact_joint(small_target, PROMPT, n_tokens, params), m) > P_MIN
+    assert chi_square_pvalue(outcomes, exact_joint(small_target, prompt, n_tokens, params), m) > P_MIN
 
 
 # ------------------------------------------------------------------ the wire and the target's side
