@@ -41,7 +41,7 @@ class DraftReplica:
                  overlap: bool = True, *, security: LinkSecurity | SharedSecurity, logical_gpus: bool = False,
                  corpora: dict[str, str] | None = None, corpus_max_tokens: int = 1_000_000,
                  target_model: str | None = None, prefix_cache_tokens: int = 0,
-                 budget: KvBudget = KvBudget(max_tokens=0)):
+                 budget: KvBudget = KvBudget(max_tokens=0), head: tuple[str, str] | None = None):
         """drafts: task type -> (model folder, dtype); the "" entry drafts for every other task type.
         shapes: per drafter kind it runs, its tree width and its proposals' entries (speculation.*); the first
         drafts a request that names none. Default: model+ngram.
@@ -56,13 +56,17 @@ class DraftReplica:
         prefix_cache_tokens: each draft model's prefix cache, in its block pool shared by its loops (0: none).
         budget: the target's (placement.kv_budget): each draft model's pool makes room for its KV and the prefix
         cache at once, as the target's does (the replica's rows are some of the target's), so it never grows,
-        copying, while requests run (KvBudget.pool)."""
+        copying, while requests run (KvBudget.pool).
+        head: (folder, dtype) of the draft head (models.head) the head drafter kinds run, for every task type; its
+        pool and prefix index its own, as a draft model's."""
         use_assigned_cpus()
         device = device_for_actor(logical_gpus)  # before anything loads: a wrong image fails here
         self.models = {task: load_replica_draft(path, target_model, parse_dtype(dtype), device)
                        for task, (path, dtype) in drafts.items()}
         self.pools = {task: budget.pool(getattr(model, "config", None), prefix_cache_tokens)
                       for task, model in self.models.items()}  # each model's KV, its drafters'
+        self.head = load_replica_draft(head[0], target_model, parse_dtype(head[1]), device) if head else None
+        self.head_pool = budget.pool(getattr(self.head, "config", None), prefix_cache_tokens) if head else None
         self.shapes = dict(shapes or {DrafterKind.MODEL_NGRAM: DraftShape()})
         self.corpora = read_corpora(corpora or {}, target_model, corpus_max_tokens)
         # the outputs of every request this replica drafts, whatever its drafter, for its suffix drafts
@@ -88,8 +92,10 @@ class DraftReplica:
         return True
 
     def kv_stats(self) -> dict[str, PrefixStats]:
-        """Each draft model's block pool (by its task type; "" for the rest): blocks made, used and cached."""
-        return {task: pool.stats() for task, pool in self.pools.items()}
+        """Each draft model's block pool (by its task type; "" for the rest) and the head's ("<head>", no task
+        type's name; where one is served): blocks made, used and cached."""
+        heads = {"<head>": self.head_pool.stats()} if self.head_pool is not None else {}
+        return {task: pool.stats() for task, pool in self.pools.items()} | heads
 
     def forget_outputs(self) -> int:
         """Drop the store of recent outputs its suffix drafts read (POST /v1/admin/forget_outputs) -> the tokens
@@ -186,18 +192,20 @@ class DraftReplica:
 
     def _pool_for(self, task_type: str, drafter: str | None) -> BlockPool | None:
         """The block pool a request's draft prefill takes blocks from; None where its drafter runs no model."""
-        if not self._kind(drafter).uses_model:
-            return None
-        return self.pools.get(self._model_task(task_type))
+        kind = self._kind(drafter)
+        if kind.uses_head:
+            return self.head_pool
+        return self.pools.get(self._model_task(task_type)) if kind.uses_model else None
 
     def _model_task(self, task_type: str) -> str:
         """The task type whose draft model drafts for this one ("": the one for the rest)."""
         return task_type if task_type in self.models else ""
 
     def _make_drafter(self, task: str, kind: DrafterKind, corpus: TextIndex | None = None) -> Drafter | None:
-        """task: the task type whose draft model it drafts with ("": the rest's)."""
-        shape, model = self.shapes[kind], self.models.get(task)
-        return make_drafter(kind, draft_runner(model, self.pools[task]) if model is not None else None, shape.width,
+        """task: the task type whose draft model it drafts with ("": the rest's); the head kinds draft with the head."""
+        shape = self.shapes[kind]
+        model, pool = (self.head, self.head_pool) if kind.uses_head else (self.models.get(task), self.pools.get(task))
+        return make_drafter(kind, draft_runner(model, pool) if model is not None else None, shape.width,
                             shape.proposal_top_k, shape.suffix, corpus, self.outputs)
 
 
@@ -234,7 +242,7 @@ def suffix_store(shapes: dict[DrafterKind, DraftShape]) -> RecentOutputs | None:
     """One store of recent outputs for all a replica's drafters, within speculation.suffix.global_max_tokens;
     None when none of its drafter kinds drafts from it."""
     caps = [shape.suffix.global_max_tokens for kind, shape in shapes.items()
-            if kind in (DrafterKind.SUFFIX, DrafterKind.MODEL_SUFFIX)]
+            if kind in (DrafterKind.SUFFIX, DrafterKind.MODEL_SUFFIX, DrafterKind.HEAD_SUFFIX)]
     return RecentOutputs(max(caps)) if caps else None
 
 

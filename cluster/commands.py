@@ -30,8 +30,11 @@ def add_serving_commands(sub: argparse._SubParsersAction) -> None:
                                      "instead of starting a local one")
     s.add_argument("--target", help="overrides models.target.path (a model folder or a .gguf file)")
     s.add_argument("--draft", help="overrides models.draft.path (a model folder or a .gguf file)")
+    s.add_argument("--head", help="overrides models.head.path (a draft head's folder: EAGLE-3 or Medusa), drafted with "
+                   "by the drafters head and head+suffix")
     s.add_argument("--drafter", choices=[k.value for k in DrafterKind],
-                   help="overrides speculation.drafter (ngram, suffix or none serve the default target before its draft is built)")
+                   help="overrides speculation.drafter (ngram, suffix or none serve the default target before its draft is "
+                        "built; head and head+suffix draft with --head, or the default target's head, built on first use)")
     s.add_argument("--tensor-parallel-size", type=int, help="overrides placement.tensor_parallel_size")
     s.add_argument("--draft-replicas", type=int, help="overrides placement.draft_replicas")
     s.add_argument("--grpc-port", type=int, help="overrides server.grpc_port")

@@ -60,7 +60,8 @@ class ModelSpec(_Section):
 
 class ModelsConfig(_Section):
     target: ModelSpec
-    draft: ModelSpec | None = None
+    draft: ModelSpec | None = None  # a draft model (a head here drafts as the model kinds, priced as one)
+    head: ModelSpec | None = None  # a draft head for the target (EAGLE-3 or Medusa): the head kinds draft with it
     task_drafts: dict[str, ModelSpec] = Field(default_factory=dict)  # a draft of its own per task type
 
     @field_validator("task_drafts")
@@ -105,7 +106,7 @@ _SUFFIX = SuffixConfig()
 
 
 class SuffixSection(_Section):
-    """speculation.suffix: how the suffix drafters (suffix, model+suffix) guess (specdec.suffix)."""
+    """speculation.suffix: how the suffix drafters (suffix, model+suffix, head+suffix) guess (specdec.suffix)."""
 
     max_depth: int = Field(_SUFFIX.max_depth, ge=1, le=MAX_DEPTH)  # the longest match used, and the deepest guess
     max_spec_factor: float = Field(_SUFFIX.max_spec_factor, gt=0, le=16)  # nodes <= factor x match + offset
@@ -359,6 +360,12 @@ class ServeConfig(_Section):
             if drafter.uses_model and not self.models.drafts():
                 raise ValueError(f"speculation.drafter {str(drafter)!r} needs models.draft (or models.task_drafts); "
                                  f"without a draft model use drafter ngram, suffix or none")
+            if drafter.uses_head and self.models.head is None:
+                raise ValueError(f"speculation.drafter {str(drafter)!r} needs models.head (a draft head's folder: "
+                                 f"`specdec distill --head eagle3` trains one); without one use another drafter")
+        if self.models.head is not None and not any(kind.uses_head for kind in self.speculation.kinds()):
+            raise ValueError(f"models.head is given but no drafter runs it: list head or head+suffix in "
+                             f"speculation.drafter (now {', '.join(self.speculation.drafter)})")
         return self
 
     @model_validator(mode="after")
@@ -367,40 +374,44 @@ class ServeConfig(_Section):
         return self
 
 
-DefaultModels = Callable[[bool], dict[str, str]]  # with_draft -> {"target": dir[, "draft": dir]}
+# the models the drafters need besides the target ({"draft", "head"}) -> {"target": dir[, "draft": dir][, "head": dir]}
+DefaultModels = Callable[[frozenset[str]], dict[str, str]]
 
 
 def load_config(path: str | os.PathLike, default_models: DefaultModels | None = None,
                 drafter: str | None = None) -> ServeConfig:
-    """The config file at `path`. A file without a models section serves `default_models(with_draft)` (the
-    embedded default pair, with its draft only if the drafter, `drafter` or else the file's, runs a model)
-    when that is given, as the example configs/default.yaml does; without it one is an error."""
+    """The config file at `path`. A file without a models section serves `default_models(needs)` (the
+    embedded default pair, with its draft model and its head only where the drafters, `drafter` or else the
+    file's, run them) when that is given, as the example configs/default.yaml does; without it one is an error."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read config file ({getattr(e, 'strerror', None) or e})") from None
     data = _parse_yaml(text, str(path))
     if default_models is not None and isinstance(data, Mapping) and "models" not in data:
-        data = {**data, "models": _models(default_models(_uses_model(drafter, data)))}
+        data = {**data, "models": _models(default_models(_needs(drafter, data)))}
     return parse_config(data, source=str(path))
 
 
-def _uses_model(drafter: str | None, data: Mapping) -> bool:
-    """Whether the drafter (given, else the config's, else the default) runs a draft model; an unknown name
-    answers True and is refused by the validation that follows."""
+def _needs(drafter: str | list | None, data: Mapping) -> frozenset[str]:
+    """The models besides the target that the drafters (given, else the config's, else the default) run: "draft"
+    (the draft model), "head" (the draft head). An unknown name needs the draft model, and is refused by the
+    validation that follows."""
     name = drafter or ((data.get("speculation") if isinstance(data.get("speculation"), Mapping) else None)
                        or {}).get("drafter") or SpeculationConfig().drafter
-    names = name if isinstance(name, list) else [name]
-    return any(not isinstance(n, str) or n not in set(DrafterKind) or DrafterKind(n).uses_model for n in names)
+    kinds = [DrafterKind(n) if isinstance(n, str) and n in set(DrafterKind) else None
+             for n in (name if isinstance(name, list) else [name])]
+    return frozenset({*(["draft"] if any(k is None or k.uses_model for k in kinds) else []),
+                      *(["head"] if any(k is not None and k.uses_head for k in kinds) else [])})
 
 
 def _given_models(args: Mapping) -> dict[str, str]:
-    """--target and --draft, when --target is given."""
-    return {name: args[name] for name in ("target", "draft") if args.get(name)} if args.get("target") else {}
+    """--target, --draft and --head, when --target is given."""
+    return {name: args[name] for name in ("target", "draft", "head") if args.get(name)} if args.get("target") else {}
 
 
 def _models(paths: dict[str, str]) -> dict:
-    """{"target": dir, "draft": dir} as a models section."""
+    """{"target": dir, "draft": dir, "head": dir} (each but the target where given) as a models section."""
     return {name: {"path": path} for name, path in paths.items()}
 
 
@@ -513,7 +524,7 @@ def _live_reason(err: ErrorDetails) -> str:
 
 # `specdec serve` flags and build_app args that override a key of the config: arg -> (section, key)
 OVERRIDES = {
-    "target": ("models", "target"), "draft": ("models", "draft"),
+    "target": ("models", "target"), "draft": ("models", "draft"), "head": ("models", "head"),
     "tensor_parallel_size": ("placement", "tensor_parallel_size"), "draft_replicas": ("placement", "draft_replicas"),
     "grpc_port": ("server", "grpc_port"), "http_port": ("server", "http_port"),
     "logical_gpus": ("placement", "logical_gpus"), "drafter": ("speculation", "drafter"),
@@ -522,24 +533,25 @@ OVERRIDES = {
 
 def app_config(args: Mapping, default_models: DefaultModels) -> ServeConfig:
     """The config that `specdec serve` and build_app run: the YAML at args["config"], or, without one,
-    the models given by args["target"]/["draft"], or else `default_models()` (the embedded pair,
+    the models given by args["target"]/["draft"]/["head"], or else `default_models()` (the embedded pair,
     built only in that case, or for a file without a models section and no --target); then every
     override in args that is not None, re-validated as a whole."""
     if args.get("config"):  # a file without models: the command line's, else the default pair
-        data = load_config(args["config"], lambda with_draft: _given_models(args) or default_models(with_draft),
+        data = load_config(args["config"], lambda needs: _given_models(args) or default_models(needs),
                            args.get("drafter")).model_dump()
-    elif args.get("target"):  # as `specdec generate`: model+ngram with a draft, else ngram
-        data = {"models": {"target": {"path": args["target"]}},
-                "speculation": {"drafter": "model+ngram" if args.get("draft") else "ngram"}}
-    elif args.get("draft"):
-        raise ConfigError("--draft without --target or --config: give the target too")
+    elif args.get("target"):  # as `specdec generate`: model+ngram with a draft, the head with a head, else ngram
+        drafters = [*(["model+ngram"] if args.get("draft") else []), *(["head"] if args.get("head") else [])]
+        data = {"models": {"target": {"path": args["target"]}}, "speculation": {"drafter": drafters or "ngram"}}
+    elif args.get("draft") or args.get("head"):
+        raise ConfigError(f"--{'draft' if args.get('draft') else 'head'} without --target or --config: give the "
+                          f"target too")
     else:
-        data = {"models": _models(default_models(_uses_model(args.get("drafter"), {})))}
+        data = {"models": _models(default_models(_needs(args.get("drafter"), {})))}
     for arg, (section, key) in OVERRIDES.items():
         if args.get(arg) is None:
             continue
         value = args[arg]
-        if key in ("target", "draft"):
+        if key in ("target", "draft", "head"):
             value = {"path": value, "dtype": ((data.get(section) or {}).get(key) or {}).get("dtype", "float32")}
         data.setdefault(section, {})[key] = value
     source = "the config with command-line overrides" if args.get("config") else "the command-line models"

@@ -15,7 +15,7 @@ from transformers import GenerationConfig
 
 from specdec.errors import InvalidArgument, RequestFailed, ResourceExhausted, Unavailable
 from specdec.kvcache import window_of_every_layer
-from specdec.loading import check_draft, check_model, eos_ids, load_tokenizer
+from specdec.loading import check_draft, check_model, eos_ids, is_head, load_tokenizer, local_folder
 
 from specdec.scheduler import HELD
 from specdec.suffix import corpus_files
@@ -49,12 +49,18 @@ class IngressStats:
 
 
 def check_served_models(cfg: ServeConfig):
-    """Every model the config serves (target, drafts) is one specdec decodes exactly, and draft heads were
+    """Every model the config serves (target, drafts, head) is one specdec decodes exactly, and draft heads were
     made for the target, from configs alone, before any actor takes a GPU (specdec.loading.check_supported;
     UnsupportedModel names the type and why; HeadMismatch what differs) -> the target's config."""
     target = check_model(cfg.models.target.path)
     for path, _ in cfg.models.drafts().values():
         check_draft(path, target)  # a draft model, or heads made for this target
+    if cfg.models.head is not None:
+        if not is_head(local_folder(cfg.models.head.path)):
+            raise ValueError(f"models.head: {cfg.models.head.path!r} holds no draft head (an EAGLE-3 head or Medusa "
+                             f"heads: `specdec distill --head eagle3|medusa` writes one); a draft model goes in "
+                             f"models.draft")
+        check_draft(cfg.models.head.path, target)
     for task, path in cfg.speculation.suffix.corpora.items():  # each draft replica reads them at its start
         try:
             corpus_files(path)

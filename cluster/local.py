@@ -82,12 +82,12 @@ def serving_environment(server: ServerConfig, environ=os.environ) -> None:
     environ.setdefault(GRPC_MESSAGE_SIZE_ENV, str(server.max_request_bytes))
 
 
-def default_models(with_draft: bool = True) -> dict[str, str]:
-    """The embedded default pair (built on first use): {"target": dir, "draft": dir}; without the draft
-    (not built) when the drafter runs no model."""
+def default_models(needs: frozenset[str] = frozenset({"draft"})) -> dict[str, str]:
+    """The embedded default pair (built on first use): {"target": dir} with "draft": dir and "head": dir where the
+    drafters served run them (`needs`; each built only then)."""
     from specdec.default_models import default_pair
 
-    return default_pair(with_draft=with_draft)
+    return default_pair(needs=needs)
 
 
 def local_cluster(app_args: dict, default_models: Callable[[], dict[str, str]],

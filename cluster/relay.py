@@ -13,7 +13,7 @@ import ray
 
 from actors.records import StepUpdate
 from specdec.acceptance import acceptance_rate
-from specdec.drafter_kinds import DrafterKind
+from specdec.drafter_kinds import DraftForward, DrafterKind
 from specdec.generation import FinishReason, RequestStats
 from specdec.logprobs import TokenLogprob
 from specdec.sampling import SamplingParams
@@ -146,7 +146,8 @@ class Relay:
             job.task_type, stream=sample, target_address=self.topology.target_address,
             drafter=decision.drafter.value if decision.drafter is not None else None, feed=feed))
         try:
-            async for chunk in self._relay(replica, rid, steps, text, done, progress):
+            async for chunk in self._relay(replica, rid, steps, text, done, progress, forward=decision.drafter.forward
+                                           if decision.drafter is not None else None):
                 yield chunk
             if progress.tried_depths:
                 self.router.report(meter.task_type, progress.accepted, progress.tried_depths, decision.drafter)
@@ -162,9 +163,11 @@ class Relay:
             self.replicas.done(index, job.prompt_ids + done, job.params.cache_salt)
 
     async def _relay(self, actor, rid: str, steps: AsyncIterator[StepUpdate], text: Detokenizer, done: list[int],
-                     progress: Progress, before: Progress | None = None) -> AsyncIterator[Chunk]:
+                     progress: Progress, before: Progress | None = None,
+                     forward: DraftForward | None = None) -> AsyncIterator[Chunk]:
         """Chunks from a request's steps on an actor; cancels the request on the actor if the consumer stops
-        early or a stop string ends it. `before`: the counts of the leg before this one (a fallback)."""
+        early or a stop string ends it. `before`: the counts of the leg before this one (a fallback). `forward`:
+        what its drafter ran per depth (the draft model, the head; None: lookups), for what drafting costs."""
         finished = lost = False
         try:
             async with aclosing(steps):  # its end on this side at once, not when it is collected
@@ -174,7 +177,7 @@ class Relay:
                     if step.finished:
                         finished = True
                         if before is None:  # the first leg of a speculative sample: a draft replica's round trips
-                            self.timing.add(step.stats)
+                            self.timing.add(step.stats, forward)
                         chunk = _chunk(step.tokens, step.logprobs, text, final=True)  # its tokens may end a stop string
                         reason = FinishReason.STOP if text.stopped else step.finish_reason
                         yield replace(chunk, finish_reason=reason, stats=progress.summary())

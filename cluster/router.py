@@ -34,7 +34,7 @@ from cluster.speculation import Speculation
 from specdec.acceptance import acceptance_rate
 from specdec.adaptive import (Costs, Load, StepCosts, best_k, best_speculative_k, goodput_by_k, step_costs_note,
                               tokens_per_cost)
-from specdec.drafter_kinds import DrafterKind, DraftShape
+from specdec.drafter_kinds import DraftForward, DrafterKind, DraftShape
 
 Mode = Literal["speculative", "plain", "probe"]
 DEFAULT_TASK = "default"  # the task type of requests without one, and of unknown ones beyond max_task_types
@@ -90,27 +90,36 @@ class TaskTypeStats:
 
 
 @dataclass(frozen=True)
+class Drafting:
+    """What drafting with one forward (the draft model's, the draft head's) costs, as measured on the replicas."""
+
+    s_per_depth: float  # seconds a depth of it runs
+    ahead: float = 0.0  # the share of its steps drafted ahead (their drafting hidden behind verification)
+
+
+@dataclass(frozen=True)
 class TargetView:
     """What the router knows of the target group, as measured: its forward's cost by batch tokens,
     its batch now, a speculative step's round trip beyond the forward and the loop's stall (hop_s),
-    the share of speculative steps whose tree was drafted ahead (their drafting hidden behind
-    verification), and the loop's stall per token committed."""
+    per forward a drafter runs what its drafting costs, and the loop's stall per token committed."""
 
     costs: Costs
     load: Load = Load()
     hop_s: float = 0.0
-    drafted_ahead: float = 0.0
-    draft_s_per_depth: float | None = None  # measured on the draft replicas; None until they have drafted
+    drafting: dict[DraftForward, Drafting] = field(default_factory=dict)  # those the replicas have measured
     stall_s_per_token: float = 0.0  # the target loop's seconds prefilling joining requests, per token committed
 
-    def step_costs(self, draft_cost_ratio: float, uses_model: bool = True) -> StepCosts:
-        """A depth the draft model runs costs what the replicas measured, or, until they have,
-        draft_cost_ratio of a one-token target forward (the routing key); drafting hidden behind
-        verification costs nothing, and so does a drafter without a model (its lookups cost microseconds:
-        tools/bench/suffix_cost.py)."""
-        per_depth = (self.draft_s_per_depth if self.draft_s_per_depth is not None
-                     else draft_cost_ratio * self.costs.verify(1))
-        per_depth = per_depth * (1 - self.drafted_ahead) if uses_model else 0.0
+    def step_costs(self, draft_cost_ratio: float, forward: DraftForward | None = DraftForward.MODEL) -> StepCosts:
+        """A depth of the draft model or head (`forward`) costs what the replicas measured of it, or, until they
+        have, draft_cost_ratio of a one-token target forward (the routing key); drafting hidden behind
+        verification costs nothing, and so does a drafter without a forward (None: its lookups cost
+        microseconds, tools/bench/suffix_cost.py)."""
+        if forward is None:
+            per_depth = 0.0
+        elif (measured := self.drafting.get(forward)) is not None:
+            per_depth = measured.s_per_depth * (1 - measured.ahead)
+        else:
+            per_depth = draft_cost_ratio * self.costs.verify(1)
         return StepCosts(self.costs, per_depth, self.hop_s, self.stall_s_per_token)
 
 
@@ -160,8 +169,9 @@ class _TaskState:
 
 
 def _draft_ratio(thresholds: Thresholds, kind: DrafterKind) -> float:
-    """A drafted token's cost against a target step: the routing key's for a draft model, none for lookups."""
-    return thresholds.draft_cost_ratio if kind.uses_model else 0.0
+    """A drafted token's cost against a target step: the routing key's for a draft model or head, none for
+    lookups."""
+    return thresholds.draft_cost_ratio if kind.forward is not None else 0.0
 
 
 class Router:
@@ -378,7 +388,7 @@ class Router:
     def _goodput_at(self, alpha: float, thresholds: Thresholds, kind: DrafterKind) -> float | None:
         if self._target is None or not self._target.costs.verify_table:
             return None
-        costs, load = self._target.step_costs(thresholds.draft_cost_ratio, kind.uses_model), self._target.load
+        costs, load = self._target.step_costs(thresholds.draft_cost_ratio, kind.forward), self._target.load
         gains = goodput_by_k(costs, load, alpha, thresholds.max_k, self.shapes[kind].nodes)
         return round(gains[best_speculative_k(gains)], 1)
 
@@ -428,7 +438,7 @@ class Router:
         if self._target is None or not self._target.costs.verify_table:
             return Plan(True, self._k_from_alpha(state, thresholds, kind),
                         f"{known}; no target step costs yet{_also(why)}", drafter=kind)
-        costs, load = self._target.step_costs(thresholds.draft_cost_ratio, kind.uses_model), self._target.load
+        costs, load = self._target.step_costs(thresholds.draft_cost_ratio, kind.forward), self._target.load
         shape = self.shapes[kind]
         gains = goodput_by_k(costs, load, alpha, thresholds.max_k, shape.nodes)
         k = best_speculative_k(gains)

@@ -6,18 +6,19 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import ray
 
 from actors.metrics import GAUGES_EVERY_S
 from specdec.scheduler import TargetStats
 from specdec.adaptive import Costs, Load
+from specdec.drafter_kinds import DraftForward
 from specdec.generation import RequestStats
 
 from . import metrics
 from .placement import Topology
-from .router import Router, TargetView
+from .router import Drafting, Router, TargetView
 from .supervisor import TargetSupervisor
 
 log = logging.getLogger(__name__)
@@ -27,10 +28,22 @@ _ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableErro
 
 
 @dataclass
+class ForwardSteps:
+    """The steps of the speculative requests whose drafter ran one forward (the draft model's or the draft head's),
+    cumulative: their count, drafting seconds, the depths that forward ran and the steps drafted ahead."""
+
+    steps: int = 0
+    draft_s: float = 0.0
+    depths: int = 0
+    drafted_ahead: int = 0
+
+
+@dataclass
 class StepTiming:
     """The speculative requests' steps that this ingress relayed, cumulative: their count, round trips,
     drafting seconds, those whose tree was ready when the step began (drafted_ahead), drafted nodes and
-    the depths the draft model ran."""
+    the depths the draft model or head ran; and by the forward their drafter ran (by_forward: "model",
+    "head"), what drafting cost each."""
 
     steps: int = 0
     step_round_trip_s: float = 0.0
@@ -38,15 +51,28 @@ class StepTiming:
     drafted_ahead: int = 0
     drafted: int = 0
     draft_depths: int = 0
+    by_forward: dict[str, ForwardSteps] = field(default_factory=dict)
 
-    def add(self, stats: RequestStats) -> None:
-        """A finished speculative request's steps (a draft replica's round trips)."""
+    def add(self, stats: RequestStats, forward: DraftForward | None = None) -> None:
+        """A finished speculative request's steps (a draft replica's round trips), drafted by a drafter that ran
+        `forward` (None: lookups only)."""
         self.steps += stats.steps
         self.step_round_trip_s += stats.verify_time_s
         self.draft_s += stats.draft_time_s
         self.drafted_ahead += stats.drafted_ahead
         self.drafted += stats.drafted
         self.draft_depths += stats.draft_depths
+        if forward is not None:
+            mine = self.by_forward.setdefault(str(forward), ForwardSteps())
+            mine.steps += stats.steps
+            mine.draft_s += stats.draft_time_s
+            mine.depths += stats.draft_depths
+            mine.drafted_ahead += stats.drafted_ahead
+
+    def copy(self) -> "StepTiming":
+        """A copy to compare with later (the ingress's loop adds while the poll thread copies: list() of a dict's
+        items is taken at once)."""
+        return replace(self, by_forward={k: replace(v) for k, v in list(self.by_forward.items())})
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -60,21 +86,21 @@ class RecentSteps:
     (the replica's mean round trip less the mean time a tree spent in the target, from its arrival to
     its verdict: what remains is the transport, which speculating rows pay and plain ones do not; the
     wait for a forward in flight is left out, as plain rows of a mixed batch cause it, and it would keep
-    speculation off once on), the draft replicas' seconds per depth the draft model ran (n-gram guesses
-    cost nothing), and the share of steps drafted ahead. Each poll adds the interval's measurements with
-    weight STEP_SMOOTHING (the first is taken whole); an interval without forwards changes nothing, one
-    without speculative steps only the stall."""
+    speculation off once on), and per forward a drafter runs (the draft model's, the head's) its seconds
+    per depth and the share of its steps drafted ahead (n-gram and suffix guesses cost nothing). Each
+    poll adds the interval's measurements with weight STEP_SMOOTHING (the first is taken whole); an
+    interval without forwards changes nothing, one without speculative steps only the stall."""
 
     hop_s: float = 0.0
-    draft_s_per_depth: float | None = None  # None until a draft model has run (lookups have no depth to price)
-    drafted_ahead: float = 0.0
+    drafting: dict[DraftForward, Drafting] = field(default_factory=dict)  # none until that forward has run
     stall_s_per_token: float | None = None
     stepped: bool = False  # a speculative step has been measured (the first is taken whole)
     timing: StepTiming | None = None  # the ingress's cumulative timing at the last poll
     target: TargetStats | None = None  # the target's cumulative counts at the last poll
 
     def observe(self, timing: StepTiming, target: TargetStats) -> "RecentSteps":
-        seen = replace(self, timing=replace(timing), target=target)
+        timing = timing.copy()
+        seen = replace(self, timing=timing, target=target)
         then, was = self.timing, self.target
         if then is None or was is None or target.forwards < was.forwards:  # the first poll, or a rebuilt target
             return seen
@@ -83,24 +109,33 @@ class RecentSteps:
             return seen
         seen = replace(seen, stall_s_per_token=_smoothed(self.stall_s_per_token,
                                                          (target.stall_time_s - was.stall_time_s) / committed))
-        steps, depths = timing.steps - then.steps, timing.draft_depths - then.draft_depths
-        trees = target.trees_verified - was.trees_verified
+        steps, trees = timing.steps - then.steps, target.trees_verified - was.trees_verified
         if steps <= 0 or trees <= 0:
             return seen
         in_target_s = (target.tree_loop_time_s - was.tree_loop_time_s) / trees
-        now = {"hop_s": max(0.0, (timing.step_round_trip_s - then.step_round_trip_s) / steps - in_target_s),
-               "drafted_ahead": (timing.drafted_ahead - then.drafted_ahead) / steps}
-        if depths > 0:  # a lookup drafter's steps (n-gram, suffix) run no draft forward: their hop counts all the same
-            now["draft_s_per_depth"] = (timing.draft_s - then.draft_s) / depths
-        if not self.stepped:  # the first measurement: nothing to smooth with yet
-            return replace(seen, stepped=True, **now)
-        return replace(seen, **{key: _smoothed(getattr(self, key), value) for key, value in now.items()})
+        hop_s = max(0.0, (timing.step_round_trip_s - then.step_round_trip_s) / steps - in_target_s)
+        return replace(seen, stepped=True, hop_s=hop_s if not self.stepped else _smoothed(self.hop_s, hop_s),
+                       drafting=self._drafting(timing, then))
+
+    def _drafting(self, timing: StepTiming, then: StepTiming) -> dict[DraftForward, Drafting]:
+        """Each forward's drafting, with this interval's steps of it (a lookup drafter's steps run none)."""
+        drafting = dict(self.drafting)
+        for name, now in timing.by_forward.items():
+            before = then.by_forward.get(name, ForwardSteps())
+            steps, depths = now.steps - before.steps, now.depths - before.depths
+            if steps <= 0 or depths <= 0:
+                continue
+            measured = Drafting((now.draft_s - before.draft_s) / depths, (now.drafted_ahead - before.drafted_ahead) / steps)
+            old = drafting.get(DraftForward(name))
+            drafting[DraftForward(name)] = measured if old is None else Drafting(
+                _smoothed(old.s_per_depth, measured.s_per_depth), _smoothed(old.ahead, measured.ahead))
+        return drafting
 
     def view(self, target: TargetStats) -> TargetView:
         """The router's view of the target group: its forward costs and batch, and a step's rest."""
         return TargetView(Costs(verify_table=target.forward_costs),
                           Load(target.batch_tokens, target.committed_per_forward, target.batch_rows),
-                          self.hop_s, self.drafted_ahead, self.draft_s_per_depth, self.stall_s_per_token or 0.0)
+                          self.hop_s, dict(self.drafting), self.stall_s_per_token or 0.0)
 
 
 def _smoothed(old: float | None, now: float) -> float:

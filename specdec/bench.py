@@ -149,7 +149,8 @@ def build_modes(target, draft, eos, max_new, params, only: set[str] | None, corp
 
     def shaped_spec(name: str):
         on_head, width, depth = shaped(name)
-        return lambda: (make_drafter("model", hlm() if on_head else dlm(), width), SpecConfig(depth=depth))
+        return lambda: (make_drafter("head", hlm(), width) if on_head else make_drafter("model", dlm(), width),
+                        SpecConfig(depth=depth))
 
     specs = {
         "off": lambda: (None, SpecConfig(depth=0)),  # specdec's own plain decoding: its loop, speculation off
@@ -168,8 +169,8 @@ def build_modes(target, draft, eos, max_new, params, only: set[str] | None, corp
               if (shape := shaped(name)) and (head is not None or not shape[0])}
     if head is not None:  # HEAD_MODES: an EAGLE-3 head or Medusa heads
         specs |= {
-            "head-auto": lambda: (make_drafter("model", hlm(), 1), SpecConfig(depth=None)),
-            "head+suffix-auto": lambda: (make_drafter("model+suffix", hlm(), 1), SpecConfig(depth=None, max_depth=16)),
+            "head-auto": lambda: (make_drafter("head", hlm(), 1), SpecConfig(depth=None)),
+            "head+suffix-auto": lambda: (make_drafter("head+suffix", hlm(), 1), SpecConfig(depth=None, max_depth=16)),
         }
     if corpus is not None:  # REST: suffix drafts from the corpus too
         specs["rest-auto"] = lambda: (make_drafter("suffix", None, corpus=corpus), SpecConfig(depth=None, max_depth=16))

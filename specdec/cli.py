@@ -54,7 +54,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
 
     g = sub.add_parser("generate", help="continue one prompt")
     add_model_args(g)
-    g.add_argument("--drafter", choices=[k.value for k in DrafterKind], help="default: model+ngram with a draft, else ngram (docs/usage.md)")
+    g.add_argument("--drafter", choices=[k.value for k in DrafterKind], help="default: model+ngram with a draft, else ngram; "
+                   "head and head+suffix draft with --head (docs/usage.md)")
+    g.add_argument("--head", help="a draft head's folder for the target (EAGLE-3 or Medusa), for --drafter head or "
+                   "head+suffix; default pair: its head, built on first use (about an hour)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, required=True)
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
@@ -170,8 +173,12 @@ def resolve_models(args) -> None:
             raise ValueError("--draft without --target: give both, or neither for the default pair")
         from .default_models import default_pair
 
-        pair = default_pair(log=log)
+        drafter = getattr(args, "drafter", None)
+        head = drafter is not None and DrafterKind(drafter).uses_head and not getattr(args, "head", None)
+        pair = default_pair(log=log, needs=("draft", "head") if head else ("draft",))
         args.target, args.draft = pair["target"], pair["draft"]
+        if head:
+            args.head = pair["head"]
 
 
 def spec_config(args):
@@ -214,10 +221,12 @@ def cmd_generate(args) -> None:
     dtype = parse_dtype(args.dtype)
     tokenizer = load_tokenizer(args.target)
     target = load_served_model(args.target, dtype, args.device)
-    draft = None
-    if args.draft and DrafterKind(drafter_name).uses_model:
-        check_draft_tokenizer(tokenizer, args.draft)
-        draft = draft_runner(load_draft(args.draft, target, parse_dtype(args.draft_dtype or args.dtype), args.device,
+    draft, kind = None, DrafterKind(drafter_name)
+    path = args.head if kind.uses_head else args.draft if kind.uses_model else None
+    if path:
+        if kind.uses_model:
+            check_draft_tokenizer(tokenizer, path)
+        draft = draft_runner(load_draft(path, target, parse_dtype(args.draft_dtype or args.dtype), args.device,
                                         served=True))
     engine = SpeculativeEngine(CachedLM(target), make_drafter(drafter_name, draft, width), config,
                                eos_ids(target.generation_config, tokenizer))

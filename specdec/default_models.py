@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -108,10 +109,9 @@ def fast_bf16() -> bool:
     return bool(amx is not None and amx() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-# "quick": the reduced recipe (DefaultSpec.quick), for tests and smoke runs; "head": the target's EAGLE-3 head
-# (HeadSpec, built on first use in about an hour) drafts instead of the draft model
+# "quick": the reduced recipe (DefaultSpec.quick), for tests and smoke runs
 RECIPE_ENV = "SPECDEC_DEFAULT_DRAFT"
-RECIPES = ("full", "quick", "head")
+RECIPES = ("full", "quick")
 
 
 def spec_key(settings: dict) -> str:
@@ -166,22 +166,27 @@ def default_spec(seed: int = 0) -> DefaultSpec:
 def _recipe() -> str:
     recipe = os.environ.get(RECIPE_ENV, "") or "full"
     if recipe not in RECIPES:
-        raise ValueError(f"{RECIPE_ENV}={recipe!r}: must be 'full' (the default), 'quick' (the reduced recipe the "
-                         "tests build) or 'head' (the target's EAGLE-3 head drafts, built on first use)")
+        raise ValueError(f"{RECIPE_ENV}={recipe!r}: must be 'full' (the default) or 'quick' (the reduced recipe the "
+                         "tests build)")
     return recipe
 
 
 def default_pair(spec: DefaultSpec | None = None, rebuild: bool = False, root: Path | None = None, log=print,
-                 with_draft: bool = True) -> dict:
-    """{"target": DIR, "draft": DIR} (no "draft" unless with_draft), building what is not cached first (the
-    recipe: `spec`, else default_spec())."""
+                 needs: Collection[str] = ("draft",)) -> dict:
+    """{"target": DIR} with "draft": DIR and "head": DIR where `needs` names them (the drafters served run the
+    draft model, the draft head), building what is not cached first (the draft's recipe: `spec`, else
+    default_spec(); the head's: HeadSpec over the draft's data)."""
     spec = spec or default_spec()
     root = root or cache_root()
-    target = default_target(root, log)
-    if not with_draft:
-        return {"target": target}
-    if _recipe() == "head":
-        return {"target": target, "draft": default_head(HeadSpec(seed=spec.seed, data=spec), root=root, log=log)}
+    pair = {"target": default_target(root, log)}
+    if "head" in needs:
+        pair["head"] = default_head(HeadSpec(seed=spec.seed, data=spec), root=root, log=log)
+    if "draft" in needs:
+        pair["draft"] = _default_draft(spec, pair["target"], rebuild, root, log)
+    return pair
+
+
+def _default_draft(spec: DefaultSpec, target: str, rebuild: bool, root: Path, log) -> str:
     out = root / f"default-draft-{spec.key()}"
     if rebuild:
         shutil.rmtree(out, ignore_errors=True)
@@ -192,7 +197,7 @@ def default_pair(spec: DefaultSpec | None = None, rebuild: bool = False, root: P
             "n-gram drafting needs none: specdec serve --drafter ngram serves at once")
         build_draft(spec, target, out, log)
     ensure_draft_vocab(spec, target, out / "draft", root, log)
-    return {"target": target, "draft": str(out / "draft")}
+    return str(out / "draft")
 
 
 def ensure_draft_vocab(spec: DefaultSpec, target_dir: str, draft_dir: Path, root: Path, log) -> None:

@@ -16,8 +16,9 @@ from .suffix import RecentOutputs, SuffixConfig, TextIndex
 def make_drafter(kind: DrafterKind | str, draft, width: int = 1,
                  proposal_top_k: int = DEFAULT_PROPOSAL_TOP_K, suffix: SuffixConfig = SuffixConfig(),
                  corpus: TextIndex | None = None, recent: RecentOutputs | None = None) -> Drafter | None:
-    """The drafter of this kind (a DrafterKind or its name); the model-based ones need a draft (draft_runner's: a
-    draft model's or an EAGLE-3 head's CachedLM, or Medusa heads); the suffix ones draft from `corpus` too, and
+    """The drafter of this kind (a DrafterKind or its name). `draft` is what its forward runs (draft_runner's): the
+    draft model's for the model kinds (a head given as the draft model drafts as those kinds too), the head's for
+    the head kinds; None for the lookups. The suffix ones draft from `corpus` too, and
     from `recent`, a store of recent outputs shared with other drafters (None: one of their own)."""
     try:
         kind = DrafterKind(kind)
@@ -25,15 +26,19 @@ def make_drafter(kind: DrafterKind | str, draft, width: int = 1,
         raise ValueError(f"unknown drafter {kind!r}: choose one of {', '.join(DrafterKind)}") from None
     if kind is DrafterKind.NONE:
         return None
-    if not kind.uses_model:
+    if kind.forward is None:
         return SuffixDrafter(suffix, corpus, recent) if kind is DrafterKind.SUFFIX else NgramDrafter()
     if draft is None:
-        raise ValueError(f"drafter {kind.value!r} needs a draft model (--draft DIR)")
+        raise ValueError(f"drafter {kind.value!r} needs a draft head (models.head, --head DIR)" if kind.uses_head
+                         else f"drafter {kind.value!r} needs a draft model (--draft DIR)")
     model = _model_drafter(draft, width, proposal_top_k)
-    if kind is DrafterKind.MODEL:
+    if kind.uses_head and model.shape.drafter is not DrafterKind.HEAD:
+        raise ValueError(f"drafter {kind.value!r} needs a draft head (an EAGLE-3 head or Medusa heads), got a draft model")
+    if kind in (DrafterKind.MODEL, DrafterKind.HEAD):
         return model
-    lookup = SuffixDrafter(suffix, corpus, recent) if kind is DrafterKind.MODEL_SUFFIX else NgramDrafter()
-    return MergedDrafter(model, lookup)
+    lookup = SuffixDrafter(suffix, corpus, recent) if kind in (DrafterKind.MODEL_SUFFIX, DrafterKind.HEAD_SUFFIX) \
+        else NgramDrafter()
+    return MergedDrafter(model, lookup, kind)
 
 
 def _model_drafter(draft, width: int, proposal_top_k: int) -> TreeGrower:
@@ -58,11 +63,9 @@ def _is_eagle3_head(model: torch.nn.Module) -> bool:
 
 def draft_runner(model: torch.nn.Module, pool: BlockPool | None = None):
     """What make_drafter takes as a draft: a model's CachedLM (a draft model, an EAGLE-3 head), Medusa heads
-    as they are (they keep no cache). pool: a draft model's block pool, shared by its drafters, with its
-    prefix index; an EAGLE-3 head's KV has other shapes, so it gets a pool of its own with an index of the same
-    cap (its pairs keyed as specdec.head_drafter.pair_salt says)."""
+    as they are (they keep no cache). pool: the model's own block pool (each model's KV has its own shapes),
+    shared by its drafters, with its prefix index (an EAGLE-3 head's pairs keyed as
+    specdec.head_drafter.pair_salt says)."""
     if isinstance(model, MedusaHeads):
         return model
-    if _is_eagle3_head(model):
-        return CachedLM(model, BlockPool(pool.prefix_capacity * pool.block_tokens) if pool is not None else None)
     return CachedLM(model, pool)

@@ -15,16 +15,42 @@ class DrafterKind(enum.StrEnum):
     MODEL_NGRAM = "model+ngram"
     SUFFIX = "suffix"
     MODEL_SUFFIX = "model+suffix"
+    HEAD = "head"
+    HEAD_SUFFIX = "head+suffix"
     NONE = "none"
 
     @property
     def uses_model(self) -> bool:
-        """Whether this drafter runs a draft model (so a draft must be given, or built for the default pair)."""
+        """Whether this drafter runs the draft model (models.draft: so one must be given, or built for the default
+        pair)."""
         return self in (DrafterKind.MODEL, DrafterKind.MODEL_NGRAM, DrafterKind.MODEL_SUFFIX)
+
+    @property
+    def uses_head(self) -> bool:
+        """Whether this drafter runs the draft head (models.head: an EAGLE-3 head or Medusa heads)."""
+        return self in (DrafterKind.HEAD, DrafterKind.HEAD_SUFFIX)
+
+    @property
+    def forward(self) -> "DraftForward | None":
+        """What this drafter runs a forward of per depth it drafts (what its drafting costs); None: lookups only."""
+        return DraftForward.MODEL if self.uses_model else DraftForward.HEAD if self.uses_head else None
+
+    @property
+    def looks_up(self) -> bool:
+        """Whether this drafter guesses from text (n-gram or suffix), beside or instead of a forward."""
+        return self not in (DrafterKind.MODEL, DrafterKind.HEAD, DrafterKind.NONE)
+
+
+class DraftForward(enum.StrEnum):
+    """What a drafter runs per depth: the draft model or the draft head. Drafters that run the same one cost
+    the same per depth, and are measured together (cluster.telemetry)."""
+
+    MODEL = "model"
+    HEAD = "head"
 
 
 # `specdec bench --head DIR`'s modes: draft heads (EAGLE-3 or Medusa) drafting a chain of 4, a tree 2 wide and 4 deep, auto K,
-# and auto K with suffix guesses grafted on (the head runs as the "model" of the drafter kinds)
+# and auto K with suffix guesses grafted on (the drafter kinds head and head+suffix)
 HEAD_MODES = ("head-k4", "head-tree-2x4", "head-auto", "head+suffix-auto")
 
 # Upper bounds of the speculation's shape: a tree of tree_width branches per depth, MAX_DEPTH deep, costs a
@@ -53,10 +79,10 @@ class DraftShape:
         object.__setattr__(self, "drafter", DrafterKind(self.drafter))
 
     def nodes(self, k: int) -> int:
-        """The most nodes (root included) of a tree drafted K deep: the draft model's `width` branches per
-        depth (a dynamic tree when greedy, `width` chains when sampling: width x K either way) and the
-        n-gram guess's K; a lone root without a drafter."""
+        """The most nodes (root included) of a tree drafted K deep: the draft model's or head's `width` branches
+        per depth (a dynamic tree when greedy, `width` chains when sampling: width x K either way) and the
+        n-gram or suffix guess's K; a lone root without a drafter."""
         kind = self.drafter
-        model = self.width * k if kind.uses_model else 0
-        ngram = k if kind not in (DrafterKind.MODEL, DrafterKind.NONE) else 0  # n-gram or suffix guesses: K nodes
-        return 1 + model + ngram
+        model = self.width * k if kind.forward is not None else 0
+        lookup = k if kind.looks_up else 0  # n-gram or suffix guesses: K nodes
+        return 1 + model + lookup

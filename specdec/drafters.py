@@ -526,14 +526,16 @@ class _Assumed:
 
 
 class MergedDrafter:
-    """The draft model's tree with a lookup drafter's guesses (n-gram or suffix) grafted onto it: one
-    tree, one verify."""
+    """The draft model's (or a draft head's) tree with a lookup drafter's guesses (n-gram or suffix; a head's:
+    suffix) grafted onto it: one tree, one verify."""
 
     uses_model, uses_ngram = True, True
 
-    def __init__(self, model: ModelDrafter, lookup: NgramDrafter | SuffixDrafter):
+    def __init__(self, model: "TreeGrower", lookup: NgramDrafter | SuffixDrafter, kind: DrafterKind | None = None):
+        """kind: what it is served as (make_drafter's), else the draft model's with this lookup."""
         self.model, self.lookup = model, lookup
-        kind = DrafterKind.MODEL_SUFFIX if isinstance(lookup, SuffixDrafter) else DrafterKind.MODEL_NGRAM
+        if kind is None:
+            kind = DrafterKind.MODEL_SUFFIX if isinstance(lookup, SuffixDrafter) else DrafterKind.MODEL_NGRAM
         self.shape = DraftShape(kind, model.width, model.proposal_top_k, lookup.shape.suffix)
         self.feature_layers = model.feature_layers
 

@@ -13,6 +13,7 @@ a committed token is always the target's."""
 import torch
 
 from .compute import on_compute
+from .drafter_kinds import DrafterKind, DraftShape
 from .drafters import ModelDrafter, TreeGrower, _unpacked, logit_columns
 from .eagle3 import Eagle3Head
 from .kvcache import CachedLM, Prefilled
@@ -42,6 +43,7 @@ class HeadDrafter(_NoDraftingAhead, ModelDrafter):
 
     def __init__(self, draft: CachedLM, width: int = 1, proposal_top_k: int = 256):
         super().__init__(draft, width, proposal_top_k)
+        self.shape = DraftShape(DrafterKind.HEAD, width, proposal_top_k)
         self.head: Eagle3Head = draft.model
         self.feature_layers = self.head.aux_layers
         self.pending: list[list[torch.Tensor]] = []  # per row: the target's features it has not run yet [n, F] each
@@ -153,6 +155,7 @@ class MedusaDrafter(_NoDraftingAhead, TreeGrower):
 
     def __init__(self, heads: MedusaHeads, width: int = 1, proposal_top_k: int = 256):
         super().__init__(width, proposal_top_k)
+        self.shape = DraftShape(DrafterKind.HEAD, width, proposal_top_k)
         self.heads = heads
         self.columns = logit_columns(heads)
         self.feature_layers = (heads.target_layers,)  # hidden_states[L]: what the target's LM head reads

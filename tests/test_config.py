@@ -9,6 +9,7 @@ import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cluster.config import ConfigError, app_config, load_config, parse_config, parse_live_config
+from specdec.drafter_kinds import DrafterKind
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_YAML = ROOT / "configs" / "default.yaml"  # the example a clone serves: the embedded default pair
@@ -29,7 +30,7 @@ def config_error(data) -> str:
 def test_default_yaml_serves_the_default_pair():
     """configs/default.yaml has no models section: it serves the embedded default pair, and a file
     without one is refused where no default is offered."""
-    config = load_config(DEFAULT_YAML, lambda with_draft: {"target": "dt", "draft": "dd"})
+    config = load_config(DEFAULT_YAML, lambda needs: {"target": "dt", "draft": "dd"})
     assert (config.models.target.path, config.models.draft.path) == ("dt", "dd")
     with pytest.raises(ConfigError, match="models"):
         load_config(DEFAULT_YAML)
@@ -39,7 +40,7 @@ def test_default_yaml_serves_the_default_pair():
 
 def test_the_shared_pair_config_is_the_default_one_with_the_bench_models():
     shared = load_config(SHARED_PAIR)
-    assert shared == load_config(DEFAULT_YAML, lambda with_draft: {"target": "../shared/bench-models/target",
+    assert shared == load_config(DEFAULT_YAML, lambda needs: {"target": "../shared/bench-models/target",
                                                         "draft": "../shared/bench-models/draft"})
 
 
@@ -206,8 +207,23 @@ def test_a_model_drafter_needs_a_draft_model():
     assert "speculation.drafter 'model+ngram' needs models.draft" in message
     assert parse_config({"models": {"target": {"path": "t"}}, "speculation": {"drafter": "ngram"}}).models.draft is None
     assert parse_config({"models": {"target": {"path": "t"}}, "speculation": {"drafter": "suffix"}}).models.draft is None
-    assert "drafter: must be 'model', 'ngram', 'model+ngram', 'suffix', 'model+suffix' or 'none', or a list of them (got 'eagle')" in config_error(
-        with_section("speculation", {"drafter": "eagle"}))
+    assert ("drafter: must be 'model', 'ngram', 'model+ngram', 'suffix', 'model+suffix', 'head', 'head+suffix' or "
+            "'none', or a list of them (got 'eagle')") in config_error(with_section("speculation", {"drafter": "eagle"}))
+
+
+def test_a_head_drafter_needs_a_head_and_a_head_needs_a_drafter_that_runs_it():
+    """models.head is what the head kinds draft with: a head kind without one is refused naming the key, and so is
+    a head that no drafter listed runs; a draft model and a head are served side by side, each kind its own."""
+    message = config_error({"models": {"target": {"path": "t"}}, "speculation": {"drafter": ["suffix", "head"]}})
+    assert "speculation.drafter 'head' needs models.head" in message
+    message = config_error({"models": {"target": {"path": "t"}, "head": {"path": "h"}}, "speculation": {"drafter": "suffix"}})
+    assert "models.head is given but no drafter runs it: list head or head+suffix in speculation.drafter" in message
+    both = parse_config({"models": {"target": {"path": "t"}, "draft": {"path": "d"}, "head": {"path": "h"}},
+                         "speculation": {"drafter": ["suffix", "model+ngram", "head+suffix"]},
+                         "routing": {"task_types": {"chat": {"drafter": "head+suffix"}}}})
+    assert both.models.head.path == "h" and set(both.speculation.shapes()) == {
+        DrafterKind.SUFFIX, DrafterKind.MODEL_NGRAM, DrafterKind.HEAD_SUFFIX}
+    assert both.speculation.shapes()[DrafterKind.HEAD_SUFFIX].nodes(4) == 1 + 4 + 4  # the head's chain and suffix's
 
 
 # --- the live part: routing, as Serve's user_config ---
@@ -240,7 +256,7 @@ def test_live_config_refuses_whole_naming_the_key(data, expected):
 
 def test_example_configs_say_their_gpus_are_logical():
     """configs/default.yaml and the shared pair's run small CPU models: Ray's GPUs there are logical slots."""
-    assert load_config(DEFAULT_YAML, lambda with_draft: {"target": "t", "draft": "d"}).placement.logical_gpus is True
+    assert load_config(DEFAULT_YAML, lambda needs: {"target": "t", "draft": "d"}).placement.logical_gpus is True
     assert load_config(SHARED_PAIR).placement.logical_gpus is True
 
 
@@ -264,7 +280,7 @@ def test_whole_gpus_per_rank_or_logical_ones_are_allowed(placement):
 # --- what `specdec serve` and build_app run ---
 
 
-def never_called(with_draft: bool = True) -> dict:
+def never_called(needs: frozenset = frozenset()) -> dict:
     raise AssertionError("the default pair was built although models were given")
 
 
@@ -275,27 +291,36 @@ def test_command_line_models_need_no_default_pair():
     assert cfg.models.draft is None and cfg.speculation.drafter == ["ngram"]  # as `specdec generate`
     with pytest.raises(ConfigError, match="--draft without --target"):
         app_config({"draft": "d"}, never_called)
+    cfg = app_config({"target": "t", "draft": "d", "head": "h"}, never_called)  # both: the router chooses
+    assert (cfg.models.head.path, cfg.speculation.drafter) == ("h", ["model+ngram", "head"])
+    with pytest.raises(ConfigError, match="--head without --target"):
+        app_config({"head": "h"}, never_called)
 
 
 def test_no_models_given_uses_the_default_pair():
-    cfg = app_config({}, lambda with_draft: {"target": "dt", "draft": "dd"})
+    cfg = app_config({}, lambda needs: {"target": "dt", "draft": "dd"})
     assert (cfg.models.target.path, cfg.models.draft.path) == ("dt", "dd")
 
 
 def test_a_drafter_without_a_model_does_not_build_the_default_draft(tmp_path):
     asked = []
 
-    def default_models(with_draft: bool) -> dict:
-        asked.append(with_draft)
-        return {"target": "dt", "draft": "dd"} if with_draft else {"target": "dt"}
+    def default_models(needs: frozenset) -> dict:
+        asked.append(needs)
+        return {"target": "dt", **({"draft": "dd"} if "draft" in needs else {}), **({"head": "dh"} if "head" in needs else {})}
 
     cfg = app_config({"drafter": "ngram"}, default_models)
-    assert cfg.models.draft is None and cfg.speculation.drafter == ["ngram"] and asked == [False]
+    assert cfg.models.draft is None and cfg.speculation.drafter == ["ngram"] and asked == [frozenset()]
     path = tmp_path / "ops.yaml"
     path.write_text(yaml.safe_dump({"speculation": {"drafter": "none"}}))
-    assert app_config({"config": str(path)}, default_models).models.draft is None and asked[-1] is False
+    assert app_config({"config": str(path)}, default_models).models.draft is None and asked[-1] == frozenset()
     assert app_config({"config": str(path), "drafter": "model"}, default_models).models.draft.path == "dd"
-    assert app_config({}, default_models).speculation.drafter == ["suffix", "model+ngram"] and asked[-1] is True
+    assert app_config({}, default_models).speculation.drafter == ["suffix", "model+ngram"] and asked[-1] == {"draft"}
+    cfg = app_config({"drafter": "head"}, default_models)  # the default target's head, and no draft model
+    assert (cfg.models.draft, cfg.models.head.path, asked[-1]) == (None, "dh", {"head"})
+    path.write_text(yaml.safe_dump({"speculation": {"drafter": ["suffix", "model+ngram", "head+suffix"]}}))
+    cfg = app_config({"config": str(path)}, default_models)
+    assert (cfg.models.draft.path, cfg.models.head.path, asked[-1]) == ("dd", "dh", {"draft", "head"})
 
 
 def test_serve_flags_override_the_file_and_are_checked_again(tmp_path):
@@ -381,7 +406,8 @@ def test_several_drafters_are_listed_and_routing_names_only_those():
            "suffix, model+ngram)" in config_error({**two, "routing": {"task_types": {"code": {"drafter": "ngram"}}}})
     for drafter, problem in [([], "an empty list"), (["suffix", "none"], "none cannot be listed with other drafters"),
                              (["suffix", "suffix"], "a drafter is listed twice: suffix, suffix"),
-                             (["suffix", "eagle"], "must be 'model', 'ngram', 'model+ngram', 'suffix', 'model+suffix' or 'none', or a list of them (got 'eagle')")]:
+                             (["suffix", "eagle"], "must be 'model', 'ngram', 'model+ngram', 'suffix', 'model+suffix', 'head', "
+                              "'head+suffix' or 'none', or a list of them (got 'eagle')")]:
         assert f"speculation.drafter: {problem}" in config_error({**two, "speculation": {"drafter": drafter}})
     assert "speculation.drafter 'model' needs models.draft" in config_error(
         {"models": {"target": {"path": "t"}}, "speculation": {"drafter": ["suffix", "model"]}})

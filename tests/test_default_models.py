@@ -73,15 +73,18 @@ def test_the_recipe_is_chosen_by_the_environment_and_a_bad_one_is_refused(monkey
         dm.default_spec()
 
 
-def test_the_head_recipe_makes_the_head_the_default_pairs_drafter(tmp_path, monkeypatch):
-    """SPECDEC_DEFAULT_DRAFT=head: the pair's draft is the target's head (HeadSpec over the draft's data)."""
+def test_the_default_pair_builds_the_head_and_the_draft_only_where_a_drafter_runs_them(tmp_path, monkeypatch):
+    """needs: the head (HeadSpec over the draft's data) for the head drafters, the draft model for the model ones,
+    neither for lookups; what is not needed is not built."""
     built = []
     monkeypatch.setattr(dm, "default_target", lambda root, log: "TARGET")
     monkeypatch.setattr(dm, "default_head", lambda spec, root, log: built.append(spec) or "HEAD")
-    monkeypatch.setenv(dm.RECIPE_ENV, "head")
-    assert dm.default_pair(dm.default_spec(seed=2), root=tmp_path) == {"target": "TARGET", "draft": "HEAD"}
-    assert built == [dm.HeadSpec(seed=2, data=dm.DefaultSpec(seed=2))]
-    assert dm.default_pair(root=tmp_path, with_draft=False) == {"target": "TARGET"}
+    monkeypatch.setattr(dm, "_default_draft", lambda spec, target, rebuild, root, log: built.append(spec) or "DRAFT")
+    spec = dm.default_spec(seed=2)
+    assert dm.default_pair(spec, root=tmp_path, needs={"head"}) == {"target": "TARGET", "head": "HEAD"}
+    assert built == [dm.HeadSpec(seed=2, data=spec)]
+    assert dm.default_pair(spec, root=tmp_path, needs=()) == {"target": "TARGET"} and len(built) == 1
+    assert dm.default_pair(spec, root=tmp_path) == {"target": "TARGET", "draft": "DRAFT"} and built[-1] == spec
 
 
 def test_bfloat16_training_only_where_the_cpu_has_it_and_the_key_says_which(monkeypatch):

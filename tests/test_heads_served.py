@@ -295,6 +295,26 @@ def test_target_parts_reads_a_tied_targets_embedding_for_both(tmp_path):
 # ------------------------------------------------------------------ a Ray topology
 
 
+SERVED_PROMPTS = ["w5 w17 w3", "w40 w41 w42 w43 w44 w45", "w9 w1 w2 w1 w2 w1 w2"]
+
+
+def complete_on(frontend, prompt: str, **request) -> tuple[list[int], object]:
+    """One request through a Frontend with speculation ON -> (its tokens, its last chunk's stats)."""
+    from cluster.admission import Request
+    from cluster.speculation import Speculation
+
+    async def complete():
+        job = frontend.admission.admit(Request(prompt=prompt, max_new_tokens=NEW_TOKENS, speculation=Speculation.ON,
+                                               **request))
+        tokens, last = [], None
+        async for chunk in frontend.generate(job):
+            tokens += chunk.token_ids
+            last = chunk
+        return tokens, last.stats
+
+    return asyncio.run(complete())
+
+
 @pytest.fixture(scope="module")
 def cluster():
     ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
@@ -308,37 +328,53 @@ def test_heads_on_replicas_beside_a_tensor_parallel_target_equal_plain_decoding(
     head drafts for every task type but "medusa", Medusa's heads for that one. The target is split over two
     ranks; the verdicts' features come from rank 0. Greedy output is plain decoding's, and the requests
     really speculated."""
-    import asyncio
-
-    from cluster.admission import Request
     from cluster.config import parse_config
     from cluster.frontend import Frontend
     from cluster.placement import start_topology
-    from cluster.speculation import Speculation
 
     cfg = parse_config({"models": {"target": {"path": smooth.path}, "draft": {"path": trained_head.path},
                                    "task_drafts": {"medusa": {"path": trained_medusa.path}}},
                         "placement": {"tensor_parallel_size": 2, "draft_replicas": 2, "logical_gpus": True},
                         "speculation": {"drafter": "model"}, "routing": {"default": {}}})
     frontend = Frontend(cfg, start_topology(cfg))
-    prompts = ["w5 w17 w3", "w40 w41 w42 w43 w44 w45", "w9 w1 w2 w1 w2 w1 w2"]
-
-    async def complete(prompt: str, task_type: str):
-        job = frontend.admission.admit(Request(prompt=prompt, task_type=task_type, max_new_tokens=NEW_TOKENS,
-                                               speculation=Speculation.ON))
-        tokens, last = [], None
-        async for chunk in frontend.generate(job):
-            tokens += chunk.token_ids
-            last = chunk
-        return tokens, last.stats
-
     try:
-        for prompt in prompts:
+        for prompt in SERVED_PROMPTS:
             want = hf_greedy(smooth.model, frontend.tokenizer(prompt)["input_ids"], NEW_TOKENS)
             for task_type in ("code", "medusa"):
-                tokens, stats = asyncio.run(complete(prompt, task_type))
+                tokens, stats = complete_on(frontend, prompt, task_type=task_type)
                 assert tokens == want, (prompt, task_type)
                 assert stats.speculative and stats.drafted > 0
+    finally:
+        frontend.shutdown()
+
+
+def test_a_head_and_a_draft_model_are_drafter_kinds_of_one_replica(cluster, smooth, trained_head):
+    """models.head beside models.draft: one replica runs model+ngram (a draft model: here the target's own weights)
+    and head (the EAGLE-3 head), each request with the one asked for. Greedy output is plain decoding's either way;
+    the ingress measures each forward's drafting apart (the head's depths are not the draft model's), and the head's
+    pool is its own."""
+    from cluster.config import parse_config
+    from cluster.frontend import Frontend, check_served_models
+    from cluster.placement import start_topology
+
+    cfg = parse_config({"models": {"target": {"path": smooth.path}, "draft": {"path": smooth.path},
+                                   "head": {"path": trained_head.path}},
+                        "placement": {"draft_replicas": 1, "logical_gpus": True},
+                        "speculation": {"drafter": ["model+ngram", "head"]}})
+    check_served_models(cfg)
+    frontend = Frontend(cfg, start_topology(cfg))
+    try:
+        for prompt in SERVED_PROMPTS:
+            want = hf_greedy(smooth.model, frontend.tokenizer(prompt)["input_ids"], NEW_TOKENS)
+            for drafter in ("head", "model+ngram"):
+                tokens, stats = complete_on(frontend, prompt, drafter=drafter)
+                assert tokens == want, (prompt, drafter)
+                assert stats.speculative and stats.drafted > 0
+        by_forward = frontend.timing.by_forward
+        assert set(by_forward) == {"model", "head"} and all(f.depths > 0 and f.steps > 0 for f in by_forward.values())
+        assert by_forward["model"].depths + by_forward["head"].depths == frontend.timing.draft_depths
+        (pools,) = ray.get([d.kv_stats.remote() for d in frontend.topology.drafts])
+        assert set(pools) == {"", "<head>"}
     finally:
         frontend.shutdown()
 
@@ -362,6 +398,13 @@ def test_serve_checks_heads_against_the_target_before_the_actors_start(smooth, t
                                              num_key_value_heads=2).save_pretrained(other)
     with pytest.raises(HeadMismatch, match=r"hidden states of size 64 \(target_hidden_size\); the target.s are 96"):
         check_served_models(cfg(str(other), trained_head.path))
+    heads = {"models": {"target": {"path": str(other)}, "head": {"path": trained_head.path}},
+             "speculation": {"drafter": "head"}}
+    with pytest.raises(HeadMismatch, match=r"hidden states of size 64"):  # models.head is checked the same way
+        check_served_models(parse_config(heads))
+    heads["models"]["head"]["path"] = smooth.path
+    with pytest.raises(ValueError, match=r"models.head: .* holds no draft head .* a draft model goes in models.draft"):
+        check_served_models(parse_config(heads))
 
 
 def test_verify_reads_its_trees_and_its_verdicts_features_off_the_event_loop(smooth, trained_head, monkeypatch):

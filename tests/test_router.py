@@ -7,10 +7,13 @@ from dataclasses import replace
 import pytest
 
 from cluster.config import RoutingConfig, Thresholds
-from cluster.router import Decision, Router, TargetView
+from cluster.router import Decision, Drafting, Router, TargetView
 from specdec.adaptive import best_k as best_k_of_ratio
 from specdec.adaptive import Costs, Load, expected_tokens
-from specdec.drafter_kinds import DrafterKind, DraftShape
+from specdec.drafter_kinds import DraftForward, DrafterKind, DraftShape
+from specdec.generation import RequestStats
+
+MODEL, HEAD = DraftForward.MODEL, DraftForward.HEAD
 
 MIN_SAMPLES = 20
 CHAIN = DraftShape(DrafterKind.MODEL, width=1)  # a draft model's chain: a step of K verifies K + 1 nodes
@@ -253,7 +256,7 @@ def test_goodput_k_shrinks_as_the_batch_grows_and_with_dear_drafts():
     assert router.route("code").k == 8  # free verification: draft as deep as allowed
     router.update_routing(routing(max_k=8, draft_cost_ratio=0.5))
     assert router.route("code").k < 8
-    router.observe_target(TargetView(flat, Load(16, 16, 16), drafted_ahead=1.0))  # drafting fully hidden
+    router.observe_target(TargetView(flat, Load(16, 16, 16), drafting={MODEL: Drafting(0.01, ahead=1.0)}))  # hidden
     assert router.route("code").k == 8
 
 
@@ -343,21 +346,18 @@ def test_the_router_sees_step_costs_of_the_last_seconds_not_since_start():
     forwards, forward_s = 0, 0.0
     for _ in range(20):  # idle: 10 steps a second, 25 ms round trips on 20 ms forwards, 4 draft forwards at
         # 3 ms (and 2 n-gram tokens, which cost nothing, beside them)
-        timing = replace(timing, steps=timing.steps + 10, step_round_trip_s=timing.step_round_trip_s + 0.25,
-                         draft_s=timing.draft_s + 0.12, drafted=timing.drafted + 60,
-                         draft_depths=timing.draft_depths + 40)
+        timing.add(RequestStats(steps=10, verify_time_s=0.25, draft_time_s=0.12, drafted=60, draft_depths=40), MODEL)
         forwards, forward_s = forwards + 10, forward_s + 0.2
         recent = recent.observe(timing, target(forwards, forward_s))
-    assert recent.hop_s == pytest.approx(0.005) and recent.draft_s_per_depth == pytest.approx(0.003)
+    assert recent.hop_s == pytest.approx(0.005) and recent.drafting[MODEL].s_per_depth == pytest.approx(0.003)
     for _ in range(20):  # loaded: 120 ms round trips on 40 ms forwards, drafting at 10 ms a depth
-        timing = replace(timing, steps=timing.steps + 10, step_round_trip_s=timing.step_round_trip_s + 1.2,
-                         draft_s=timing.draft_s + 0.4, drafted=timing.drafted + 40,
-                         draft_depths=timing.draft_depths + 40)
+        timing.add(RequestStats(steps=10, verify_time_s=1.2, draft_time_s=0.4, drafted=40, draft_depths=40), MODEL)
         forwards, forward_s = forwards + 10, forward_s + 0.4
         recent = recent.observe(timing, target(forwards, forward_s))
-    assert recent.hop_s == pytest.approx(0.08, rel=0.01) and recent.draft_s_per_depth == pytest.approx(0.01, rel=0.01)
+    assert recent.hop_s == pytest.approx(0.08, rel=0.01)
+    assert recent.drafting[MODEL].s_per_depth == pytest.approx(0.01, rel=0.01)
     assert RecentSteps().observe(timing, target(5, 0.1)).observe(timing, target(1, 0.01)).hop_s == 0  # rebuilt
-    view = TargetView(CPU_TARGET, Load(1, 1, 1), recent.hop_s, 0.0, recent.draft_s_per_depth)
+    view = TargetView(CPU_TARGET, Load(1, 1, 1), recent.hop_s, recent.drafting)
     assert view.step_costs(draft_cost_ratio=0.15).draft_forward == pytest.approx(0.01, rel=0.01)
     router = Router(routing(), SHAPES)
     report_alpha(router, "code", 0.8, times=MIN_SAMPLES)
@@ -393,7 +393,8 @@ def test_plain_rows_wait_through_the_loops_stall_and_speculating_rows_draft_thro
     load = Load(batch_tokens=8, committed=8, rows=8)
     rates = []
     for stall in (0.0, 0.004):
-        router.observe_target(TargetView(CPU_TARGET, load, hop_s=0.003, draft_s_per_depth=0.002, stall_s_per_token=stall))
+        router.observe_target(TargetView(CPU_TARGET, load, hop_s=0.003, drafting={MODEL: Drafting(0.002)},
+                                         stall_s_per_token=stall))
         rates.append(router.stats()["code"])
     (free, stalled), rows = rates, 9
     assert free.decision == "off" and stalled.decision == "on"
@@ -420,7 +421,7 @@ def test_a_step_is_priced_at_the_node_count_of_the_tree_the_replica_drafts(shape
     rows, hop, draft = 3, 0.003, 0.002
     load = Load(batch_tokens=2, committed=2, rows=rows - 1)  # 2 rows running, priced with one more
     gpu = Costs(verify_table={1: 0.02, 64: 0.03})  # batching nearly free: speculation pays
-    router.observe_target(TargetView(gpu, load, hop_s=hop, draft_s_per_depth=draft))
+    router.observe_target(TargetView(gpu, load, hop_s=hop, drafting={MODEL: Drafting(draft)}))
     stats = router.stats()["code"]
     k = stats.k
     assert stats.decision == "on" and k > 0
@@ -451,13 +452,13 @@ def test_the_hop_is_the_round_trip_less_the_time_the_trees_spent_in_the_target()
     timing = StepTiming()
     recent = RecentSteps().observe(timing, TargetStats())
     # 10 trees, 30 ms round trips, each waited through a 20 ms forward and a 6 ms prefill: 4 ms of hop
-    timing = StepTiming(steps=10, step_round_trip_s=0.3, draft_s=0.1, drafted=40, draft_depths=40)
+    timing.add(RequestStats(steps=10, verify_time_s=0.3, draft_time_s=0.1, drafted=40, draft_depths=40), MODEL)
     counts = TargetStats(forwards=10, forward_time_s=0.2, stall_time_s=0.06, committed_tokens=30,
                          trees_verified=10, tree_loop_time_s=0.26)
     recent = recent.observe(timing, counts)
     assert recent.stall_s_per_token == pytest.approx(0.002) and recent.hop_s == pytest.approx(0.004)
     # 10 more trees, 24 ms round trips on 20 ms forwards; 60 ms of prefill ran, but while no tree waited
-    timing = StepTiming(steps=20, step_round_trip_s=0.54, draft_s=0.2, drafted=80, draft_depths=80)
+    timing.add(RequestStats(steps=10, verify_time_s=0.24, draft_time_s=0.1, drafted=40, draft_depths=40), MODEL)
     counts = TargetStats(forwards=20, forward_time_s=0.4, stall_time_s=0.12, committed_tokens=60,
                          trees_verified=20, tree_loop_time_s=0.46)
     recent = recent.observe(timing, counts)
@@ -664,10 +665,49 @@ def test_a_drafter_without_a_model_is_priced_without_draft_forwards():
     router = Router(routing(probe_fraction=0.0), TWO)
     measure_both(router, "code", {DrafterKind.MODEL: 0.7, DrafterKind.SUFFIX: 0.7})
     router.observe_target(TargetView(Costs(verify_table={1: 0.02, 64: 0.03}), Load(rows=0), hop_s=0.001,
-                                     draft_s_per_depth=0.004))
+                                     drafting={MODEL: Drafting(0.004)}))
     stats = router.stats()["code"]
     assert stats.drafters["suffix"].goodput > stats.drafters["model"].goodput
     assert stats.drafter == "suffix"
+
+
+@pytest.mark.parametrize("head_s, chosen", [(0.001, "head"), (0.012, "model+ngram")])
+def test_a_head_is_a_drafter_kind_priced_by_what_its_own_depths_cost(head_s, chosen):
+    """A draft model (with n-gram guesses) and a draft head served side by side, at equal alpha: each is priced by
+    the seconds a depth of its own forward was measured to cost, so the cheaper one drafts; a head's cost is not
+    the draft model's."""
+    shapes = {DrafterKind.MODEL_NGRAM: DraftShape(DrafterKind.MODEL_NGRAM), DrafterKind.HEAD: DraftShape(DrafterKind.HEAD)}
+    router = Router(routing(probe_fraction=0.0), shapes)
+    measure_both(router, "code", {DrafterKind.MODEL_NGRAM: 0.7, DrafterKind.HEAD: 0.7})
+    router.observe_target(TargetView(Costs(verify_table={1: 0.02, 64: 0.03}), Load(rows=0), hop_s=0.001,
+                                     drafting={MODEL: Drafting(0.006), HEAD: Drafting(head_s)}))
+    stats = router.stats()["code"]
+    assert stats.drafter == chosen, stats.reason
+    goodput = {name: d.goodput for name, d in stats.drafters.items()}
+    assert (goodput["head"] > goodput["model+ngram"]) == (chosen == "head"), goodput
+    assert router.route("code").drafter == DrafterKind(chosen)
+
+
+def test_the_telemetry_measures_each_forward_a_drafter_runs_apart():
+    """Steps drafted by a draft model and by a head, relayed together: each forward's seconds per depth and share
+    drafted ahead come from its own steps (a head, which never drafts ahead, does not dilute the model's share);
+    lookup steps add to the hop only."""
+    from specdec.scheduler import TargetStats
+    from cluster.telemetry import RecentSteps, StepTiming
+
+    timing = StepTiming()
+    recent = RecentSteps().observe(timing, TargetStats())
+    timing.add(RequestStats(steps=10, verify_time_s=0.25, draft_time_s=0.12, draft_depths=40, drafted_ahead=5), MODEL)
+    timing.add(RequestStats(steps=10, verify_time_s=0.25, draft_time_s=0.02, draft_depths=40), HEAD)
+    timing.add(RequestStats(steps=10, verify_time_s=0.25))  # suffix guesses
+    counts = TargetStats(forwards=30, forward_time_s=0.6, committed_tokens=90, trees_verified=30, tree_loop_time_s=0.6)
+    recent = recent.observe(timing, counts)
+    assert recent.drafting == {MODEL: Drafting(pytest.approx(0.003), 0.5), HEAD: Drafting(pytest.approx(0.0005), 0.0)}
+    assert timing.to_dict()["by_forward"]["head"]["depths"] == 40 and timing.draft_depths == 80
+    costs = TargetView(CPU_TARGET, Load(1, 1, 1), recent.hop_s, recent.drafting)
+    assert costs.step_costs(0.15, HEAD).draft_forward == pytest.approx(0.0005)
+    assert costs.step_costs(0.15, MODEL).draft_forward == pytest.approx(0.0015)  # half of it hidden
+    assert costs.step_costs(0.15, None).draft_forward == 0
 
 
 @pytest.mark.parametrize("draft_s, most", [(0.002, MIN_SAMPLES // 2), (0.006, 0)])
@@ -677,7 +717,7 @@ def test_a_drafter_that_cannot_win_is_measured_no_further(draft_s, most):
     (it loses there even accepting everything), instead of min_samples."""
     router = Router(routing(probe_fraction=0.0), TWO)
     router.observe_target(TargetView(Costs(verify_table={1: 0.02, 64: 0.03}), Load(rows=0), hop_s=0.001,
-                                     draft_s_per_depth=draft_s))
+                                     drafting={MODEL: Drafting(draft_s)}))
     alphas = {DrafterKind.MODEL: [0.9, 0.7, 0.8], DrafterKind.SUFFIX: [0.85, 0.65, 0.75]}
     ran = route_and_report(router, "code", alphas, 100)
     tried = ran.count(DrafterKind.MODEL)
@@ -732,7 +772,7 @@ def test_a_drafter_that_loses_even_at_an_alpha_of_1_is_never_probed():
     alpha even accepting everything: no share of requests is spent on it, however long the run."""
     router = Router(routing(probe_fraction=0.25), TWO)
     router.observe_target(TargetView(Costs(verify_table={1: 0.02, 64: 0.03}), Load(rows=0), hop_s=0.001,
-                                     draft_s_per_depth=0.05))
+                                     drafting={MODEL: Drafting(0.05)}))
     measure_both(router, "code", {DrafterKind.MODEL: 0.95, DrafterKind.SUFFIX: 0.85})
     ran = route_and_report(router, "code", {DrafterKind.MODEL: [0.95], DrafterKind.SUFFIX: [0.8, 0.9]}, 400)
     assert DrafterKind.MODEL not in ran and router.stats()["code"].drafter == "suffix"
@@ -759,17 +799,18 @@ def test_a_lookup_drafters_steps_measure_the_hop_though_they_draft_no_depth():
     from specdec.scheduler import TargetStats
     from cluster.telemetry import RecentSteps, StepTiming
 
-    recent = RecentSteps().observe(StepTiming(), TargetStats())
+    timing = StepTiming()
+    recent = RecentSteps().observe(timing, TargetStats())
     # 10 lookup steps, 25 ms round trips on 20 ms forwards: 5 ms of hop, no draft depth
-    timing = StepTiming(steps=10, step_round_trip_s=0.25, drafted=40)
+    timing.add(RequestStats(steps=10, verify_time_s=0.25, drafted=40))
     counts = TargetStats(forwards=10, forward_time_s=0.2, committed_tokens=30, trees_verified=10,
                          tree_loop_time_s=0.2)
     recent = recent.observe(timing, counts)
-    assert recent.hop_s == pytest.approx(0.005) and recent.draft_s_per_depth is None
+    assert recent.hop_s == pytest.approx(0.005) and recent.drafting == {}
     # then a draft model's steps: its depth's cost is measured from its first step on, the hop smoothed
-    timing = StepTiming(steps=20, step_round_trip_s=0.55, draft_s=0.04, drafted=80, draft_depths=20)
+    timing.add(RequestStats(steps=10, verify_time_s=0.3, draft_time_s=0.04, drafted=40, draft_depths=20), MODEL)
     counts = replace(counts, forwards=20, forward_time_s=0.4, committed_tokens=60, trees_verified=20,
                      tree_loop_time_s=0.4)
     recent = recent.observe(timing, counts)
-    assert recent.draft_s_per_depth == pytest.approx(0.002)
+    assert recent.drafting == {MODEL: Drafting(pytest.approx(0.002))}
     assert recent.hop_s == pytest.approx(0.005 + 0.3 * (0.01 - 0.005))
