@@ -18,6 +18,7 @@ from specdec.errors import (InvalidArgument, RequestExists, RequestFailed, Resou
 from specdec.logprobs import TokenLogprob
 from specdec.sampling import SamplingParams
 from specdec.drafter_kinds import MAX_DEPTH, MAX_PROPOSAL_TOP_K, MAX_TREE_WIDTH
+from specdec.target import feature_dtype
 from specdec.tree import DELTA, Proposal, TokenTree
 
 
@@ -228,15 +229,10 @@ FEATURE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32
 MAX_FEATURE_WIDTH = 1 << 16  # values per row (3 x the widest hidden sizes, ~16k, fits many times over)
 
 
-def wire_dtype(dtype: torch.dtype) -> torch.dtype:
-    """What hidden states of this dtype travel as: 16-bit as they are, anything else as bfloat16 (they feed a
-    draft head: its guesses, never what the target commits, depend on them)."""
-    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-
-
 def features_to_proto(features: torch.Tensor) -> tree_pb.Features:
-    """features [rows, width] -> their bytes, in wire_dtype, leaving the device in one copy."""
-    dtype = wire_dtype(features.dtype)
+    """features [rows, width] -> their bytes, in 16 bits (specdec.target.feature_dtype: the target keeps them so
+    already), leaving the device in one copy."""
+    dtype = feature_dtype(features.dtype)
     name = next(n for n, d in FEATURE_DTYPES.items() if d == dtype)
     host = features.detach().to(dtype).to(HOST).contiguous()
     data = host.view(torch.int16).numpy().tobytes()  # numpy has no bfloat16: its bytes, as int16
@@ -264,7 +260,7 @@ def features_from_proto(msg: tree_pb.Features, field: str, rows: int | None = No
 
 def feature_rows_that_fit(width: int, dtype: torch.dtype, limit: int) -> int:
     """Rows of hidden states one message of `limit` bytes holds (with room for its framing), at least 1."""
-    return max(1, (limit - 1024) // (width * wire_dtype(dtype).itemsize))
+    return max(1, (limit - 1024) // (width * feature_dtype(dtype).itemsize))
 
 
 @dataclass(frozen=True)

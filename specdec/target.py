@@ -438,10 +438,20 @@ def _share(riders: list[Prefilled], budget: int) -> list[tuple[Prefilled, int, l
     return shares
 
 
+def feature_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What a draft head's features of a model computing in `dtype` are kept, cached and shipped in: a 16-bit dtype
+    as it is, any other as bfloat16. They only steer a head's guesses, never what the target commits, and in 16
+    bits they take half a float32 model's bytes beside its cached blocks and on the wire; in one process and
+    across processes a head reads the same values."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
 def _features(states: tuple[torch.Tensor, ...], layers: tuple[int, ...], tokens: list[int], lm: CachedLM) -> torch.Tensor:
-    """The inputs of these layers at these of a forward's tokens, concatenated -> [len(tokens), len(layers) H]."""
+    """The inputs of these layers at these of a forward's tokens, concatenated, in feature_dtype -> [len(tokens),
+    len(layers) H]."""
+    dtype = feature_dtype(lm.model.dtype)
     if not tokens:
         hidden = lm.model.config.get_text_config().hidden_size
-        return torch.zeros(0, len(layers) * hidden, dtype=lm.model.dtype, device=lm.device)
+        return torch.zeros(0, len(layers) * hidden, dtype=dtype, device=lm.device)
     index = host_tensor(tokens, torch.long, lm.device)
-    return torch.cat([states[i].index_select(0, index) for i in layers], dim=-1)
+    return torch.cat([states[i].index_select(0, index).to(dtype) for i in layers], dim=-1)

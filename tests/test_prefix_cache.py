@@ -438,7 +438,8 @@ def test_a_heads_row_takes_a_cached_prefix_with_the_features_kept_beside_it(targ
     again = features(cached, "b", ask(10, 11, 12))  # the features of the system prompt's blocks are kept now
     assert stats().hit_tokens - before == 32  # its two whole blocks (BLOCK_TOKENS = 16)
     assert again.shape == (len(ask(10, 11, 12)) - 1, first.shape[1])
-    torch.testing.assert_close(again, features(whole, "b", ask(10, 11, 12)), atol=1e-5, rtol=1e-5)
+    # kept in 16 bits (specdec.target.feature_dtype): a cached value and a fresh one differ by one rounding at most
+    torch.testing.assert_close(again, features(whole, "b", ask(10, 11, 12)), atol=1e-5, rtol=2**-7)
 
     before = stats().hit_tokens
     elsewhere = features(cached, "c", ask(13), row_layers=other_layers)  # another head's layers: kept apart
@@ -469,4 +470,4 @@ def test_a_heads_answer_is_kept_with_its_features_for_the_next_turn(target):
     again = cached.add([("turn 2", follow_up, SamplingParams(), 0)], {"turn 2": layers})["turn 2"]
     assert cached.lm.prefix.stats().hit_tokens - before == (len(seq) - 1) // 16 * 16 > len(prompt)
     fresh = whole.add([("turn 2", follow_up, SamplingParams(), 0)], {"turn 2": layers})["turn 2"]
-    torch.testing.assert_close(again, fresh, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(again, fresh, atol=1e-4, rtol=2**-7)  # 16 bits: one rounding at most
