@@ -20,9 +20,8 @@ from specdec.errors import UnsupportedModel
 from specdec.drafter_factory import draft_runner
 from specdec.drafters import logit_columns
 from specdec.head_drafter import HeadDrafter, MedusaDrafter
-from specdec.head_training import (evaluate_head, frequent_tokens, new_head, new_medusa, step_mask, train_head,
-                                   train_medusa)
-from specdec.medusa import MedusaHeads, is_medusa, load_medusa, save_medusa
+from specdec.head_training import evaluate_head, frequent_tokens, new_head, new_medusa, step_mask, train_head
+from specdec.medusa import is_medusa, load_medusa, save_medusa
 from specdec.loading import check_draft, load_draft, load_model
 from specdec.target import TargetWorker, feature_dtype
 from specdec.training import TrainConfig
