@@ -41,11 +41,12 @@ class IngressStats:
     in_flight: int
     timing: dict  # the target's forwards, forward_s, stall_s, gather_s (None while unknown) and this ingress's StepTiming
     target: dict  # the supervisor's state and what the target holds (HELD; None while unknown)
+    costs: dict  # a step's costs beyond its forward as the router prices them now (RecentSteps.costs)
 
     def to_json(self) -> dict:
         return {"task_types": {name: task.to_dict() for name, task in self.task_types.items()},
                 "task_types_folded": self.task_types_folded, "requests": self.requests.to_dict(),
-                "in_flight": self.in_flight, "timing": self.timing, "target": self.target}
+                "in_flight": self.in_flight, "timing": self.timing, "target": self.target, "costs": self.costs}
 
 
 def check_served_models(cfg: ServeConfig):
@@ -136,7 +137,7 @@ class Frontend:
                       "gather_s": target.gather_time_s}
             held = target.held()
         return IngressStats(self.router.stats(), self.router.folded, replace(self.relay.served), self.admission.in_flight,
-                            timing | self.timing.to_dict(), self.supervisor.stats() | held)
+                            timing | self.timing.to_dict(), self.supervisor.stats() | held, self.telemetry.recent.costs())
 
     async def forget_outputs(self) -> int:
         """Every draft replica drops its store of recent outputs -> the tokens dropped, all replicas' together."""

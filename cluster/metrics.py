@@ -36,6 +36,9 @@ drafter_alpha = LazyMetric(Gauge, "drafter_alpha", "The router's moving average 
                            "kind served", ("task_type", "drafter"))
 drafter_chosen = LazyMetric(Gauge, "drafter_chosen", "1 for the drafter kind AUTO requests of the task type "
                             "speculate with, 0 for the others served", ("task_type", "drafter"))
+draft_seconds_per_depth = LazyMetric(Gauge, "draft_seconds_per_depth", "What a depth of the draft model's or the "
+                                     "draft head's forward costs on the draft replicas, as the router prices it (the "
+                                     "last seconds' measure; set once that forward has drafted)", ("forward",))
 task_types_folded = LazyMetric(Counter, "task_types_folded", "Requests whose task type was new once the router "
                                "tracked routing.max_task_types names: routed and counted as default")
 queue_depth = LazyMetric(Gauge, "queue_depth", "Requests admitted and unfinished in this ingress replica")
@@ -77,11 +80,15 @@ def count_event(task_type: str, event: str) -> None:
     request_events().inc(tags={"task_type": task_type, "event": event})
 
 
-def publish_gauges(in_flight: int, routing: dict[str, "TaskTypeStats"], target_serving: bool) -> None:
-    """The ingress's gauges: its queue depth, the target group's availability, and per task type of
-    Router.stats() the alpha (once measured), the decision, and each drafter's alpha and whether it is chosen."""
+def publish_gauges(in_flight: int, routing: dict[str, "TaskTypeStats"], target_serving: bool,
+                   drafting: dict[str, float] | None = None) -> None:
+    """The ingress's gauges: its queue depth, the target group's availability, what a depth of each forward a
+    drafter runs costs (`drafting`: "model", "head" -> seconds), and per task type of Router.stats() the alpha
+    (once measured), the decision, and each drafter's alpha and whether it is chosen."""
     queue_depth().set(in_flight)
     target_up().set(int(target_serving))
+    for forward, seconds in (drafting or {}).items():
+        draft_seconds_per_depth().set(seconds, {"forward": forward})
     for task_type, stats in routing.items():
         tags = {"task_type": task_type}
         alpha().set(stats.alpha, tags)  # None: not set

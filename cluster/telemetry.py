@@ -131,6 +131,13 @@ class RecentSteps:
                 _smoothed(old.s_per_depth, measured.s_per_depth), _smoothed(old.ahead, measured.ahead))
         return drafting
 
+    def costs(self) -> dict:
+        """What a speculative step costs beyond its forward, as the router prices it now (/v1/stats "costs"): the
+        hop, the stall per token committed, and per forward a drafter runs its seconds a depth and share drafted
+        ahead."""
+        return {"hop_s": self.hop_s, "stall_s_per_token": self.stall_s_per_token,
+                "drafting": {str(f): asdict(d) for f, d in self.drafting.items()}}
+
     def view(self, target: TargetStats) -> TargetView:
         """The router's view of the target group: its forward costs and batch, and a step's rest."""
         return TargetView(Costs(verify_table=target.forward_costs),
@@ -171,7 +178,8 @@ class RouterTelemetry:
         while not self._stopped.wait(GAUGES_EVERY_S):
             try:
                 self._observe_target()
-                metrics.publish_gauges(self.in_flight(), self.router.stats(), self.supervisor.outage is None)
+                metrics.publish_gauges(self.in_flight(), self.router.stats(), self.supervisor.outage is None,
+                                       {str(f): d.s_per_depth for f, d in self.recent.drafting.items()})
             except Exception:  # noqa: BLE001 - a bug here must not leave the router deciding on stale costs for good
                 log.exception("the router's telemetry failed this poll; it polls again in %s s", GAUGES_EVERY_S)
 

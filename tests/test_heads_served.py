@@ -21,6 +21,7 @@ from actors.grpc_target import GrpcTarget
 from actors.security import LinkSecurity, serve_target, target_channel
 from actors.target_service import TargetService
 from conftest import NEW_TOKENS, VOCAB, threads_for_new_threads
+from scheduling import wait_for
 from protos import specdec_tree_pb2 as tree_pb
 from protos import specdec_tree_pb2_grpc as tree_grpc
 from specdec.acceptance import Verdict
@@ -375,6 +376,12 @@ def test_a_head_and_a_draft_model_are_drafter_kinds_of_one_replica(cluster, smoo
         assert by_forward["model"].depths + by_forward["head"].depths == frontend.timing.draft_depths
         (pools,) = ray.get([d.kv_stats.remote() for d in frontend.topology.drafts])
         assert set(pools) == {"", "<head>"}
+
+        def costs() -> dict:  # /v1/stats "costs": what the router prices each forward at, from the polls
+            return asyncio.run(frontend.stats()).to_json()["costs"]["drafting"]
+
+        wait_for(lambda: set(costs()) == {"model", "head"}, costs, timeout=20, every=0.5)
+        assert all(c["s_per_depth"] > 0 and c["ahead"] == 0 for c in costs().values()), costs()
     finally:
         frontend.shutdown()
 
