@@ -78,6 +78,21 @@ def test_generate_samples_are_independent_and_reproducible(dirs, capsys):
     assert [s["token_ids"] for s in again["samples"]] == samples  # same seed, same samples
 
 
+@pytest.mark.parametrize("drafter", ["head", "head+suffix"])
+def test_generate_drafts_with_a_head_given_by_head(dirs, capsys, tmp_path, drafter):
+    """--head DIR is what the drafters head and head+suffix draft with (an untrained head: it drafts, and the
+    output is plain decoding's); a draft model given as the head is refused, naming what it needs."""
+    from transformers import AutoConfig
+
+    from specdec.eagle3 import Eagle3Head, head_config, save_head
+
+    save_head(Eagle3Head(head_config(AutoConfig.from_pretrained(dirs["target"]), 24, (0, 1, 1))), tmp_path / "head")
+    out = run_json(capsys, generate(dirs, "--drafter", drafter, "--head", str(tmp_path / "head")))
+    assert out["token_ids"] == plain_greedy(dirs) and out["stats"]["drafted"] > 0
+    with pytest.raises(SystemExit, match=re.escape(f"drafter {drafter!r} needs a draft head") + ".* got a draft model"):
+        main(generate(dirs, "--drafter", drafter, "--head", dirs["draft"]))
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--tree", "2x3", "--num-speculative-tokens", "3"], "both set the depth"),
     (["--drafter", "model", "--draft", ""], "needs a draft model"),
