@@ -19,7 +19,7 @@ from conftest import served_target
 from protos import specdec_api_pb2 as api
 from protos import specdec_api_pb2_grpc as api_grpc
 
-LABELS = {"task_type", "mode", "event", "replica"}  # specdec's own; Ray adds WorkerId, NodeAddress and more
+LABELS = {"task_type", "mode", "event", "replica", "forward"}  # specdec's own; Ray adds WorkerId, NodeAddress and more
 SENT = {("code", "speculative"): 3, ("prose", "plain"): 2}  # (task type, mode) -> requests
 PREFIX_CAP = 32  # the target's prefix cache: two blocks, so that LONG's prompts evict
 # "chat" requests, plain: a 40-token prompt twice (the second finds two blocks cached), then another (evicting)
@@ -94,7 +94,8 @@ def exported(url: str, code_alpha: float) -> dict:
                 and all(value(m, f"{name}_count", replica=r) for name, replicas in STEPS.items() for r in replicas)
                 and value(m, "alpha", task_type="code") == pytest.approx(code_alpha)
                 and value(m, "queue_depth") == 0 and value(m, "target_open_requests") == 0
-                and value(m, "target_prefix_evicted_tokens_total")):
+                and value(m, "target_prefix_evicted_tokens_total")
+                and value(m, "draft_seconds_per_depth", forward="model")):  # once a poll has measured model steps
             return m
         assert time.monotonic() < deadline, f"metrics not exported in time: {dict(m)}"
         time.sleep(1)
@@ -125,6 +126,8 @@ def test_metrics_are_exported_per_task_type_and_replica(cluster):
     assert all(v > 0 for v in goodput.values()), goodput  # the target's forward costs reached the router
     assert value(m, "speculation_on", task_type="prose") == 1  # no reports yet: on, to measure alpha
 
+    assert 1e-6 < value(m, "draft_seconds_per_depth", forward="model") < 10  # the draft model's, as the router prices it
+    assert ("forward", "head") not in {label for labels in m["draft_seconds_per_depth"] for label in labels}  # none ran
     assert value(m, "target_up") == 1  # the target group serves, holding nothing now
     assert value(m, "target_waiting_requests") == 0 == value(m, "target_kv_tokens_reserved")
     # the prefix cache: LONG's second prompt found two blocks; the third evicted for room, within the cap

@@ -96,11 +96,16 @@ def test_make_drafter_names(draft):
     assert isinstance(make_drafter("suffix", None), SuffixDrafter)
     merged = make_drafter("model+suffix", CachedLM(draft))
     assert isinstance(merged, MergedDrafter) and isinstance(merged.lookup, SuffixDrafter)
-    assert {k.value for k in DrafterKind} == {"model", "ngram", "model+ngram", "suffix", "model+suffix", "none"}
-    with pytest.raises(ValueError, match="model, ngram, model[+]ngram, suffix, model[+]suffix, none"):
+    assert {k.value for k in DrafterKind} == {"model", "ngram", "model+ngram", "suffix", "model+suffix", "head",
+                                              "head+suffix", "none"}
+    with pytest.raises(ValueError, match="model, ngram, model[+]ngram, suffix, model[+]suffix, head, head[+]suffix, none"):
         make_drafter("medusa", None)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="needs a draft model"):
         make_drafter("model", None)
+    with pytest.raises(ValueError, match="needs a draft head"):
+        make_drafter("head", None)
+    with pytest.raises(ValueError, match="'head[+]suffix' needs a draft head .*, got a draft model"):
+        make_drafter("head+suffix", CachedLM(draft))
 
 
 @pytest.mark.parametrize("streams", [[0, 1], [0, 1, 2, 3, 4, 5]], ids=["too-few", "too-many"])
