@@ -5,10 +5,9 @@ that a command which only parses its arguments does not pay for them."""
 import os
 import random
 import socket
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from .config import ServeConfig, ServerConfig, app_config
+from .config import DefaultModels, ServeConfig, ServerConfig, app_config
 
 # Ray starts its workers at nice 15, so that its own processes stay responsive; the target's step loop
 # then loses its core to every nice-0 process on the machine (the raylet, GCS, agents, clients). At nice 0
@@ -90,7 +89,7 @@ def default_models(needs: frozenset[str] = frozenset({"draft"})) -> dict[str, st
     return default_pair(needs=needs)
 
 
-def local_cluster(app_args: dict, default_models: Callable[[], dict[str, str]],
+def local_cluster(app_args: dict, default_models: DefaultModels,
                   num_gpus: float | None = None) -> tuple[ServeConfig, float, str | None]:
     """For a local Ray cluster this process is about to start (ray.init without an address): the config to
     serve, the GPUs the cluster declares (num_gpus if given, else this machine's CUDA GPUs, else as many as
