@@ -75,6 +75,9 @@ target_prefix_hit_tokens = LazyMetric(Counter, "target_prefix_hit_tokens", "Prom
                                       "target_prefix_prompt_tokens")
 target_prefix_evicted_tokens = LazyMetric(Counter, "target_prefix_evicted_tokens", "Tokens the target's prefix "
                                           "cache evicted for room (least recently used first)")
+target_prefix_feature_bytes = LazyMetric(Gauge, "target_prefix_feature_bytes", "Bytes of the store in which the "
+                                         "target's prefix cache keeps draft heads' features of its blocks (made at "
+                                         "the cache's cap when a head's row first keeps some; 0 without heads)")
 
 
 class StepTimer:
@@ -112,6 +115,7 @@ def _publish_target(now: "TargetStats", counted: dict[str, int]) -> None:
     target_prefix_cached_tokens().set(now.prefix_cached_tokens)
     target_kv_used_tokens().set(now.kv_used_tokens)
     target_kv_window_used_tokens().set(now.kv_window_used_tokens)
+    target_prefix_feature_bytes().set(now.prefix_feature_bytes)
     for name, counter in COUNTERS.items():
         if (total := getattr(now, name)) > counted[name]:
             counter().inc(total - counted[name])

@@ -189,7 +189,7 @@ class DrafterStats(_message.Message):
     def __init__(self, alpha: _Optional[float] = ..., samples: _Optional[int] = ..., goodput: _Optional[float] = ...) -> None: ...
 
 class TargetStats(_message.Message):
-    __slots__ = ("state", "reason", "rebuilds", "last_recovery_s", "open_requests", "kv_tokens_reserved", "waiting", "largest_batch", "idle_rows_closed", "prefix_cached_tokens", "prefix_prompt_tokens", "prefix_hit_tokens", "prefix_evicted_tokens", "kv_used_tokens", "kv_window_used_tokens")
+    __slots__ = ("state", "reason", "rebuilds", "last_recovery_s", "open_requests", "kv_tokens_reserved", "waiting", "largest_batch", "idle_rows_closed", "prefix_cached_tokens", "prefix_prompt_tokens", "prefix_hit_tokens", "prefix_evicted_tokens", "kv_used_tokens", "kv_window_used_tokens", "prefix_feature_bytes")
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     REBUILDS_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +205,7 @@ class TargetStats(_message.Message):
     PREFIX_EVICTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FEATURE_BYTES_FIELD_NUMBER: _ClassVar[int]
     state: str
     reason: str
     rebuilds: int
@@ -220,7 +221,8 @@ class TargetStats(_message.Message):
     prefix_evicted_tokens: int
     kv_used_tokens: int
     kv_window_used_tokens: int
-    def __init__(self, state: _Optional[str] = ..., reason: _Optional[str] = ..., rebuilds: _Optional[int] = ..., last_recovery_s: _Optional[float] = ..., open_requests: _Optional[int] = ..., kv_tokens_reserved: _Optional[int] = ..., waiting: _Optional[int] = ..., largest_batch: _Optional[int] = ..., idle_rows_closed: _Optional[int] = ..., prefix_cached_tokens: _Optional[int] = ..., prefix_prompt_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_evicted_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_window_used_tokens: _Optional[int] = ...) -> None: ...
+    prefix_feature_bytes: int
+    def __init__(self, state: _Optional[str] = ..., reason: _Optional[str] = ..., rebuilds: _Optional[int] = ..., last_recovery_s: _Optional[float] = ..., open_requests: _Optional[int] = ..., kv_tokens_reserved: _Optional[int] = ..., waiting: _Optional[int] = ..., largest_batch: _Optional[int] = ..., idle_rows_closed: _Optional[int] = ..., prefix_cached_tokens: _Optional[int] = ..., prefix_prompt_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_evicted_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_window_used_tokens: _Optional[int] = ..., prefix_feature_bytes: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("task_types", "target", "in_flight")

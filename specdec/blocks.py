@@ -23,7 +23,12 @@ layers' keys and values in storage of their own (use_window), as vLLM's hybrid K
 group per attention kind: a block's window storage, held apart from the block, goes back to the pool once no
 holder's window covers it, while the global layers keep the block. So a long row holds its whole length in
 the global layers and about a window in the sliding ones. The window storage's ids are a block's own mapped
-(window_of): storage 0 is NULL's, 1 TRASH's."""
+(window_of): storage 0 is NULL's, 1 TRASH's.
+
+A draft head's row needs, with a cached prefix's KV, the target's features of its tokens (the hidden states at
+the head's layers). The index keeps them in a store of its own made at its cap's size, one slot of a block's
+tokens per indexed block, on the first block stored with them (per set of layers): their memory is fixed
+when they first come, cap x features x bytes, and counted (PrefixStats.feature_bytes), never grown."""
 
 import collections
 import contextlib
@@ -57,6 +62,7 @@ class PrefixStats:
     allocated_tokens: int = 0  # of the blocks the pool's tensors have room for
     window_used_tokens: int = 0  # a hybrid model's: of the blocks whose sliding layers' storage is held
     window_allocated_tokens: int = 0  # a hybrid model's: of the sliding layers' storage the tensors have room for
+    feature_bytes: int = 0  # the store of a draft head's features that the index keeps (made at its cap's size)
 
     @property
     def hit_rate(self) -> float:
@@ -68,9 +74,10 @@ class _Indexed:
     key: tuple[int | str, tuple[int, ...]]  # (parent block, or at the root its sequence's salt: _root; its tokens)
     children: int = 0
     window: bool = False  # the index holds the block's window storage too (a hybrid model's, while it had it)
-    # a draft head's features of its tokens (the target's hidden states at these layers), where a prompt prefilled
-    # for a head stored them: layers -> [size, F], on the model's device; they go with the entry
-    features: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
+    slot: int = 0  # its place in the feature stores (one per indexed block, freed with the entry)
+    # the sets of layers at which a draft head's features of its tokens are in the stores (a prompt prefilled for a
+    # head, or a head row's answer, stored them)
+    features: set[tuple[int, ...]] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,9 @@ class BlockPool:
         self._free: list[int] = list(range(TRASH + 1, TRASH + 1 + reserved))  # a heap: the lowest ids reused first
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: keys, values [blocks, size, H, D]
         self._ids: dict[tuple[int | str, tuple[int, ...]], int] = {}  # index: key -> block
+        # per set of a draft head's layers: the features of indexed blocks' tokens [cap, size, F] (_Indexed.slot)
+        self._features: dict[tuple[int, ...], torch.Tensor] = {}
+        self._free_slots: list[int] = list(range(self.prefix_capacity))  # a heap
         self._indexed: collections.OrderedDict[int, _Indexed] = collections.OrderedDict()  # least recently used first
         self._cond = threading.Condition()
         self._in_flight = 0
@@ -320,7 +330,8 @@ class BlockPool:
             windowed = (made - len(self._wfree), made) if self._windowed else (0, 0)
             return PrefixStats(self._looked_up, self._hit, self._evicted * size, len(self._indexed) * size,
                                self.prefix_capacity * size, used * size, (len(self._refs) - TRASH - 1) * size,
-                               windowed[0] * size, windowed[1] * size)
+                               windowed[0] * size, windowed[1] * size,
+                               sum(t.numel() * t.element_size() for t in self._features.values()))
 
     def take(self, tokens: Sequence[int], salt: str | None = None, layers: tuple[int, ...] | None = None) -> Taken:
         """The blocks of the longest indexed prefix of `tokens` (whole blocks) stored with the same `salt` (None:
@@ -348,7 +359,9 @@ class BlockPool:
                 self._wrefs[b] += 1
             features = None
             if layers is not None and path:
-                features = torch.cat([self._indexed[b].features[layers] for b in path])
+                store = self._features[layers]
+                slots = torch.tensor([self._indexed[b].slot for b in path], dtype=torch.long, device=store.device)
+                features = store.index_select(0, slots).flatten(0, 1)  # [len(path) * size, F]
             return Taken(path, window_from, features)
 
     def _window_held(self, path: list[int]) -> tuple[list[int], int]:
@@ -383,7 +396,8 @@ class BlockPool:
                     if len(self._indexed) >= self.prefix_capacity and not self._evict(protected=set(path)):
                         break  # the cap is smaller than these tokens: what fits stays
                     self._ids[key] = block
-                    self._indexed[block] = _Indexed(key, window=self._windowed and self._wrefs[block] > 0)
+                    self._indexed[block] = _Indexed(key, window=self._windowed and self._wrefs[block] > 0,
+                                                    slot=heapq.heappop(self._free_slots))
                     self._refs[block] += 1
                     if self._indexed[block].window:
                         self._wrefs[block] += 1
@@ -393,8 +407,20 @@ class BlockPool:
                 parent = block
                 if (features is not None and features[0] not in self._indexed[block].features
                         and features[1].shape[0] >= (i + 1) * size):
-                    self._indexed[block].features[features[0]] = features[1][i * size : (i + 1) * size].clone()
+                    self._keep_features(self._indexed[block], *features, i)
             self._touch(path)
+
+    def _keep_features(self, entry: _Indexed, layers: tuple[int, ...], features: torch.Tensor, i: int) -> None:
+        """Block i's tokens' features of `features` [>= (i + 1) * size, F] into the entry's slot of the store for
+        these layers (made at the cap's size on first use); with the lock held."""
+        size = self.block_tokens
+        store = self._features.get(layers)
+        if store is None:
+            with torch.inference_mode(False):  # a plain tensor: written in place inside inference mode and out of it
+                store = _zeros((self.prefix_capacity, size, features.shape[-1]), features)
+            self._features[layers] = store
+        store[entry.slot] = features[i * size : (i + 1) * size]
+        entry.features.add(layers)
 
     def _match(self, tokens: Sequence[int], salt: str | None) -> list[int]:
         """The indexed blocks of this salt that begin `tokens`, root first."""
@@ -419,6 +445,7 @@ class BlockPool:
             return False
         entry = self._indexed.pop(victim)
         del self._ids[entry.key]
+        heapq.heappush(self._free_slots, entry.slot)
         if _is_block(entry.key[0]):
             self._indexed[entry.key[0]].children -= 1
         self._evicted += 1

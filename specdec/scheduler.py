@@ -41,7 +41,8 @@ IDLE_FORWARDS = 2
 
 # What the target holds now, as /v1/stats's target section and GetStats's TargetStats show it.
 HELD = ("open_requests", "kv_tokens_reserved", "kv_used_tokens", "kv_window_used_tokens", "waiting", "largest_batch",
-        "idle_rows_closed", "prefix_cached_tokens", "prefix_prompt_tokens", "prefix_hit_tokens", "prefix_evicted_tokens")
+        "idle_rows_closed", "prefix_cached_tokens", "prefix_prompt_tokens", "prefix_hit_tokens", "prefix_evicted_tokens",
+        "prefix_feature_bytes")
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class TargetStats:
     prefix_prompt_tokens: int = 0
     prefix_hit_tokens: int = 0
     prefix_evicted_tokens: int = 0
+    prefix_feature_bytes: int = 0  # the store of draft heads' features kept with its blocks (made at its cap's size)
     forward_costs: dict[int, float] = field(default_factory=dict)  # seconds by batch tokens (the router's table)
     batch_tokens: float = 0.0  # the batch now, smoothed: tokens per forward, committed per forward, rows
     committed_per_forward: float = 0.0
@@ -457,7 +459,8 @@ class TargetScheduler:
                 idle_rows_closed=self.idle_rows_closed, forward_costs=dict(self.costs.verify_table),
                 batch_tokens=load.batch_tokens, committed_per_forward=load.committed, batch_rows=load.rows,
                 prefix_cached_tokens=prefix.cached_tokens, prefix_prompt_tokens=prefix.looked_up_tokens,
-                prefix_hit_tokens=prefix.hit_tokens, prefix_evicted_tokens=prefix.evicted_tokens)
+                prefix_hit_tokens=prefix.hit_tokens, prefix_evicted_tokens=prefix.evicted_tokens,
+                prefix_feature_bytes=prefix.feature_bytes)
 
     def stop(self) -> None:
         with self._cv:

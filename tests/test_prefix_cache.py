@@ -112,6 +112,38 @@ def test_the_least_recently_used_leaf_is_let_go_within_the_cap():
         assert pool.take(p).blocks
 
 
+def test_a_heads_features_are_kept_in_a_store_of_the_caps_size_that_evictions_reuse():
+    """The features kept with indexed blocks (a draft head's, per set of layers) live in a store made once at the
+    cap's size: its bytes are counted from the first block stored with them and never grow, however many prompts
+    come and go; an evicted block's slot is written again by the next block, and each take reads its own."""
+    F, layers, other = 6, (0, 2, 4), (1,)
+    pool = BlockPool(prefix_tokens=3 * BT, block_tokens=BT)
+    kept = {}
+
+    def store(tokens, at=layers):
+        kept[tuple(tokens)] = torch.randn(len(tokens), F).to(torch.bfloat16)
+        pool.store(tokens, table := run(pool, tokens), features=(at, kept[tuple(tokens)]))
+        pool.release(table)  # the row leaves: the index holds what it kept
+
+    assert pool.stats().feature_bytes == 0  # nothing made before a head's row keeps features
+    store(x := [5] * (2 * BT))
+    assert pool.stats().feature_bytes == 3 * BT * F * 2  # the cap's 3 blocks, in 16 bits
+    taken = pool.take(x, layers=layers)
+    assert len(taken.blocks) == 2 and torch.equal(taken.features, kept[tuple(x)])
+    pool.release(taken.blocks)
+    for n in range(12):  # each evicts the least recently used: slots freed and written again
+        store(p := [40 + n] * (2 * BT))
+        assert pool.stats().feature_bytes == 3 * BT * F * 2
+        taken = pool.take(p, layers=layers)
+        assert torch.equal(taken.features, kept[tuple(p)])  # its own, not an evicted block's left in the slot
+        pool.release(taken.blocks)
+    assert pool.take(x, layers=layers).blocks == []  # evicted long ago
+    store(y := [9] * BT, at=other)  # another head's layers: a store of their own, as large
+    assert pool.stats().feature_bytes == 2 * 3 * BT * F * 2
+    assert torch.equal(pool.take(y, layers=other).features, kept[tuple(y)])
+    assert pool.take(y, layers=layers).blocks == []  # no features at these layers were kept for it
+
+
 def test_threads_that_wait_to_grow_the_pool_grow_it_as_much_as_one_after_another_would():
     """Allocations that find too few free blocks while a forward reads the pool wait for it to end before growing
     it; each then grows it only if the blocks it wants are still not free (the first may have grown it for all),
