@@ -18,8 +18,8 @@ from protos import specdec_api_pb2_grpc as api_grpc
 from specdec.drafter_kinds import DrafterKind
 
 from .auth import API_KEY_ENV, api_channel
-from .config import OVERRIDES, app_config
-from .local import actor_cpus, default_models, local_cluster, serving_environment, start_ray, start_serve
+from .config import OVERRIDES, app_config, default_models
+from .local import actor_cpus, local_cluster, serving_environment, start_ray, start_serve
 from .speculation import Speculation
 
 

@@ -378,6 +378,14 @@ class ServeConfig(_Section):
 DefaultModels = Callable[[frozenset[str]], dict[str, str]]
 
 
+def default_models(needs: frozenset[str] = frozenset({"draft"})) -> dict[str, str]:
+    """The embedded default pair (built on first use): {"target": dir} with "draft": dir and "head": dir where the
+    drafters served run them (`needs`; each built only then)."""
+    from specdec.default_models import default_pair
+
+    return default_pair(needs=needs)
+
+
 def load_config(path: str | os.PathLike, default_models: DefaultModels | None = None,
                 drafter: str | None = None) -> ServeConfig:
     """The config file at `path`. A file without a models section serves `default_models(needs)` (the

@@ -51,7 +51,7 @@ class IngressStats:
 
 def check_served_models(cfg: ServeConfig):
     """Every model the config serves (target, drafts, head) is one specdec decodes exactly, and draft heads were
-    made for the target, from configs alone, before any actor takes a GPU (specdec.loading.check_supported;
+    made for the target, from configs alone, before any actor takes a GPU (specdec.supported.check_supported;
     UnsupportedModel names the type and why; HeadMismatch what differs) -> the target's config."""
     target = check_model(cfg.models.target.path)
     for path, _ in cfg.models.drafts().values():

@@ -7,7 +7,7 @@ import random
 import socket
 from dataclasses import dataclass
 
-from .config import DefaultModels, ServeConfig, ServerConfig, app_config
+from .config import DefaultModels, ServeConfig, ServerConfig, app_config, default_models
 
 # Ray starts its workers at nice 15, so that its own processes stay responsive; the target's step loop
 # then loses its core to every nice-0 process on the machine (the raylet, GCS, agents, clients). At nice 0
@@ -79,14 +79,6 @@ def serving_environment(server: ServerConfig, environ=os.environ) -> None:
     your own (KubeRay) needs RAY_SERVE_GRPC_MAX_MESSAGE_SIZE in its pods' environment (docs/operators.md)."""
     run_workers_at_nice_0()
     environ.setdefault(GRPC_MESSAGE_SIZE_ENV, str(server.max_request_bytes))
-
-
-def default_models(needs: frozenset[str] = frozenset({"draft"})) -> dict[str, str]:
-    """The embedded default pair (built on first use): {"target": dir} with "draft": dir and "head": dir where the
-    drafters served run them (`needs`; each built only then)."""
-    from specdec.default_models import default_pair
-
-    return default_pair(needs=needs)
 
 
 def local_cluster(app_args: dict, default_models: DefaultModels,

@@ -19,8 +19,7 @@ from protos import specdec_api_pb2 as api
 
 from . import auth, grpc_api, metrics
 from .admission import Admitted
-from .config import ConfigError, ServeConfig, app_config, parse_live_config
-from .local import default_models
+from .config import ConfigError, ServeConfig, app_config, default_models, parse_live_config
 from .frontend import Frontend, check_served_models
 from .openai_api import HttpError, OpenAIServer, read_body
 from .placement import start_topology

@@ -77,7 +77,7 @@ def convert(file: Path, out: Path, eos_token_ids: list[int] | None = None) -> No
     """Dequantize a GGUF file to float32 and save it with its tokenizer (and chat template) as a
     safetensors folder at `out` (atomically). `eos_token_ids`: the generation's stop tokens, if not the file's.
     UnsupportedModel when transformers cannot read the file's architecture or quantization, or specdec
-    cannot decode the model exactly (specdec.loading.check_supported); ValueError naming a truncated or
+    cannot decode the model exactly (specdec.supported.check_supported); ValueError naming a truncated or
     corrupt file."""
     try:
         import gguf  # noqa: F401  (transformers needs it to read GGUF)
@@ -85,7 +85,7 @@ def convert(file: Path, out: Path, eos_token_ids: list[int] | None = None) -> No
         raise ValueError("reading a GGUF file needs the `gguf` package: pip install gguf") from None
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .loading import check_supported
+    from .supported import check_supported
 
     architecture = _gguf_architecture(file)
     where = dict(pretrained_model_name_or_path=str(file.parent), gguf_file=file.name)
