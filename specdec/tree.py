@@ -159,12 +159,12 @@ def layout(trees: list[TokenTree], lengths: list[int]) -> tuple[torch.Tensor, to
     Returns tokens [B, T], block_mask [B, T, T] (a node sees itself and its ancestors; padding sees
     only itself) and positions [B, T] (lengths[b] + depth)."""
     B, T = len(trees), max(len(t) for t in trees)
-    tokens = torch.zeros(B, T, dtype=torch.long, device=HOST)
-    positions = torch.tensor(lengths, dtype=torch.long, device=HOST).unsqueeze(1).repeat(1, T)
+    # one tensor each from the rows' lists (padding: token 0 at the root's position), not a few small ones a row
+    tokens = torch.tensor([t.tokens + [0] * (T - len(t)) for t in trees], dtype=torch.long, device=HOST)  # [B, T]
+    depths = torch.tensor([t.depths + [0] * (T - len(t)) for t in trees], dtype=torch.long, device=HOST)  # [B, T]
+    positions = torch.tensor(lengths, dtype=torch.long, device=HOST).unsqueeze(1) + depths
     block = torch.eye(T, dtype=torch.bool, device=HOST).unsqueeze(0).repeat(B, 1, 1)
     for b, tree in enumerate(trees):
-        n = len(tree)
-        tokens[b, :n] = torch.tensor(tree.tokens, device=HOST)
-        positions[b, :n] += torch.tensor(tree.depths, device=HOST)
-        block[b, :n, :n] = ancestor_mask(tree.parents)
+        if len(tree) > 1:  # a lone root (a plain row) sees itself: the identity's row already says so
+            block[b, : len(tree), : len(tree)] = ancestor_mask(tree.parents)
     return tokens, block, positions

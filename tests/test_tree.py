@@ -93,6 +93,18 @@ def test_layout_batch_with_padding():
     assert not block[1, 3:, :3].any() and not block[1, :3, 3:].any()
 
 
+def test_layout_of_lone_roots_beside_a_tree():
+    """Plain rows (a lone root each) beside a drafted tree: each root at its row's length, seeing itself; padding
+    is token 0 at the root's position, seeing only itself."""
+    roots = [TokenTree.root(30 + b) for b in range(3)]
+    tokens, block, positions = layout([roots[0], example_tree(), *roots[1:]], [4, 5, 6, 7])
+    assert tokens[:, 0].tolist() == [30, 10, 31, 32] and not tokens[[0, 2, 3], 1:].any()
+    assert positions[[0, 2, 3]].tolist() == [[4] * 7, [6] * 7, [7] * 7]
+    for b in (0, 2, 3):
+        assert torch.equal(block[b], torch.eye(7, dtype=torch.bool))
+    assert torch.equal(block[1], ancestor_mask(example_tree().parents))
+
+
 def test_add_chain_shares_prefix_when_greedy():
     t = example_tree()
     t.add_chain([11, 13, 99, 98], share_prefix=True)  # follows 1 -> 3, then grows 99 -> 98 under node 3
