@@ -76,8 +76,8 @@ target_prefix_hit_tokens = LazyMetric(Counter, "target_prefix_hit_tokens", "Prom
 target_prefix_evicted_tokens = LazyMetric(Counter, "target_prefix_evicted_tokens", "Tokens the target's prefix "
                                           "cache evicted for room (least recently used first)")
 target_prefix_feature_bytes = LazyMetric(Gauge, "target_prefix_feature_bytes", "Bytes of the store in which the "
-                                         "target's prefix cache keeps draft heads' features of its blocks (made at "
-                                         "the cache's cap when a head's row first keeps some; 0 without heads)")
+                                         "target's prefix cache keeps draft heads' features of its blocks (grown "
+                                         "with what it holds, at most the cap's worth; 0 without heads)")
 
 
 class StepTimer:

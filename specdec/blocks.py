@@ -26,9 +26,10 @@ the global layers and about a window in the sliding ones. The window storage's i
 (window_of): storage 0 is NULL's, 1 TRASH's.
 
 A draft head's row needs, with a cached prefix's KV, the target's features of its tokens (the hidden states at
-the head's layers). The index keeps them in a store of its own made at its cap's size, one slot of a block's
-tokens per indexed block, on the first block stored with them (per set of layers): their memory is fixed
-when they first come, cap x features x bytes, and counted (PrefixStats.feature_bytes), never grown."""
+the head's layers). The index keeps them in a store of its own per set of layers, one slot of a block's tokens
+per indexed block (taken lowest first, freed with the entry): made when a first block is stored with them and
+grown by doubling as the index holds more such blocks at once, never past its cap (cap x features x bytes), and
+counted (PrefixStats.feature_bytes)."""
 
 import collections
 import contextlib
@@ -62,7 +63,7 @@ class PrefixStats:
     allocated_tokens: int = 0  # of the blocks the pool's tensors have room for
     window_used_tokens: int = 0  # a hybrid model's: of the blocks whose sliding layers' storage is held
     window_allocated_tokens: int = 0  # a hybrid model's: of the sliding layers' storage the tensors have room for
-    feature_bytes: int = 0  # the store of a draft head's features that the index keeps (made at its cap's size)
+    feature_bytes: int = 0  # the stores of draft heads' features that the index keeps (at most its cap's worth each)
 
     @property
     def hit_rate(self) -> float:
@@ -412,15 +413,26 @@ class BlockPool:
 
     def _keep_features(self, entry: _Indexed, layers: tuple[int, ...], features: torch.Tensor, i: int) -> None:
         """Block i's tokens' features of `features` [>= (i + 1) * size, F] into the entry's slot of the store for
-        these layers (made at the cap's size on first use); with the lock held."""
-        size = self.block_tokens
+        these layers (made on first use, grown by doubling to hold the slot, never past the cap); with the lock
+        held."""
         store = self._features.get(layers)
-        if store is None:
-            with torch.inference_mode(False):  # a plain tensor: written in place inside inference mode and out of it
-                store = _zeros((self.prefix_capacity, size, features.shape[-1]), features)
-            self._features[layers] = store
+        if store is None or entry.slot >= store.shape[0]:
+            store = self._features[layers] = self._feature_room(store, entry.slot, features)
+        size = self.block_tokens
         store[entry.slot] = features[i * size : (i + 1) * size]
         entry.features.add(layers)
+
+    def _feature_room(self, store: torch.Tensor | None, slot: int, like: torch.Tensor) -> torch.Tensor:
+        """A store of features [n, size, F] with room for `slot`: the old one's slots copied into one twice as
+        large (at first FIRST_BLOCKS), at most the cap's. Slots are taken lowest first, so a store grows only as
+        far as the index has held blocks at once."""
+        old = 0 if store is None else store.shape[0]
+        n = min(self.prefix_capacity, max(FIRST_BLOCKS, 2 * old, slot + 1))
+        with torch.inference_mode(False):  # a plain tensor: written in place inside inference mode and out of it
+            grown = _zeros((n, self.block_tokens, like.shape[-1]), like)
+        if store is not None:
+            grown[:old] = store
+        return grown
 
     def _match(self, tokens: Sequence[int], salt: str | None) -> list[int]:
         """The indexed blocks of this salt that begin `tokens`, root first."""

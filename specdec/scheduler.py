@@ -73,7 +73,7 @@ class TargetStats:
     prefix_prompt_tokens: int = 0
     prefix_hit_tokens: int = 0
     prefix_evicted_tokens: int = 0
-    prefix_feature_bytes: int = 0  # the store of draft heads' features kept with its blocks (made at its cap's size)
+    prefix_feature_bytes: int = 0  # the stores of draft heads' features kept with its blocks (at most the cap's worth)
     forward_costs: dict[int, float] = field(default_factory=dict)  # seconds by batch tokens (the router's table)
     batch_tokens: float = 0.0  # the batch now, smoothed: tokens per forward, committed per forward, rows
     committed_per_forward: float = 0.0

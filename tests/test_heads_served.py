@@ -153,8 +153,9 @@ def test_a_heads_next_turn_takes_its_prompt_and_answer_cached_with_their_feature
         before, head_before, starts[:] = pool.stats().hit_tokens, drafter.lm.pool.stats().hit_tokens, []
         second = run_remote(remote, drafter, [turns[i] for i in kept], NEW_TOKENS, prefix="turn 2 ")
         assert [s.wait() for s in second] == [plain[i][0] for i in kept]
-        # the features kept with the cached blocks: a store of the cap's size (3 layers x hidden 64, 16 bits), counted
-        assert scheduler.stats().prefix_feature_bytes == 4096 * len(drafter.feature_layers) * 64 * 2
+        # the features kept with the cached blocks (3 layers x hidden 64, 16 bits): counted, within the cap's worth
+        row_bytes = len(drafter.feature_layers) * 64 * 2
+        assert 0 < scheduler.stats().prefix_feature_bytes <= 4096 * row_bytes
     held = sum((len(smooth.reference.prompts[i]) + len(answers[i]) - 1) // 16 * 16 for i in kept)
     assert pool.stats().hit_tokens - before >= held  # every whole block of each first turn, its answer's too
     # the head took its own pairs of each first turn too, so the target sent only the features after them

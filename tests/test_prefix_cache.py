@@ -112,10 +112,10 @@ def test_the_least_recently_used_leaf_is_let_go_within_the_cap():
         assert pool.take(p).blocks
 
 
-def test_a_heads_features_are_kept_in_a_store_of_the_caps_size_that_evictions_reuse():
-    """The features kept with indexed blocks (a draft head's, per set of layers) live in a store made once at the
-    cap's size: its bytes are counted from the first block stored with them and never grow, however many prompts
-    come and go; an evicted block's slot is written again by the next block, and each take reads its own."""
+def test_a_heads_features_are_kept_in_a_store_within_the_cap_that_evictions_reuse():
+    """The features kept with indexed blocks (a draft head's, per set of layers) live in a store of at most the
+    cap's size: its bytes are counted from the first block stored with them and never pass it, however many
+    prompts come and go; an evicted block's slot is written again by the next block, and each take reads its own."""
     F, layers, other = 6, (0, 2, 4), (1,)
     pool = BlockPool(prefix_tokens=3 * BT, block_tokens=BT)
     kept = {}
@@ -142,6 +142,25 @@ def test_a_heads_features_are_kept_in_a_store_of_the_caps_size_that_evictions_re
     assert pool.stats().feature_bytes == 2 * 3 * BT * F * 2
     assert torch.equal(pool.take(y, layers=other).features, kept[tuple(y)])
     assert pool.take(y, layers=layers).blocks == []  # no features at these layers were kept for it
+
+
+def test_a_heads_feature_store_grows_by_doubling_as_the_index_holds_more_blocks():
+    """Under a large cap the store starts small (FIRST_BLOCKS slots) and doubles as more blocks with features are
+    indexed at once, its slots copied: what is memory on a GPU follows what the index holds, not the cap."""
+    from specdec.blocks import FIRST_BLOCKS
+
+    F, layers = 3, (0, 1, 2)
+    pool, kept = BlockPool(prefix_tokens=256 * BT, block_tokens=BT), {}
+    for n in range(FIRST_BLOCKS + 6):
+        tokens = [1000 + n] * BT
+        kept[n] = torch.randn(BT, F).to(torch.bfloat16)
+        pool.store(tokens, table := run(pool, tokens), features=(layers, kept[n]))
+        pool.release(table)
+        assert pool.stats().feature_bytes == (FIRST_BLOCKS if n < FIRST_BLOCKS else 2 * FIRST_BLOCKS) * BT * F * 2
+    for n, features in kept.items():  # every block's own, through the growth
+        taken = pool.take([1000 + n] * BT, layers=layers)
+        assert torch.equal(taken.features, features)
+        pool.release(taken.blocks)
 
 
 def test_threads_that_wait_to_grow_the_pool_grow_it_as_much_as_one_after_another_would():
