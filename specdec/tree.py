@@ -159,12 +159,16 @@ def layout(trees: list[TokenTree], lengths: list[int]) -> tuple[torch.Tensor, to
     Returns tokens [B, T], block_mask [B, T, T] (a node sees itself and its ancestors; padding sees
     only itself) and positions [B, T] (lengths[b] + depth)."""
     B, T = len(trees), max(len(t) for t in trees)
-    # one tensor each from the rows' lists (padding: token 0 at the root's position), not a few small ones a row
+    # one tensor each from the rows' lists (padding: token 0 at the root's position, its own parent), not a few
+    # small ones a row
     tokens = torch.tensor([t.tokens + [0] * (T - len(t)) for t in trees], dtype=torch.long, device=HOST)  # [B, T]
     depths = torch.tensor([t.depths + [0] * (T - len(t)) for t in trees], dtype=torch.long, device=HOST)  # [B, T]
+    parents = torch.tensor([t.parents + [-1] * (T - len(t)) for t in trees], dtype=torch.long, device=HOST)  # [B, T]
     positions = torch.tensor(lengths, dtype=torch.long, device=HOST).unsqueeze(1) + depths
-    block = torch.eye(T, dtype=torch.bool, device=HOST).unsqueeze(0).repeat(B, 1, 1)
-    for b, tree in enumerate(trees):
-        if len(tree) > 1:  # a lone root (a plain row) sees itself: the identity's row already says so
-            block[b, : len(tree), : len(tree)] = ancestor_mask(tree.parents)
+    block = torch.eye(T, dtype=torch.bool, device=HOST).unsqueeze(0).repeat(B, 1, 1)  # each node sees itself
+    # a node sees what its parent sees, depth by depth (a parent's row is whole before its children's): a loop over
+    # the trees' depth, not over their nodes; a batch of plain rows (lone roots) has none
+    for depth in range(1, max(max(t.depths) for t in trees) + 1):
+        rows, nodes = (depths == depth).nonzero(as_tuple=True)
+        block[rows, nodes] |= block[rows, parents[rows, nodes]]
     return tokens, block, positions

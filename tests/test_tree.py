@@ -105,6 +105,28 @@ def test_layout_of_lone_roots_beside_a_tree():
     assert torch.equal(block[1], ancestor_mask(example_tree().parents))
 
 
+def test_layout_masks_equal_each_trees_own_ancestor_mask():
+    """layout's masks, built depth by depth for the whole batch, are each tree's ancestor_mask (and the identity over
+    its padding), for random trees of random sizes, chains and lone roots among them."""
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        trees = []
+        for _ in range(int(torch.randint(1, 7, (1,), generator=gen))):
+            tree = TokenTree.root(int(torch.randint(0, 100, (1,), generator=gen)))
+            for _ in range(int(torch.randint(0, 12, (1,), generator=gen))):
+                parent = int(torch.randint(0, len(tree), (1,), generator=gen))
+                tree.add(parent, int(torch.randint(0, 100, (1,), generator=gen)))
+            trees.append(tree)
+        trees.append(TokenTree.chain(list(range(5))))
+        _, block, _ = layout(trees, [0] * len(trees))
+        T = block.shape[-1]
+        for b, tree in enumerate(trees):
+            n = len(tree)
+            assert torch.equal(block[b, :n, :n], ancestor_mask(tree.parents))
+            assert torch.equal(block[b, n:, n:], torch.eye(T - n, dtype=torch.bool))
+            assert not block[b, n:, :n].any() and not block[b, :n, n:].any()
+
+
 def test_add_chain_shares_prefix_when_greedy():
     t = example_tree()
     t.add_chain([11, 13, 99, 98], share_prefix=True)  # follows 1 -> 3, then grows 99 -> 98 under node 3
