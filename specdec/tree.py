@@ -139,19 +139,6 @@ def dense_proposals(proposals: list[Proposal], vocab: int, device: torch.device)
     return qs.index_put_((to_device(rows, device), ids), probs, accumulate=True)[:, :vocab]
 
 
-def ancestor_mask(parents: list[int]) -> torch.Tensor:
-    """[N, N] bool: m[i, j] is True when node j is node i or one of its ancestors."""
-    n = len(parents)
-    if parents == list(range(-1, n - 1)):  # a chain (a prompt's chunk): causal
-        return torch.ones(n, n, dtype=torch.bool, device=HOST).tril()
-    m = torch.zeros(n, n, dtype=torch.bool, device=HOST)
-    for i, parent in enumerate(parents):
-        if parent >= 0:
-            m[i] = m[parent]
-        m[i, i] = True
-    return m
-
-
 def layout(trees: list[TokenTree], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lay out a batch of trees for one forward.
 

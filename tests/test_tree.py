@@ -5,7 +5,7 @@ import torch
 
 from specdec.acceptance import accept_greedy
 from specdec.ngram import NgramIndex
-from specdec.tree import DELTA, Proposal, TokenTree, ancestor_mask, layout
+from specdec.tree import DELTA, Proposal, TokenTree, layout
 
 
 def example_tree() -> TokenTree:
@@ -62,18 +62,23 @@ def test_proposals_are_indexed():
     assert t.proposal_ids[node] == 0
 
 
-def test_ancestor_mask():
+def ancestor_mask(tree: TokenTree) -> torch.Tensor:
+    """[n, n] bool, from the tree's own paths: m[i, j] when node j is node i or one of its ancestors."""
+    m = torch.zeros(len(tree), len(tree), dtype=torch.bool)
+    for i in range(len(tree)):
+        m[i, tree.path(i)] = True
+    return m
+
+
+def test_a_trees_mask_is_its_nodes_paths():
     t = example_tree()
-    m = ancestor_mask(t.parents)
-    assert m.dtype == torch.bool and m.shape == (7, 7)
-    expected = torch.zeros(7, 7, dtype=torch.bool)
-    for i in range(7):
-        for j in t.path(i):
-            expected[i, j] = True
-    assert torch.equal(m, expected)
-    assert torch.equal(ancestor_mask([-1]), torch.ones(1, 1, dtype=torch.bool))
+    _, block, _ = layout([t], [0])
+    assert block.dtype == torch.bool and block.shape == (1, 7, 7)
+    assert torch.equal(block[0], ancestor_mask(t))
+    assert block[0, 6].tolist() == [True, True, False, True, False, False, True]  # 6's path: 0, 1, 3, 6
+    assert torch.equal(layout([TokenTree.root(1)], [0])[1][0], torch.ones(1, 1, dtype=torch.bool))
     # a chain is a lower-triangular (causal) mask
-    assert torch.equal(ancestor_mask([-1, 0, 1, 2]), torch.ones(4, 4, dtype=torch.bool).tril())
+    assert torch.equal(layout([TokenTree.chain([1, 2, 3, 4])], [0])[1][0], torch.ones(4, 4, dtype=torch.bool).tril())
 
 
 def test_layout_batch_with_padding():
@@ -86,7 +91,7 @@ def test_layout_batch_with_padding():
     assert tokens[1, :3].tolist() == [20, 21, 22]
     assert positions[0].tolist() == [5 + d for d in big.depths]
     assert positions[1, :3].tolist() == [9, 10, 11]
-    assert torch.equal(block[0], ancestor_mask(big.parents))
+    assert torch.equal(block[0], ancestor_mask(big))
     assert torch.equal(block[1, :3, :3], torch.ones(3, 3, dtype=torch.bool).tril())
     # padding sees only itself, and no real node sees padding
     assert torch.equal(block[1, 3:, 3:], torch.eye(4, dtype=torch.bool))
@@ -102,7 +107,7 @@ def test_layout_of_lone_roots_beside_a_tree():
     assert positions[[0, 2, 3]].tolist() == [[4] * 7, [6] * 7, [7] * 7]
     for b in (0, 2, 3):
         assert torch.equal(block[b], torch.eye(7, dtype=torch.bool))
-    assert torch.equal(block[1], ancestor_mask(example_tree().parents))
+    assert torch.equal(block[1], ancestor_mask(example_tree()))
 
 
 def test_layout_masks_equal_each_trees_own_ancestor_mask():
@@ -122,7 +127,7 @@ def test_layout_masks_equal_each_trees_own_ancestor_mask():
         T = block.shape[-1]
         for b, tree in enumerate(trees):
             n = len(tree)
-            assert torch.equal(block[b, :n, :n], ancestor_mask(tree.parents))
+            assert torch.equal(block[b, :n, :n], ancestor_mask(tree))
             assert torch.equal(block[b, n:, n:], torch.eye(T - n, dtype=torch.bool))
             assert not block[b, n:, :n].any() and not block[b, :n, n:].any()
 
