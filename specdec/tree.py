@@ -150,12 +150,25 @@ def layout(trees: list[TokenTree], lengths: list[int]) -> tuple[torch.Tensor, to
     # small ones a row
     tokens = torch.tensor([t.tokens + [0] * (T - len(t)) for t in trees], dtype=torch.long, device=HOST)  # [B, T]
     depths = torch.tensor([t.depths + [0] * (T - len(t)) for t in trees], dtype=torch.long, device=HOST)  # [B, T]
-    parents = torch.tensor([t.parents + [-1] * (T - len(t)) for t in trees], dtype=torch.long, device=HOST)  # [B, T]
     positions = torch.tensor(lengths, dtype=torch.long, device=HOST).unsqueeze(1) + depths
     block = torch.eye(T, dtype=torch.bool, device=HOST).unsqueeze(0).repeat(B, 1, 1)  # each node sees itself
-    # a node sees what its parent sees, depth by depth (a parent's row is whole before its children's): a loop over
-    # the trees' depth, not over their nodes; a batch of plain rows (lone roots) has none
-    for depth in range(1, max(max(t.depths) for t in trees) + 1):
-        rows, nodes = (depths == depth).nonzero(as_tuple=True)
-        block[rows, nodes] |= block[rows, parents[rows, nodes]]
+    # chains (a prompt's chunk, a chain of drafts) are causal: one write for all the chains of a length. In a tree a
+    # node sees what its parent sees: depth by depth (a parent's row is whole before its children's), a few tensor
+    # operations a depth for the whole batch, not a few a node. A lone root (a plain row) has the identity's row.
+    chains: dict[int, list[int]] = {}  # length -> rows
+    by_depth: dict[int, tuple[list[int], list[int], list[int]]] = {}  # depth -> rows, nodes, their parents
+    for b, tree in enumerate(trees):
+        n = len(tree)
+        if n > 1 and tree.parents == list(range(-1, n - 1)):
+            chains.setdefault(n, []).append(b)
+            continue
+        for node in range(1, n):
+            rows, nodes, parents = by_depth.setdefault(tree.depths[node], ([], [], []))
+            rows.append(b), nodes.append(node), parents.append(tree.parents[node])
+    for n, rows in chains.items():
+        block[torch.tensor(rows, dtype=torch.long, device=HOST), :n, :n] = torch.ones(n, n, dtype=torch.bool,
+                                                                                      device=HOST).tril()
+    for depth in sorted(by_depth):
+        rows, nodes, parents = (torch.tensor(x, dtype=torch.long, device=HOST) for x in by_depth[depth])
+        block[rows, nodes] |= block[rows, parents]
     return tokens, block, positions
