@@ -113,7 +113,7 @@ class BlockPool:
         self._free: list[int] = list(range(TRASH + 1, TRASH + 1 + reserved))  # a heap: the lowest ids reused first
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: keys, values [blocks, size, H, D]
         self._ids: dict[tuple[int | str, tuple[int, ...]], int] = {}  # index: key -> block
-        # per set of a draft head's layers: the features of indexed blocks' tokens [cap, size, F] (_Indexed.slot)
+        # per set of a draft head's layers: the features of indexed blocks' tokens [slots, size, F] (_Indexed.slot)
         self._features: dict[tuple[int, ...], torch.Tensor] = {}
         self._free_slots: list[int] = list(range(self.prefix_capacity))  # a heap
         self._indexed: collections.OrderedDict[int, _Indexed] = collections.OrderedDict()  # least recently used first
@@ -426,13 +426,9 @@ class BlockPool:
         """A store of features [n, size, F] with room for `slot`: the old one's slots copied into one twice as
         large (at first FIRST_BLOCKS), at most the cap's. Slots are taken lowest first, so a store grows only as
         far as the index has held blocks at once."""
-        old = 0 if store is None else store.shape[0]
-        n = min(self.prefix_capacity, max(FIRST_BLOCKS, 2 * old, slot + 1))
+        n = min(self.prefix_capacity, max(FIRST_BLOCKS, 2 * (0 if store is None else store.shape[0]), slot + 1))
         with torch.inference_mode(False):  # a plain tensor: written in place inside inference mode and out of it
-            grown = _zeros((n, self.block_tokens, like.shape[-1]), like)
-        if store is not None:
-            grown[:old] = store
-        return grown
+            return _zeros((n, self.block_tokens, like.shape[-1]), like) if store is None else _grown(store, n)
 
     def _match(self, tokens: Sequence[int], salt: str | None) -> list[int]:
         """The indexed blocks of this salt that begin `tokens`, root first."""

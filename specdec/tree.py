@@ -146,8 +146,7 @@ def layout(trees: list[TokenTree], lengths: list[int]) -> tuple[torch.Tensor, to
     Returns tokens [B, T], block_mask [B, T, T] (a node sees itself and its ancestors; padding sees
     only itself) and positions [B, T] (lengths[b] + depth)."""
     B, T = len(trees), max(len(t) for t in trees)
-    # one tensor each from the rows' lists (padding: token 0 at the root's position, its own parent), not a few
-    # small ones a row
+    # one tensor each from the rows' lists (padding: token 0 at the root's position), not a few small ones a row
     tokens = torch.tensor([t.tokens + [0] * (T - len(t)) for t in trees], dtype=torch.long, device=HOST)  # [B, T]
     depths = torch.tensor([t.depths + [0] * (T - len(t)) for t in trees], dtype=torch.long, device=HOST)  # [B, T]
     positions = torch.tensor(lengths, dtype=torch.long, device=HOST).unsqueeze(1) + depths

@@ -1193,8 +1193,7 @@ def soak_main(args) -> None:
 
     from specdec.prompts import load_prompts
 
-    from cluster.config import app_config
-    from cluster.config import default_models
+    from cluster.config import app_config, default_models
 
     no_kills = {"kill_draft_at": None, "kill_target_at": None} if args.no_kills else {}
     hostile = {"hostile_share": args.hostile_share} if args.hostile_share is not None else {}
