@@ -14,7 +14,7 @@ from specdec.drafters import Drafter
 from specdec.drafter_factory import draft_runner, make_drafter
 from specdec.suffix import RecentOutputs, TextIndex, read_corpus
 from specdec.errors import Unavailable
-from specdec.loading import TargetParts, is_head, load_draft, load_served_model, load_tokenizer, local_folder, parse_dtype
+from specdec.loading import TargetParts, is_head, load_draft, load_tokenizer, local_folder, parse_dtype
 from specdec.blocks import BlockPool, PrefixStats
 from specdec.scheduler import KvBudget
 from specdec.sampling import SamplingParams
@@ -41,7 +41,8 @@ class DraftReplica:
                  overlap: bool = True, *, security: LinkSecurity | SharedSecurity, logical_gpus: bool = False,
                  corpora: dict[str, str] | None = None, corpus_max_tokens: int = 1_000_000,
                  target_model: str | None = None, prefix_cache_tokens: int = 0,
-                 budget: KvBudget = KvBudget(max_tokens=0), head: tuple[str, str] | None = None):
+                 budget: KvBudget = KvBudget(max_tokens=0), head: tuple[str, str] | None = None,
+                 quantization: str = "auto"):
         """drafts: task type -> (model folder, dtype); the "" entry drafts for every other task type.
         shapes: per drafter kind it runs, its tree width and its proposals' entries (speculation.*); the first
         drafts a request that names none. Default: model+ngram.
@@ -58,14 +59,16 @@ class DraftReplica:
         cache at once, as the target's does (the replica's rows are some of the target's), so it never grows,
         copying, while requests run (KvBudget.pool).
         head: (folder, dtype) of the draft head (models.head) the head drafter kinds run, for every task type; its
-        pool and prefix index its own, as a draft model's."""
+        pool and prefix index its own, as a draft model's.
+        quantization: models.draft_quantization, for every draft model and the head (serve_draft_linears)."""
         use_assigned_cpus()
         device = device_for_actor(logical_gpus)  # before anything loads: a wrong image fails here
-        self.models = {task: load_replica_draft(path, target_model, parse_dtype(dtype), device)
+        self.models = {task: load_replica_draft(path, target_model, parse_dtype(dtype), device, quantization)
                        for task, (path, dtype) in drafts.items()}
         self.pools = {task: budget.pool(getattr(model, "config", None), prefix_cache_tokens)
                       for task, model in self.models.items()}  # each model's KV, its drafters'
-        self.head = load_replica_draft(head[0], target_model, parse_dtype(head[1]), device) if head else None
+        self.head = (load_replica_draft(head[0], target_model, parse_dtype(head[1]), device, quantization)
+                     if head else None)
         self.head_pool = budget.pool(getattr(self.head, "config", None), prefix_cache_tokens) if head else None
         self.shapes = dict(shapes or {DrafterKind.MODEL_NGRAM: DraftShape()})
         self.corpora = read_corpora(corpora or {}, target_model, corpus_max_tokens)
@@ -246,14 +249,17 @@ def suffix_store(shapes: dict[DrafterKind, DraftShape]) -> RecentOutputs | None:
     return RecentOutputs(max(caps)) if caps else None
 
 
-def load_replica_draft(path: str, target_model: str | None, dtype, device):
-    """A draft model (as served), or draft heads for the target in `target_model` (its config and shared
-    embeddings read from its folder; the heads are refused if made for another target)."""
-    if is_head(local_folder(path)):
-        if target_model is None:
-            raise ValueError(f"{path!r} holds draft heads: they need their target's folder (models.target.path)")
-        return load_draft(path, TargetParts(target_model, dtype, device), dtype, device, served=True)
-    return load_served_model(path, dtype, device)
+def load_replica_draft(path: str, target_model: str | None, dtype, device, quantization: str = "auto"):
+    """A draft model, or draft heads for the target in `target_model` (its config and shared embeddings read
+    from its folder; the heads are refused if made for another target), as served (load_draft): its linear
+    layers as `quantization` says (models.draft_quantization), a draft model among its kept tokens where its
+    folder ranks them (specdec.draft_vocab), as `specdec bench` and `generate` load it."""
+    if not is_head(local_folder(path)):
+        return load_draft(path, None, dtype, device, served=True, quantization=quantization)
+    if target_model is None:
+        raise ValueError(f"{path!r} holds draft heads: they need their target's folder (models.target.path)")
+    return load_draft(path, TargetParts(target_model, dtype, device), dtype, device, served=True,
+                      quantization=quantization)
 
 
 def read_corpora(corpora: dict[str, str], tokenizer: str | None, max_tokens: int) -> dict[str, TextIndex]:

@@ -63,6 +63,9 @@ class ModelsConfig(_Section):
     draft: ModelSpec | None = None  # a draft model (a head here drafts as the model kinds, priced as one)
     head: ModelSpec | None = None  # a draft head for the target (EAGLE-3 or Medusa): the head kinds draft with it
     task_drafts: dict[str, ModelSpec] = Field(default_factory=dict)  # a draft of its own per task type
+    # how every draft model and the head run their linear layers on a CPU (specdec.cpu_linear): int8 weights,
+    # their float weights (none), or int8 where this CPU's torch runs them (auto); the target never
+    draft_quantization: Literal["auto", "int8", "none"] = "auto"
 
     @field_validator("task_drafts")
     @classmethod

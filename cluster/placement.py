@@ -95,6 +95,7 @@ def start_topology(cfg: ServeConfig, timeout_s: float = 300) -> Topology:
                     corpora=spec.suffix.corpora, corpus_max_tokens=spec.suffix.corpus_max_tokens,
                     target_model=models.target.path, prefix_cache_tokens=cfg.server.prefix_cache_tokens,
                     budget=kv_budget(cfg), head=(models.head.path, models.head.dtype) if models.head else None,
+                    quantization=models.draft_quantization,
                     security=topo.shared, logical_gpus=place.logical_gpus)
             for i in range(n_drafts)]
         topo.target_address = target_ready(topo.target_ranks, timeout_s)

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from .compute import on_compute
-from .cpu_linear import pack_linears
+from .cpu_linear import serve_draft_linears
 from .drafter_factory import draft_runner, make_drafter
 from .drafters import logit_columns
 from .engine import SpecConfig, SpeculativeEngine
@@ -118,13 +118,13 @@ ENGINE_MODES = ("off", "chain-k4", "tree-2x4", "ngram-k8", "ngram-auto", "suffix
 HF_MODES = ("hf-assisted", "hf-prompt-lookup")  # transformers' own assisted decoding, the peer
 
 
-def assistant_model(path: str, draft, dtype: torch.dtype, device: str):
+def assistant_model(path: str, draft, dtype: torch.dtype, device: str, quantization: str):
     """The draft as transformers' assisted generation (hf-assisted) takes it: with logits over the target's whole
     vocabulary. A draft cut to its frequent tokens (specdec.draft_vocab) has logits over those alone, so the peer
-    gets the draft loaded again whole, as transformers' users run it."""
+    gets the draft loaded again whole, as transformers' users run it, its linear layers as ours (quantization)."""
     if logit_columns(draft) is None:
         return draft
-    return on_compute(device, lambda: pack_linears(load_model(path, dtype, device)))
+    return on_compute(device, lambda: serve_draft_linears(load_model(path, dtype, device), quantization, device))
 
 
 def wants(only: set[str] | None, mode: str) -> bool:
@@ -243,8 +243,9 @@ def run_bench(args) -> None:
     check_draft_tokenizer(tokenizer, args.draft)
     target = load_served_model(args.target, dtype, args.device)  # every mode runs the models as served
     draft_dtype = parse_dtype(args.draft_dtype or args.dtype)
-    draft = load_draft(args.draft, target, draft_dtype, args.device, served=True)
-    head = load_draft(args.head, target, draft_dtype, args.device, served=True) if args.head else None
+    q = args.draft_quantization
+    draft = load_draft(args.draft, target, draft_dtype, args.device, served=True, quantization=q)
+    head = load_draft(args.head, target, draft_dtype, args.device, served=True, quantization=q) if args.head else None
     eos = eos_ids(target.generation_config, tokenizer)
     only = modes_asked(args)
     corpus = None
@@ -254,7 +255,8 @@ def run_bench(args) -> None:
         only = only | {"rest-auto"} if only is not None else None
     if head is not None and only is not None:
         only |= set(HEAD_MODES)
-    assistant = assistant_model(args.draft, draft, draft_dtype, args.device) if wants(only, "hf-assisted") else None
+    assistant = (assistant_model(args.draft, draft, draft_dtype, args.device, q) if wants(only, "hf-assisted")
+                 else None)
     modes = build_modes(target, draft, eos, args.max_new_tokens, params, only, corpus, head, assistant)
     rows = rows_for(args.workload, load_prompts(args.prompts, args.limit, tokenizer), tokenizer)
     turns = turns_of(args.workload, args.turns)
@@ -322,7 +324,8 @@ def report_rows(modes: list[Mode], params: SamplingParams) -> list[dict]:
 def print_table(rows: list[dict], args) -> None:
     print(f"# specdec bench: {args.target} / {args.draft}, {args.prompts}, workload={args.workload} "
           f"({turns_of(args.workload, args.turns)} turns), max_new_tokens={args.max_new_tokens}, "
-          f"temperature={args.temperature}, dtype={args.dtype}, draft dtype={args.draft_dtype or args.dtype}, device={args.device}, "
+          f"temperature={args.temperature}, dtype={args.dtype}, draft dtype={args.draft_dtype or args.dtype}, "
+          f"draft quantization={args.draft_quantization}, device={args.device}, "
           f"torch threads={on_compute(args.device, torch.get_num_threads)}")  # the models' thread's
     with_off = any(r["speedup_over_off"] is not None for r in rows)
     print(f"{'mode':<18} {'task':<6} {'tok/s':>8} {'alpha':>6} {'acc.len':>7} {'speedup':>7}"

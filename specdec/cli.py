@@ -42,6 +42,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     p.add_argument("--draft-dtype", default=None, help="the draft's or heads' dtype (default: --dtype); greedy "
                    "output is the target's whatever it is")
+    p.add_argument("--draft-quantization", choices=["auto", "int8", "none"], default="auto",
+                   help="the draft's or heads' linear layers on a CPU: int8 weights, none (their dtype), or auto "
+                        "(int8 where this torch runs it; default), as models.draft_quantization")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)")
 
 
@@ -227,7 +230,7 @@ def cmd_generate(args) -> None:
         if kind.uses_model:
             check_draft_tokenizer(tokenizer, path)
         draft = draft_runner(load_draft(path, target, parse_dtype(args.draft_dtype or args.dtype), args.device,
-                                        served=True))
+                                        served=True, quantization=args.draft_quantization))
     engine = SpeculativeEngine(CachedLM(target), make_drafter(drafter_name, draft, width), config,
                                eos_ids(target.generation_config, tokenizer))
     prompt = tokenizer(args.prompt)["input_ids"]

@@ -5,12 +5,21 @@ below its speed on many: on the bench target's shapes, 2 rows cost twice 1 row. 
 weight reordered once into its blocked layout (what torch.compile's freezing and IPEX do on CPUs)
 runs them at the speed of their size (measured: docs/performance.md, "Linear layers through oneDNN").
 The numbers differ from MKL's in float rounding only.
+
+A draft's linear layers may instead run with int8 weights (Int8Linear): a draft's forward at a few rows reads
+its weights once per token, so it runs at the speed of its bytes, and int8 weights are a quarter of float32's
+(docs/performance.md, "Drafts with int8 weights"). Only drafts: what they propose is verified by the target,
+whose own layers keep their dtype, so the output is unchanged; an int8 draft proposes slightly different
+tokens at most.
 """
+
+import warnings
 
 import torch
 from torch import nn
 
 PACKABLE = (torch.float32, torch.bfloat16)
+QUANTIZATIONS = ("auto", "int8", "none")  # models.draft_quantization
 
 
 class PackedLinear(nn.Module):
@@ -29,8 +38,65 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class Int8Linear(nn.Module):
+    """Inference-only stand-in for an nn.Linear with int8 weights, y ~ x W^T + b, through fbgemm's dynamic
+    quantization in torch: W symmetric per output row (scale = max |W_row| / 127); each call quantizes x per
+    tensor to 7 bits (reduce_range: AVX2's u8 x s8 products summed in pairs cannot saturate) and computes in
+    float32. Its relative error per output is about 1e-2: for drafts only."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach().float()  # [out, in]
+        scale = (w.abs().amax(dim=1).clamp(min=1e-12) / 127).double()  # [out]
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        with warnings.catch_warnings():  # torch marks its quantized tensors deprecated; this op's only input
+            warnings.simplefilter("ignore", UserWarning)
+            q = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
+        self.packed = torch.ops.quantized.linear_prepack(q, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out], in x's dtype
+        y = torch.ops.quantized.linear_dynamic(x.reshape(-1, self.in_features).float(), self.packed, True)
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
+
+
+def int8_runs_here(device: torch.device | str) -> bool:
+    """Whether Int8Linear runs on `device`: a CPU, with torch's x86 (fbgemm) quantized engine and its ops."""
+    return (torch.device(device).type == "cpu" and torch.backends.quantized.engine in ("x86", "fbgemm")
+            and hasattr(torch.ops.quantized, "linear_dynamic"))
+
+
+@torch.no_grad()
+def quantize_linears(model: nn.Module) -> nn.Module:
+    """Swap every nn.Linear of an inference draft for an Int8Linear, in place (the embedding is kept)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, Int8Linear(child))
+    return model
+
+
+def serve_draft_linears(model: nn.Module, quantization: str, device: torch.device | str) -> nn.Module:
+    """A draft's linear layers as served (models.draft_quantization): "int8" in int8 (a CPU only), "none" packed
+    (pack_linears), "auto" in int8 where they can run so and packed elsewhere."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"draft quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
+    here = int8_runs_here(device)
+    if quantization == "int8" and not here:
+        raise ValueError(f"draft quantization int8: int8 drafts run on a CPU with torch's x86 quantized engine "
+                         f"(fbgemm); this draft runs on {device} with engine {torch.backends.quantized.engine!r}; "
+                         "use auto (int8 where it runs) or none")
+    return quantize_linears(model) if quantization == "int8" or (quantization == "auto" and here) else \
+        pack_linears(model)
+
+
 def weight_dtype(layer: nn.Module) -> torch.dtype:
-    """A linear layer's weight dtype, packed or not."""
+    """The dtype a linear layer computes in: its weight's, packed or not; float32 for int8 weights."""
+    if isinstance(layer, Int8Linear):
+        return torch.float32
     return layer.packed.dtype if isinstance(layer, PackedLinear) else layer.weight.dtype
 
 

@@ -10,7 +10,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Distr
                           PreTrainedTokenizerBase)
 
 from .compute import on_compute
-from .cpu_linear import pack_linears
+from .cpu_linear import pack_linears, serve_draft_linears
 from .draft_vocab import keep_frequent_tokens, read_ranking
 from .eagle3_config import config_json, is_eagle3
 from .eagle3_config import read_config as read_eagle3_config
@@ -109,31 +109,33 @@ def load_served_model(path: str, dtype: torch.dtype = torch.float32, device: str
 
 
 def load_draft(path: str, target: "PreTrainedModel | TargetParts", dtype: torch.dtype | None = None,
-               device: str = "cpu", served: bool = False) -> "PreTrainedModel":
+               device: str = "cpu", served: bool = False, quantization: str = "auto") -> "PreTrainedModel":
     """A draft for this target: an EAGLE-3 head (specdec.eagle3) or Medusa heads (specdec.medusa), on the
     target's device and refused if made for another target, or a draft model (load_draft_model). In `dtype`; by
     default a head takes the target's and a draft model float32. A head need not be in the target's dtype: it
     reads the target's features cast to its own, and its drafts only decide what the target verifies (a
     bfloat16 head on a CPU with bfloat16 instructions reads half the bytes, greedy output unchanged).
-    With `served`, as specdec serves it: its linear layers packed on a CPU (specdec.cpu_linear), heads' too."""
+    With `served`, as specdec serves it: its linear layers, heads' too, in int8 or packed on a CPU as
+    `quantization` says (models.draft_quantization; specdec.cpu_linear.serve_draft_linears)."""
     if is_eagle3(local_folder(path)):
         from .eagle3 import load_head as load
     elif is_medusa(local_folder(path)):
         load = load_medusa
     else:
-        return on_compute(device, load_draft_model, path, dtype or torch.float32, device, served)
+        return on_compute(device, load_draft_model, path, dtype or torch.float32, device, served, quantization)
     head = on_compute(device, load, local_folder(path), target, dtype)  # torch's work on the compute thread only
-    return on_compute(device, pack_linears, head) if served else head
+    return on_compute(device, serve_draft_linears, head, quantization, device) if served else head
 
 
-def load_draft_model(path: str, dtype: torch.dtype, device: str, served: bool) -> "PreTrainedModel":
+def load_draft_model(path: str, dtype: torch.dtype, device: str, served: bool,
+                     quantization: str = "auto") -> "PreTrainedModel":
     """load_model for a draft: drafting among its most frequent tokens where its folder ranks them
-    (specdec.draft_vocab), its linear layers packed when `served`."""
+    (specdec.draft_vocab), its linear layers as served (serve_draft_linears) when `served`."""
     model = load_model(path, dtype, device)
     ranking = read_ranking(local_folder(path), model.get_output_embeddings().out_features)
     if ranking is not None:
         keep_frequent_tokens(model, ranking)
-    return pack_linears(model) if served else model
+    return serve_draft_linears(model, quantization, device) if served else model
 
 
 class TargetParts:

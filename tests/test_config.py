@@ -189,6 +189,17 @@ def test_load_config_names_the_file(tmp_path):
         load_config(path)
 
 
+def test_draft_quantization_is_one_of_its_values_and_int8_where_auto_can(tmp_path):
+    """models.draft_quantization: how drafts' linear layers run on a CPU (specdec.cpu_linear); auto by default."""
+    models = {"target": {"path": "t"}, "draft": {"path": "d"}}
+    assert parse_config({"models": models}).models.draft_quantization == "auto"
+    assert parse_config({"models": models | {"draft_quantization": "none"}}).models.draft_quantization == "none"
+    path = tmp_path / "serve.yaml"
+    path.write_text("models: {target: {path: t}, draft: {path: d}, draft_quantization: fp8}\n")
+    with pytest.raises(ConfigError, match=f"^{path}: models.draft_quantization: .*'auto', 'int8' or 'none'"):
+        load_config(path)
+
+
 def test_internal_tls_files_are_checked_at_start_naming_the_key(tmp_path):
     pem = tmp_path / "cert.pem"
     pem.write_text("-----BEGIN CERTIFICATE-----\n")

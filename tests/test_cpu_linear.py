@@ -5,8 +5,12 @@ import pytest
 import torch
 from torch import nn
 
-from specdec.cpu_linear import PackedLinear, can_pack, pack_linears, packed_numel
-from specdec.loading import load_model, load_served_model
+from specdec.cpu_linear import (Int8Linear, PackedLinear, can_pack, int8_runs_here, pack_linears, packed_numel,
+                                serve_draft_linears)
+from specdec.drafter_factory import draft_runner, make_drafter
+from specdec.engine import SpecConfig, SpeculativeEngine
+from specdec.kvcache import CachedLM
+from specdec.loading import load_draft, load_model, load_served_model
 
 from conftest import NEW_TOKENS
 from specdec.plain import hf_greedy
@@ -64,3 +68,65 @@ def test_each_linear_is_packed_by_its_own_dtype():
     with torch.inference_mode():
         torch.testing.assert_close(model[1](x.to(torch.bfloat16)), want[0])
         torch.testing.assert_close(model[2](x), want[1], rtol=1e-4, atol=1e-4)
+
+
+needs_int8 = pytest.mark.skipif(not int8_runs_here("cpu"), reason="torch's x86 quantized engine (fbgemm) is not here")
+
+
+@needs_int8
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_int8_linear_is_nn_linear_within_its_rounding(bias, rows):
+    """int8 weights per output row and 7-bit activations: each output within about 2% of the largest."""
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 80, bias=bias)
+    x = torch.randn(2, rows, 96)  # [B, T, in]
+    with torch.inference_mode():
+        want, got = linear(x), Int8Linear(linear)(x)
+        assert got.shape == want.shape == (2, rows, 80) and got.dtype == torch.float32
+        assert (got - want).abs().max() <= 0.03 * want.abs().max()
+        assert (got - want).abs().max() > 0  # it is int8, not the float product
+        half = Int8Linear(linear)(x.to(torch.bfloat16))
+    assert half.dtype == torch.bfloat16  # computed in float32, returned in its input's dtype
+
+
+@needs_int8
+def test_a_draft_served_with_int8_weights_drafts_losslessly_and_about_as_the_float_one(model_dirs, target, reference):
+    """models.draft_quantization: a draft model's every linear layer int8 (auto picks it on this CPU, none
+    packs them); greedy output is still plain decoding's, and the int8 draft's first guesses are mostly the
+    float draft's."""
+    float_draft = load_draft(model_dirs.draft, None, served=True, quantization="none")
+    assert any(isinstance(m, PackedLinear) for m in float_draft.modules())
+    for quantization in ("int8", "auto"):
+        draft = load_draft(model_dirs.draft, None, served=True, quantization=quantization)
+        assert not any(type(m) in (nn.Linear, PackedLinear) for m in draft.modules())
+        assert sum(isinstance(m, Int8Linear) for m in draft.modules()) == \
+            sum(isinstance(m, PackedLinear) for m in float_draft.modules())
+    engine = SpeculativeEngine(CachedLM(target), make_drafter("model", draft_runner(draft), 1), SpecConfig(depth=3),
+                               eos_token_ids=set())
+    outs = engine.generate(reference.prompts, NEW_TOKENS)
+    assert [o.token_ids for o in outs] == reference.continuations
+    with torch.inference_mode():
+        same = [int(draft(torch.tensor([p])).logits[0, -1].argmax()) ==
+                int(float_draft(torch.tensor([p])).logits[0, -1].argmax()) for p in reference.prompts]
+    assert sum(same) >= 0.8 * len(same), same
+
+
+def test_int8_drafts_are_refused_where_they_cannot_run_and_unknown_ones_named():
+    model = nn.Sequential(nn.Linear(8, 8, device="meta"))  # as a draft on a GPU: no int8 path there
+    with pytest.raises(ValueError, match="int8 drafts run on a CPU.*meta.*auto.*none"):
+        serve_draft_linears(model, "int8", "meta")
+    assert type(serve_draft_linears(model, "auto", "meta")[0]) is nn.Linear  # left as it is: nothing runs it there
+    with pytest.raises(ValueError, match="draft quantization 'fp8': choose one of auto, int8, none"):
+        serve_draft_linears(model, "fp8", "cpu")
+
+
+@needs_int8
+def test_a_replica_loads_its_drafts_as_models_draft_quantization_says(model_dirs):
+    """A draft replica's draft models and head: int8 or packed, as the config's key says (DraftReplica)."""
+    from actors.draft_replica import load_replica_draft
+
+    for quantization, layer in (("none", PackedLinear), ("int8", Int8Linear), ("auto", Int8Linear)):
+        draft = load_replica_draft(model_dirs.draft, None, torch.float32, "cpu", quantization)
+        assert any(isinstance(m, layer) for m in draft.modules()), quantization
+        assert not any(type(m) is nn.Linear for m in draft.modules())

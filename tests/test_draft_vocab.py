@@ -90,10 +90,14 @@ def test_a_draft_folder_with_a_ranking_loads_drafting_among_its_kept_tokens(tmp_
     assert isinstance(whole.get_output_embeddings(), torch.nn.Linear)  # no ranking: every token
     rng = random.Random(0)
     save_ranking(path, rank_tokens(torch.tensor([rng.randrange(4000) for _ in range(20_000)]), 32_000, size=4096))
-    cut = load_draft(str(path), target=None, served=served)
+    cut = load_draft(str(path), target=None, served=served, quantization="none")  # float: its logits compared
     head = cut.get_output_embeddings()
     assert isinstance(head, KeptTokensHead) and head.kept.numel() == 4096
     assert isinstance(head.proj, PackedLinear if served else torch.nn.Linear)
+    if served:  # a draft replica loads it so too (it drafted over the whole vocabulary before)
+        from actors.draft_replica import load_replica_draft
+        replicas = load_replica_draft(str(path), None, torch.float32, "cpu", "none").get_output_embeddings()
+        assert isinstance(replicas, KeptTokensHead) and torch.equal(replicas.kept, head.kept)
     assert torch.equal(logit_columns(cut), head.kept) and logit_columns(whole) is None
     ids = torch.tensor([[5, 100, 3999]])
     with torch.inference_mode():
@@ -110,10 +114,10 @@ def test_transformers_assisted_generation_gets_the_draft_over_the_whole_vocabula
 
     path = real_vocab_draft(tmp_path / "draft")
     whole = load_draft(str(path), target=None, served=True)
-    assert assistant_model(str(path), whole, torch.float32, "cpu") is whole  # nothing cut: the draft itself
+    assert assistant_model(str(path), whole, torch.float32, "cpu", "none") is whole  # nothing cut: the draft itself
     save_ranking(path, rank_tokens(torch.arange(4000), 32_000, size=4096))
     cut = load_draft(str(path), target=None, served=True)
-    assistant = assistant_model(str(path), cut, torch.float32, "cpu")
+    assistant = assistant_model(str(path), cut, torch.float32, "cpu", "none")
     assert logit_columns(assistant) is None and isinstance(assistant.get_output_embeddings(), PackedLinear)
     with torch.inference_mode():
         assert assistant(torch.tensor([[5, 6]])).logits.shape == (1, 2, 32_000)

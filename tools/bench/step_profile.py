@@ -171,6 +171,8 @@ def main(argv=None) -> None:
     p.add_argument("--head", help="draft heads' folder, for the head modes (head-k4, ...) --modes names")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--draft-quantization", choices=["auto", "int8", "none"], default="auto",
+                   help="the draft's and head's linear layers, as `specdec bench` takes it")
     p.add_argument("--prompts", required=True)
     p.add_argument("--limit", type=int, help="the first N prompts of each task type")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -191,14 +193,15 @@ def main(argv=None) -> None:
         paths = build_twins(args.target, args.draft, args.head, folder) if args.twin else (args.target, args.draft,
                                                                                             args.head)
         target = load_served_model(paths[0], dtype, args.device)
-        draft = load_draft(paths[1], target, dtype, args.device, served=True)
-        head = load_draft(paths[2], target, dtype, args.device, served=True) if args.head else None
+        q = args.draft_quantization
+        draft = load_draft(paths[1], target, dtype, args.device, served=True, quantization=q)
+        head = load_draft(paths[2], target, dtype, args.device, served=True, quantization=q) if args.head else None
         clock = ForwardClock(device)
         clock.watch(target, "target")
         clock.watch(draft, "draft")
         if head is not None:
             clock.watch(head, "head")
-        assistant = assistant_model(args.draft, draft, dtype, args.device) if wants(only, "hf-assisted") else None
+        assistant = assistant_model(args.draft, draft, dtype, args.device, q) if wants(only, "hf-assisted") else None
         modes = build_modes(target, draft, eos_ids(target.generation_config, tokenizer), args.max_new_tokens,
                             SamplingParams(), only, head=head, assistant=assistant)
         prompts = [tokenizer(r["prompt"])["input_ids"] for r in load_prompts(args.prompts, args.limit, tokenizer)]
