@@ -56,7 +56,11 @@ class Int8Linear(nn.Module):
         self.packed = torch.ops.quantized.linear_prepack(q, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out], in x's dtype
-        y = torch.ops.quantized.linear_dynamic(x.reshape(-1, self.in_features).float(), self.packed, True)
+        # fbgemm refuses an input with a NaN (its range has none), and one infinity would set the scale of every
+        # row's values: a draft's non-finite value (a float16 target's features overflowing, say) becomes 0, a
+        # bad guess at worst for its own row, never an error or the other rows' ruin
+        x32 = torch.nan_to_num(x.reshape(-1, self.in_features).float(), nan=0.0, posinf=0.0, neginf=0.0)
+        y = torch.ops.quantized.linear_dynamic(x32, self.packed, True)
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -71,11 +75,18 @@ def int8_runs_here(device: torch.device | str) -> bool:
 
 @torch.no_grad()
 def quantize_linears(model: nn.Module) -> nn.Module:
-    """Swap every nn.Linear of an inference draft for an Int8Linear, in place (the embedding is kept)."""
+    """Swap every nn.Linear of an inference draft for an Int8Linear, in place, but those the model names in
+    `float_linears` (an EAGLE-3 head's fc, which reads the target's raw hidden states: a few outlier features
+    there would set the scale of all the others), which are packed instead; the embedding is kept."""
+    keep = {id(model.get_submodule(name)) for name in getattr(model, "float_linears", ())}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
+            if type(child) is not nn.Linear:
+                continue
+            if id(child) not in keep:
                 setattr(parent, name, Int8Linear(child))
+            elif packable(child.weight):
+                setattr(parent, name, PackedLinear(child))
     return model
 
 

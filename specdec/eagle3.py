@@ -72,6 +72,10 @@ class Eagle3Head(LlamaPreTrainedModel):
     the draft vocabulary [B, T', dv] (column i is target id logit_columns()[i]) and, as hidden_states, its
     pre-norm output [B, T, H] (what it reads as the feature of the next depth)."""
 
+    # kept in float where drafts run in int8 (specdec.cpu_linear.quantize_linears): fc reads the target's hidden
+    # states as they are, not normalized, whose outlier features would set one scale for all the others
+    float_linears = ("fc",)
+
     def __init__(self, config: LlamaConfig):
         super().__init__(config)
         H, V, dv = config.hidden_size, config.vocab_size, config.draft_vocab_size

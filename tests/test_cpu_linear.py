@@ -91,6 +91,32 @@ def test_int8_linear_is_nn_linear_within_its_rounding(bias, rows):
 
 
 @needs_int8
+def test_int8_linear_takes_nan_and_inf_as_a_float_layer_takes_any_input():
+    """A NaN or an infinity in a draft's activations (a float16 target's features overflowing) is a bad guess at
+    worst: fbgemm alone refuses an input with a NaN, so the layer must not raise, and its other rows stay right."""
+    torch.manual_seed(0)
+    linear = nn.Linear(8, 4)
+    x = torch.randn(3, 8)
+    x[0, 0], x[1, 3] = float("nan"), float("inf")
+    with torch.inference_mode():
+        got, want = Int8Linear(linear)(x), linear(x)
+    assert got.shape == (3, 4) and torch.isfinite(got).all()
+    assert (got[2] - want[2]).abs().max() <= 0.05 * want[2].abs().max()
+
+
+@needs_int8
+def test_a_heads_fc_stays_float_where_its_other_layers_go_int8(smooth, trained_head):
+    """An EAGLE-3 head in int8 keeps fc (over the target's raw hidden states) packed in float32: its fused
+    features equal the float head's."""
+    served = load_draft(trained_head.path, smooth.model, served=True, quantization="int8")
+    assert isinstance(served.fc, PackedLinear) and isinstance(served.lm_head, Int8Linear)
+    assert isinstance(served.midlayer.self_attn.q_proj, Int8Linear)
+    features = torch.randn(5, served.fc.in_features) * 50
+    with torch.inference_mode():
+        torch.testing.assert_close(served.fuse(features), trained_head.heads.fuse(features), rtol=1e-4, atol=1e-3)
+
+
+@needs_int8
 def test_a_draft_served_with_int8_weights_drafts_losslessly_and_about_as_the_float_one(model_dirs, target, reference):
     """models.draft_quantization: a draft model's every linear layer int8 (auto picks it on this CPU, none
     packs them); greedy output is still plain decoding's, and the int8 draft's first guesses are mostly the
