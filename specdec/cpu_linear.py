@@ -97,9 +97,9 @@ def serve_draft_linears(model: nn.Module, quantization: str, device: torch.devic
         raise ValueError(f"draft quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
     here = int8_runs_here(device)
     if quantization == "int8" and not here:
-        raise ValueError(f"draft quantization int8: int8 drafts run on a CPU with torch's x86 quantized engine "
-                         f"(fbgemm); this draft runs on {device} with engine {torch.backends.quantized.engine!r}; "
-                         "use auto (int8 where it runs) or none")
+        raise ValueError(f"draft quantization int8 (models.draft_quantization, --draft-quantization): int8 drafts "
+                         f"run on a CPU with torch's x86 quantized engine (fbgemm); this draft runs on {device} with "
+                         f"engine {torch.backends.quantized.engine!r}; use auto (int8 where it runs) or none")
     return quantize_linears(model) if quantization == "int8" or (quantization == "auto" and here) else \
         pack_linears(model)
 
