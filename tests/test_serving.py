@@ -59,7 +59,10 @@ def server(model_dirs, tmp_path_factory):
     LlamaForCausalLM(_llama_config(VOCAB, 64, 0.3, 256)).save_pretrained(root / "noise")
     config = {
         "models": {"target": {"path": str(target_dir)}, "draft": {"path": model_dirs.draft},
-                   "task_drafts": {"echo": {"path": str(target_dir)}, "noise": {"path": str(root / "noise")}}},
+                   "task_drafts": {"echo": {"path": str(target_dir)}, "noise": {"path": str(root / "noise")}},
+                   # echo's draft is the target's own weights: its guesses are all kept (alpha 1) only where it runs
+                   # them as the target does, not in int8 (specdec.cpu_linear)
+                   "draft_quantization": "none"},
         "placement": {"tensor_parallel_size": 1, "draft_replicas": 2},
         "speculation": {"drafter": "model"},
         "routing": {"default": THRESHOLDS, "task_types": {"echo": THRESHOLDS, "noise": THRESHOLDS}},
