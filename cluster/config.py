@@ -13,8 +13,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
-from specdec.drafter_kinds import (DEFAULT_PROPOSAL_TOP_K, MAX_DEPTH, MAX_PROPOSAL_TOP_K, MAX_TREE_WIDTH, DrafterKind,
-                                   DraftShape)
+from specdec.drafter_kinds import (DEFAULT_PROPOSAL_TOP_K, DRAFT_QUANTIZATIONS, MAX_DEPTH, MAX_PROPOSAL_TOP_K,
+                                   MAX_TREE_WIDTH, DrafterKind, DraftShape)
 from specdec.suffix import SuffixConfig
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -65,7 +65,7 @@ class ModelsConfig(_Section):
     task_drafts: dict[str, ModelSpec] = Field(default_factory=dict)  # a draft of its own per task type
     # how every draft model and the head run their linear layers on a CPU (specdec.cpu_linear): int8 weights,
     # their float weights (none), or int8 where this CPU's torch runs them (auto); the target never
-    draft_quantization: Literal["auto", "int8", "none"] = "auto"
+    draft_quantization: Literal[DRAFT_QUANTIZATIONS] = "auto"
 
     @field_validator("task_drafts")
     @classmethod

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .drafter_kinds import HEAD_MODES, DrafterKind
+from .drafter_kinds import DRAFT_QUANTIZATIONS, HEAD_MODES, DrafterKind
 from .workload import DEFAULT_TURNS, Workload
 
 if TYPE_CHECKING:  # torch loads when a command runs, not to parse one
@@ -42,7 +42,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     p.add_argument("--draft-dtype", default=None, help="the draft's or heads' dtype (default: --dtype); greedy "
                    "output is the target's whatever it is")
-    p.add_argument("--draft-quantization", choices=["auto", "int8", "none"], default="auto",
+    p.add_argument("--draft-quantization", choices=DRAFT_QUANTIZATIONS, default="auto",
                    help="the draft's or heads' linear layers on a CPU: int8 weights, none (their dtype), or auto "
                         "(int8 where this torch runs it; default), as models.draft_quantization")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)")

@@ -18,8 +18,9 @@ import warnings
 import torch
 from torch import nn
 
+from .drafter_kinds import DRAFT_QUANTIZATIONS
+
 PACKABLE = (torch.float32, torch.bfloat16)
-QUANTIZATIONS = ("auto", "int8", "none")  # models.draft_quantization
 
 
 class PackedLinear(nn.Module):
@@ -93,15 +94,15 @@ def quantize_linears(model: nn.Module) -> nn.Module:
 def serve_draft_linears(model: nn.Module, quantization: str, device: torch.device | str) -> nn.Module:
     """A draft's linear layers as served (models.draft_quantization): "int8" in int8 (a CPU only), "none" packed
     (pack_linears), "auto" in int8 where they can run so and packed elsewhere."""
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"draft quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
+    if quantization not in DRAFT_QUANTIZATIONS:
+        raise ValueError(f"draft quantization {quantization!r}: choose one of {', '.join(DRAFT_QUANTIZATIONS)}")
     here = int8_runs_here(device)
     if quantization == "int8" and not here:
         raise ValueError(f"draft quantization int8 (models.draft_quantization, --draft-quantization): int8 drafts "
                          f"run on a CPU with torch's x86 quantized engine (fbgemm); this draft runs on {device} with "
                          f"engine {torch.backends.quantized.engine!r}; use auto (int8 where it runs) or none")
-    return quantize_linears(model) if quantization == "int8" or (quantization == "auto" and here) else \
-        pack_linears(model)
+    int8 = quantization == "int8" or (quantization == "auto" and here)
+    return quantize_linears(model) if int8 else pack_linears(model)
 
 
 def weight_dtype(layer: nn.Module) -> torch.dtype:

@@ -30,6 +30,7 @@ import torch
 
 from specdec.bench import assistant_model, build_modes, modes_asked, wants
 from specdec.compute import on_compute, single_threaded
+from specdec.drafter_kinds import DRAFT_QUANTIZATIONS
 from specdec.eagle3 import Eagle3Head, head_config, save_head
 from specdec.loading import check_draft_tokenizer, eos_ids, load_draft, load_served_model, load_tokenizer, parse_dtype
 from specdec.prompts import load_prompts
@@ -171,7 +172,7 @@ def main(argv=None) -> None:
     p.add_argument("--head", help="draft heads' folder, for the head modes (head-k4, ...) --modes names")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--draft-quantization", choices=["auto", "int8", "none"], default="auto",
+    p.add_argument("--draft-quantization", choices=DRAFT_QUANTIZATIONS, default="auto",
                    help="the draft's and head's linear layers, as `specdec bench` takes it")
     p.add_argument("--prompts", required=True)
     p.add_argument("--limit", type=int, help="the first N prompts of each task type")
