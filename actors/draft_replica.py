@@ -105,6 +105,12 @@ class DraftReplica:
         dropped; 0 where no drafter reads one."""
         return self.outputs.clear() if self.outputs is not None else 0
 
+    def forget_prefixes(self) -> int:
+        """Empty the prefix indexes of its draft models' and its head's pools (POST /v1/admin/forget_prefixes) ->
+        the tokens they held. A row drafting now keeps the blocks it holds."""
+        pools = [*self.pools.values(), *([self.head_pool] if self.head_pool is not None else [])]
+        return sum(pool.forget() for pool in pools)
+
     def gpu_ids(self) -> list:
         return ray.get_gpu_ids()
 

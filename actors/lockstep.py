@@ -1,8 +1,8 @@
 """Tensor-parallel target ranks in lockstep: rank 0 serves, the other ranks mirror its calls.
 
 Each rank holds a shard of the target (transformers' tp_plan="auto") and a TargetWorker over it.
-Before each call that runs a forward or changes the batch (begin, advance, complete, remove, drop_all,
-verify with the chunks riding in it), rank 0 broadcasts
+Before each call that runs a forward or changes the batch or its blocks (begin, advance, complete, remove,
+drop_all, forget_prefixes, verify with the chunks riding in it), rank 0 broadcasts
 it over a CPU (gloo) group; the other ranks make the same call, so the collectives inside the
 forward meet. Logits after the all-reduce are identical on every rank, and every request's random
 stream is seeded alike on every rank (rank 0 fixes a seed for requests that have none), so every
@@ -50,6 +50,9 @@ class LockstepWorker:
 
     def drop_all(self):
         return self._mirrored("drop_all")
+
+    def forget_prefixes(self):  # every rank's index holds the same blocks, and must go on doing so
+        return self._mirrored("forget_prefixes")
 
     def verify(self, trees, max_nodes=None, prefill=(), budget=0):
         # every rank refuses the same bad trees (TargetWorker.refusal reads state they share) and runs the

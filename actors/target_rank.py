@@ -155,6 +155,11 @@ class TargetRank:
         if sink := self.sinks.get(request_id):
             sink.cancel()
 
+    async def forget_prefixes(self) -> int:
+        """Empty the target's prefix index between two forwards, on every rank (POST /v1/admin/forget_prefixes)
+        -> the tokens it held."""
+        return await asyncio.to_thread(self.scheduler.forget_prefixes)
+
     def stats(self) -> TargetStats:
         if self.scheduler is None:  # a rank > 0
             return TargetStats(weights_held=self.weights_held)

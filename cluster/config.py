@@ -297,6 +297,10 @@ class ServerConfig(_Section):
     # `specdec bench-served --forget-outputs` calls between cells, so each starts as a fresh server's would);
     # refused (403) unless true. API keys guard it as every route.
     allow_forget_outputs: bool = False
+    # POST /v1/admin/forget_prefixes: the target and the draft replicas empty their prefix caches (what `specdec
+    # bench-served --forget-prefixes` calls between cells, so a cell never reuses the prompts an earlier one sent);
+    # refused (403) unless true. API keys guard it as every route.
+    allow_forget_prefixes: bool = False
 
     @field_validator("http_port")
     @classmethod

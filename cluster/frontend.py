@@ -143,6 +143,11 @@ class Frontend:
         """Every draft replica drops its store of recent outputs -> the tokens dropped, all replicas' together."""
         return sum(await asyncio.gather(*(d.forget_outputs.remote() for d in self.topology.drafts)))
 
+    async def forget_prefixes(self) -> int:
+        """The target and every draft replica empty their prefix caches -> the tokens they held, all together."""
+        return sum(await asyncio.gather(self.topology.target.forget_prefixes.remote(),
+                                        *(d.forget_prefixes.remote() for d in self.topology.drafts)))
+
     def shutdown(self) -> None:
         self.telemetry.stop()
         self.supervisor.stop()

@@ -205,6 +205,15 @@ class SpecDecodeIngress:
                              None, "permission_error").response()
         return {"forgotten_tokens": await self.frontend.forget_outputs()}
 
+    @http_app.post("/v1/admin/forget_prefixes")
+    async def forget_prefixes(self):
+        """The target and the draft replicas empty their prefix caches, as a fresh server's: {"forgotten_tokens": n};
+        403 unless server.allow_forget_prefixes."""
+        if not self.frontend.cfg.server.allow_forget_prefixes:
+            return HttpError(403, "forgetting prefixes is off on this server: set server.allow_forget_prefixes: true",
+                             None, "permission_error").response()
+        return {"forgotten_tokens": await self.frontend.forget_prefixes()}
+
     @http_app.get("/v1/stats")
     async def stats(self) -> dict:
         return (await self.frontend.stats()).to_json()

@@ -411,6 +411,16 @@ class BlockPool:
                     self._keep_features(self._indexed[block], *features, i)
             self._touch(path)
 
+    def forget(self) -> int:
+        """Empty the prefix index, as a fresh pool's (its draft heads' features too) -> the tokens it held. Blocks
+        that rows hold stay theirs; the others go back to the free list. Not counted as evictions."""
+        with self._cond:
+            held = list(self._indexed)
+            for block in held:
+                self._unindex(block)
+            self._features = {}
+            return len(held) * self.block_tokens
+
     def _keep_features(self, entry: _Indexed, layers: tuple[int, ...], features: torch.Tensor, i: int) -> None:
         """Block i's tokens' features of `features` [>= (i + 1) * size, F] into the entry's slot of the store for
         these layers (made on first use, grown by doubling to hold the slot, never past the cap); with the lock
@@ -451,18 +461,23 @@ class BlockPool:
         victim = next((b for b, e in self._indexed.items() if e.children == 0 and b not in protected), None)
         if victim is None:
             return False
-        entry = self._indexed.pop(victim)
+        self._unindex(victim)
+        self._evicted += 1
+        return True
+
+    def _unindex(self, block: int) -> None:
+        """The index lets go of this block: its key, its features' slot and its hold on the block (and on its
+        window storage); with the lock held."""
+        entry = self._indexed.pop(block)
         del self._ids[entry.key]
         heapq.heappush(self._free_slots, entry.slot)
-        if _is_block(entry.key[0]):
-            self._indexed[entry.key[0]].children -= 1
-        self._evicted += 1
-        self._refs[victim] -= 1
-        if self._refs[victim] == 0:
-            heapq.heappush(self._free, victim)
+        if _is_block(parent := entry.key[0]) and parent in self._indexed:
+            self._indexed[parent].children -= 1
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            heapq.heappush(self._free, block)
         if entry.window:
-            self._release_window([victim])
-        return True
+            self._release_window([block])
 
 
 def _root(salt: str | None) -> int | str:

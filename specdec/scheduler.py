@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
 
 from .acceptance import Verdict
@@ -267,6 +268,13 @@ def _smooth(old: float | None, new: float) -> float:
     return new if old is None else old + GATHER_SMOOTHING * (new - old)
 
 
+def _fail(calls: list[Future], error: Exception) -> None:
+    """Callers waiting on the loop (forget_prefixes) hear this error, those not answered yet."""
+    for done in calls:
+        if not done.done():
+            done.set_exception(error)
+
+
 @dataclass
 class _Plain:
     """A plain request decoded by the loop; `sink(tokens, generation, finished, error)` gets each step."""
@@ -320,6 +328,7 @@ class TargetScheduler:
         self._dropped = RecentlyClosed()  # ended when the loop failed (_drop_everything): their late trees hear why
         self._drop_error: Exception | None = None
         self._leaving: list[str] = []
+        self._forgetting: list[Future] = []  # forget_prefixes calls waiting for the loop
         self._trees: dict[str, tuple[TokenTree, _Waiter]] = {}  # sent by replicas for the next forward
         self._plain: dict[str, _Plain] = {}
         self._reserved: dict[str, int] = {}  # admitted request -> KV tokens it holds
@@ -442,6 +451,18 @@ class TargetScheduler:
             self._leaving += rids
             self._cv.notify()
 
+    def forget_prefixes(self) -> int:
+        """Empty the target's prefix index between two forwards, after the rows closed by then have left (their
+        blocks with the rest): later prompts prefill as on a fresh target -> the tokens it held. Blocks that
+        running rows hold stay theirs. Waits for the loop; Unavailable once it has stopped."""
+        done: Future = Future()
+        with self._cv:
+            if self._stopped:
+                raise Unavailable("the target's loop has stopped")
+            self._forgetting.append(done)
+            self._cv.notify()
+        return done.result()
+
     def stats(self) -> TargetStats:
         with self._cv:
             # a closed request holds nothing: its row goes before the next forward
@@ -517,24 +538,32 @@ class TargetScheduler:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._stopped or self._leaving or self._trees or self._plain
-                                  or self._prefilling or self._admissible(), timeout=self._until_idle())
+                                  or self._prefilling or self._forgetting or self._admissible(),
+                                  timeout=self._until_idle())
                 if self._stopped:
                     break
                 self._gather_trees()
                 leaving, self._leaving = self._leaving + self._idle(), []
+                forgetting, self._forgetting = self._forgetting, []
                 joining = self._admit()
                 trees, self._trees = self._trees, {}
             try:
-                self._iterate(leaving, joining, trees)
+                self._iterate(leaving, joining, trees, forgetting)
             except Exception as e:  # noqa: BLE001 - a bug, or the device failed outside a forward: nobody waits forever
                 log.exception("the target's loop failed outside a forward; every request in its batch ends")
+                _fail(forgetting, e)
                 self._drop_everything(e, joining, trees)
         self._release_all()
 
-    def _iterate(self, leaving: list[str], joining: list[_Join], trees: dict[str, tuple[TokenTree, _Waiter]]) -> None:
+    def _iterate(self, leaving: list[str], joining: list[_Join], trees: dict[str, tuple[TokenTree, _Waiter]],
+                 forgetting: list[Future]) -> None:
         stalled = bool(leaving or joining)
         t0 = self._clock() if stalled else 0.0
         self._remove(leaving)
+        if forgetting:  # after the leaving rows' blocks went to the index, before the joining prompts look it up
+            forgotten = self.worker.forget_prefixes()
+            for done in forgetting:
+                done.set_result(forgotten)
         self._add(joining)
         if stalled:  # the prefill reads nothing back: on a GPU only the clock's synchronize waits for it
             self.stall_time_s += self._clock() - t0
@@ -578,6 +607,8 @@ class TargetScheduler:
         with self._cv:
             leaving, self._leaving = self._leaving, []
             waiting, self._waiting = list(self._waiting), collections.deque()
+            forgetting, self._forgetting = self._forgetting, []
+        _fail(forgetting, Unavailable("the target's loop has stopped"))
         self._remove(list(dict.fromkeys(leaving + list(self.worker.requests))))
         stopped = Unavailable("the target's loop stopped before this request joined")
         while self._prefilling:

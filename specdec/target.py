@@ -251,6 +251,11 @@ class TargetWorker:
         """The block pool's counts: its prefix index's (all 0 when off) and the blocks used."""
         return self.lm.pool.stats()
 
+    def forget_prefixes(self) -> int:
+        """Empty the prefix index (BlockPool.forget) -> the tokens it held: later prompts prefill as on a fresh
+        target. The rows running keep their blocks."""
+        return self.lm.pool.forget()
+
     def last_token(self, rid: Hashable) -> int:
         return self.requests[rid].seq[-1]
 

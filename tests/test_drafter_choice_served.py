@@ -33,6 +33,7 @@ def served(model_dirs, tmp_path_factory, target):
               "routing": {"default": thresholds, "task_types": {"pinned": {**thresholds, "drafter": "suffix"},
                                                                 "rest": {**thresholds, "drafter": "suffix"}}},
               "server": {"max_prompt_tokens": 64, "max_new_tokens": 64, "allow_forget_outputs": True,
+                         "allow_forget_prefixes": True,
                          "grpc_port": free_port(), "http_port": free_port()}}
     path = start_serving(config, root, num_cpus=4, num_gpus=2)
     serve.run(build_app({"config": str(path)}), name="specdec", route_prefix="/")
@@ -125,8 +126,37 @@ def test_a_task_types_corpus_is_drafted_from_on_its_first_request(served, target
 def test_the_replicas_forget_earlier_outputs_when_asked(served):
     """POST /v1/admin/forget_outputs (allowed here): the replica's store, which every request before fed whatever
     drafted it, is dropped whole; asked again, nothing is left."""
-    from tools.served_bench import forget_outputs
+    from tools.served_bench import forget
 
     _, _, http = served
-    assert forget_outputs(http, None) > 0
-    assert forget_outputs(http, None) == 0
+    assert forget(http, "forget_outputs", None) > 0
+    assert forget(http, "forget_outputs", None) == 0
+
+
+def test_the_target_forgets_its_cached_prompts_when_asked(served, target):
+    """POST /v1/admin/forget_prefixes (allowed here): the prompts earlier requests left in the target's prefix cache
+    are dropped whole, so the same prompt again prefills from scratch (no hit), and answers as before."""
+    import json
+    import urllib.request
+
+    from tools.served_bench import forget
+
+    stub, tokenizer, http = served
+    prompt = " ".join(f"w{i}" for i in range(10, 50))  # 40 tokens: two whole blocks to cache
+
+    def target_held() -> dict:
+        with urllib.request.urlopen(f"{http}/v1/stats", timeout=30) as r:
+            return json.loads(r.read())["target"]
+
+    def ask() -> list[int]:
+        return list(stub.Generate(api.GenerateRequest(prompt=prompt, task_type="code", max_new_tokens=8,
+                                                      speculation=api.SPECULATION_OFF), timeout=120).token_ids)
+
+    first = ask()
+    assert forget(http, "forget_prefixes", None) >= 32  # that prompt's blocks, and what earlier tests left
+    assert target_held()["prefix_cached_tokens"] == 0
+    hits = target_held()["prefix_hit_tokens"]
+    assert ask() == first == hf_greedy(target, tokenizer(prompt)["input_ids"], 8)
+    assert target_held()["prefix_hit_tokens"] == hits  # nothing was there to reuse
+    assert forget(http, "forget_prefixes", None) >= 32  # that request's prompt, cached again
+    assert forget(http, "forget_prefixes", None) == 0

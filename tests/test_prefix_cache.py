@@ -112,6 +112,27 @@ def test_the_least_recently_used_leaf_is_let_go_within_the_cap():
         assert pool.take(p).blocks
 
 
+def test_forgetting_empties_the_index_as_a_fresh_pools_and_keeps_what_rows_hold():
+    """forget: every indexed block leaves the index (features too); a block a row still holds stays the row's, the
+    others go back to the free list; nothing is counted as evicted; the index then fills again as a fresh one."""
+    F, layers = 6, (0, 2)
+    pool = BlockPool(prefix_tokens=8 * BT, block_tokens=BT)
+    x, y = [7] * (2 * BT) + [1] * BT, [7] * (2 * BT) + [2] * BT  # a shared 2-block prefix: a tree of 4 blocks
+    pool.store(x, tx := run(pool, x), features=(layers, torch.randn(len(x), F)))
+    pool.release(tx)  # x's row left: the index alone holds its blocks
+    pool.store(y, ty := run(pool, y))  # y's row still runs (and holds its own blocks)
+    assert pool.stats().cached_tokens == 4 * BT and pool.stats().feature_bytes > 0
+    assert pool.forget() == 4 * BT
+    stats = pool.stats()
+    assert stats.cached_tokens == 0 and stats.evicted_tokens == 0 and stats.feature_bytes == 0
+    assert stats.used_tokens == 3 * BT  # y's three blocks, its row's; x's went back
+    assert pool.take(x).blocks == [] and pool.take(y, layers=layers).blocks == []
+    assert pool.forget() == 0
+    pool.store(x, tx := run(pool, x))  # as fresh: stored and found again, within the cap
+    assert pool.take(x).blocks == tx
+    pool.release(ty)
+
+
 def test_a_heads_features_are_kept_in_a_store_within_the_cap_that_evictions_reuse():
     """The features kept with indexed blocks (a draft head's, per set of layers) live in a store of at most the
     cap's size: its bytes are counted from the first block stored with them and never pass it, however many
@@ -395,6 +416,73 @@ def test_a_stopped_scheduler_gives_every_block_back_to_the_pool_it_shares(target
     stats = pool.stats()
     assert stats.used_tokens == stats.cached_tokens > 0, stats  # only the index holds blocks, both prompts' among them
     assert len(waited) == 1 and isinstance(waited[0], Unavailable), waited
+
+
+def test_the_scheduler_forgets_its_cached_prompts_between_forwards_and_decodes_as_before(target):
+    """forget_prefixes (any thread) runs on the loop between two forwards: the prompts finished requests left are
+    forgotten, a running row keeps its blocks and decodes on unchanged, and a prompt sent again prefills whole."""
+    from specdec.engine import _Collected
+    from specdec.errors import Unavailable
+    from specdec.scheduler import KvBudget, TargetScheduler
+    from specdec.target import TargetWorker
+
+    rng = random.Random(7)
+    prompt = [rng.randrange(VOCAB) for _ in range(40)]
+    lone = SpeculativeEngine(CachedLM(target, BlockPool(0)), None, SpecConfig(depth=0)).generate([prompt], 8)[0]
+    pool = BlockPool(4096)
+    scheduler = TargetScheduler(TargetWorker(CachedLM(target, pool)), KvBudget(max_rows=4), idle_timeout_s=None)
+
+    def decode(rid: str) -> list[int]:
+        sink = _Collected()
+        scheduler.decode(rid, prompt, SamplingParams(), 8, set(), sink)
+        assert sink.done.wait(60) and sink.error is None, sink.error
+        return sink.out.token_ids
+
+    try:
+        assert decode("a") == lone.token_ids
+        running = scheduler.open("running", prompt[:24] + [1, 2, 3], SamplingParams())  # holds its blocks throughout
+        assert scheduler.forget_prefixes() >= 32  # "a"'s prompt, kept when it left
+        assert pool.stats().cached_tokens == 0 and pool.stats().used_tokens > 0  # the open row's blocks stay
+        hits = pool.stats().hit_tokens
+        assert decode("b") == lone.token_ids
+        assert pool.stats().hit_tokens == hits  # nothing left to reuse: prefilled whole
+        assert running.first.tokens  # the open row was not disturbed
+    finally:
+        scheduler.stop()
+    with pytest.raises(Unavailable):
+        scheduler.forget_prefixes()
+
+
+def test_tensor_parallel_ranks_forget_their_prefixes_where_rank_zero_does(target, monkeypatch):
+    """Under tensor parallelism every rank's index must hold the same blocks: rank 0's scheduler broadcasts the
+    forget among its batch's calls, and another rank making the same calls in order holds what rank 0 holds
+    after each (its pool's counts and the next row's table)."""
+    from actors import lockstep
+    from specdec.engine import _Collected
+    from specdec.scheduler import KvBudget, TargetScheduler
+    from specdec.target import TargetWorker
+
+    sent = []
+    monkeypatch.setattr(lockstep.dist, "broadcast_object_list", lambda box, src, group: sent.append(box[0]))
+    leader = TargetWorker(CachedLM(target, BlockPool(4096)))
+    scheduler = TargetScheduler(lockstep.LockstepWorker(leader, group=None), KvBudget(), idle_timeout_s=None)
+    prompt = list(range(3, 43))
+    try:
+        for rid in ("a", "b"):
+            sink = _Collected()
+            scheduler.decode(rid, prompt, SamplingParams(), 6, set(), sink)
+            assert sink.done.wait(60) and sink.error is None
+            if rid == "a":
+                assert scheduler.forget_prefixes() >= 32
+    finally:
+        scheduler.stop()
+    assert ("forget_prefixes", ()) in sent
+    follower = TargetWorker(CachedLM(target, BlockPool(4096)))
+    for name, args in sent:
+        getattr(follower, name)(*args)
+        if name == "forget_prefixes":
+            assert follower.prefix_stats().cached_tokens == 0
+    assert follower.prefix_stats() == leader.prefix_stats()
 
 
 def test_a_prefill_that_fails_gives_back_the_cached_prefix_it_took_at_once(target, monkeypatch):

@@ -99,11 +99,12 @@ class Served:
                 self.end_headers()
                 self.wfile.write(body.encode())
 
-            def do_POST(self):  # /v1/admin/forget_outputs, allowed or refused as the test sets
+            def do_POST(self):  # /v1/admin/forget_outputs or forget_prefixes, allowed or refused as the test sets
                 seen.append(self.headers.get("Authorization"))
                 forgets.append(self.path)
-                refused = self.path != "/v1/admin/forget_outputs" or not served.forget_allowed
-                body = {"error": {"message": "forgetting outputs is off on this server"}} if refused \
+                what = self.path.removeprefix("/v1/admin/forget_")
+                refused = what not in ("outputs", "prefixes") or not served.forget_allowed
+                body = {"error": {"message": f"forgetting {what} is off on this server"}} if refused \
                     else {"forgotten_tokens": 7}
                 self.send_response(403 if refused else 200)
                 self.send_header("Content-Type", "application/json")
@@ -276,6 +277,25 @@ def test_forget_outputs_asks_the_server_before_every_cell(bench_setup, capsys):
         served.close()
     with pytest.raises(SystemExit, match="--forget-outputs needs --http"):
         main(["bench-served", "--prompts", prompts, "--http", "", "--forget-outputs"])
+
+
+def test_forget_prefixes_asks_the_server_before_every_cell_beside_forget_outputs(bench_setup):
+    _, prompts, outputs = bench_setup
+    served = Served(FakeSpecDecode(outputs))
+    try:
+        main(argv(served, prompts, "--modes", "off", "on", "--forget-prefixes", "--forget-outputs"))
+        assert served.forgets == ["/v1/admin/forget_outputs", "/v1/admin/forget_prefixes"] * 4
+        served.forgets.clear()
+        main(argv(served, prompts, "--modes", "off", "--forget-prefixes"))
+        assert served.forgets == ["/v1/admin/forget_prefixes"] * 2  # 2 client counts
+        served.forget_allowed = False
+        with pytest.raises(SystemExit) as e:
+            main(argv(served, prompts, "--modes", "off", "--forget-prefixes"))
+        assert "--forget-prefixes: POST" in str(e.value) and "answered 403: forgetting prefixes is off" in str(e.value)
+    finally:
+        served.close()
+    with pytest.raises(SystemExit, match="--forget-prefixes needs --http"):
+        main(["bench-served", "--prompts", prompts, "--http", "", "--forget-prefixes"])
 
 
 class GreedyOutputs(dict):

@@ -194,6 +194,11 @@ def test_forgetting_outputs_is_refused_unless_allowed(server):
     assert status == 403 and "server.allow_forget_outputs" in body["error"]["message"]
 
 
+def test_forgetting_prefixes_is_refused_unless_allowed(server):
+    status, body = http(server, "/v1/admin/forget_prefixes", b"")
+    assert status == 403 and "server.allow_forget_prefixes" in body["error"]["message"]
+
+
 @pytest.mark.parametrize("fields, field", INVALID)
 def test_invalid_requests_are_refused_naming_the_field(server, fields, field):
     req = api.GenerateRequest(**{"prompt": "w1 w2", "max_new_tokens": 8, **fields})

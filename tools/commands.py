@@ -58,6 +58,10 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
                     help="before each cell, ask the server's draft replicas to forget earlier outputs (POST "
                          "/v1/admin/forget_outputs; the server needs server.allow_forget_outputs), so suffix drafts "
                          "of a cell never read the answers of a cell before it that sent the same prompts")
+    sb.add_argument("--forget-prefixes", action="store_true",
+                    help="before each cell, ask the server's target and draft replicas to empty their prefix caches "
+                         "(POST /v1/admin/forget_prefixes; the server needs server.allow_forget_prefixes), so a cell "
+                         "that re-sends an earlier cell's prompts prefills them as the first did, not from its cache")
     sb.add_argument("--salt-per-client", action="store_true",
                     help="each client sends a cache_salt of its own (as tenants that must not share cached prompts "
                          "or outputs): what isolating clients costs, beside a run without it")

@@ -18,9 +18,10 @@ in the first, last in the second), each cell's "vs off" over its own round's off
 between cells (10-30% on a shared 2-core machine), and a ratio of neighbouring cells, taken both ways round,
 cancels most of it. The summary gives each mode's median tokens/s and the geometric mean of its rounds'
 ratios with the smallest and largest. Later rounds re-send the prompts: a server's prefix cache holds them
-by then for every mode, and suffix drafts read the earlier answers unless --forget-outputs; with
---fresh-prompts each (client count, round) sends its own share of the prompts instead, so a server's first
-cell of each sends prompts it has never seen (the cells after it, the other modes, re-send them).
+by then for every mode (unless --forget-prefixes), and suffix drafts read the earlier answers unless
+--forget-outputs; with --fresh-prompts each (client count, round) sends its own share of the prompts instead, so a
+server's first cell of each sends prompts it has never seen (the cells after it, the other modes, re-send them:
+--forget-prefixes makes every cell's prefill as cold as the first's).
 
 With --against HOST:PORT a second server ("b", e.g. another config of the same target, started beside the
 first) runs every cell too, its cells beside the first's in each round (the order of all servers' cells
@@ -185,10 +186,11 @@ def bench_main(args) -> None:
     turns = turns_of(args.workload, args.turns)
     if turns > 1 and tokenizer is None:
         raise ValueError("--workload multi-turn needs --target DIR: its tokenizer reads each answer into the next turn")
-    if args.forget_outputs and not args.http:
-        raise ValueError("--forget-outputs needs --http: the server's HTTP root answers POST /v1/admin/forget_outputs")
-    if args.forget_outputs and args.against and not args.against_http:
-        raise ValueError("--forget-outputs with --against needs --against-http: the second server's HTTP root")
+    for flag, route in FORGETTING.items():
+        if getattr(args, route) and not args.http:
+            raise ValueError(f"{flag} needs --http: the server's HTTP root answers POST /v1/admin/{route}")
+        if getattr(args, route) and args.against and not args.against_http:
+            raise ValueError(f"{flag} with --against needs --against-http: the second server's HTTP root")
     if args.against and args.against == args.address:
         raise ValueError(f"--against {args.against} is --address itself: name a second server")
     groups = len(args.clients) * args.rounds
@@ -251,8 +253,9 @@ def run_grid(servers: list[Server], modes: list[Mode], rows: list[dict], turns: 
             cell_rows = shares[c * args.rounds + rnd]
             off = None if args.fresh_prompts else off
             for server, mode in round_order(arms, rnd):
-                if args.forget_outputs:
-                    forget_outputs(server.http, args.api_key)
+                for flag, route in FORGETTING.items():
+                    if getattr(args, route):
+                        forget(server.http, route, args.api_key)
                 before = server.stats.read()
                 replies, wall, asked = run_cell(server.stub, cell_rows, mode, clients, args.max_new_tokens,
                                                 args.timeout, turns, tokenizer, args.salt_per_client)
@@ -498,20 +501,26 @@ def drafted_between(before: dict[str, int], after: dict[str, int]) -> dict[str, 
     return {key: n - before.get(key, 0) for key, n in after.items() if n > before.get(key, 0)}
 
 
-def forget_outputs(http: str, api_key: str | None) -> int:
-    """POST /v1/admin/forget_outputs: the server's draft replicas drop the outputs their suffix drafts read, so the
-    next cell starts as a fresh server's would -> the tokens dropped. ValueError saying why when it is refused or
-    fails."""
-    url = f"{http.rstrip('/')}/v1/admin/forget_outputs"
+# what a cell may find left by the cells before it, which the server can be asked to forget first: flag -> route
+# (POST /v1/admin/<route>, also the flag's name in args): forget_outputs, the replicas' stores of earlier outputs
+# that suffix drafts read; forget_prefixes, the target's and the replicas' prefix caches (prompts sent before)
+FORGETTING = {"--forget-outputs": "forget_outputs", "--forget-prefixes": "forget_prefixes"}
+
+
+def forget(http: str, route: str, api_key: str | None) -> int:
+    """POST /v1/admin/<route> (a value of FORGETTING): the server forgets what earlier cells left, so the next cell
+    starts as a fresh server's would -> the tokens forgotten. ValueError saying why when it is refused or fails."""
+    url = f"{http.rstrip('/')}/v1/admin/{route}"
+    flag = next(f for f, r in FORGETTING.items() if r == route)
     headers = {"Authorization": bearer(api_key)} if api_key else {}
     try:
         with urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST", headers=headers),
                                     timeout=60) as r:
             return int(json.loads(r.read())["forgotten_tokens"])
     except urllib.error.HTTPError as e:
-        raise ValueError(f"--forget-outputs: POST {url} answered {e.code}: {_error_message(e)}") from None
+        raise ValueError(f"{flag}: POST {url} answered {e.code}: {_error_message(e)}") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"--forget-outputs: POST {url} failed ({e})") from None
+        raise ValueError(f"{flag}: POST {url} failed ({e})") from None
 
 
 def _error_message(e: "urllib.error.HTTPError") -> str:
