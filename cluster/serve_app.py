@@ -200,19 +200,24 @@ class SpecDecodeIngress:
     async def forget_outputs(self):
         """The draft replicas forget the outputs of earlier requests (their suffix drafts' store):
         {"forgotten_tokens": n}; 403 unless server.allow_forget_outputs."""
-        if not self.frontend.cfg.server.allow_forget_outputs:
-            return HttpError(403, "forgetting outputs is off on this server: set server.allow_forget_outputs: true",
-                             None, "permission_error").response()
-        return {"forgotten_tokens": await self.frontend.forget_outputs()}
+        return await self._forget("outputs", self.frontend.cfg.server.allow_forget_outputs,
+                                  self.frontend.forget_outputs)
 
     @http_app.post("/v1/admin/forget_prefixes")
     async def forget_prefixes(self):
         """The target and the draft replicas empty their prefix caches, as a fresh server's: {"forgotten_tokens": n};
         403 unless server.allow_forget_prefixes."""
-        if not self.frontend.cfg.server.allow_forget_prefixes:
-            return HttpError(403, "forgetting prefixes is off on this server: set server.allow_forget_prefixes: true",
+        return await self._forget("prefixes", self.frontend.cfg.server.allow_forget_prefixes,
+                                  self.frontend.forget_prefixes)
+
+    @staticmethod
+    async def _forget(what: str, allowed: bool, forget):
+        """An admin route that makes the server forget `what`: {"forgotten_tokens": n}, or 403 naming the key
+        (server.allow_forget_<what>) that allows it."""
+        if not allowed:
+            return HttpError(403, f"forgetting {what} is off on this server: set server.allow_forget_{what}: true",
                              None, "permission_error").response()
-        return {"forgotten_tokens": await self.frontend.forget_prefixes()}
+        return {"forgotten_tokens": await forget()}
 
     @http_app.get("/v1/stats")
     async def stats(self) -> dict:

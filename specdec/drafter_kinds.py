@@ -56,9 +56,10 @@ HEAD_MODES = ("head-k4", "head-tree-2x4", "head-auto", "head+suffix-auto")
 # Upper bounds of the speculation's shape: a tree of tree_width branches per depth, MAX_DEPTH deep, costs a
 # B x T x T attention mask and a KV reservation per row; beyond these a config is a mistake, not a tuning.
 MAX_TREE_WIDTH = 16  # speculation.tree_width
+MAX_DEPTH = 32  # routing.*.max_k: tokens drafted per step (the tree's depth)
+
 # how drafts run their linear layers on a CPU (models.draft_quantization, --draft-quantization; specdec.cpu_linear)
 DRAFT_QUANTIZATIONS = ("auto", "int8", "none")
-MAX_DEPTH = 32  # routing.*.max_k: tokens drafted per step (the tree's depth)
 
 # A sampled draft draws each node's children from the `proposal_top_k` likeliest tokens of its q, renormalised,
 # and ships that q alone (specdec.tree.Proposal): a tree's bytes on the wire grow with nodes x proposal_top_k,

@@ -186,11 +186,11 @@ def bench_main(args) -> None:
     turns = turns_of(args.workload, args.turns)
     if turns > 1 and tokenizer is None:
         raise ValueError("--workload multi-turn needs --target DIR: its tokenizer reads each answer into the next turn")
-    for flag, route in FORGETTING.items():
+    for route in FORGETTING:
         if getattr(args, route) and not args.http:
-            raise ValueError(f"{flag} needs --http: the server's HTTP root answers POST /v1/admin/{route}")
+            raise ValueError(f"{_flag(route)} needs --http: the server's HTTP root answers POST /v1/admin/{route}")
         if getattr(args, route) and args.against and not args.against_http:
-            raise ValueError(f"{flag} with --against needs --against-http: the second server's HTTP root")
+            raise ValueError(f"{_flag(route)} with --against needs --against-http: the second server's HTTP root")
     if args.against and args.against == args.address:
         raise ValueError(f"--against {args.against} is --address itself: name a second server")
     groups = len(args.clients) * args.rounds
@@ -253,7 +253,7 @@ def run_grid(servers: list[Server], modes: list[Mode], rows: list[dict], turns: 
             cell_rows = shares[c * args.rounds + rnd]
             off = None if args.fresh_prompts else off
             for server, mode in round_order(arms, rnd):
-                for flag, route in FORGETTING.items():
+                for route in FORGETTING:
                     if getattr(args, route):
                         forget(server.http, route, args.api_key)
                 before = server.stats.read()
@@ -501,17 +501,21 @@ def drafted_between(before: dict[str, int], after: dict[str, int]) -> dict[str, 
     return {key: n - before.get(key, 0) for key, n in after.items() if n > before.get(key, 0)}
 
 
-# what a cell may find left by the cells before it, which the server can be asked to forget first: flag -> route
-# (POST /v1/admin/<route>, also the flag's name in args): forget_outputs, the replicas' stores of earlier outputs
-# that suffix drafts read; forget_prefixes, the target's and the replicas' prefix caches (prompts sent before)
-FORGETTING = {"--forget-outputs": "forget_outputs", "--forget-prefixes": "forget_prefixes"}
+# what a cell may find left by the cells before it, which the server can be asked to forget first: the routes
+# (POST /v1/admin/<route>; each also the name in args of its flag, _flag): forget_outputs, the replicas' stores of
+# earlier outputs that suffix drafts read; forget_prefixes, the target's and the replicas' prefix caches
+FORGETTING = ("forget_outputs", "forget_prefixes")
+
+
+def _flag(route: str) -> str:
+    return "--" + route.replace("_", "-")
 
 
 def forget(http: str, route: str, api_key: str | None) -> int:
-    """POST /v1/admin/<route> (a value of FORGETTING): the server forgets what earlier cells left, so the next cell
+    """POST /v1/admin/<route> (one of FORGETTING): the server forgets what earlier cells left, so the next cell
     starts as a fresh server's would -> the tokens forgotten. ValueError saying why when it is refused or fails."""
     url = f"{http.rstrip('/')}/v1/admin/{route}"
-    flag = next(f for f, r in FORGETTING.items() if r == route)
+    flag = _flag(route)
     headers = {"Authorization": bearer(api_key)} if api_key else {}
     try:
         with urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST", headers=headers),
