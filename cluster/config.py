@@ -147,7 +147,7 @@ class SpeculationConfig(_Section):
     tree_width: int = Field(1, ge=1, le=MAX_TREE_WIDTH)
     # a sampled draft draws from (and ships) its q cut to this many likeliest tokens: bounds a tree's bytes
     proposal_top_k: int = Field(DEFAULT_PROPOSAL_TOP_K, ge=1, le=MAX_PROPOSAL_TOP_K)
-    overlap: bool = False  # draft the next step while the target verifies this one (draft models only)
+    overlap: bool = False  # draft the next step while the target verifies this one (draft models and EAGLE-3 heads)
     suffix: SuffixSection = SuffixSection()
 
     @field_validator("drafter", mode="before")

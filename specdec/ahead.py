@@ -59,7 +59,7 @@ def settle(drafter: Drafter, ahead: Ahead, verdicts: list[Verdict | None]) -> li
     held = [v is not None and ahead.held(row, v) for row, v in enumerate(verdicts)]
     kept = [None if ok else _common_nodes(ahead.paths[row], v.path if v is not None else [0])
             for row, (ok, v) in enumerate(zip(held, verdicts))]
-    drafter.rollback(ahead.checkpoint, kept)
+    drafter.rollback(ahead.checkpoint, kept, [v.features if v is not None else None for v in verdicts])
     return [tree if ok else None for tree, ok in zip(ahead.trees, held)]
 
 

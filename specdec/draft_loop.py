@@ -80,9 +80,8 @@ class DraftLoop:
         replica's store, shared by all its loops); None: the drafter's own store, if it drafts from one."""
         self.target, self.drafter, self.on_step = target, drafter, on_step
         self.outputs = outputs if outputs is not None else recent_outputs(drafter)
-        # drafting ahead pays only where drafting costs (a draft model): n-gram guesses are free; a head would
-        # draft ahead from its own features where the target's are due, so it does not
-        self.overlap = overlap and drafter is not None and drafter.uses_model and not drafter.feature_layers
+        # drafting ahead pays only where drafting costs (a draft model, an EAGLE-3 head): lookups' guesses are free
+        self.overlap = overlap and drafter is not None and drafter.drafts_ahead
         self._verifier = ThreadPoolExecutor(1, thread_name_prefix="verify", initializer=single_threaded) if self.overlap else None
         self.rows: list[DraftRequest] = []  # batch order: the drafter's rows
         self._joining: list[DraftRequest] = []

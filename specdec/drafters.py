@@ -8,11 +8,11 @@ also reads the target's hidden states, which its rows join with and each verdict
   propose(seqs, plans, ...)       one tree per row, rooted at the row's last token
   commit(paths, features)         per row, the accepted node indices (root first) and their features
   select(rows)                    keep only these rows (the others finished)
-Drafting ahead (specdec.ahead) also uses:
+Drafting ahead (specdec.ahead; a drafter with drafts_ahead) also uses:
   assume(paths)                   commit paths as if accepted; returns a checkpoint to go back to
   next_tokens(seqs)               per row, the drafter's guess of the token after seq (None: none)
-  rollback(checkpoint, kept)      rows with kept[b] set go back to the checkpoint, keeping the
-                                  first kept[b] nodes of the path they assumed"""
+  rollback(checkpoint, kept, features)  rows with kept[b] set go back to the checkpoint, keeping the
+                                  first kept[b] nodes of the path they assumed; features: the verdicts'"""
 
 import logging
 from dataclasses import dataclass, field
@@ -46,6 +46,7 @@ class Drafter(Protocol):
     # the target layers whose inputs it reads (a draft head's features): each verdict must carry them, and
     # each row joins with its prompt's; () for a drafter that reads tokens alone
     feature_layers: tuple[int, ...]
+    drafts_ahead: bool  # drafts the next step while the target verifies this one (specdec.ahead): where drafting costs
 
     @property
     def draft_lm(self) -> CachedLM | None:
@@ -75,7 +76,9 @@ class Drafter(Protocol):
     def select(self, rows: list[int]) -> None: ...
     def assume(self, paths: list[list[int]]) -> object: ...
     def next_tokens(self, seqs: list[list[int]]) -> list[int | None]: ...
-    def rollback(self, checkpoint: object, kept: list[int | None]) -> None: ...
+    def rollback(self, checkpoint: object, kept: list[int | None],
+                 features: list[torch.Tensor | None] | None = None) -> None:
+        """features: the verdicts' (Verdict.features, None for a row that got none), for a drafter that reads them."""
 
 
 class NgramDrafter:
@@ -86,6 +89,7 @@ class NgramDrafter:
     device = HOST  # where its draws run: it draws none
     shape = DraftShape(DrafterKind.NGRAM)
     feature_layers = ()
+    drafts_ahead = False  # its guesses cost nothing: nothing to gain from drafting them early
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
@@ -124,7 +128,7 @@ class NgramDrafter:
     def next_tokens(self, seqs) -> list[int | None]:
         return [first_guess(self.guess(row, seq, 1)) for row, seq in enumerate(seqs)]
 
-    def rollback(self, checkpoint: list[int], kept) -> None:
+    def rollback(self, checkpoint: list[int], kept, features=None) -> None:
         for index, indexed, k in zip(self.indexes, checkpoint, kept, strict=True):
             if k is not None:
                 index.rollback(indexed)
@@ -159,6 +163,7 @@ class SuffixDrafter:
     draft_lm = None
     device = HOST
     feature_layers = ()
+    drafts_ahead = False  # its guesses cost little: nothing to gain from drafting them early
 
     def __init__(self, config: SuffixConfig = SuffixConfig(), corpus: TextIndex | None = None,
                  recent: RecentOutputs | None = None):
@@ -219,7 +224,7 @@ class SuffixDrafter:
     def next_tokens(self, seqs) -> list[int | None]:
         return [first_guess(self.guess(row, seq, 1)) for row, seq in enumerate(seqs)]
 
-    def rollback(self, checkpoint: list[int], kept) -> None:
+    def rollback(self, checkpoint: list[int], kept, features=None) -> None:
         for r, length, k in zip(self.rows, checkpoint, kept):
             r.last = None
             if k is not None:  # its next sync indexes what the target accepted
@@ -350,6 +355,7 @@ class ModelDrafter(TreeGrower):
     """A draft LM grows a tree `width` wide (TreeGrower), one draft forward per depth."""
 
     feature_layers = ()
+    drafts_ahead = True
     position_shift = 0  # a node's position is its token's (a head's sits one before: specdec.head_drafter)
 
     def __init__(self, draft: CachedLM, width: int = 1, proposal_top_k: int = DEFAULT_PROPOSAL_TOP_K):
@@ -421,7 +427,7 @@ class ModelDrafter(TreeGrower):
         logits = self.lm.prefill(self._unseen(seqs))  # [B, dv]
         return self._target_ids(logits.argmax(-1)).tolist()
 
-    def rollback(self, checkpoint: "_Assumed", kept: list[int | None]) -> None:
+    def rollback(self, checkpoint: "_Assumed", kept: list[int | None], features=None) -> None:
         self.slot_of = [{} if k is not None else slots for slots, k in zip(self.slot_of, kept)]
         self._hold_pending()
         self.lm.truncate([n + min(k, c) if k is not None else now
@@ -471,7 +477,7 @@ class ModelDrafter(TreeGrower):
                         self.slot_of[b][node] = start + col
             sizes = [W if d > depth else 0 for d in depths]  # rows that stop here sit the forward out
             logits, state = self._run_frontier(tokens, block, positions, torch.cat([committed, seen], dim=-1), sizes,
-                                               parent_col, state)  # [B, W, dv]
+                                               parent_col, state, frontier)  # [B, W, dv]
         return trees
 
     def _catch_up(self, seqs: list[list[int]], depths: list[int]) -> tuple[torch.Tensor | None, object]:
@@ -479,9 +485,10 @@ class ModelDrafter(TreeGrower):
         after each row's root [B, dv], and what the next depth's forward needs beside its tokens (nothing)."""
         return self.lm.prefill(self._unseen(seqs)), None
 
-    def _run_frontier(self, tokens, block, positions, visible, sizes, parent_col, state) -> tuple[torch.Tensor, object]:
-        """One depth's forward of the frontier's tokens [B, W] -> logits [B, W, dv] (zeros at rows that sat
-        it out), and the state of the next depth (nothing)."""
+    def _run_frontier(self, tokens, block, positions, visible, sizes, parent_col, state,
+                      frontier) -> tuple[torch.Tensor, object]:
+        """One depth's forward of the frontier's tokens [B, W] (frontier: their node ids, per row) -> logits
+        [B, W, dv] (zeros at rows that sat it out), and the state of the next depth (nothing)."""
         packed = self.lm.forward(tokens, block, positions, visible, sizes=sizes)  # [N, V]
         return _unpacked(packed, sizes, tokens.shape[1]), None
 
@@ -538,6 +545,7 @@ class MergedDrafter:
             kind = DrafterKind.MODEL_SUFFIX if isinstance(lookup, SuffixDrafter) else DrafterKind.MODEL_NGRAM
         self.shape = DraftShape(kind, model.width, model.proposal_top_k, lookup.shape.suffix)
         self.feature_layers = model.feature_layers
+        self.drafts_ahead = model.drafts_ahead
 
     @property
     def draft_lm(self) -> CachedLM | None:
@@ -574,8 +582,8 @@ class MergedDrafter:
     def next_tokens(self, seqs) -> list[int]:
         return self.model.next_tokens(seqs)
 
-    def rollback(self, checkpoint: tuple, kept) -> None:
-        self.model.rollback(checkpoint[0], kept)
+    def rollback(self, checkpoint: tuple, kept, features=None) -> None:
+        self.model.rollback(checkpoint[0], kept, features)
         self.lookup.rollback(checkpoint[1], kept)
 
     def propose(self, seqs, plans, params, gens) -> list[TokenTree]:

@@ -5,6 +5,7 @@ whether the row's assumption held (its tree was drafted ahead) or not (it went b
 import random
 
 import pytest
+import torch
 
 from specdec.acceptance import Verdict
 from specdec.ahead import assumed_path, draft_ahead, settle
@@ -86,3 +87,52 @@ def test_a_row_that_leaves_keeps_the_others_ready_trees(draft, reference):
             seqs[2] + [ready[2].tokens[n] for n in assumed_path(ready[2])[1:]] + [9]]
     assert ([t.tokens for t in ahead_drafter.propose(seqs, plans[:2], params[:2], gens[:2])]
             == [t.tokens for t in plain.propose(seqs, plans[:2], params[:2], gens[:2])])
+
+
+@pytest.mark.parametrize("kind, width", [("model", 1), ("model", 2), ("model+suffix", 1)])
+def test_a_head_drafts_ahead_on_its_own_outputs_and_reads_the_targets_features_once_they_come(smooth, trained_head,
+                                                                                               kind, width):
+    """An EAGLE-3 head drafting ahead has only its own outputs for the assumed path. A row whose assumption
+    failed goes back and drafts exactly what a head that never assumed drafts (fed the same verdicts'
+    features); a row whose assumption held keeps its tree drafted ahead, rooted at the guess, and its
+    next tree that is not drafted ahead is again the never-assuming head's: the guessed pairs were run
+    again with the target's features, and only those are kept as the row's exact pairs."""
+    rng, gen = random.Random(1), torch.Generator().manual_seed(0)
+    prompts = smooth.reference.prompts[2:8]
+    plain, ahead_drafter = (make_drafter(kind, CachedLM(trained_head.heads), width) for _ in range(2))
+    F = 3 * smooth.model.config.hidden_size
+    prompt_features = [torch.randn(len(p) - 1, F, generator=gen) for p in prompts]
+    for d in (plain, ahead_drafter):
+        d.start(0)
+        d.add_rows(len(prompts), features=prompt_features)
+    seqs = [list(p) for p in prompts]
+    plans, params, gens = [Plan(3, 3)] * len(seqs), [GREEDY] * len(seqs), [None] * len(seqs)
+    trees = ahead_drafter.propose(seqs, plans, params, gens)
+    assert [t.tokens for t in plain.propose(seqs, plans, params, gens)] == [t.tokens for t in trees]
+    was_held = [False] * len(seqs)
+    compared = {"after a miss": 0, "after a hold": 0, "held": 0}
+    for step in range(8):
+        ahead = draft_ahead(ahead_drafter, seqs, trees, params, gens, lambda row, n: Plan(3, 3))
+        verdicts = [verdict_for(t, rng, ahead.paths[row], ahead.guesses[row], hold=(row + step) % 3 != 0)
+                    for row, t in enumerate(trees)]
+        for v in verdicts:
+            v.features = torch.randn(len(v.path), F, generator=gen)
+        ready = settle(ahead_drafter, ahead, verdicts)
+        plain.commit([v.path for v in verdicts], [v.features for v in verdicts])
+        seqs = [seq + v.tokens for seq, v in zip(seqs, verdicts)]
+        head = getattr(ahead_drafter, "model", ahead_drafter)
+        for row in range(len(seqs)):  # every position is a pair read with the target's features or has them waiting
+            exact = head.lm.lengths[row] - head._cached_guesses(row)
+            assert exact + sum(f.shape[0] for f in head.pending[row] + head.owed[row]) == len(seqs[row]) - 1
+        expected = plain.propose(seqs, plans, params, gens)
+        fresh = ahead_drafter.propose(seqs, [Plan() if t else Plan(3, 3) for t in ready], params, gens)
+        trees = [t if t is not None else f for t, f in zip(ready, fresh)]
+        for row, (tree, want) in enumerate(zip(trees, expected)):
+            assert tree.tokens[0] == seqs[row][-1]
+            if ready[row] is None:
+                assert (tree.tokens, tree.parents) == (want.tokens, want.parents), f"step {step}, row {row}"
+                compared["after a hold" if was_held[row] else "after a miss"] += 1
+            else:
+                compared["held"] += 1
+        was_held = [t is not None for t in ready]
+    assert all(compared.values()), compared

@@ -245,19 +245,25 @@ def test_training_raises_the_heldout_alpha_at_every_depth(trained_head):
     assert summary["after"]["kl"][0] < summary["before"]["kl"][0]
 
 
-@pytest.mark.parametrize("kind, depth, width", [("model", 1, 1), ("model", 4, 1), ("model", 3, 2), ("model", 5, 3),
-                                                ("model+ngram", 4, 2), ("model+suffix", 3, 1), ("model", None, 2)])
-def test_head_greedy_matches_plain(smooth, trained_head, kind, depth, width):
+@pytest.mark.parametrize("kind, depth, width, overlap", [
+    ("model", 1, 1, False), ("model", 4, 1, False), ("model", 3, 2, False), ("model", 5, 3, False),
+    ("model+ngram", 4, 2, False), ("model+suffix", 3, 1, False), ("model", None, 2, False),
+    ("model", 4, 1, True), ("model", 3, 2, True), ("model+suffix", 3, 1, True)])
+def test_head_greedy_matches_plain(smooth, trained_head, kind, depth, width, overlap):
+    """overlap: the head drafts each next step while the target verifies (specdec.ahead), on its own outputs
+    for the assumed path; a step whose assumption held runs its tree drafted ahead."""
     target, reference, head = smooth.model, smooth.reference, trained_head.heads
     drafter = make_drafter(kind, CachedLM(head), width)
     assert isinstance(getattr(drafter, "model", drafter), HeadDrafter)
-    engine = SpeculativeEngine(CachedLM(target), drafter, SpecConfig(depth=depth, max_depth=6), eos_token_ids=set())
+    engine = SpeculativeEngine(CachedLM(target), drafter, SpecConfig(depth=depth, max_depth=6, overlap=overlap),
+                               eos_token_ids=set())
     outs = engine.generate(reference.prompts, NEW_TOKENS)  # prompts of 1..40 tokens, one ragged batch
     for i, (out, ref) in enumerate(zip(outs, reference.continuations)):
         assert out.token_ids == ref, f"row {i} (prompt {reference.prompts[i]})"
         assert out.stats.steps + out.stats.accepted == NEW_TOKENS
     accepted, drafted = sum(o.stats.accepted for o in outs), sum(o.stats.drafted for o in outs)
     assert 0 < accepted < drafted
+    assert (sum(o.stats.drafted_ahead for o in outs) > 0) == overlap
     if kind == "model" and depth and depth > 1:
         alphas = [o.stats.alpha for o in outs if o.stats.alpha is not None]
         assert sum(alphas) / len(alphas) > 0.3  # the trained head drafts well past its first depth

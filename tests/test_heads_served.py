@@ -89,9 +89,12 @@ def serving(model, limit: int, pool: BlockPool | None = None, **budget):
         scheduler.stop()
 
 
-def run_remote(remote: GrpcTarget, drafter, prompts, new_tokens, params=GREEDY, depth=3, prefix="r") -> list[Collect]:
-    """Each prompt opened on the remote target (with the drafter's feature layers) and stepped by one draft loop."""
-    loop = DraftLoop(remote, drafter, overlap=False)
+def run_remote(remote: GrpcTarget, drafter, prompts, new_tokens, params=GREEDY, depth=3, prefix="r",
+               overlap: bool = False) -> list[Collect]:
+    """Each prompt opened on the remote target (with the drafter's feature layers) and stepped by one draft loop
+    (overlap: drafting each next step while the target verifies)."""
+    loop = DraftLoop(remote, drafter, overlap=overlap)
+    assert loop.overlap == overlap
     sinks = [Collect() for _ in prompts]
 
     def start(i: int) -> None:
@@ -111,21 +114,24 @@ def run_remote(remote: GrpcTarget, drafter, prompts, new_tokens, params=GREEDY, 
     return sinks
 
 
-@pytest.mark.parametrize("heads, width", [("trained_head", 1), ("trained_head", 2), ("trained_medusa", 2)])
-def test_heads_over_grpc_equal_plain_decoding(smooth, heads, width, request):
+@pytest.mark.parametrize("heads, width, overlap", [("trained_head", 1, False), ("trained_head", 2, False),
+                                                   ("trained_medusa", 2, False), ("trained_head", 2, True)])
+def test_heads_over_grpc_equal_plain_decoding(smooth, heads, width, overlap, request):
     """A head loaded as a replica loads it (TargetParts: no target model), its features over the wire in
     bfloat16, a 2 KiB message limit: prompt features come in several PromptFeatures calls, and a step's
-    trees in several Verify calls whose replies (the verdicts' features) fit too."""
+    trees in several Verify calls whose replies (the verdicts' features) fit too. overlap: an EAGLE-3 head
+    drafts each next step while the target verifies, the verdicts' features settling its guesses."""
     trained = request.getfixturevalue(heads)
     model = load_replica_draft(trained.path, smooth.path, torch.float32, "cpu")
     drafter = make_drafter("model", draft_runner(model), width)
     with serving(smooth.model, limit=2048) as (scheduler, remote, stub):
-        sinks = run_remote(remote, drafter, smooth.reference.prompts, NEW_TOKENS)
+        sinks = run_remote(remote, drafter, smooth.reference.prompts, NEW_TOKENS, overlap=overlap)
         assert [s.wait() for s in sinks] == smooth.reference.continuations
         assert stub.feature_calls > len(sinks)  # the longer prompts' features took more than one message
         assert remote.feature_row_bytes == len(drafter.feature_layers) * 64 * 2  # bfloat16 on the wire
     accepted = sum(s.stats.accepted for s in sinks)
     assert accepted > 0 and accepted < sum(s.stats.drafted for s in sinks)
+    assert (sum(s.stats.drafted_ahead for s in sinks) > 0) == overlap
 
 
 def test_a_heads_next_turn_takes_its_prompt_and_answer_cached_with_their_features(smooth, trained_head):
@@ -179,12 +185,15 @@ def test_a_4000_token_prompt_with_a_head_is_served(smooth, trained_head, tmp_pat
         assert stub.feature_calls >= 4000 * 3 * 64 * 2 // 65536
 
 
-@pytest.mark.parametrize("cached", [False, True], ids=["no cache", "prefix cache"])
-def test_heads_sampling_over_grpc_keeps_the_targets_distribution(small_target, model_dirs, tmp_path, cached):
+@pytest.mark.parametrize("cached, overlap", [(False, False), (True, False), (False, True)],
+                         ids=["no cache", "prefix cache", "drafting ahead"])
+def test_heads_sampling_over_grpc_keeps_the_targets_distribution(small_target, model_dirs, tmp_path, cached, overlap):
     """Seeded samples drafted by a random EAGLE-3 head over gRPC (features in bfloat16): the joint of their
     first 3 tokens is the target's (chi-square against enumeration). With the prefix caches on (the target's
     and the head's), a prompt of a whole block and more: every request after the first few takes its first
-    block's KV and features from the target's cache and its pairs from the head's."""
+    block's KV and features from the target's cache and its pairs from the head's. Drafting ahead (the requests
+    run on to 8 tokens, so that trees are drafted ahead with nodes; the first 3 are compared), the trees of
+    steps whose assumption held were drafted on the head's own outputs."""
     from specdec.eagle3 import save_head
     from test_sampling import P_MIN, PROMPT, chi_square_pvalue, exact_joint
 
@@ -199,12 +208,14 @@ def test_heads_sampling_over_grpc_keeps_the_targets_distribution(small_target, m
     prompt, pool = (PROMPT * 4, BlockPool(4096)) if cached else (PROMPT, None)  # 20 tokens: one whole block
     m, n_tokens, params = 1200, 3, SamplingParams(temperature=1.0, seed=5)
     with serving(small_target, limit=1 << 20, pool=pool, max_rows=m) as (scheduler, remote, _):
-        sinks = run_remote(remote, drafter, [prompt] * m, n_tokens, params, depth=2, prefix="s")
-        outcomes = Counter(tuple(s.wait()) for s in sinks)
+        sinks = run_remote(remote, drafter, [prompt] * m, 8 if overlap else n_tokens, params, depth=2, prefix="s",
+                           overlap=overlap)
+        outcomes = Counter(tuple(s.wait()[:n_tokens]) for s in sinks)
         assert scheduler.stats().largest_batch > 8
     if cached:
         assert pool.stats().hit_tokens >= 16 * (m // 2) and drafter.lm.pool.stats().hit_tokens >= 16 * (m // 2)
     assert sum(s.stats.accepted for s in sinks) > 0
+    assert (sum(s.stats.drafted_ahead for s in sinks) > 0) == overlap
     assert chi_square_pvalue(outcomes, exact_joint(small_target, prompt, n_tokens, params), m) > P_MIN
 
 
@@ -330,8 +341,8 @@ def test_heads_on_replicas_beside_a_tensor_parallel_target_equal_plain_decoding(
                                                                                trained_medusa):
     """Two draft replicas load the heads (from the target's folder: no target model of their own): the EAGLE-3
     head drafts for every task type but "medusa", Medusa's heads for that one. The target is split over two
-    ranks; the verdicts' features come from rank 0. Greedy output is plain decoding's, and the requests
-    really speculated."""
+    ranks; the verdicts' features come from rank 0. With speculation.overlap the EAGLE-3 head drafts ahead
+    (Medusa's heads cannot). Greedy output is plain decoding's, and the requests really speculated."""
     from cluster.config import parse_config
     from cluster.frontend import Frontend
     from cluster.placement import start_topology
@@ -339,15 +350,19 @@ def test_heads_on_replicas_beside_a_tensor_parallel_target_equal_plain_decoding(
     cfg = parse_config({"models": {"target": {"path": smooth.path}, "draft": {"path": trained_head.path},
                                    "task_drafts": {"medusa": {"path": trained_medusa.path}}},
                         "placement": {"tensor_parallel_size": 2, "draft_replicas": 2, "logical_gpus": True},
-                        "speculation": {"drafter": "model"}, "routing": {"default": {}}})
+                        "speculation": {"drafter": "model", "overlap": True}, "routing": {"default": {}}})
     frontend = Frontend(cfg, start_topology(cfg))
+    ahead = {"code": 0, "medusa": 0}
     try:
         for prompt in SERVED_PROMPTS:
             want = hf_greedy(smooth.model, frontend.tokenizer(prompt)["input_ids"], NEW_TOKENS)
             for task_type in ("code", "medusa"):
+                before = frontend.timing.drafted_ahead
                 tokens, stats = complete_on(frontend, prompt, task_type=task_type)
                 assert tokens == want, (prompt, task_type)
                 assert stats.speculative and stats.drafted > 0
+                ahead[task_type] += frontend.timing.drafted_ahead - before  # steps whose tree was drafted ahead
+        assert ahead["code"] > 0 and ahead["medusa"] == 0, ahead
     finally:
         frontend.shutdown()
 
