@@ -881,7 +881,8 @@ class CachedLM:
         sequence's cache salt: it reuses, and leaves for later, only the cached KV of sequences of the same salt
         (None: of none; BlockPool.take). layers (with hidden): each row's feature layers (a draft head's), or
         None: such a row reuses a cached prefix only as far as its features at those layers were kept
-        (keep_features), and Prefilled.cached holds them; with hidden, a row without layers reuses none."""
+        (keep_features), and Prefilled.cached holds them; a row without layers reuses the KV alone, as without
+        hidden (the hidden states of the tokens run are those of its own tokens only, as any row's)."""
         wants_last = wants_last or [False] * len(chunks)
         salts = salts or [None] * len(chunks)
         fresh = CachedLM(self.model, self.pool)
@@ -889,9 +890,6 @@ class CachedLM:
         fresh.rewind = self.rewind
         fresh.frees = not self.pool.prefix_capacity  # with the index on, the prompt's blocks are indexed first (ran)
         reusable = [chunk[:-1] if last else chunk for chunk, last in zip(chunks, wants_last)]
-        if hidden:  # the hidden states of indexed tokens are not kept: only their features at a head's layers
-            reusable = [chunk if row_layers else [] for chunk, row_layers in
-                        zip(reusable, layers or [None] * len(chunks), strict=True)]
         cached = fresh._reuse(reusable, salts, layers if hidden else None)
         prefilled = Prefilled(chunks, fresh, wants_last=wants_last, salts=salts, reused=list(fresh.lengths),
                               cached=cached if hidden else [])

@@ -610,3 +610,27 @@ def test_a_heads_answer_is_kept_with_its_features_for_the_next_turn(target):
     assert cached.lm.prefix.stats().hit_tokens - before == (len(seq) - 1) // 16 * 16 > len(prompt)
     fresh = whole.add([("turn 2", follow_up, SamplingParams(), 0)], {"turn 2": layers})["turn 2"]
     torch.testing.assert_close(again, fresh, atol=1e-4, rtol=2**-7)  # 16 bits: one rounding at most
+
+
+def test_a_plain_row_prefilled_beside_a_heads_row_still_takes_its_cached_prefix(target):
+    """Without chunked prefill, requests admitted together are prefilled in one forward, the head's rows with the
+    model's hidden states: a plain row among them takes its cached prefix's KV all the same (it needs no features),
+    and both rows decode as prefilled apart and whole."""
+    from specdec.target import TargetWorker
+    from specdec.tree import TokenTree
+
+    layers = (0, 1, 2)
+    system = conversations(seed=13, count=1)[0][:40]
+    cached, whole = TargetWorker(CachedLM(target, BlockPool(4096))), TargetWorker(CachedLM(target))
+    cached.add([("warm", system + [3, 4], SamplingParams(), 0)])  # indexes the system prompt's KV, no features
+    cached.remove(["warm"])
+    before = cached.lm.prefix.stats().hit_tokens
+    joining = [("plain", system + [5, 6], SamplingParams(), 0), ("head", [7] + system, SamplingParams(), 0)]
+    features = cached.add(joining, {"head": layers})
+    assert cached.lm.prefix.stats().hit_tokens - before == 32  # the plain row's two whole blocks (BLOCK_TOKENS = 16)
+    expected = whole.add(joining, {"head": layers})
+    torch.testing.assert_close(features["head"], expected["head"])
+    for worker in (cached, whole):
+        for _ in range(6):
+            worker.verify({rid: TokenTree.root(worker.requests[rid].seq[-1]) for rid in ("plain", "head")})
+    assert [cached.requests[r].seq for r in ("plain", "head")] == [whole.requests[r].seq for r in ("plain", "head")]
