@@ -18,7 +18,7 @@ from specdec.errors import (InvalidArgument, RequestExists, RequestFailed, Resou
 from specdec.logprobs import TokenLogprob
 from specdec.sampling import SamplingParams
 from specdec.drafter_kinds import MAX_DEPTH, MAX_PROPOSAL_TOP_K, MAX_TREE_WIDTH
-from specdec.target import feature_dtype
+from specdec.kvcache import feature_dtype
 from specdec.tree import DELTA, Proposal, TokenTree
 
 
@@ -230,7 +230,7 @@ MAX_FEATURE_WIDTH = 1 << 16  # values per row (3 x the widest hidden sizes, ~16k
 
 
 def features_to_proto(features: torch.Tensor) -> tree_pb.Features:
-    """features [rows, width] -> their bytes, in 16 bits (specdec.target.feature_dtype: the target keeps them so
+    """features [rows, width] -> their bytes, in 16 bits (specdec.kvcache.feature_dtype: the target keeps them so
     already), leaving the device in one copy."""
     dtype = feature_dtype(features.dtype)
     name = next(n for n, d in FEATURE_DTYPES.items() if d == dtype)

@@ -130,14 +130,35 @@ class Prefilled:
 
     chunks: list[list[int]]  # each sequence's committed tokens
     lm: "CachedLM"  # holding each chunk's first lm.lengths[b] tokens (exactly the chunks, once done)
-    hidden: tuple[torch.Tensor, ...] = ()  # with hidden=True: the model's hidden states of these tokens, each [N, H]
     wants_last: list[bool] = field(default_factory=list)  # rows whose last token's logits are kept (all False if empty)
     last: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> its last token's logits [V], once run
     salts: list[str | None] = field(default_factory=list)  # each sequence's cache salt (BlockPool.take), one a chunk
     reused: list[int] = field(default_factory=list)  # each row's tokens taken from the prefix cache, not run
-    # with hidden=True: each row's features of its reused tokens at the layers it asked (prefill_alone's layers),
-    # from the prefix cache [reused[b], F]; None where it reused none
+    # each row's feature layers (prefill_alone's layers: a draft head's), None for a row without; empty: none has
+    layers: list[tuple[int, ...] | None] = field(default_factory=list)
+    # a row with layers: its features of its reused tokens, from the prefix cache [reused[b], F] (None where it reused
+    # none), then of its tokens run, chunk after chunk (as they run alone, advance, or ride in a batch's forward)
     cached: list[torch.Tensor | None] = field(default_factory=list)
+    features: list[list[torch.Tensor]] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.layers and not self.features:
+            self.features = [[] for _ in self.chunks]
+
+    @property
+    def wants_features(self) -> bool:
+        return any(self.layers)
+
+    def add_features(self, b: int, states: tuple[torch.Tensor, ...], start: int, n: int) -> None:
+        """Row b's features at its layers (if it has any) of its n tokens just run, at `start` among the forward's
+        hidden states `states` (each [N, H])."""
+        if n and self.layers and self.layers[b]:
+            self.features[b].append(layer_features(states, self.layers[b], range(start, start + n), self.lm))
+
+    def row_features(self, b: int) -> torch.Tensor:
+        """Row b's features at its layers of all its tokens [len(chunks[b]), F] (it has run them all)."""
+        parts = ([self.cached[b]] if self.cached and self.cached[b] is not None else []) + self.features[b]
+        return torch.cat(parts) if parts else layer_features((), self.layers[b], range(0), self.lm)
 
     def ends(self, b: int, n: int) -> bool:
         """Whether running n more tokens of row b ends it, and its last token's logits are to be kept."""
@@ -166,11 +187,10 @@ class Prefilled:
         """Each sequence on its own, to join a batch apart from the others (a batch prefilled in one forward,
         whose requests join one by one): their blocks move, nothing is copied or run again."""
         self.check_ran()
-        if self.hidden:
-            raise ValueError("sequences prefilled with their hidden states join together: those are packed row after row")
         return [Prefilled([chunk], lm, wants_last=[last] if self.wants_last else [],
                           last={0: self.last[b]} if b in self.last else {}, salts=[salt],
-                          reused=self.reused[b : b + 1])
+                          reused=self.reused[b : b + 1], layers=self.layers[b : b + 1],
+                          cached=self.cached[b : b + 1], features=self.features[b : b + 1])
                 for b, (chunk, lm, last, salt) in enumerate(zip(self.chunks, self.lm.split(),
                                                                 self.wants_last or [False] * len(self.chunks),
                                                                 self.salts, strict=True))]
@@ -181,10 +201,8 @@ class Prefilled:
         order: their blocks move into the first's, nothing is copied (the parts are used up)."""
         for p in parts:
             p.check_ran()
-        if any(p.hidden for p in parts):
-            raise ValueError("sequences prefilled with their hidden states join as they were prefilled")
         lm = parts[0].lm
-        chunks, wants_last, last, salts, reused = [], [], {}, [], []
+        chunks, wants_last, last, salts, reused, layers, cached, features = [], [], {}, [], [], [], [], []
         for p in parts:
             if p.lm is not lm:
                 lm.take_rows(p.lm)
@@ -192,9 +210,13 @@ class Prefilled:
             wants_last += p.wants_last or [False] * len(p.chunks)
             salts += p.salts
             reused += p.reused or [0] * len(p.chunks)
+            layers += p.layers or [None] * len(p.chunks)
+            cached += p.cached or [None] * len(p.chunks)
+            features += p.features or [[] for _ in p.chunks]
             chunks += p.chunks
         return Prefilled(chunks, lm, wants_last=wants_last if any(wants_last) else [], last=last, salts=salts,
-                         reused=reused)
+                         reused=reused, layers=layers if any(layers) else [], cached=cached if any(layers) else [],
+                         features=features if any(layers) else [])
 
     def drop(self) -> None:
         """These sequences will not join: their blocks, the cached prefix's among them, go back now (not when
@@ -210,23 +232,41 @@ class Prefilled:
             self.lm._trim()
 
     @torch.inference_mode()
-    def advance(self, budget: int | None = None, hidden: bool = False) -> int:
+    def advance(self, budget: int | None = None) -> int:
         """Run up to `budget` more of the chunks' tokens (None: all of them), row after row, in one forward
-        of their own -> tokens run. hidden: keep their hidden states (Prefilled.hidden; only for a prefill run
-        whole)."""
-        reused = self.reused or [0] * len(self.chunks)
-        if hidden and (budget is not None or any(n > r for n, r in zip(self.lm.lengths, reused))):
-            raise ValueError("hidden states are kept only for a prefill run whole, in one forward")
+        of their own (with the rows' features at their layers) -> tokens run."""
         if not self.remaining:  # done (or all taken from the prefix cache, which holds it already)
             return 0
         take = self.next_chunks(budget)
         ran = sum(map(len, take))
         if ran:
             ending = [b for b, chunk in enumerate(take) if self.ends(b, len(chunk))]
-            logits, self.hidden = self.lm.prefill_hidden(take, hidden=hidden)  # [B, V]: each row's last token run
+            # [B, V]: each row's last token run; the hidden states of every token run, row after row
+            logits, states = self.lm.prefill_hidden(take, hidden=self.wants_features)
             self.last |= {b: logits[b] for b in ending}
+            for b, (chunk, start) in enumerate(zip(take, itertools.accumulate([0, *map(len, take)]))):
+                self.add_features(b, states, start, len(chunk))
         self.ran()
         return ran
+
+
+def feature_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What a draft head's features of a model computing in `dtype` are kept, cached and shipped in: a 16-bit dtype
+    as it is, any other as bfloat16. They only steer a head's guesses, never what the target commits, and in 16
+    bits they take half a float32 model's bytes beside its cached blocks and on the wire; in one process and
+    across processes a head reads the same values."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def layer_features(states: tuple[torch.Tensor, ...], layers: tuple[int, ...], tokens, lm: "CachedLM") -> torch.Tensor:
+    """The inputs of these layers at these of a forward's tokens (indices into its hidden states `states`, each
+    [N, H]), concatenated, in feature_dtype -> [len(tokens), len(layers) H]."""
+    dtype = feature_dtype(lm.model.dtype)
+    if not len(tokens):
+        hidden = lm.model.config.get_text_config().hidden_size
+        return torch.zeros(0, len(layers) * hidden, dtype=dtype, device=lm.device)
+    index = host_tensor(list(tokens), torch.long, lm.device)
+    return torch.cat([states[i].index_select(0, index).to(dtype) for i in layers], dim=-1)
 
 
 def ragged_attention(module, query, key, value, attention_mask, inner: str, **kwargs):
@@ -870,19 +910,18 @@ class CachedLM:
         self.window_from += [0] * n
 
     @torch.inference_mode()
-    def prefill_alone(self, chunks: list[list[int]], hidden: bool = False, budget: int | None = None,
+    def prefill_alone(self, chunks: list[list[int]], budget: int | None = None,
                       wants_last: list[bool] | None = None, salts: list[str | None] | None = None,
                       layers: list[tuple[int, ...] | None] | None = None) -> "Prefilled":
         """These sequences prefilled on their own, to join this batch later (join): the batch is not
-        touched, so another thread may run this while the batch steps. hidden: keep the model's hidden
-        states of the tokens run too (Prefilled.hidden). budget: run at most this many tokens now (chunked
-        prefill), the rest by Prefilled.advance; None: all. wants_last: rows whose last token's logits are
-        kept (Prefilled.last; that token always runs, even where the prefix cache holds it). salts: each
-        sequence's cache salt: it reuses, and leaves for later, only the cached KV of sequences of the same salt
-        (None: of none; BlockPool.take). layers (with hidden): each row's feature layers (a draft head's), or
-        None: such a row reuses a cached prefix only as far as its features at those layers were kept
-        (keep_features), and Prefilled.cached holds them; a row without layers reuses the KV alone, as without
-        hidden (the hidden states of the tokens run are those of its own tokens only, as any row's)."""
+        touched, so another thread may run this while the batch steps. budget: run at most this many tokens now
+        (chunked prefill), the rest by Prefilled.advance or riding in the batch's forwards; None: all. wants_last:
+        rows whose last token's logits are kept (Prefilled.last; that token always runs, even where the prefix
+        cache holds it). salts: each sequence's cache salt: it reuses, and leaves for later, only the cached KV of
+        sequences of the same salt (None: of none; BlockPool.take). layers: each row's feature layers (a draft
+        head's), or None: such a row reuses a cached prefix only as far as its features at those layers were kept
+        (keep_features), with them (Prefilled.cached), and gets those of the tokens it runs, chunk by chunk
+        (Prefilled.features); a row without layers reuses the KV alone."""
         wants_last = wants_last or [False] * len(chunks)
         salts = salts or [None] * len(chunks)
         fresh = CachedLM(self.model, self.pool)
@@ -890,11 +929,12 @@ class CachedLM:
         fresh.rewind = self.rewind
         fresh.frees = not self.pool.prefix_capacity  # with the index on, the prompt's blocks are indexed first (ran)
         reusable = [chunk[:-1] if last else chunk for chunk, last in zip(chunks, wants_last)]
-        cached = fresh._reuse(reusable, salts, layers if hidden else None)
+        cached = fresh._reuse(reusable, salts, layers)
+        wanted = layers is not None and any(layers)
         prefilled = Prefilled(chunks, fresh, wants_last=wants_last, salts=salts, reused=list(fresh.lengths),
-                              cached=cached if hidden else [])
+                              layers=list(layers) if wanted else [], cached=cached if wanted else [])
         try:
-            prefilled.advance(budget, hidden)
+            prefilled.advance(budget)
         except BaseException:
             prefilled.drop()
             raise

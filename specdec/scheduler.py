@@ -733,15 +733,9 @@ class TargetScheduler:
     def _add(self, joining: list[_Join]) -> None:
         """Admitted requests begin joining: prefilled whole and joined now, in one forward, or (chunked prefill)
         queued for the forwards to come, each on its own: a request joins once its own prompt is in, not its
-        admission group's last (those whose prompts' features are asked for are prefilled whole now, together)."""
-        if self.max_batched_tokens is None:
-            groups = [joining]
-        else:
-            whole = [j for j in joining if j.feature_layers]
-            groups = [whole] + [[j] for j in joining if not j.feature_layers]
-        for group in groups:
-            if group:
-                self._begin(group)
+        admission group's last (a draft head's request gets its prompt's features chunk by chunk)."""
+        for group in [joining] if self.max_batched_tokens is None else [[j] for j in joining]:
+            self._begin(group)
 
     def _begin(self, joining: list[_Join]) -> None:
         """These requests begin joining together (one worker handle): they join the batch when all their

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from .acceptance import SampledRow, Verdict, accept_greedy, accept_sampling
-from .device import HOST, host_tensor, to_host
+from .device import HOST, to_host
 from .errors import InvalidArgument, RequestExists, RequestFailed, UnknownRequest
 from .grammar import Grammars, RowGrammar
-from .kvcache import CachedLM, Prefilled, compacting
+from .kvcache import CachedLM, Prefilled, compacting, layer_features
 from .logprobs import committed_logprobs
 from .blocks import PrefixStats
 from .processors import History, process
@@ -140,8 +140,8 @@ class TargetWorker:
               decide_first: Sequence[Hashable] = ()) -> int:
         """add, in steps (chunked prefill): check the requests (raising as add does) and prefill up to `budget`
         of their prompts' tokens (None: all), then advance runs more and complete joins them. -> a handle
-        for those calls. Requests with feature_layers are prefilled whole now (their features come from one
-        forward). Requests in decide_first (the scheduler's: all) have their first token decided from their
+        for those calls. Requests with feature_layers get their prompts' features as their chunks run. Requests
+        in decide_first (the scheduler's: all) have their first token decided from their
         prompt's last token as it is prefilled (as vLLM does), not by a first tree's verify a step later:
         complete commits it and says it (Joined.first), and their features cover the whole prompt. The
         others' prompts are prefilled but for their last token, which a first tree takes as its root."""
@@ -156,8 +156,7 @@ class TargetWorker:
                 grammars[rid] = self.grammars.matcher(params.grammar)  # InvalidArgument if it does not compile
         first = [rid in decide_first for rid, _, _, _ in joining]
         chunks = [prompt if last else prompt[:-1] for (_, prompt, _, _), last in zip(joining, first)]
-        hidden = bool(feature_layers)
-        prefilled = self.lm.prefill_alone(chunks, hidden=hidden, budget=None if hidden else budget, wants_last=first,
+        prefilled = self.lm.prefill_alone(chunks, budget=budget, wants_last=first,
                                           salts=[params.cache_salt for _, _, params, _ in joining],
                                           layers=[feature_layers.get(rid) for rid, _, _, _ in joining])
         handle = next(self._handles)
@@ -185,15 +184,11 @@ class TargetWorker:
         joining, feature_layers, grammars, prefilled = (pending.joining, pending.feature_layers, pending.grammars,
                                                         pending.prefilled)
         prefilled.check_ran()  # ValueError while some of it is not prefilled (advance)
-        features, first, offset = {}, {}, 0
+        features, first = {}, {}
         for b, ((rid, _, params, _), chunk) in enumerate(zip(joining, prefilled.chunks)):
-            ran = len(chunk) - prefilled.reused[b]  # the rest came from the prefix cache (with its features)
             if layers := tuple(feature_layers.get(rid, ())):
-                features[rid] = _features(prefilled.hidden, layers, list(range(offset, offset + ran)), self.lm)
-                if prefilled.cached[b] is not None:
-                    features[rid] = torch.cat([prefilled.cached[b], features[rid]])
+                features[rid] = prefilled.row_features(b)  # the cached prefix's, then those of the chunks run
                 prefilled.lm.keep_features(b, chunk, params.cache_salt, layers, features[rid])
-            offset += ran
         self.lm.join(prefilled)
         for b, (rid, prompt, params, stream) in enumerate(joining):
             gen = make_generator(params.seed, stream, self.lm.device, role="target")
@@ -315,19 +310,26 @@ class TargetWorker:
             return outcomes, 0
         ending = [i for i, (p, b, chunk) in enumerate(shares) if p.ends(b, len(chunk))]  # their last logits kept
         with self.lm.carrying(riders):
-            ran, last = self._verify_rows(trees, outcomes, [chunk for _, _, chunk in shares], ending)
+            ran, last, states = self._verify_rows(trees, outcomes, [chunk for _, _, chunk in shares], ending,
+                                                  hidden=any(p.wants_features for p in riders))
         for i, row_logits in zip(ending, last):
             p, b, _ = shares[i]
             p.last[b] = row_logits
+        ride = [len(chunk) for _, _, chunk in shares]
+        first = ran - sum(ride)  # the riders' tokens follow the trees' nodes among the forward's hidden states
+        for (p, b, chunk), start in zip(shares, itertools.accumulate([first, *ride[:-1]])):
+            p.add_features(b, states, start, len(chunk))  # a head's prompt's, chunk by chunk as it rides
         for p in riders:
             p.ran()
         return outcomes, ran
 
     def _verify_rows(self, trees: dict[Hashable, TokenTree], outcomes: dict[Hashable, Outcome],
-                     chunks: list[list[int]], ending: Sequence[int] = ()) -> tuple[int, torch.Tensor]:
+                     chunks: list[list[int]], ending: Sequence[int] = (),
+                     hidden: bool = False) -> tuple[int, torch.Tensor, tuple[torch.Tensor, ...]]:
         """verify's forward and verdicts (into outcomes), the riders' chunks (one a row past the batch's own
-        rows, each run as a chain and committed whole) along -> tokens run, and the logits [len(ending), V]
-        of the last token of each chunk `ending` names (the other riders' logits are not computed)"""
+        rows, each run as a chain and committed whole) along -> tokens run, the logits [len(ending), V]
+        of the last token of each chunk `ending` names (the other riders' logits are not computed), and the
+        forward's hidden states of every token [N, H] each (with hidden or a head's row among the trees; else ())"""
         row_trees = [trees.get(rid) or TokenTree.root(self.requests[rid].seq[-1]) for rid in self.rows]
         sizes = [len(trees[rid]) if rid in trees else 0 for rid in self.rows]  # rows not given a tree sit out
         chains = [TokenTree.chain(chunk) if chunk else TokenTree.root(0) for chunk in chunks]
@@ -337,7 +339,7 @@ class TargetWorker:
         ends = list(itertools.accumulate(ride))
         keep = list(range(nodes)) + [nodes + ends[i] - 1 for i in ending] if any(ride) else None
         try:
-            if any(self.requests[rid].feature_layers for rid in trees):  # a head's row: the layers' inputs too
+            if hidden or any(self.requests[rid].feature_layers for rid in trees):  # a head's row: the layers' inputs too
                 logits, states = self.lm.forward_hidden(tokens, block, positions, sizes=sizes + ride, keep=keep)
             else:  # [N, V]: the trees' nodes, row after row
                 logits, states = self.lm.forward(tokens, block, positions, sizes=sizes + ride, keep=keep), ()
@@ -361,7 +363,7 @@ class TargetWorker:
             if isinstance(outcome, Verdict):
                 self.requests[rid].commit(outcome.tokens)
                 if layers := self.requests[rid].feature_layers:
-                    outcome.features = _features(states, layers, [bounds[i] + n for n in outcome.path], self.lm)
+                    outcome.features = layer_features(states, layers, [bounds[i] + n for n in outcome.path], self.lm)
                     if (kept := self.requests[rid].features) is not None:
                         kept.append(outcome.features)
                 keep.append([start + n for n in outcome.path])
@@ -370,7 +372,7 @@ class TargetWorker:
             if outcome is not None:
                 outcomes[rid] = outcome
         self.lm.commit(keep + [list(range(start, start + n)) for n in ride])
-        return nodes + sum(ride), last
+        return nodes + sum(ride), last, states
 
     def _processed(self, logits: torch.Tensor, row_trees: list[TokenTree],
                    sizes: list[int]) -> tuple[torch.Tensor, dict[Hashable, InvalidArgument]]:
@@ -443,20 +445,3 @@ def _share(riders: list[Prefilled], budget: int) -> list[tuple[Prefilled, int, l
     return shares
 
 
-def feature_dtype(dtype: torch.dtype) -> torch.dtype:
-    """What a draft head's features of a model computing in `dtype` are kept, cached and shipped in: a 16-bit dtype
-    as it is, any other as bfloat16. They only steer a head's guesses, never what the target commits, and in 16
-    bits they take half a float32 model's bytes beside its cached blocks and on the wire; in one process and
-    across processes a head reads the same values."""
-    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-
-
-def _features(states: tuple[torch.Tensor, ...], layers: tuple[int, ...], tokens: list[int], lm: CachedLM) -> torch.Tensor:
-    """The inputs of these layers at these of a forward's tokens, concatenated, in feature_dtype -> [len(tokens),
-    len(layers) H]."""
-    dtype = feature_dtype(lm.model.dtype)
-    if not tokens:
-        hidden = lm.model.config.get_text_config().hidden_size
-        return torch.zeros(0, len(layers) * hidden, dtype=dtype, device=lm.device)
-    index = host_tensor(tokens, torch.long, lm.device)
-    return torch.cat([states[i].index_select(0, index).to(dtype) for i in layers], dim=-1)

@@ -6,6 +6,7 @@ import random
 import threading
 
 import pytest
+import torch
 
 from conftest import NEW_TOKENS, VOCAB
 from specdec.draft_loop import DraftLoop, DraftRequest
@@ -45,10 +46,13 @@ def test_a_prompt_prefilled_in_chunks_decodes_as_one_prefilled_whole(target):
     assert {rid: r.seq for rid, r in chunked.requests.items()} == {rid: r.seq for rid, r in whole.requests.items()}
 
 
-def test_running_rows_step_while_a_long_prompt_is_prefilled(target):
+@pytest.mark.parametrize("layers", [(), (0, 2)], ids=["plain", "a head's"])
+def test_running_rows_step_while_a_long_prompt_is_prefilled(target, layers):
     """Without chunks the long prompt's open spans one iteration of the loop; with a budget of 16 tokens a
-    ~150-token prompt takes many, and the running plain row gets a token in each."""
+    ~150-token prompt takes many, and the running plain row gets a token in each. A draft head's request, whose
+    prompt's features come back with its open, is prefilled in chunks alike."""
     gained = {}
+    long = prompts(1, 1, 150, 150)[0]
     for budget in (None, 16):
         scheduler = TargetScheduler(TargetWorker(CachedLM(target)), KvBudget(), max_batched_tokens=budget)
         running = Collect()
@@ -56,8 +60,10 @@ def test_running_rows_step_while_a_long_prompt_is_prefilled(target):
         while len(running.tokens) < 3:
             threading.Event().wait(0.001)
         before = len(running.tokens)
-        scheduler.open("long", prompts(1, 1, 150, 150)[0], GREEDY, max_new_tokens=8)
+        (opened,) = scheduler.open_many([Opening("long", long, GREEDY, max_new_tokens=8, feature_layers=layers)])
         gained[budget] = len(running.tokens) - before
+        if layers:
+            assert opened.features.shape == (len(long), len(layers) * target.config.hidden_size)
         scheduler.close(["long", "running"])  # a plain row closed is cancelled: its sink hears nothing more
         wait_until_empty(scheduler)
         scheduler.stop()
@@ -98,11 +104,11 @@ def test_requests_admitted_together_each_join_once_their_own_prompt_is_in(target
 
 
 def test_chunks_alone_with_every_prompt_in_already_run_no_forward(target):
-    """A verify with no trees and riders whose prompts are all in (a head's group is prefilled whole as it
-    begins) runs no forward: a forward of no tokens would fail, and under tensor parallelism a follower rank
-    that fails a call rank 0 recovers from leaves the group."""
+    """A verify with no trees and riders whose prompts are all in (here a head's, begun without a budget) runs
+    no forward: a forward of no tokens would fail, and under tensor parallelism a follower rank that fails a call
+    rank 0 recovers from leaves the group."""
     worker = TargetWorker(CachedLM(target))
-    handle = worker.begin([("h", prompts(12, 1, 20, 20)[0], GREEDY, 0)], {"h": (1,)}, budget=0)
+    handle = worker.begin([("h", prompts(12, 1, 20, 20)[0], GREEDY, 0)], {"h": (1,)})
     assert worker.remaining(handle) == 0
 
     def no_forward(*args, **kwargs):
@@ -478,6 +484,53 @@ def test_chunks_ride_in_the_verify_forward_and_change_no_output(target):
     for rid, *_ in running:
         ahead, behind = mixed.requests[rid].seq, whole.requests[rid].seq
         assert ahead[: len(behind)] == behind and len(ahead) > len(behind)
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["no cache", "prefix cache"])
+def test_a_heads_prompt_is_prefilled_in_chunks_with_its_features(target, cached):
+    """A draft head's request needs its prompt's features (the inputs of its layers) and gets them chunk by chunk:
+    alone (advance) and riding in the running rows' forwards, a budget that splits it mid-chunk, one prompt begun
+    beside a plain one. Its features are those of the prompt prefilled whole, and every row decodes as prefilled
+    whole (with the prefix cache on, a second head row takes the first's prompt and features from it)."""
+    layers = {"h": (0, 2), "h2": (0, 2)}
+    system = prompts(8, 1, 40, 40)[0]
+    head_prompt, plain_prompt = system + prompts(9, 1, 30, 30)[0], prompts(10, 1, 50, 50)[0]
+    whole = TargetWorker(CachedLM(target))
+    mixed = TargetWorker(CachedLM(target, BlockPool(4096) if cached else None))
+    running = [("a", [5, 6, 7], GREEDY, 0)]
+    for worker in (whole, mixed):
+        worker.add(running)
+    joining = [("h", head_prompt, GREEDY, 0), ("p", plain_prompt, GREEDY, 0)]
+    expected = whole.complete(whole.begin(joining, {"h": layers["h"]}, decide_first=["h", "p"])).features
+    handle = mixed.begin(joining, {"h": layers["h"]}, budget=7, decide_first=["h", "p"])
+    mixed.advance(handle, 11)
+    steps = 0
+    while mixed.remaining(handle):
+        mixed.verify({rid: TokenTree.root(mixed.last_token(rid)) for rid in mixed.rows}, prefill=[handle], budget=17)
+        steps += 1
+    assert steps >= 3
+    joined = mixed.complete(handle)
+    torch.testing.assert_close(joined.features["h"], expected["h"], atol=1e-5, rtol=2**-7)  # 16 bits: one rounding
+    assert joined.features["h"].shape == (len(head_prompt), 2 * target.config.hidden_size)
+    for _ in range(6):
+        for worker in (whole, mixed):
+            worker.verify({rid: TokenTree.root(worker.last_token(rid)) for rid in ("h", "p")})
+    for rid in ("h", "p"):
+        ahead, behind = mixed.requests[rid].seq, whole.requests[rid].seq
+        assert ahead[: len(behind)] == behind, rid
+    if cached:  # the head row's prompt and its features were kept: the next head row of that prefix takes both
+        mixed.remove(["h"])
+        before = mixed.lm.prefix.stats().hit_tokens
+        again = head_prompt[:48] + [1, 2]
+        handle = mixed.begin([("h2", again, GREEDY, 0)], {"h2": layers["h2"]}, budget=5, decide_first=["h2"])
+        while mixed.remaining(handle):
+            mixed.advance(handle, 5)
+        features = mixed.complete(handle).features["h2"]
+        assert mixed.lm.prefix.stats().hit_tokens - before == 48  # the three whole blocks it shares (BLOCK_TOKENS = 16)
+        fresh = TargetWorker(CachedLM(target))
+        reference = fresh.complete(fresh.begin([("h2", again, GREEDY, 0)], {"h2": layers["h2"]},
+                                               decide_first=["h2"])).features["h2"]
+        torch.testing.assert_close(features, reference, atol=1e-5, rtol=2**-7)
 
 
 def test_tensor_parallel_ranks_mirror_the_chunks_rank_zero_verifies(target, monkeypatch):

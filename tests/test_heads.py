@@ -23,7 +23,8 @@ from specdec.head_drafter import HeadDrafter, MedusaDrafter
 from specdec.head_training import evaluate_head, frequent_tokens, new_head, new_medusa, step_mask, train_head
 from specdec.medusa import is_medusa, load_medusa, save_medusa
 from specdec.loading import check_draft, load_draft, load_model
-from specdec.target import TargetWorker, feature_dtype
+from specdec.kvcache import feature_dtype
+from specdec.target import TargetWorker
 from specdec.training import TrainConfig
 from specdec.tree import TokenTree
 

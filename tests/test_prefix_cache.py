@@ -577,7 +577,7 @@ def test_a_heads_row_takes_a_cached_prefix_with_the_features_kept_beside_it(targ
     again = features(cached, "b", ask(10, 11, 12))  # the features of the system prompt's blocks are kept now
     assert stats().hit_tokens - before == 32  # its two whole blocks (BLOCK_TOKENS = 16)
     assert again.shape == (len(ask(10, 11, 12)) - 1, first.shape[1])
-    # kept in 16 bits (specdec.target.feature_dtype): a cached value and a fresh one differ by one rounding at most
+    # kept in 16 bits (specdec.kvcache.feature_dtype): a cached value and a fresh one differ by one rounding at most
     torch.testing.assert_close(again, features(whole, "b", ask(10, 11, 12)), atol=1e-5, rtol=2**-7)
 
     before = stats().hit_tokens
