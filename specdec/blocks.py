@@ -334,20 +334,27 @@ class BlockPool:
                                windowed[0] * size, windowed[1] * size,
                                sum(t.numel() * t.element_size() for t in self._features.values()))
 
-    def take(self, tokens: Sequence[int], salt: str | None = None, layers: tuple[int, ...] | None = None) -> Taken:
+    def take(self, tokens: Sequence[int], salt: str | None = None, layers: tuple[int, ...] | None = None,
+             kv_first: bool = False) -> Taken:
         """The blocks of the longest indexed prefix of `tokens` (whole blocks) stored with the same `salt` (None:
         stored with none) that the sequence can go on from,
         each now held once more by the caller, root first (none when the index is off). A hybrid model's
         sliding layers see the window behind the prefix's end: the prefix ends where those blocks' window
         storage is held, and the caller holds that storage too. layers: a draft head's row, which needs the
         features of every token it does not run: the prefix ends where the blocks' features at these layers
-        were stored (store), and Taken.features holds them."""
+        were stored (store), and Taken.features holds them. kv_first (with layers: a row that would keep features
+        for a head's later rows, needing none itself): the longest prefix, with its features only where they
+        cover all of it."""
         if not self.prefix_capacity:
             return Taken([])
         with self._cond:
             path = self._match(tokens, salt)
             if layers is not None:
-                path = list(itertools.takewhile(lambda b: layers in self._indexed[b].features, path))
+                featured = list(itertools.takewhile(lambda b: layers in self._indexed[b].features, path))
+                if not kv_first:
+                    path = featured
+                elif len(featured) < len(path):
+                    layers = None  # its KV goes further than its features: the KV alone
             window_from = 0
             if self._windowed:
                 path, window_from = self._window_held(path)

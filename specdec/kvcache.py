@@ -912,7 +912,8 @@ class CachedLM:
     @torch.inference_mode()
     def prefill_alone(self, chunks: list[list[int]], budget: int | None = None,
                       wants_last: list[bool] | None = None, salts: list[str | None] | None = None,
-                      layers: list[tuple[int, ...] | None] | None = None) -> "Prefilled":
+                      layers: list[tuple[int, ...] | None] | None = None,
+                      keep_layers: tuple[int, ...] | None = None) -> "Prefilled":
         """These sequences prefilled on their own, to join this batch later (join): the batch is not
         touched, so another thread may run this while the batch steps. budget: run at most this many tokens now
         (chunked prefill), the rest by Prefilled.advance or riding in the batch's forwards; None: all. wants_last:
@@ -921,7 +922,9 @@ class CachedLM:
         sequences of the same salt (None: of none; BlockPool.take). layers: each row's feature layers (a draft
         head's), or None: such a row reuses a cached prefix only as far as its features at those layers were kept
         (keep_features), with them (Prefilled.cached), and gets those of the tokens it runs, chunk by chunk
-        (Prefilled.features); a row without layers reuses the KV alone."""
+        (Prefilled.features); a row without layers reuses the KV alone. keep_layers: the layers a row without
+        layers gets its features at too, to keep for a head's later rows, wherever the longest cached prefix it
+        takes has its features at them (else it gets none: Prefilled.layers says which rows do)."""
         wants_last = wants_last or [False] * len(chunks)
         salts = salts or [None] * len(chunks)
         fresh = CachedLM(self.model, self.pool)
@@ -929,8 +932,13 @@ class CachedLM:
         fresh.rewind = self.rewind
         fresh.frees = not self.pool.prefix_capacity  # with the index on, the prompt's blocks are indexed first (ran)
         reusable = [chunk[:-1] if last else chunk for chunk, last in zip(chunks, wants_last)]
-        cached = fresh._reuse(reusable, salts, layers)
-        wanted = layers is not None and any(layers)
+        layers = list(layers) if layers is not None else [None] * len(chunks)
+        keepers = [keep_layers is not None and not row_layers for row_layers in layers]
+        asked = [keep_layers if keeper else row_layers for row_layers, keeper in zip(layers, keepers)]
+        cached = fresh._reuse(reusable, salts, asked, kv_first=keepers)
+        layers = [None if keeper and n and taken is None else row_layers  # a keeper whose KV went past its features
+                  for row_layers, keeper, n, taken in zip(asked, keepers, fresh.lengths, cached)]
+        wanted = any(layers)
         prefilled = Prefilled(chunks, fresh, wants_last=wants_last, salts=salts, reused=list(fresh.lengths),
                               layers=list(layers) if wanted else [], cached=cached if wanted else [])
         try:
@@ -941,13 +949,16 @@ class CachedLM:
         return prefilled
 
     def _reuse(self, chunks: list[list[int]], salts: list[str | None],
-               layers: list[tuple[int, ...] | None] | None = None) -> list[torch.Tensor | None]:
+               layers: list[tuple[int, ...] | None] | None = None,
+               kv_first: list[bool] | None = None) -> list[torch.Tensor | None]:
         """An empty batch takes, as each row's first committed tokens, the longest prefix of its chunk indexed
-        under its salt: its blocks, shared, not copied. layers: each row's feature layers (None: its KV alone)
-        -> each row's features of the tokens taken [n, F] (None where it took none, or has no layers)."""
+        under its salt: its blocks, shared, not copied. layers: each row's feature layers (None: its KV alone);
+        kv_first: rows that take the longest prefix whatever its features (BlockPool.take) -> each row's
+        features of the tokens taken [n, F] (None where it took none, or has no layers, or took more KV)."""
         layers = layers or [None] * len(chunks)
-        taken = [self.pool.take(chunk, salt, row_layers) if chunk else Taken([])
-                 for chunk, salt, row_layers in zip(chunks, salts, layers, strict=True)]
+        kv_first = kv_first or [False] * len(chunks)
+        taken = [self.pool.take(chunk, salt, row_layers, first) if chunk else Taken([])
+                 for chunk, salt, row_layers, first in zip(chunks, salts, layers, kv_first, strict=True)]
         self.tables = [t.blocks for t in taken]
         self.window_from = [t.window_from for t in taken]
         self.lengths = [len(t) * self.pool.block_tokens for t in self.tables]

@@ -42,8 +42,10 @@ class _Request:
     prompt_len: int  # len(seq) when it joined: the tokens after it are the ones it generated
     grammar: RowGrammar | None = None  # its response_format's matcher, at the tokens it has committed
     feature_layers: tuple[int, ...] = ()  # the layers whose inputs its verdicts carry (a draft head's)
-    # with feature_layers and the prefix cache on: the features of its committed tokens but the last (its prompt's,
-    # then each verdict's), kept with its blocks when it leaves, for a conversation's next turn
+    # with the prefix cache on, a head's row's feature_layers, or a plain row's TargetWorker.head_layers (when its
+    # cached prefix had their features): the features there of its committed tokens but the last (its prompt's,
+    # then each verdict's), kept with its blocks when it leaves, for a head's next row that begins the same way
+    kept_layers: tuple[int, ...] = ()
     features: list[torch.Tensor] | None = None
 
     @property
@@ -99,6 +101,9 @@ class TargetWorker:
         self.vocab_size: int = config.vocab_size  # token ids the embedding takes: [0, vocab_size)
         self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
         self.num_layers: int = config.num_hidden_layers
+        # with the prefix cache on: the layers of the latest draft head's row; a plain row keeps its features there too,
+        # so a head's later row takes the prompts (and answers) plain rows ran before it, as it does a head's row's
+        self.head_layers: tuple[int, ...] | None = None
 
     def check_request(self, prompt: list[int], params: SamplingParams) -> None:
         """InvalidArgument naming the field unless the prompt is 1..max_positions ids of the vocabulary,
@@ -156,9 +161,12 @@ class TargetWorker:
                 grammars[rid] = self.grammars.matcher(params.grammar)  # InvalidArgument if it does not compile
         first = [rid in decide_first for rid, _, _, _ in joining]
         chunks = [prompt if last else prompt[:-1] for (_, prompt, _, _), last in zip(joining, first)]
+        if self.lm.prefix is not None and any(feature_layers.values()):
+            self.head_layers = tuple(next(layers for layers in feature_layers.values() if layers))
         prefilled = self.lm.prefill_alone(chunks, budget=budget, wants_last=first,
                                           salts=[params.cache_salt for _, _, params, _ in joining],
-                                          layers=[feature_layers.get(rid) for rid, _, _, _ in joining])
+                                          layers=[feature_layers.get(rid) for rid, _, _, _ in joining],
+                                          keep_layers=self.head_layers)
         handle = next(self._handles)
         self._joining[handle] = _Joining(joining, feature_layers, grammars, prefilled)
         return handle
@@ -184,17 +192,21 @@ class TargetWorker:
         joining, feature_layers, grammars, prefilled = (pending.joining, pending.feature_layers, pending.grammars,
                                                         pending.prefilled)
         prefilled.check_ran()  # ValueError while some of it is not prefilled (advance)
-        features, first = {}, {}
+        features, first, kept = {}, {}, {}
         for b, ((rid, _, params, _), chunk) in enumerate(zip(joining, prefilled.chunks)):
-            if layers := tuple(feature_layers.get(rid, ())):
-                features[rid] = prefilled.row_features(b)  # the cached prefix's, then those of the chunks run
-                prefilled.lm.keep_features(b, chunk, params.cache_salt, layers, features[rid])
+            if layers := (prefilled.layers[b] if prefilled.layers else None):  # a head's row's, or kept for one
+                kept[rid] = (layers, prefilled.row_features(b))  # the cached prefix's, then those of the chunks run
+                prefilled.lm.keep_features(b, chunk, params.cache_salt, layers, kept[rid][1])
+                if rid in feature_layers:
+                    features[rid] = kept[rid][1]
         self.lm.join(prefilled)
         for b, (rid, prompt, params, stream) in enumerate(joining):
             gen = make_generator(params.seed, stream, self.lm.device, role="target")
-            layers = tuple(feature_layers.get(rid, ()))
-            kept = [features[rid]] if layers and self.lm.prefix is not None else None
-            self.requests[rid] = _Request(list(prompt), params, gen, len(prompt), grammars.get(rid), layers, kept)
+            layers, row_features = kept.get(rid, ((), None))
+            self.requests[rid] = _Request(list(prompt), params, gen, len(prompt), grammars.get(rid),
+                                          tuple(feature_layers.get(rid, ())),
+                                          layers if self.lm.prefix is not None else (),
+                                          [row_features] if layers and self.lm.prefix is not None else None)
             self.rows.append(rid)
             if prefilled.wants_last[b]:
                 first[rid] = self._first_verdict(rid, prefilled.last[b])
@@ -230,7 +242,7 @@ class TargetWorker:
         self.lm.remember(ending, [r.seq for r in leaving_requests], [r.params.cache_salt for r in leaving_requests])
         for row, r in zip(ending, leaving_requests):
             if r.features and sum(f.shape[0] for f in r.features) == len(r.seq) - 1:
-                self.lm.keep_features(row, r.seq, r.params.cache_salt, r.feature_layers, torch.cat(r.features))
+                self.lm.keep_features(row, r.seq, r.params.cache_salt, r.kept_layers, torch.cat(r.features))
         self.lm.select(keep)
         self.rows = [self.rows[row] for row in keep]
         for rid in gone:
@@ -339,7 +351,8 @@ class TargetWorker:
         ends = list(itertools.accumulate(ride))
         keep = list(range(nodes)) + [nodes + ends[i] - 1 for i in ending] if any(ride) else None
         try:
-            if hidden or any(self.requests[rid].feature_layers for rid in trees):  # a head's row: the layers' inputs too
+            # a head's row, or one keeping features for a head's later rows: the layers' inputs too
+            if hidden or any(self.requests[rid].kept_layers or self.requests[rid].feature_layers for rid in trees):
                 logits, states = self.lm.forward_hidden(tokens, block, positions, sizes=sizes + ride, keep=keep)
             else:  # [N, V]: the trees' nodes, row after row
                 logits, states = self.lm.forward(tokens, block, positions, sizes=sizes + ride, keep=keep), ()
@@ -357,20 +370,29 @@ class TargetWorker:
                                [held[bounds[i] : bounds[i + 1]] for i in deciding],
                                [logits[bounds[i] : bounds[i + 1]] for i in deciding])
         outcome_of = dict(zip(deciding, decided)) | {i: failed[rid] for i, rid in enumerate(self.rows) if rid in failed}
-        keep = []
+        keep, keeping = [], {}  # keeping: plain rows' committed nodes whose features are kept for a head, by layers
         for i, rid in enumerate(self.rows):
             outcome = outcome_of.get(i)
             if isinstance(outcome, Verdict):
-                self.requests[rid].commit(outcome.tokens)
-                if layers := self.requests[rid].feature_layers:
-                    outcome.features = layer_features(states, layers, [bounds[i] + n for n in outcome.path], self.lm)
-                    if (kept := self.requests[rid].features) is not None:
-                        kept.append(outcome.features)
+                r = self.requests[rid]
+                r.commit(outcome.tokens)
+                nodes_at = [bounds[i] + n for n in outcome.path]
+                if r.feature_layers:
+                    outcome.features = layer_features(states, r.feature_layers, nodes_at, self.lm)
+                if r.features is not None:  # kept: the verdict's, or (a plain row's) at the head's layers
+                    if r.kept_layers == r.feature_layers:
+                        r.features.append(outcome.features)
+                    else:
+                        keeping.setdefault(r.kept_layers, []).append((r, nodes_at))
                 keep.append([start + n for n in outcome.path])
             else:
                 keep.append([])  # sat this step out, or failed: nothing committed
             if outcome is not None:
                 outcomes[rid] = outcome
+        for layers, rows in keeping.items():  # gathered for all such rows at once, then split
+            gathered = layer_features(states, layers, [n for _, at in rows for n in at], self.lm)
+            for (r, _), part in zip(rows, gathered.split([len(at) for _, at in rows])):
+                r.features.append(part)
         self.lm.commit(keep + [list(range(start, start + n)) for n in ride])
         return nodes + sum(ride), last, states
 

@@ -634,3 +634,49 @@ def test_a_plain_row_prefilled_beside_a_heads_row_still_takes_its_cached_prefix(
         for _ in range(6):
             worker.verify({rid: TokenTree.root(worker.requests[rid].seq[-1]) for rid in ("plain", "head")})
     assert [cached.requests[r].seq for r in ("plain", "head")] == [whole.requests[r].seq for r in ("plain", "head")]
+
+
+def test_once_a_heads_row_was_seen_plain_rows_keep_their_prompts_and_answers_features_for_heads(target):
+    """A plain row needs no features, but a draft head's later row that begins the same way does. Once the target
+    has seen a head's row (TargetWorker.head_layers), a plain row gets its prompt's and its verdicts' features at
+    the head's layers and keeps them with its blocks: a head's next turn after a plain turn takes the prompt and
+    the answer from the cache, features equal to a whole prefill's. A plain row whose cached prefix has no
+    features (run before any head) still takes all its KV, and keeps no features."""
+    from specdec.target import TargetWorker
+    from specdec.tree import TokenTree
+
+    layers = (0, 1, 2)
+    cached = TargetWorker(CachedLM(target, BlockPool(4096)))
+    stats = cached.lm.prefix.stats
+    old, prompt = conversations(seed=15, count=2)
+
+    def run(rid, tokens, feature_layers=None, steps=0):
+        handle = cached.begin([(rid, tokens, SamplingParams(), 0)], {rid: feature_layers} if feature_layers else {},
+                              decide_first=[rid])
+        joined = cached.complete(handle)
+        for _ in range(steps):
+            cached.verify({rid: TokenTree.root(cached.requests[rid].seq[-1])})
+        seq = list(cached.requests[rid].seq)
+        cached.remove([rid])
+        return joined.features.get(rid), seq
+
+    run("before any head", old)  # its KV is cached, without features
+    assert cached.head_layers is None
+    run("a head", [9, 9, 9], layers)
+    assert cached.head_layers == layers
+    before = stats().hit_tokens
+    run("plain on the old prefix", old + [1, 2])  # its KV goes further than any features: it takes it all
+    assert stats().hit_tokens - before == len(old) // 16 * 16
+    before = stats().hit_tokens
+    run("a head on the old prefix", old + [3], layers)
+    assert stats().hit_tokens == before  # no features were kept for it
+
+    _, seq = run("plain turn", prompt, steps=20)  # a plain row keeps its prompt's and its answer's features
+    follow_up = seq + [4, 5, 6]
+    before = stats().hit_tokens
+    features, _ = run("head turn", follow_up, layers)
+    assert stats().hit_tokens - before == (len(seq) - 1) // 16 * 16 > len(prompt)
+    fresh = TargetWorker(CachedLM(target))
+    expected = fresh.complete(fresh.begin([("head turn", follow_up, SamplingParams(), 0)], {"head turn": layers},
+                                          decide_first=["head turn"])).features["head turn"]
+    torch.testing.assert_close(features, expected, atol=1e-4, rtol=2**-7)  # 16 bits: one rounding at most
