@@ -82,12 +82,15 @@ class TargetRank:
     def __init__(self, model_path: str, dtype: str = "float32", rank: int = 0, world_size: int = 1,
                  dist_address: str | None = None, budget: KvBudget = KvBudget(), idle_timeout_s: float = 30.0,
                  prefix_cache_tokens: int = 0, max_batched_tokens: int = 0, *, gather_trees: bool = True,
-                 security: LinkSecurity | SharedSecurity, logical_gpus: bool = False):
+                 security: LinkSecurity | SharedSecurity, logical_gpus: bool = False,
+                 head_layers: tuple[int, ...] | None = None):
         """prefix_cache_tokens: server.prefix_cache_tokens (0: no prefix cache).
         max_batched_tokens: server.max_batched_tokens (0: no chunked prefill).
         gather_trees: server.gather_trees (TargetScheduler's).
         logical_gpus: placement.logical_gpus (the models on the CPU whatever GPUs Ray gave; without it a
-        GPU from Ray and no CUDA here stops the rank: device_for_actor)."""
+        GPU from Ray and no CUDA here stops the rank: device_for_actor).
+        head_layers: the layers the served draft head reads (placement.served_head_layers): every row keeps its
+        features there beside its cached blocks, for that head's rows (TargetWorker.head_layers)."""
         use_assigned_cpus()
         device = device_for_actor(logical_gpus)  # before anything loads: a wrong image fails here
         self.rank, self.scheduler = rank, None
@@ -100,7 +103,7 @@ class TargetRank:
             model = on_compute(device, load_sharded_model, model_path, parse_dtype(dtype))
         # every rank alike: they take and give back blocks alike; room for the budget's KV and the prefix cache's
         pool = budget.pool(model.config, prefix_cache_tokens)
-        worker = TargetWorker(CachedLM(model, pool), load_grammars(model_path, model))
+        worker = TargetWorker(CachedLM(model, pool), load_grammars(model_path, model), head_layers)
         self.weights_held = _local_numel(model)
         if world_size > 1:
             if rank > 0:

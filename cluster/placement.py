@@ -18,6 +18,7 @@ from actors.draft_replica import DraftReplica
 from specdec.scheduler import KvBudget
 from actors.security import LinkSecurity, SharedSecurity, TlsFiles
 from actors.target_rank import TargetRank, free_address
+from specdec.loading import check_model, head_feature_layers, is_head, local_folder
 
 from .config import SecurityConfig, ServeConfig
 
@@ -117,8 +118,18 @@ def launch_target_ranks(cfg: ServeConfig, pg: PlacementGroup, tag: str, security
                                name=f"target-{r}-{tag}", namespace=NAMESPACE)
             .remote(cfg.models.target.path, cfg.models.target.dtype, r, tp, rendezvous, kv_budget(cfg),
                     server.idle_row_timeout_s, server.prefix_cache_tokens, server.max_batched_tokens,
-                    gather_trees=server.gather_trees, security=security, logical_gpus=place.logical_gpus)
+                    gather_trees=server.gather_trees, security=security, logical_gpus=place.logical_gpus,
+                    head_layers=served_head_layers(cfg))
             for r in range(tp)]
+
+
+def served_head_layers(cfg: ServeConfig) -> tuple[int, ...] | None:
+    """The target layers the config's draft head reads (models.head, else the first draft that is a head), which
+    the target's rows keep their features at from the first request on; None when it serves no head."""
+    for path in ([cfg.models.head.path] if cfg.models.head else []) + [p for p, _ in cfg.models.drafts().values()]:
+        if is_head(local_folder(path)):
+            return head_feature_layers(path, check_model(cfg.models.target.path))
+    return None
 
 
 def start_target_ranks(cfg: ServeConfig, pg: PlacementGroup, tag: str, security: SharedSecurity,

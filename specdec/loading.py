@@ -266,6 +266,17 @@ def is_head(path: str) -> bool:
     return is_eagle3(path) or is_medusa(path)
 
 
+def head_feature_layers(path: str, target_config: PretrainedConfig) -> tuple[int, ...] | None:
+    """The target layers whose inputs the draft heads at `path` read (an EAGLE-3 head's aux layers, Medusa's
+    last hidden state), from their config alone; None for a draft model."""
+    folder = local_folder(path)
+    if is_eagle3(folder):
+        return tuple(read_eagle3_config(folder, target_config).eagle_config["eagle_aux_hidden_state_layer_ids"])
+    if is_medusa(folder):
+        return (target_config.get_text_config().num_hidden_layers,)
+    return None
+
+
 def local_folder(path: str) -> str:
     """The folder transformers loads for a model path: a folder (or a hub id, for users with network) as it
     is, a `.gguf` file's converted folder (specdec.gguf: converted once, cached); FileNotFoundError naming a

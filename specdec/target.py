@@ -89,8 +89,10 @@ class Joined:
 
 
 class TargetWorker:
-    def __init__(self, lm: CachedLM, grammars: Grammars | None = None):
-        """grammars: the target's tokenizer for requests with a grammar (None: such requests are refused)."""
+    def __init__(self, lm: CachedLM, grammars: Grammars | None = None, head_layers: tuple[int, ...] | None = None):
+        """grammars: the target's tokenizer for requests with a grammar (None: such requests are refused).
+        head_layers: the layers a served draft head reads, known at start (head_layers below; else learned from
+        the first head's row)."""
         self.lm, self.grammars = lm, grammars
         lm.reset(0)
         self.requests: dict[Hashable, _Request] = {}
@@ -104,6 +106,9 @@ class TargetWorker:
         # with the prefix cache on: the layers of the latest draft head's row; a plain row keeps its features there too,
         # so a head's later row takes the prompts (and answers) plain rows ran before it, as it does a head's row's
         self.head_layers: tuple[int, ...] | None = None
+        if head_layers and lm.prefix is not None:
+            self.check_layers(tuple(head_layers))
+            self.head_layers = tuple(head_layers)
 
     def check_request(self, prompt: list[int], params: SamplingParams) -> None:
         """InvalidArgument naming the field unless the prompt is 1..max_positions ids of the vocabulary,

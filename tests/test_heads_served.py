@@ -330,6 +330,22 @@ def complete_on(frontend, prompt: str, **request) -> tuple[list[int], object]:
     return asyncio.run(complete())
 
 
+def test_the_target_is_told_the_served_heads_layers_at_start(smooth, trained_head, trained_medusa, tmp_path):
+    """placement.served_head_layers: the layers of models.head (else of the first draft that is a head), read from its
+    config, which the target's rows keep features at from the first request; None without a head."""
+    from cluster.config import parse_config
+    from cluster.placement import served_head_layers
+
+    def layers(models: dict):
+        drafters = ["model+ngram"] + (["head"] if "head" in models else [])
+        return served_head_layers(parse_config({"models": {"target": {"path": smooth.path}} | models,
+                                                "speculation": {"drafter": drafters}}))
+
+    assert layers({"draft": {"path": smooth.path}}) is None
+    assert layers({"draft": {"path": smooth.path}, "head": {"path": trained_head.path}}) == trained_head.heads.aux_layers
+    assert layers({"draft": {"path": trained_medusa.path}}) == (smooth.model.config.num_hidden_layers,)
+
+
 @pytest.fixture(scope="module")
 def cluster():
     ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)

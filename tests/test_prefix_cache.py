@@ -680,3 +680,23 @@ def test_once_a_heads_row_was_seen_plain_rows_keep_their_prompts_and_answers_fea
     expected = fresh.complete(fresh.begin([("head turn", follow_up, SamplingParams(), 0)], {"head turn": layers},
                                           decide_first=["head turn"])).features["head turn"]
     torch.testing.assert_close(features, expected, atol=1e-4, rtol=2**-7)  # 16 bits: one rounding at most
+
+
+def test_a_target_told_its_heads_layers_keeps_plain_rows_features_from_the_first_request(target):
+    """Served with a draft head (placement.served_head_layers), the target knows the head's layers at start: the very
+    first plain rows keep their features there, so a head's first row already takes their prompts from the cache.
+    Layers the target does not have are refused at start."""
+    from specdec.errors import InvalidArgument
+    from specdec.target import TargetWorker
+
+    layers = (0, 1, 2)
+    worker = TargetWorker(CachedLM(target, BlockPool(4096)), head_layers=layers)
+    prompt = conversations(seed=17, count=1)[0]
+    worker.add([("plain", prompt, SamplingParams(), 0)])
+    worker.remove(["plain"])
+    before = worker.lm.prefix.stats().hit_tokens
+    worker.add([("head", prompt + [1], SamplingParams(), 0)], {"head": layers})
+    assert worker.lm.prefix.stats().hit_tokens - before == (len(prompt) - 1) // 16 * 16 > 0
+    assert TargetWorker(CachedLM(target), head_layers=layers).head_layers is None  # no prefix cache: nothing kept
+    with pytest.raises(InvalidArgument, match="feature_layers"):
+        TargetWorker(CachedLM(target, BlockPool(4096)), head_layers=(0, 99))
