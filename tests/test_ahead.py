@@ -136,3 +136,35 @@ def test_a_head_drafts_ahead_on_its_own_outputs_and_reads_the_targets_features_o
                 compared["held"] += 1
         was_held = [t is not None for t in ready]
     assert all(compared.values()), compared
+
+
+def test_a_head_leaving_after_its_assumption_held_indexes_only_pairs_read_with_the_targets_features(smooth,
+                                                                                                    trained_head):
+    """A row that leaves right after a step whose assumption held holds guessed pairs at the end of its cache (those
+    of the assumed path, run on the head's own outputs). Its prefix index keeps only the pairs before them: a later
+    row of the same text takes no pair the target's features did not make."""
+    from specdec.blocks import BlockPool
+
+    pool = BlockPool(4096)
+    head = make_drafter("model", CachedLM(trained_head.heads, pool))
+    F = 3 * smooth.model.config.hidden_size
+    gen = torch.Generator().manual_seed(2)
+    prompt = (smooth.reference.prompts[5] * 8)[:40]  # long enough for whole blocks of 16 pairs
+    head.start(0)
+    head.add_rows(1, features=[torch.randn(len(prompt) - 1, F, generator=gen)])
+    seqs, plans, params, gens = [list(prompt)], [Plan(4, 4)], [GREEDY], [None]
+    (tree,) = head.propose(seqs, plans, params, gens)
+    for _ in range(12):  # steps whose assumption holds (the verdict says so): the cache ends in guessed pairs
+        ahead = draft_ahead(head, seqs, [tree], params, gens, lambda row, n: Plan(4, 4))
+        path = ahead.paths[0]
+        verdict = Verdict(path, [tree.tokens[n] for n in path[1:]] + [ahead.guesses[0]])
+        verdict.features = torch.randn(len(path), F, generator=gen)
+        (tree,) = settle(head, ahead, [verdict])
+        assert tree is not None
+        seqs = [seqs[0] + verdict.tokens]
+        exact = head.lm.lengths[0] - head._cached_guesses(0)
+        if head.lm.lengths[0] // 16 > exact // 16:  # guessed pairs fill a block the index would keep
+            break
+    assert head.lm.lengths[0] // 16 > exact // 16
+    head.remember([0], seqs, [None])
+    assert pool.stats().cached_tokens == exact // 16 * 16
