@@ -734,6 +734,8 @@ class TargetScheduler:
         """Admitted requests begin joining: prefilled whole and joined now, in one forward, or (chunked prefill)
         queued for the forwards to come, each on its own: a request joins once its own prompt is in, not its
         admission group's last (a draft head's request gets its prompt's features chunk by chunk)."""
+        if not joining:
+            return
         for group in [joining] if self.max_batched_tokens is None else [[j] for j in joining]:
             self._begin(group)
 
