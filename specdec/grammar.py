@@ -85,15 +85,17 @@ class Grammars:
         m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if m.is_error():
             raise InvalidArgument(FIELD, f"the grammar does not compile: {m.get_error()}")
-        return RowGrammar(m, self.vocab_size)
+        return RowGrammar(m, self.vocab_size, self.tokenizer.eos_tokens)
 
 
 class RowGrammar:
     """One request's matcher, at the tokens it has committed."""
 
-    def __init__(self, matcher, vocab_size: int):
-        self.m, self.vocab_size = matcher, vocab_size
+    def __init__(self, matcher, vocab_size: int, ends: Sequence[int]):
+        """ends: the tokens that end the output (llguidance's tokenizer's end tokens)."""
+        self.m, self.vocab_size, self.ends = matcher, vocab_size, frozenset(ends)
         self.words = (vocab_size + 31) // 32  # int32 words of a mask
+        self.ended = _mask_of(self.ends, self.words)  # [W]: what a finished matcher allows (the end again)
 
     def allowed(self, tree: TokenTree) -> torch.Tensor:
         """[N, V] bool on the host: the tokens the grammar allows after each node of the tree (every token
@@ -111,8 +113,15 @@ class RowGrammar:
                 self.m.rollback(1)
                 continue
             parent_bits = bits[tree.parents[node]]
-            if not _bit(parent_bits, tree.tokens[node]) or not self.m.consume_token(tree.tokens[node]):
+            token = tree.tokens[node]
+            if not _bit(parent_bits, token):
                 continue  # forbidden: never accepted, its subtree stays unmasked
+            if token in self.ends:  # what a finished matcher allows, here and under it: the end again. Not consumed:
+                bits[node] = self.ended  # llguidance (1.9) cannot always roll an end back (the committed end was refused)
+                stack.extend((c, True) for c in reversed(kids[node]))
+                continue
+            if not self.m.consume_token(token):
+                continue
             self._fill(bits, node)
             stack.append((node, False))
             stack.extend((c, True) for c in reversed(kids[node]))
@@ -131,6 +140,15 @@ class RowGrammar:
     def _fill(self, bits: torch.Tensor, node: int) -> None:
         row = bits[node]
         self.m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+
+
+def _mask_of(tokens: frozenset[int], words: int) -> torch.Tensor:
+    """[W] int32 words with the bits of these tokens set (those within the mask)."""
+    values = [0] * words
+    for t in tokens:
+        if t < words * 32:
+            values[t // 32] |= 1 << (t % 32)
+    return torch.tensor([v - (1 << 32) if v >= 1 << 31 else v for v in values], dtype=torch.int32, device=HOST)
 
 
 def _bit(words: torch.Tensor, token: int) -> bool:

@@ -274,6 +274,32 @@ def test_grammar_masks_leave_the_matcher_where_it_was(json_pair):
     assert torch.equal(row.allowed(TokenTree.root(start[1]))[0], first[b])
 
 
+@pytest.mark.parametrize("schema", [{"type": "integer", "minimum": 5, "maximum": 7}, {"type": "integer"},
+                                    {"enum": ["5"]}], ids=["bounded integer", "integer", "enum"])
+def test_a_tree_with_the_end_after_a_finished_output_leaves_the_end_committable(json_pair, schema):
+    """Once "5" finishes a bounded integer, the end is all the grammar allows. llguidance (1.9) can consume that
+    end inside a tree's walk but not always roll it back: a bounded integer's matcher then refused the end when
+    the target committed it, and the request failed with an internal error. The walk does not consume ends: they and
+    the nodes under them get what a finished matcher allows (the end again), and the committed end is taken."""
+    _, _, tokenizer = json_pair
+    end = tokenizer.eos_token_id
+    grammars = Grammars(tokenizer, 416, [end])
+    row = grammars.matcher(grammar_of(ResponseFormat("json_schema", schema)))
+    five = tokenizer.encode("5" if schema.get("type") else '"5"')
+    row.commit(five)
+    tree = TokenTree.root(five[-1])
+    ended = tree.add(0, end)
+    again = tree.add(ended, end)
+    tree.add(ended, five[0])
+    masks = row.allowed(tree)  # [4, 416]
+    finished = masks[ended]
+    assert masks[0, end] and finished[end] and finished.sum() == 1, finished.nonzero()  # after the end: the end
+    assert torch.equal(masks[again], finished) and masks[3].all()  # under it the same; under a forbidden node: free
+    row.commit([end])  # raised "the grammar refused committed token"
+    assert row.m.is_stopped() and not row.m.is_error()
+    assert torch.equal(row.allowed(TokenTree.root(end))[0], finished)  # as the committed end's next verify masks
+
+
 def test_json_schema_outputs_validate_and_speculation_equals_plain_on_50_prompts(json_pair):
     _, _, tokenizer = json_pair
     params = SamplingParams(grammar=grammar_of(ResponseFormat("json_schema", SCHEMA)),
@@ -291,6 +317,21 @@ def test_json_schema_outputs_validate_and_speculation_equals_plain_on_50_prompts
     accepted = sum(g.stats.accepted for g in speculative)
     print(f"json_schema under speculation: accepted {accepted} of {drafted} drafted")
     assert 0 < accepted < drafted
+
+
+def test_a_bounded_integer_under_speculation_ends_as_plain_decoding_does(json_pair):
+    """The served failure above, end to end: trees that draft past a finished number."""
+    _, _, tokenizer = json_pair
+    schema = {"type": "integer", "minimum": 5, "maximum": 7}
+    params = SamplingParams(grammar=grammar_of(ResponseFormat("json_schema", schema)), end_ids=(tokenizer.eos_token_id,))
+    prompts = [tokenizer.encode(f"Person {i}: ") for i in range(12)]
+    plain = grammar_engine(json_pair, None, 0, 1).generate(prompts, 8, params=params)
+    engine = grammar_engine(json_pair, "model+suffix", 4, 2)  # suffix guesses the end after a number it has seen
+    for _ in range(2):
+        speculative = engine.generate(prompts, 8, params=params)
+        assert [g.token_ids for g in speculative] == [g.token_ids for g in plain]
+    for g in plain:
+        assert g.token_ids[-1] == tokenizer.eos_token_id and 5 <= json.loads(tokenizer.decode(g.token_ids[:-1])) <= 7
 
 
 def test_sampled_json_object_outputs_are_json_objects(json_pair):
