@@ -117,7 +117,9 @@ class RowGrammar:
             if not _bit(parent_bits, token):
                 continue  # forbidden: never accepted, its subtree stays unmasked
             if token in self.ends:  # what a finished matcher allows, here and under it: the end again. Not consumed:
-                bits[node] = self.ended  # llguidance (1.9) cannot always roll an end back (the committed end was refused)
+                bits[node] = self.ended  # llguidance (1.9) takes an end as no token where the matcher had already
+                # stopped (a bounded number's last digit stops it), so rollback(1) undid the token before it (vLLM
+                # PR #25905 works around the same); the committed end was then refused
                 stack.extend((c, True) for c in reversed(kids[node]))
                 continue
             if not self.m.consume_token(token):

@@ -277,9 +277,9 @@ def test_grammar_masks_leave_the_matcher_where_it_was(json_pair):
 @pytest.mark.parametrize("schema", [{"type": "integer", "minimum": 5, "maximum": 7}, {"type": "integer"},
                                     {"enum": ["5"]}], ids=["bounded integer", "integer", "enum"])
 def test_a_tree_with_the_end_after_a_finished_output_leaves_the_end_committable(json_pair, schema):
-    """Once "5" finishes a bounded integer, the end is all the grammar allows. llguidance (1.9) can consume that
-    end inside a tree's walk but not always roll it back: a bounded integer's matcher then refused the end when
-    the target committed it, and the request failed with an internal error. The walk does not consume ends: they and
+    """Once "5" finishes a bounded integer, the end is all the grammar allows and llguidance's (1.9) matcher has
+    already stopped: it consumes the end as no token, so the walk's rollback of the end undid "5" itself. The
+    matcher then refused the end when the target committed it, and the request failed with an internal error. The walk does not consume ends: they and
     the nodes under them get what a finished matcher allows (the end again), and the committed end is taken."""
     _, _, tokenizer = json_pair
     end = tokenizer.eos_token_id
