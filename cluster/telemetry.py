@@ -102,7 +102,9 @@ class RecentSteps:
         timing = timing.copy()
         seen = replace(self, timing=timing, target=target)
         then, was = self.timing, self.target
-        if then is None or was is None or target.forwards < was.forwards:  # the first poll, or a rebuilt target
+        if then is None:  # the first poll: this ingress's drafting since it began (its counters began at zero, where
+            return replace(seen, drafting=self._drafting(timing, StepTiming()))  # the target's may hold others')
+        if was is None or target.forwards < was.forwards:  # a rebuilt target
             return seen
         forwards, committed = target.forwards - was.forwards, target.committed_tokens - was.committed_tokens
         if forwards <= 0 or committed <= 0:

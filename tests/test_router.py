@@ -442,6 +442,21 @@ def test_the_router_prices_the_shape_the_replicas_draft():
     assert cfg.speculation.shapes()[DrafterKind.MODEL].nodes(8) == 1 + 3 * 8
 
 
+def test_drafting_finished_before_the_first_poll_is_priced_by_it():
+    """A fresh server's first requests may all finish before its telemetry's first poll (a fast host: the tests'
+    few requests). That poll's drafting is this ingress's own since it began, not a baseline that prices nothing:
+    a drafter used only then went unpriced until it ran again (the served head tests waited for it in vain)."""
+    from specdec.scheduler import TargetStats
+    from cluster.telemetry import RecentSteps, StepTiming
+
+    timing = StepTiming()
+    timing.add(RequestStats(steps=10, verify_time_s=0.3, draft_time_s=0.12, drafted=40, draft_depths=40), MODEL)
+    recent = RecentSteps().observe(timing, TargetStats(forwards=10, forward_time_s=0.2, committed_tokens=30,
+                                                      trees_verified=10, tree_loop_time_s=0.26))
+    assert recent.drafting[MODEL].s_per_depth == pytest.approx(0.003)
+    assert recent.hop_s == 0  # the target's counters may hold steps before this ingress's
+
+
 def test_the_hop_is_the_round_trip_less_the_time_the_trees_spent_in_the_target():
     """A tree waits in the target for a forward in flight, the stall and its own forward: all come out
     of the hop. A prefill run while no tree waited (one client: the next request's prefill comes between
